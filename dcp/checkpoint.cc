@@ -1,0 +1,301 @@
+#include "dcp/checkpoint.h"
+
+#include <chrono>
+#include <functional>
+#include <random>
+
+#include "dcp.pb.h"  // generated from proto/dcp.proto
+#include "dcp_version.h"
+#include "proto/codec.h"
+#include "proto/error.h"
+#include "storage/registry.h"
+
+namespace dcp {
+
+namespace {
+
+std::string NewSaveId() {
+  std::random_device rd;
+  std::mt19937_64 rng((static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  char buf[17];
+  snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(rng()));
+  return buf;
+}
+
+pb::ErrorReport ToReport(const RankFailure& f) {
+  pb::ErrorReport e;
+  e.set_rank(f.rank);
+  e.set_code(static_cast<int>(f.code));
+  e.set_message(f.message);
+  e.set_retryable(f.retryable);
+  return e;
+}
+
+RankFailure FromReport(const pb::ErrorReport& e) {
+  return {e.rank(), static_cast<ErrorCode>(e.code()), e.message(), e.retryable()};
+}
+
+using LocalStep = std::function<std::string()>;
+using GlobalStep = std::function<std::vector<std::string>(std::vector<std::string>)>;
+
+// One phase of the protocol: every rank runs `local`; the coordinator gathers the outcomes and,
+// if all succeeded, runs `global` to produce one reply per rank; the replies (or the complete
+// list of failures) are scattered back. Returns this rank's reply, or throws the same
+// CollectiveError on every rank.
+std::string RunPhase(Communicator& comm, const std::string& phase, const LocalStep& local,
+                     const GlobalStep& global) {
+  const int rank = comm.rank(), size = comm.size();
+  pb::PhaseMessage mine;
+  try {
+    mine.set_payload(local());
+  } catch (...) {
+    *mine.mutable_error() = ToReport(CurrentExceptionAsFailure(rank));
+  }
+
+  std::vector<std::string> replies;
+  if (rank == 0) {
+    std::vector<RankFailure> failures;
+    std::vector<std::string> payloads(size);
+    try {
+      auto gathered = comm.Gather(mine.SerializeAsString(), 0, phase);
+      for (int r = 0; r < size; ++r) {
+        pb::PhaseMessage m;
+        if (!m.ParseFromString(gathered[r])) {
+          failures.push_back({r, ErrorCode::kInternal, "unreadable phase message", false});
+        } else if (m.has_error()) {
+          failures.push_back(FromReport(m.error()));
+        } else {
+          payloads[r] = std::move(*m.mutable_payload());
+        }
+      }
+    } catch (const CollectiveError& e) {  // some rank did not answer in time
+      failures = e.failures();
+    }
+    if (failures.empty()) {
+      try {
+        payloads = global(std::move(payloads));
+        if (static_cast<int>(payloads.size()) != size) {
+          throw InternalError("global step of " + phase + " returned " +
+                              std::to_string(payloads.size()) + " replies for " +
+                              std::to_string(size) + " ranks");
+        }
+      } catch (...) {
+        failures.push_back(CurrentExceptionAsFailure(0));
+      }
+    }
+    replies.resize(size);
+    for (int r = 0; r < size; ++r) {
+      pb::PhaseOutcome out;
+      out.set_phase(phase);
+      if (failures.empty()) {
+        out.set_payload(std::move(payloads[r]));
+      } else {
+        for (const auto& f : failures) *out.add_failures() = ToReport(f);
+      }
+      replies[r] = out.SerializeAsString();
+    }
+  }
+
+  std::string reply;
+  if (rank == 0) {
+    reply = comm.Scatter(std::move(replies), 0, phase);
+  } else {
+    // Rank 0 may itself wait up to one timeout for a slow peer before answering, so wait for
+    // it longer than that: then a stalled peer is reported as such, not as rank 0.
+    const auto saved = comm.timeout();
+    comm.set_timeout(saved * 2 + std::chrono::seconds(5));
+    try {
+      reply = comm.Scatter({}, 0, phase);
+    } catch (...) {
+      comm.set_timeout(saved);
+      throw;
+    }
+    comm.set_timeout(saved);
+  }
+  pb::PhaseOutcome out;
+  if (!out.ParseFromString(reply)) {
+    throw CollectiveError(phase, {{0, ErrorCode::kInternal, "unreadable reply from rank 0", false}});
+  }
+  if (out.failures_size() > 0) {
+    std::vector<RankFailure> failures;
+    for (const auto& f : out.failures()) failures.push_back(FromReport(f));
+    throw CollectiveError(phase, std::move(failures));
+  }
+  return std::move(*out.mutable_payload());
+}
+
+std::vector<std::string> Replicate(std::string payload, int size) {
+  return std::vector<std::string>(size, std::move(payload));
+}
+
+}  // namespace
+
+const char* LibraryVersion() { return DCP_VERSION_STRING; }
+
+Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& comm,
+              const SaveOptions& options) {
+  const int rank = comm.rank(), size = comm.size();
+  DefaultSavePlanner default_planner;
+  SavePlanner& planner = options.planner ? *options.planner : default_planner;
+  const PlannerContext pctx{rank, size, rank == 0};
+  StorageContext sctx{rank, size, rank == 0, rank == 0 ? NewSaveId() : std::string()};
+  Metadata global_md;  // built on the coordinator
+
+  try {
+    const std::string my_plan = RunPhase(
+        comm, "save/plan",
+        [&] {
+          writer.SetUp(sctx);
+          planner.SetUp(state_dict, pctx);
+          return EncodeSavePlan(writer.PrepareLocalPlan(planner.CreateLocalPlan()));
+        },
+        [&](std::vector<std::string> locals) {
+          std::vector<SavePlan> plans;
+          for (const auto& p : locals) plans.push_back(DecodeSavePlan(p));
+          auto [global_plans, md] = planner.CreateGlobalPlan(std::move(plans));
+          global_plans = writer.PrepareGlobalPlan(std::move(global_plans));
+          global_md = std::move(md);
+          std::vector<std::string> out;
+          for (const auto& p : global_plans) out.push_back(EncodeSavePlan(p));
+          return out;
+        });
+    const SavePlan plan = planner.FinishPlan(DecodeSavePlan(my_plan));
+
+    const std::string md_bytes = RunPhase(
+        comm, "save/write",
+        [&] { return EncodeWriteResults(writer.WriteData(plan, planner).get()); },
+        [&](std::vector<std::string> locals) {
+          std::vector<std::vector<WriteResult>> results;
+          for (const auto& r : locals) results.push_back(DecodeWriteResults(r));
+          global_md.format_version = kFormatVersion;
+          global_md.checkpoint_id = options.checkpoint_id.empty() ? writer.uri() : options.checkpoint_id;
+          global_md.save_id = sctx.save_id;
+          global_md.world_size = size;
+          global_md.created_unix_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                          std::chrono::system_clock::now().time_since_epoch())
+                                          .count();
+          global_md.library_version = DCP_VERSION_STRING;
+          writer.Finish(global_md, results);
+          return Replicate(EncodeMetadata(global_md), size);
+        });
+    return DecodeMetadata(md_bytes, writer.uri());
+  } catch (...) {
+    writer.Abort();
+    throw;
+  }
+}
+
+Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
+              const LoadOptions& options) {
+  const int rank = comm.rank(), size = comm.size();
+  DefaultLoadPlanner default_planner(LoadPlannerOptions{options.allow_partial_load});
+  LoadPlanner& planner = options.planner ? *options.planner : default_planner;
+  const PlannerContext pctx{rank, size, rank == 0};
+  const StorageContext sctx{rank, size, rank == 0, {}};
+
+  // The coordinator alone reads (and validates) the metadata; everyone else receives it.
+  const std::string md_bytes = RunPhase(
+      comm, "load/metadata", [] { return std::string(); },
+      [&](std::vector<std::string>) { return Replicate(EncodeMetadata(reader.ReadMetadata()), size); });
+  const Metadata md = DecodeMetadata(md_bytes, reader.uri());
+
+  const std::string my_plan = RunPhase(
+      comm, "load/plan",
+      [&] {
+        reader.SetUp(md, sctx);
+        planner.SetUp(state_dict, md, pctx);
+        return EncodeLoadPlan(reader.PrepareLocalPlan(planner.CreateLocalPlan()));
+      },
+      [&](std::vector<std::string> locals) {
+        std::vector<LoadPlan> plans;
+        for (const auto& p : locals) plans.push_back(DecodeLoadPlan(p));
+        plans = reader.PrepareGlobalPlan(planner.CreateGlobalPlan(std::move(plans)));
+        std::vector<std::string> out;
+        for (const auto& p : plans) out.push_back(EncodeLoadPlan(p));
+        return out;
+      });
+  const LoadPlan plan = planner.FinishPlan(DecodeLoadPlan(my_plan));
+
+  RunPhase(
+      comm, "load/read",
+      [&] {
+        reader.ReadData(plan, planner).get();
+        return std::string();
+      },
+      [&](std::vector<std::string>) { return Replicate({}, size); });
+  return md;
+}
+
+// A backend factory can fail on some ranks only (a custom scheme, a permission problem). These
+// stand-ins carry such a failure into the protocol's first phase, so every rank reports it.
+class FailedWriter : public StorageWriter {
+ public:
+  FailedWriter(std::string uri, std::exception_ptr e) : uri_(std::move(uri)), e_(e) {}
+  std::string uri() const override { return uri_; }
+  void SetUp(const StorageContext&) override { std::rethrow_exception(e_); }
+  SavePlan PrepareLocalPlan(SavePlan) override { std::rethrow_exception(e_); }
+  std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan>) override { std::rethrow_exception(e_); }
+  std::future<std::vector<WriteResult>> WriteData(const SavePlan&, const SavePlanner&) override {
+    std::rethrow_exception(e_);
+  }
+  void Finish(Metadata&, const std::vector<std::vector<WriteResult>>&) override { std::rethrow_exception(e_); }
+  void Abort() noexcept override {}
+
+ private:
+  std::string uri_;
+  std::exception_ptr e_;
+};
+
+class FailedReader : public StorageReader {
+ public:
+  FailedReader(std::string uri, std::exception_ptr e) : uri_(std::move(uri)), e_(e) {}
+  std::string uri() const override { return uri_; }
+  Metadata ReadMetadata() override { std::rethrow_exception(e_); }
+  void SetUp(const Metadata&, const StorageContext&) override { std::rethrow_exception(e_); }
+  LoadPlan PrepareLocalPlan(LoadPlan) override { std::rethrow_exception(e_); }
+  std::vector<LoadPlan> PrepareGlobalPlan(std::vector<LoadPlan>) override { std::rethrow_exception(e_); }
+  std::future<void> ReadData(const LoadPlan&, LoadPlanner&) override { std::rethrow_exception(e_); }
+
+ private:
+  std::string uri_;
+  std::exception_ptr e_;
+};
+
+Metadata Save(const StateDict& state_dict, const std::string& uri, Communicator& comm,
+              const SaveOptions& options) {
+  std::unique_ptr<StorageWriter> writer;
+  try {
+    writer = OpenStorageWriter(uri, options.storage);
+  } catch (...) {
+    writer = std::make_unique<FailedWriter>(uri, std::current_exception());
+  }
+  return Save(state_dict, *writer, comm, options);
+}
+
+Metadata Load(StateDict& state_dict, const std::string& uri, Communicator& comm,
+              const LoadOptions& options) {
+  std::unique_ptr<StorageReader> reader;
+  try {
+    reader = OpenStorageReader(uri, options.storage);
+  } catch (...) {
+    reader = std::make_unique<FailedReader>(uri, std::current_exception());
+  }
+  return Load(state_dict, *reader, comm, options);
+}
+
+Metadata Save(const StateDict& state_dict, const std::string& uri, const SaveOptions& options) {
+  LocalCommunicator comm;
+  return Save(state_dict, uri, comm, options);
+}
+
+Metadata Load(StateDict& state_dict, const std::string& uri, const LoadOptions& options) {
+  LocalCommunicator comm;
+  return Load(state_dict, uri, comm, options);
+}
+
+Metadata ReadMetadata(const std::string& uri, const StorageOptions& options) {
+  return OpenStorageReader(uri, options)->ReadMetadata();
+}
+
+}  // namespace dcp

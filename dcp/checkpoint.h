@@ -1,0 +1,74 @@
+// dcp::Save and dcp::Load: the distributed checkpoint protocol.
+//
+// Save (every rank calls it with its own state dict; rank 0 coordinates):
+//   plan:  local plans -> gather -> global plan (dedup, metadata, validation) -> scatter
+//   write: each rank writes its items -> gather results -> rank 0 commits the metadata
+// Load:
+//   metadata: rank 0 reads and validates it -> broadcast
+//   plan:     local plans -> gather -> global plan -> scatter
+//   read:     each rank reads into its tensors -> gather outcomes
+// Each phase ends with an exchange through rank 0, so a failure on any rank in any phase
+// becomes the same CollectiveError on every rank, naming the failed ranks and their messages.
+// A rank that does not answer within comm.timeout() is named as timed out; nothing hangs.
+// A failed save writes no metadata and removes the data files it wrote, so the location keeps
+// whatever checkpoint it held before (if any), loadable.
+//
+// Ownership: the state dict's tensors must stay alive and unmodified until Save returns, and
+// alive until Load returns. After a failed Load the destination tensors may be partly written.
+// Not reentrant per Communicator: one save or load at a time on a given communicator.
+#pragma once
+
+#include <string>
+
+#include "dcp/communicator.h"
+#include "planner/default_planner.h"
+#include "planner/planner.h"
+#include "proto/plan.h"
+#include "proto/state_dict.h"
+#include "storage/storage.h"
+
+namespace dcp {
+
+struct SaveOptions {
+  StorageOptions storage;
+  /// Recorded in the metadata; defaults to the storage URI.
+  std::string checkpoint_id;
+  /// Custom planner; nullptr uses DefaultSavePlanner.
+  SavePlanner* planner = nullptr;
+};
+
+struct LoadOptions {
+  StorageOptions storage;
+  /// Skip state dict keys the checkpoint lacks instead of failing (default planner only).
+  bool allow_partial_load = false;
+  /// Custom planner; nullptr uses DefaultLoadPlanner.
+  LoadPlanner* planner = nullptr;
+};
+
+/// Save `state_dict` to `uri` (file path, file://, mem:// or a registered scheme).
+/// Returns the committed Metadata on every rank. Throws CollectiveError on failure (on every
+/// rank alike); failures()[i].code tells what went wrong where (e.g. kAlreadyExists when a
+/// checkpoint is present and overwrite is off).
+Metadata Save(const StateDict& state_dict, const std::string& uri, Communicator& comm,
+              const SaveOptions& options = {});
+Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& comm,
+              const SaveOptions& options = {});
+/// Single-process convenience (a group of one).
+Metadata Save(const StateDict& state_dict, const std::string& uri, const SaveOptions& options = {});
+
+/// Load into the tensors and blobs of `state_dict`, in place, from `uri`. Any saved layout and
+/// world size loads into any requested layout. Returns the checkpoint's Metadata.
+Metadata Load(StateDict& state_dict, const std::string& uri, Communicator& comm,
+              const LoadOptions& options = {});
+Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
+              const LoadOptions& options = {});
+Metadata Load(StateDict& state_dict, const std::string& uri, const LoadOptions& options = {});
+
+/// Read and validate a checkpoint's metadata (no collectives). Throws NotFoundError,
+/// CorruptionError or UnsupportedError.
+Metadata ReadMetadata(const std::string& uri, const StorageOptions& options = {});
+
+/// Version of this library ("major.minor.patch").
+const char* LibraryVersion();
+
+}  // namespace dcp

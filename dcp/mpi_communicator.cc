@@ -1,0 +1,112 @@
+#include "dcp/mpi_communicator.h"
+
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <thread>
+
+#include "proto/error.h"
+
+namespace dcp {
+
+namespace {
+void Check(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    throw CollectiveError(what, {{-1, ErrorCode::kIo, std::string(what) + ": " + std::string(msg, len), false}});
+  }
+}
+}  // namespace
+
+struct MpiCommunicator::PendingSend {
+  std::string buffer;
+  MPI_Request request = MPI_REQUEST_NULL;
+};
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
+  Check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
+  // Errors must come back as codes, not abort the job.
+  MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+  int* ub = nullptr;
+  int flag = 0;
+  MPI_Comm_get_attr(comm_, MPI_TAG_UB, &ub, &flag);
+  if (flag && ub) max_tag_ = *ub;
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  // Give in-flight sends a bounded time to complete; a send to a dead peer is left behind
+  // (its buffer deliberately leaked) rather than freed under MPI's feet.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!pending_.empty() && std::chrono::steady_clock::now() < deadline) {
+    ReapCompletedSends();
+    if (!pending_.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  for (auto& p : pending_) {
+    MPI_Request_free(&p->request);
+    p.release();  // NOLINT: intentionally leaked, see above
+  }
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+void MpiCommunicator::ReapCompletedSends() {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    int done = 0;
+    MPI_Test(&(*it)->request, &done, MPI_STATUS_IGNORE);
+    it = done ? pending_.erase(it) : std::next(it);
+  }
+}
+
+void MpiCommunicator::Send(int dest, int tag, std::string payload) {
+  ReapCompletedSends();
+  if (payload.size() > static_cast<size_t>(INT_MAX)) {
+    throw InvalidArgumentError("control message of " + std::to_string(payload.size()) +
+                               " bytes exceeds MPI's 2 GiB message limit");
+  }
+  auto p = std::make_unique<PendingSend>();
+  p->buffer = std::move(payload);
+  Check(MPI_Isend(p->buffer.data(), static_cast<int>(p->buffer.size()), MPI_BYTE, dest, tag, comm_,
+                  &p->request),
+        "MPI_Isend");
+  pending_.push_back(std::move(p));
+}
+
+std::optional<std::string> MpiCommunicator::TryReceive(int source, int tag) {
+  int flag = 0;
+  MPI_Message msg;
+  MPI_Status status;
+  Check(MPI_Improbe(source, tag, comm_, &flag, &msg, &status), "MPI_Improbe");
+  if (!flag) {
+    ReapCompletedSends();
+    return std::nullopt;
+  }
+  int count = 0;
+  MPI_Get_count(&status, MPI_BYTE, &count);
+  std::string out(static_cast<size_t>(count), '\0');
+  Check(MPI_Mrecv(out.data(), count, MPI_BYTE, &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+  return out;
+}
+
+int InitMpi(int* argc, char*** argv) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  int provided = MPI_THREAD_SINGLE;
+  if (initialized) {
+    MPI_Query_thread(&provided);
+    return provided;
+  }
+  MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+  std::atexit([] {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+  });
+  return provided;
+}
+
+}  // namespace dcp

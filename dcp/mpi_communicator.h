@@ -1,0 +1,50 @@
+// MpiCommunicator: dcp's collectives over MPI, on a private duplicate of the job's communicator
+// (MPI_Comm_dup), so dcp messages never match the application's receives. Built when
+// DCP_WITH_MPI is on; include <mpi.h> users only.
+//
+// Collectives use MPI_Isend and MPI_Improbe/MPI_Mrecv polling, so a peer that never answers
+// becomes a CollectiveError after timeout() instead of a hang; MPI_Abort is never called.
+// MPI must be initialised before construction and finalised after destruction. A background
+// saver using its own MpiCommunicator concurrently with the training thread needs
+// MPI_THREAD_MULTIPLE (see InitMpi).
+#pragma once
+
+#include <mpi.h>
+
+#include <list>
+#include <memory>
+
+#include "dcp/communicator.h"
+
+namespace dcp {
+
+class MpiCommunicator : public PointToPointCommunicator {
+ public:
+  /// Duplicate `comm` (collective over `comm`).
+  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD);
+  ~MpiCommunicator() override;
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  MPI_Comm comm() const { return comm_; }
+
+ protected:
+  void Send(int dest, int tag, std::string payload) override;
+  std::optional<std::string> TryReceive(int source, int tag) override;
+  int max_tag() const override { return max_tag_; }
+
+ private:
+  void ReapCompletedSends();
+  struct PendingSend;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1, max_tag_ = 32767;
+  std::list<std::unique_ptr<PendingSend>> pending_;
+};
+
+/// Initialise MPI if it is not already, asking for MPI_THREAD_MULTIPLE (needed by async save).
+/// Returns the thread level provided. Finalises at process exit if it initialised. Idempotent.
+int InitMpi(int* argc, char*** argv);
+
+}  // namespace dcp

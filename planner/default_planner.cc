@@ -1,0 +1,495 @@
+#include "planner/default_planner.h"
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+#include <sstream>
+
+#include "proto/error.h"
+
+namespace dcp {
+
+namespace {
+
+void CheckHostView(const std::string& fqn, const TensorView& v) {
+  if (!v.device.is_cpu()) {
+    throw UnsupportedError("tensor '" + fqn + "' lives on " + v.device.ToString() +
+                           "; this build saves host tensors only");
+  }
+  if (!v.strides.empty() && v.strides.size() != v.shape.size()) {
+    throw InvalidArgumentError("tensor '" + fqn + "' has " + std::to_string(v.strides.size()) +
+                               " strides for shape " + ShapeToString(v.shape));
+  }
+  if (v.data == nullptr && v.numel() > 0) {
+    throw InvalidArgumentError("tensor '" + fqn + "' has no data pointer");
+  }
+}
+
+const char* KindName(const StateValue& v) {
+  if (std::holds_alternative<Blob>(v)) return "a byte blob";
+  if (std::holds_alternative<ShardedTensor>(v)) return "a sharded tensor";
+  return "a tensor";
+}
+
+std::string Describe(DType dtype, const Shape& shape) {
+  return std::string(DTypeName(dtype)) + ShapeToString(shape);
+}
+
+// planner_data of a local save plan: one line per sharded tensor this rank declares without
+// holding a shard: "fqn\tdtype\tdim,dim,...\n". Tabs and newlines cannot occur in a dtype or
+// shape; an fqn containing them is rejected.
+std::string EncodeDeclaration(const std::string& fqn, DType dtype, const Shape& shape) {
+  if (fqn.find_first_of("\t\n") != std::string::npos) {
+    throw InvalidArgumentError("sharded tensor name '" + fqn + "' contains a tab or newline");
+  }
+  std::string line = fqn + '\t' + std::string(DTypeName(dtype)) + '\t';
+  for (size_t i = 0; i < shape.size(); ++i) line += (i ? "," : "") + std::to_string(shape[i]);
+  return line + '\n';
+}
+
+struct Declaration {
+  std::string fqn;
+  DType dtype;
+  Shape shape;
+};
+
+std::vector<Declaration> DecodeDeclarations(const std::string& data) {
+  std::vector<Declaration> out;
+  size_t pos = 0;
+  while (pos < data.size()) {
+    size_t nl = data.find('\n', pos);
+    if (nl == std::string::npos) nl = data.size();
+    const std::string line = data.substr(pos, nl - pos);
+    pos = nl + 1;
+    const size_t t1 = line.find('\t'), t2 = line.find('\t', t1 + 1);
+    if (t1 == std::string::npos || t2 == std::string::npos) continue;
+    Declaration d;
+    d.fqn = line.substr(0, t1);
+    auto dtype = DTypeFromName(line.substr(t1 + 1, t2 - t1 - 1));
+    if (!dtype) throw InternalError("bad declaration '" + line + "'");
+    d.dtype = *dtype;
+    std::string dims = line.substr(t2 + 1);
+    size_t p = 0;
+    while (p < dims.size()) {
+      size_t c = dims.find(',', p);
+      if (c == std::string::npos) c = dims.size();
+      d.shape.push_back(std::stoll(dims.substr(p, c - p)));
+      p = c + 1;
+    }
+    out.push_back(std::move(d));
+  }
+  return out;
+}
+
+}  // namespace
+
+void ValidateChunks(const std::string& fqn, const Shape& shape,
+                    const std::vector<PlacedChunk>& chunks) {
+  const int64_t volume = NumElements(shape);
+  auto where = [](const PlacedChunk& c) {
+    return c.chunk.ToString() + (c.rank >= 0 ? " (rank " + std::to_string(c.rank) + ")" : "");
+  };
+  int64_t covered = 0;
+  for (const auto& pc : chunks) {
+    const ChunkMeta& c = pc.chunk;
+    if (c.offsets.size() != shape.size() || c.sizes.size() != shape.size()) {
+      throw InvalidArgumentError("tensor '" + fqn + "': chunk " + where(pc) +
+                                 " does not match the rank of shape " + ShapeToString(shape));
+    }
+    for (size_t d = 0; d < shape.size(); ++d) {
+      if (c.offsets[d] < 0 || c.sizes[d] < 0 || c.offsets[d] > shape[d] - c.sizes[d]) {
+        throw InvalidArgumentError("tensor '" + fqn + "': chunk " + where(pc) +
+                                   " lies outside shape " + ShapeToString(shape));
+      }
+    }
+    covered += c.numel();
+  }
+  // Overlap check: sweep along the dimension with the most distinct chunk starts.
+  std::vector<size_t> order;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (chunks[i].chunk.numel() > 0) order.push_back(i);
+  }
+  if (order.size() > 1) {
+    size_t sweep_dim = 0;
+    if (!shape.empty()) {
+      size_t best = 0;
+      for (size_t d = 0; d < shape.size(); ++d) {
+        std::set<int64_t> starts;
+        for (size_t i : order) starts.insert(chunks[i].chunk.offsets[d]);
+        if (starts.size() > best) best = starts.size(), sweep_dim = d;
+      }
+    }
+    auto start = [&](size_t i) {
+      return shape.empty() ? 0 : chunks[i].chunk.offsets[sweep_dim];
+    };
+    auto end = [&](size_t i) {
+      return shape.empty() ? 1 : start(i) + chunks[i].chunk.sizes[sweep_dim];
+    };
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return start(a) < start(b); });
+    std::vector<size_t> active;
+    for (size_t i : order) {
+      std::erase_if(active, [&](size_t a) { return end(a) <= start(i); });
+      for (size_t a : active) {
+        if (Intersect(chunks[a].chunk, chunks[i].chunk)) {
+          throw InvalidArgumentError("tensor '" + fqn + "': chunks " + where(chunks[a]) + " and " +
+                                     where(chunks[i]) + " overlap");
+        }
+      }
+      active.push_back(i);
+    }
+  }
+  if (covered != volume) {
+    throw InvalidArgumentError("tensor '" + fqn + "' of shape " + ShapeToString(shape) +
+                               ": its chunks cover " + std::to_string(covered) + " of " +
+                               std::to_string(volume) + " elements (some part has no shard)");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// DefaultSavePlanner
+
+void DefaultSavePlanner::SetUp(const StateDict& state_dict, const PlannerContext& ctx) {
+  flat_ = FlattenStateDict(state_dict);
+  ctx_ = ctx;
+}
+
+SavePlan DefaultSavePlanner::CreateLocalPlan() {
+  SavePlan plan;
+  for (const auto& [fqn, entry] : flat_) {
+    plan.key_paths[fqn] = entry.path;
+    const StateValue& value = *entry.value;
+    if (const auto* t = std::get_if<TensorView>(&value)) {
+      CheckHostView(fqn, *t);
+      WriteItem item;
+      item.index = {fqn, Shape(t->shape.size(), 0), {}};
+      item.type = WriteItemType::kTensor;
+      item.dtype = t->dtype;
+      item.global_shape = t->shape;
+      item.chunk = {Shape(t->shape.size(), 0), t->shape};
+      item.size_bytes = t->nbytes();
+      plan.items.push_back(std::move(item));
+    } else if (const auto* st = std::get_if<ShardedTensor>(&value)) {
+      NumElements(st->global_shape);  // validates the shape
+      std::set<Shape> seen;
+      for (const auto& shard : st->local_shards) {
+        CheckHostView(fqn, shard.view);
+        if (shard.view.dtype != st->dtype) {
+          throw InvalidArgumentError("sharded tensor '" + fqn + "' is " +
+                                     std::string(DTypeName(st->dtype)) + " but a local shard is " +
+                                     std::string(DTypeName(shard.view.dtype)));
+        }
+        if (shard.offsets.size() != st->global_shape.size() ||
+            shard.view.shape.size() != st->global_shape.size()) {
+          throw InvalidArgumentError("sharded tensor '" + fqn + "' of shape " +
+                                     ShapeToString(st->global_shape) + ": shard at " +
+                                     ShapeToString(shard.offsets) + " with shape " +
+                                     ShapeToString(shard.view.shape) + " has the wrong rank");
+        }
+        if (!seen.insert(shard.offsets).second) {
+          throw InvalidArgumentError("sharded tensor '" + fqn + "' has two local shards at " +
+                                     ShapeToString(shard.offsets));
+        }
+        WriteItem item;
+        item.index = {fqn, shard.offsets, {}};
+        item.type = WriteItemType::kShard;
+        item.dtype = st->dtype;
+        item.global_shape = st->global_shape;
+        item.chunk = {shard.offsets, shard.view.shape};
+        item.size_bytes = shard.view.nbytes();
+        plan.items.push_back(std::move(item));
+      }
+      if (st->local_shards.empty()) {
+        // This rank holds none of the tensor: declare it so that its dtype and shape are still
+        // checked, and so that a tensor nobody holds any part of (legal only when it has no
+        // elements) still appears in the checkpoint.
+        plan.planner_data += EncodeDeclaration(fqn, st->dtype, st->global_shape);
+      }
+    } else if (const auto* b = std::get_if<Blob>(&value)) {
+      WriteItem item;
+      item.index = {fqn, {}, {}};
+      item.type = WriteItemType::kBytes;
+      item.size_bytes = b->bytes.size();
+      plan.items.push_back(std::move(item));
+    }
+  }
+  return plan;
+}
+
+std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
+    std::vector<SavePlan> plans) {
+  // 1. Group items by stored identity (fqn + chunk offsets) across ranks.
+  struct Holder {
+    int rank;
+    size_t item;
+  };
+  std::map<MetadataIndex, std::vector<Holder>> holders;
+  for (size_t r = 0; r < plans.size(); ++r) {
+    for (size_t i = 0; i < plans[r].items.size(); ++i) {
+      holders[plans[r].items[i].index].push_back({static_cast<int>(r), i});
+    }
+  }
+  // 2. Dedup: every replicated item is kept by exactly one holder. Unique items load their
+  //    rank first; then replicated items, largest first, go to the least-loaded holder.
+  std::vector<uint64_t> load(plans.size(), 0);
+  std::vector<std::pair<const MetadataIndex*, std::vector<Holder>*>> replicated;
+  for (auto& [index, hs] : holders) {
+    const WriteItem& first = plans[hs[0].rank].items[hs[0].item];
+    for (const auto& h : hs) {
+      const WriteItem& other = plans[h.rank].items[h.item];
+      if (other.type != first.type || other.dtype != first.dtype ||
+          other.chunk != first.chunk || other.global_shape != first.global_shape) {
+        throw InvalidArgumentError(
+            "item " + index.ToString() + " differs between ranks: rank " +
+            std::to_string(hs[0].rank) + " has " + Describe(first.dtype, first.chunk.sizes) +
+            " of " + ShapeToString(first.global_shape) + ", rank " + std::to_string(h.rank) +
+            " has " + Describe(other.dtype, other.chunk.sizes) + " of " +
+            ShapeToString(other.global_shape));
+      }
+    }
+    if (hs.size() == 1) {
+      load[hs[0].rank] += first.size_bytes;
+    } else {
+      replicated.emplace_back(&index, &hs);
+    }
+  }
+  std::stable_sort(replicated.begin(), replicated.end(), [&](const auto& a, const auto& b) {
+    const auto& ha = (*a.second)[0];
+    const auto& hb = (*b.second)[0];
+    return plans[ha.rank].items[ha.item].size_bytes > plans[hb.rank].items[hb.item].size_bytes;
+  });
+  std::vector<std::vector<bool>> drop(plans.size());
+  for (size_t r = 0; r < plans.size(); ++r) drop[r].assign(plans[r].items.size(), false);
+  for (auto& [index, hs] : replicated) {
+    const Holder* best = &(*hs)[0];
+    for (const auto& h : *hs) {
+      if (load[h.rank] < load[best->rank]) best = &h;
+    }
+    load[best->rank] += plans[best->rank].items[best->item].size_bytes;
+    for (const auto& h : *hs) {
+      if (&h != best) drop[h.rank][h.item] = true;
+    }
+  }
+  for (size_t r = 0; r < plans.size(); ++r) {
+    std::vector<WriteItem> kept;
+    kept.reserve(plans[r].items.size());
+    for (size_t i = 0; i < plans[r].items.size(); ++i) {
+      if (!drop[r][i]) kept.push_back(std::move(plans[r].items[i]));
+    }
+    plans[r].items = std::move(kept);
+  }
+
+  // 3. Build the metadata; all ranks must agree on each fqn's kind, dtype and global shape.
+  Metadata md;
+  std::map<std::string, int> first_rank;
+  std::map<std::string, std::vector<PlacedChunk>> placed;
+  for (size_t r = 0; r < plans.size(); ++r) {
+    for (const auto& [fqn, path] : plans[r].key_paths) md.key_paths.emplace(fqn, path);
+    for (auto& item : plans[r].items) {
+      const std::string& fqn = item.index.fqn;
+      auto it = md.entries.find(fqn);
+      if (it == md.entries.end()) {
+        first_rank[fqn] = static_cast<int>(r);
+        if (item.is_tensor()) {
+          md.entries.emplace(fqn, TensorMetadata{item.dtype, item.global_shape, {}});
+        } else {
+          md.entries.emplace(fqn, BytesMetadata{});
+        }
+        it = md.entries.find(fqn);
+      }
+      auto* t = std::get_if<TensorMetadata>(&it->second);
+      if ((t != nullptr) != item.is_tensor()) {
+        throw InvalidArgumentError("'" + fqn + "' is a tensor on one rank and a byte blob on " +
+                                   "another (ranks " + std::to_string(first_rank[fqn]) + " and " +
+                                   std::to_string(r) + ")");
+      }
+      if (t == nullptr) {
+        item.index.index = 0;
+        continue;
+      }
+      if (t->dtype != item.dtype || t->shape != item.global_shape) {
+        throw InvalidArgumentError("tensor '" + fqn + "' disagrees across ranks: rank " +
+                                   std::to_string(first_rank[fqn]) + " has " +
+                                   Describe(t->dtype, t->shape) + ", rank " + std::to_string(r) +
+                                   " has " + Describe(item.dtype, item.global_shape));
+      }
+      item.index.index = static_cast<int32_t>(t->chunks.size());
+      t->chunks.push_back(item.chunk);
+      placed[fqn].push_back({item.chunk, static_cast<int>(r)});
+    }
+  }
+  // Sharded tensors that some rank declared without holding a shard.
+  for (size_t r = 0; r < plans.size(); ++r) {
+    for (const auto& d : DecodeDeclarations(plans[r].planner_data)) {
+      auto [it, inserted] = md.entries.emplace(d.fqn, TensorMetadata{d.dtype, d.shape, {}});
+      if (inserted) first_rank[d.fqn] = static_cast<int>(r);
+      const auto* t = std::get_if<TensorMetadata>(&it->second);
+      if (t == nullptr || t->dtype != d.dtype || t->shape != d.shape) {
+        throw InvalidArgumentError(
+            "tensor '" + d.fqn + "' disagrees across ranks: rank " +
+            std::to_string(first_rank[d.fqn]) + " has " +
+            (t ? Describe(t->dtype, t->shape) : std::string("a byte blob")) + ", rank " +
+            std::to_string(r) + " has " + Describe(d.dtype, d.shape));
+      }
+    }
+    plans[r].planner_data.clear();
+  }
+  // 4. Every tensor must be tiled exactly by its chunks.
+  for (const auto& [fqn, entry] : md.entries) {
+    if (const auto* t = std::get_if<TensorMetadata>(&entry)) ValidateChunks(fqn, t->shape, placed[fqn]);
+  }
+  return {std::move(plans), std::move(md)};
+}
+
+SavePlan DefaultSavePlanner::FinishPlan(SavePlan central_plan) { return central_plan; }
+
+ResolvedData DefaultSavePlanner::ResolveData(const WriteItem& item) const {
+  auto it = flat_.find(item.index.fqn);
+  if (it == flat_.end()) {
+    throw InternalError("save plan names '" + item.index.fqn + "', which is not in the state dict");
+  }
+  const StateValue& value = *it->second.value;
+  ResolvedData out;
+  if (const auto* t = std::get_if<TensorView>(&value)) {
+    out.tensor = *t;
+  } else if (const auto* st = std::get_if<ShardedTensor>(&value)) {
+    for (const auto& shard : st->local_shards) {
+      if (shard.offsets == item.index.offset) {
+        out.tensor = shard.view;
+        return out;
+      }
+    }
+    throw InternalError("no local shard of '" + item.index.fqn + "' at " +
+                        ShapeToString(item.index.offset));
+  } else if (const auto* b = std::get_if<Blob>(&value)) {
+    out.bytes = b->bytes;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// DefaultLoadPlanner
+
+void DefaultLoadPlanner::SetUp(StateDict& state_dict, const Metadata& metadata,
+                               const PlannerContext& ctx) {
+  flat_ = FlattenStateDict(state_dict);
+  metadata_ = &metadata;
+  ctx_ = ctx;
+}
+
+LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
+  LoadPlan plan;
+  std::vector<std::string> missing;
+  for (auto& [fqn, entry] : flat_) {
+    auto md_it = metadata_->entries.find(fqn);
+    if (md_it == metadata_->entries.end()) {
+      if (!options_.allow_partial_load) missing.push_back(fqn);
+      continue;
+    }
+    StateValue& value = *entry.value;
+    const auto* saved = std::get_if<TensorMetadata>(&md_it->second);
+    const bool want_tensor = !std::holds_alternative<Blob>(value);
+    if ((saved != nullptr) != want_tensor) {
+      throw InvalidArgumentError("'" + fqn + "' is " + KindName(value) +
+                                 " in the state dict but " +
+                                 (saved ? "a tensor" : "a byte blob") + " in the checkpoint");
+    }
+    if (!want_tensor) {
+      ReadItem item;
+      item.type = ReadItemType::kBytes;
+      item.dest_index = {fqn, {}, {}};
+      item.storage_index = {fqn, {}, {}};
+      plan.items.push_back(std::move(item));
+      continue;
+    }
+    // The local chunks this rank wants, in the global coordinates of the tensor.
+    std::vector<ChunkMeta> local;
+    DType dtype;
+    Shape global;
+    if (auto* t = std::get_if<TensorView>(&value)) {
+      CheckHostView(fqn, *t);
+      dtype = t->dtype;
+      global = t->shape;
+      local.push_back({Shape(t->shape.size(), 0), t->shape});
+    } else {
+      auto& st = std::get<ShardedTensor>(value);
+      dtype = st.dtype;
+      global = st.global_shape;
+      for (const auto& shard : st.local_shards) {
+        CheckHostView(fqn, shard.view);
+        if (shard.view.dtype != st.dtype || shard.offsets.size() != global.size() ||
+            shard.view.shape.size() != global.size()) {
+          throw InvalidArgumentError("sharded tensor '" + fqn + "': local shard at " +
+                                     ShapeToString(shard.offsets) + " (" + shard.view.ToString() +
+                                     ") does not match " + Describe(st.dtype, global));
+        }
+        local.push_back({shard.offsets, shard.view.shape});
+      }
+    }
+    if (dtype != saved->dtype || global != saved->shape) {
+      throw InvalidArgumentError("tensor '" + fqn + "': the checkpoint has " +
+                                 Describe(saved->dtype, saved->shape) +
+                                 ", the state dict asks for " + Describe(dtype, global));
+    }
+    for (const auto& dst : local) {
+      for (size_t ci = 0; ci < saved->chunks.size(); ++ci) {
+        const ChunkMeta& src = saved->chunks[ci];
+        auto overlap = Intersect(dst, src);
+        if (!overlap) continue;
+        ReadItem item;
+        item.type = ReadItemType::kTensor;
+        item.dest_index = {fqn, dst.offsets, {}};
+        item.storage_index = {fqn, src.offsets, static_cast<int32_t>(ci)};
+        item.lengths = overlap->sizes;
+        item.dest_offsets.resize(global.size());
+        item.storage_offsets.resize(global.size());
+        for (size_t d = 0; d < global.size(); ++d) {
+          item.dest_offsets[d] = overlap->offsets[d] - dst.offsets[d];
+          item.storage_offsets[d] = overlap->offsets[d] - src.offsets[d];
+        }
+        plan.items.push_back(std::move(item));
+      }
+    }
+  }
+  if (!missing.empty()) {
+    std::ostringstream os;
+    os << missing.size() << " requested key" << (missing.size() == 1 ? " is" : "s are")
+       << " not in the checkpoint:";
+    for (size_t i = 0; i < missing.size() && i < 20; ++i) os << " '" << missing[i] << "'";
+    if (missing.size() > 20) os << " ...";
+    os << " (pass allow_partial_load to skip missing keys)";
+    throw NotFoundError(os.str());
+  }
+  return plan;
+}
+
+std::vector<LoadPlan> DefaultLoadPlanner::CreateGlobalPlan(std::vector<LoadPlan> all_plans) {
+  return all_plans;
+}
+
+LoadPlan DefaultLoadPlanner::FinishPlan(LoadPlan central_plan) { return central_plan; }
+
+void DefaultLoadPlanner::LoadBytes(const ReadItem& item, std::string bytes) {
+  auto it = flat_.find(item.dest_index.fqn);
+  Blob* blob = it == flat_.end() ? nullptr : std::get_if<Blob>(it->second.value);
+  if (blob == nullptr) throw InternalError("no blob named '" + item.dest_index.fqn + "'");
+  blob->bytes = std::move(bytes);
+}
+
+TensorView DefaultLoadPlanner::ResolveTensor(const ReadItem& item) {
+  auto it = flat_.find(item.dest_index.fqn);
+  if (it == flat_.end()) throw InternalError("no tensor named '" + item.dest_index.fqn + "'");
+  StateValue& value = *it->second.value;
+  if (auto* t = std::get_if<TensorView>(&value)) return t->Narrow(item.dest_offsets, item.lengths);
+  if (auto* st = std::get_if<ShardedTensor>(&value)) {
+    for (auto& shard : st->local_shards) {
+      if (shard.offsets == item.dest_index.offset) {
+        return shard.view.Narrow(item.dest_offsets, item.lengths);
+      }
+    }
+  }
+  throw InternalError("no local chunk " + item.dest_index.ToString());
+}
+
+void DefaultLoadPlanner::CommitTensor(const ReadItem&, const TensorView&) {}
+
+}  // namespace dcp

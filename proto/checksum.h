@@ -1,0 +1,14 @@
+// CRC32C (Castagnoli), the checksum of every stored item and of the metadata file.
+// Backed by ISA-L (~20 GB/s on this class of machine). Thread-safe, no state.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace dcp {
+
+/// CRC32C of `len` bytes; pass the previous result as `crc` to extend a running checksum
+/// (start with 0). Crc32c(0, "123456789", 9) == 0xE3069283.
+uint32_t Crc32c(uint32_t crc, const void* data, size_t len);
+
+}  // namespace dcp

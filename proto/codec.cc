@@ -1,0 +1,419 @@
+#include "proto/codec.h"
+
+#include <cstring>
+#include <limits>
+#include <set>
+
+#include "proto/checksum.h"
+#include "dcp.pb.h"  // generated from proto/dcp.proto
+
+namespace dcp {
+
+namespace {
+
+constexpr char kMagic[8] = {'D', 'C', 'P', 'M', 'E', 'T', 'A', '1'};
+
+template <typename Repeated>
+Shape ToShape(const Repeated& r) {
+  return Shape(r.begin(), r.end());
+}
+template <typename Repeated>
+void FromShape(const Shape& s, Repeated* r) {
+  r->Clear();
+  for (int64_t v : s) r->Add(v);
+}
+
+DType ToDType(int v, std::string_view source) {
+  if (!IsValidDType(v)) {
+    throw CorruptionError(std::string(source) + ": unknown dtype value " + std::to_string(v));
+  }
+  return static_cast<DType>(v);
+}
+
+void ToPb(const MetadataIndex& i, pb::MetadataIndex* p) {
+  p->set_fqn(i.fqn);
+  FromShape(i.offset, p->mutable_offset());
+  p->set_index(i.index.value_or(-1));
+}
+MetadataIndex FromPb(const pb::MetadataIndex& p) {
+  MetadataIndex i;
+  i.fqn = p.fqn();
+  i.offset = ToShape(p.offset());
+  if (p.index() >= 0) i.index = p.index();
+  return i;
+}
+
+void ToPb(const ChunkMeta& c, pb::Chunk* p) {
+  FromShape(c.offsets, p->mutable_offsets());
+  FromShape(c.sizes, p->mutable_sizes());
+}
+ChunkMeta FromPb(const pb::Chunk& p) { return {ToShape(p.offsets()), ToShape(p.sizes())}; }
+
+void ToPb(const StorageInfo& s, pb::StorageInfo* p) {
+  p->set_relative_path(s.relative_path);
+  p->set_offset(s.offset);
+  p->set_length(s.length);
+  p->set_has_crc32c(s.crc32c.has_value());
+  p->set_crc32c(s.crc32c.value_or(0));
+  for (const auto& t : s.transforms) p->add_transforms(t);
+  p->set_raw_length(s.raw_length);
+}
+StorageInfo FromPb(const pb::StorageInfo& p) {
+  StorageInfo s;
+  s.relative_path = p.relative_path();
+  s.offset = p.offset();
+  s.length = p.length();
+  if (p.has_crc32c()) s.crc32c = p.crc32c();
+  s.transforms.assign(p.transforms().begin(), p.transforms().end());
+  s.raw_length = p.raw_length();
+  return s;
+}
+
+template <typename Msg>
+void Parse(Msg* msg, std::string_view bytes, std::string_view what) {
+  if (!msg->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    throw CorruptionError("cannot parse " + std::string(what) + " (" +
+                          std::to_string(bytes.size()) + " bytes)");
+  }
+}
+
+void PutLe(std::string* out, uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t GetLe(const char* p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  return v;
+}
+
+}  // namespace
+
+std::string EncodeSavePlan(const SavePlan& plan) {
+  pb::SavePlan p;
+  for (const auto& item : plan.items) {
+    auto* w = p.add_items();
+    ToPb(item.index, w->mutable_index());
+    w->set_type(static_cast<pb::WriteItemType>(item.type));
+    w->set_dtype(static_cast<pb::DType>(item.dtype));
+    FromShape(item.global_shape, w->mutable_global_shape());
+    ToPb(item.chunk, w->mutable_chunk());
+    w->set_size_bytes(item.size_bytes);
+  }
+  p.set_storage_data(plan.storage_data);
+  p.set_planner_data(plan.planner_data);
+  for (const auto& [fqn, path] : plan.key_paths) {
+    auto& kp = (*p.mutable_key_paths())[fqn];
+    for (const auto& k : path) kp.add_keys(k);
+  }
+  return p.SerializeAsString();
+}
+
+SavePlan DecodeSavePlan(std::string_view bytes) {
+  pb::SavePlan p;
+  Parse(&p, bytes, "save plan");
+  SavePlan plan;
+  plan.items.reserve(p.items_size());
+  for (const auto& w : p.items()) {
+    WriteItem item;
+    item.index = FromPb(w.index());
+    item.type = static_cast<WriteItemType>(w.type());
+    item.dtype = ToDType(w.dtype(), "save plan");
+    item.global_shape = ToShape(w.global_shape());
+    item.chunk = FromPb(w.chunk());
+    item.size_bytes = w.size_bytes();
+    plan.items.push_back(std::move(item));
+  }
+  plan.storage_data = p.storage_data();
+  plan.planner_data = p.planner_data();
+  for (const auto& [fqn, kp] : p.key_paths()) {
+    plan.key_paths[fqn] = KeyPath(kp.keys().begin(), kp.keys().end());
+  }
+  return plan;
+}
+
+std::string EncodeLoadPlan(const LoadPlan& plan) {
+  pb::LoadPlan p;
+  for (const auto& item : plan.items) {
+    auto* r = p.add_items();
+    r->set_type(static_cast<pb::ReadItemType>(item.type));
+    ToPb(item.dest_index, r->mutable_dest_index());
+    FromShape(item.dest_offsets, r->mutable_dest_offsets());
+    ToPb(item.storage_index, r->mutable_storage_index());
+    FromShape(item.storage_offsets, r->mutable_storage_offsets());
+    FromShape(item.lengths, r->mutable_lengths());
+  }
+  p.set_storage_data(plan.storage_data);
+  p.set_planner_data(plan.planner_data);
+  return p.SerializeAsString();
+}
+
+LoadPlan DecodeLoadPlan(std::string_view bytes) {
+  pb::LoadPlan p;
+  Parse(&p, bytes, "load plan");
+  LoadPlan plan;
+  plan.items.reserve(p.items_size());
+  for (const auto& r : p.items()) {
+    ReadItem item;
+    item.type = static_cast<ReadItemType>(r.type());
+    item.dest_index = FromPb(r.dest_index());
+    item.dest_offsets = ToShape(r.dest_offsets());
+    item.storage_index = FromPb(r.storage_index());
+    item.storage_offsets = ToShape(r.storage_offsets());
+    item.lengths = ToShape(r.lengths());
+    plan.items.push_back(std::move(item));
+  }
+  plan.storage_data = p.storage_data();
+  plan.planner_data = p.planner_data();
+  return plan;
+}
+
+std::string EncodeWriteResults(const std::vector<WriteResult>& results) {
+  pb::WriteResults p;
+  for (const auto& r : results) {
+    auto* w = p.add_results();
+    ToPb(r.index, w->mutable_index());
+    w->set_size_in_bytes(r.size_in_bytes);
+    ToPb(r.storage, w->mutable_info());
+  }
+  return p.SerializeAsString();
+}
+
+std::vector<WriteResult> DecodeWriteResults(std::string_view bytes) {
+  pb::WriteResults p;
+  Parse(&p, bytes, "write results");
+  std::vector<WriteResult> out;
+  out.reserve(p.results_size());
+  for (const auto& w : p.results()) {
+    out.push_back({FromPb(w.index()), w.size_in_bytes(), FromPb(w.info())});
+  }
+  return out;
+}
+
+std::string EncodeMetadata(const Metadata& md) {
+  pb::Metadata p;
+  p.set_format_version(md.format_version);
+  p.set_checkpoint_id(md.checkpoint_id);
+  p.set_save_id(md.save_id);
+  p.set_world_size(md.world_size);
+  p.set_created_unix_ns(md.created_unix_ns);
+  p.set_library_version(md.library_version);
+  for (const auto& [fqn, entry] : md.entries) {
+    auto* e = p.add_entries();
+    e->set_fqn(fqn);
+    if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
+      auto* te = e->mutable_tensor();
+      te->set_dtype(static_cast<pb::DType>(t->dtype));
+      FromShape(t->shape, te->mutable_shape());
+      for (const auto& c : t->chunks) ToPb(c, te->add_chunks());
+    } else {
+      e->mutable_bytes();
+    }
+  }
+  for (const auto& [index, info] : md.storage) {
+    auto* item = p.add_items();
+    ToPb(index, item->mutable_index());
+    ToPb(info, item->mutable_info());
+  }
+  for (const auto& [fqn, path] : md.key_paths) {
+    auto& kp = (*p.mutable_key_paths())[fqn];
+    for (const auto& k : path) kp.add_keys(k);
+  }
+  for (const auto& [k, v] : md.planner_data) (*p.mutable_planner_data())[k] = v;
+  // Deterministic so that equal metadata gives equal bytes (and equal checksums).
+  std::string out;
+  {
+    google::protobuf::io::StringOutputStream sos(&out);
+    google::protobuf::io::CodedOutputStream cos(&sos);
+    cos.SetSerializationDeterministic(true);
+    p.SerializeToCodedStream(&cos);
+  }
+  return out;
+}
+
+Metadata DecodeMetadata(std::string_view bytes, std::string_view source) {
+  pb::Metadata p;
+  if (!p.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    throw CorruptionError(std::string(source) + ": metadata payload is not a valid protobuf");
+  }
+  if (p.format_version() > kFormatVersion) {
+    throw UnsupportedError(std::string(source) + ": checkpoint format version " +
+                           std::to_string(p.format_version()) + " is newer than this library's " +
+                           std::to_string(kFormatVersion) + "; upgrade dcp to read it");
+  }
+  if (p.format_version() == 0) {
+    throw CorruptionError(std::string(source) + ": metadata has no format version");
+  }
+  Metadata md;
+  md.format_version = p.format_version();
+  md.checkpoint_id = p.checkpoint_id();
+  md.save_id = p.save_id();
+  md.world_size = p.world_size();
+  md.created_unix_ns = p.created_unix_ns();
+  md.library_version = p.library_version();
+  for (const auto& e : p.entries()) {
+    if (md.entries.count(e.fqn())) {
+      throw CorruptionError(std::string(source) + ": duplicate entry '" + e.fqn() + "'");
+    }
+    if (e.has_tensor()) {
+      TensorMetadata t;
+      t.dtype = ToDType(e.tensor().dtype(), source);
+      t.shape = ToShape(e.tensor().shape());
+      for (const auto& c : e.tensor().chunks()) t.chunks.push_back(FromPb(c));
+      md.entries.emplace(e.fqn(), std::move(t));
+    } else if (e.has_bytes()) {
+      md.entries.emplace(e.fqn(), BytesMetadata{});
+    } else {
+      throw CorruptionError(std::string(source) + ": entry '" + e.fqn() + "' has no kind");
+    }
+  }
+  for (const auto& item : p.items()) {
+    MetadataIndex index = FromPb(item.index());
+    if (md.storage.count(index)) {
+      throw CorruptionError(std::string(source) + ": duplicate stored item " + index.ToString());
+    }
+    md.storage.emplace(std::move(index), FromPb(item.info()));
+  }
+  for (const auto& [fqn, kp] : p.key_paths()) {
+    md.key_paths[fqn] = KeyPath(kp.keys().begin(), kp.keys().end());
+  }
+  for (const auto& [k, v] : p.planner_data()) md.planner_data[k] = v;
+  return md;
+}
+
+std::string EncodeMetadataFile(const Metadata& md) {
+  const std::string payload = EncodeMetadata(md);
+  std::string out(kMagic, sizeof(kMagic));
+  PutLe(&out, md.format_version, 4);
+  PutLe(&out, Crc32c(0, payload.data(), payload.size()), 4);
+  PutLe(&out, payload.size(), 8);
+  out += payload;
+  return out;
+}
+
+Metadata DecodeMetadataFile(std::string_view bytes, std::string_view source) {
+  const std::string src(source);
+  if (bytes.size() < kMetadataHeaderSize || std::memcmp(bytes.data(), kMagic, 4) != 0) {
+    throw CorruptionError(src + ": not a dcp metadata file (bad magic or too short: " +
+                          std::to_string(bytes.size()) + " bytes)");
+  }
+  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
+    throw UnsupportedError(src + ": unsupported metadata envelope '" +
+                           std::string(bytes.substr(0, 8)) + "'");
+  }
+  const uint32_t version = static_cast<uint32_t>(GetLe(bytes.data() + 8, 4));
+  const uint32_t crc = static_cast<uint32_t>(GetLe(bytes.data() + 12, 4));
+  const uint64_t len = GetLe(bytes.data() + 16, 8);
+  if (version > kFormatVersion) {
+    throw UnsupportedError(src + ": checkpoint format version " + std::to_string(version) +
+                           " is newer than this library's " + std::to_string(kFormatVersion) +
+                           "; upgrade dcp to read it");
+  }
+  if (len != bytes.size() - kMetadataHeaderSize) {
+    throw CorruptionError(src + ": metadata payload length " + std::to_string(len) +
+                          " does not match the file (" +
+                          std::to_string(bytes.size() - kMetadataHeaderSize) +
+                          " bytes follow the header); the file is truncated or damaged");
+  }
+  const std::string_view payload = bytes.substr(kMetadataHeaderSize);
+  const uint32_t actual = Crc32c(0, payload.data(), payload.size());
+  if (actual != crc) {
+    throw CorruptionError(src + ": metadata checksum mismatch (stored " + std::to_string(crc) +
+                          ", computed " + std::to_string(actual) + "); the file is damaged");
+  }
+  Metadata md = DecodeMetadata(payload, source);
+  ValidateMetadata(md, source);
+  return md;
+}
+
+void ValidateMetadata(const Metadata& md, std::string_view source) {
+  const std::string src(source);
+  auto fail = [&](const std::string& what) { throw CorruptionError(src + ": " + what); };
+  // A single entry may not describe more than 2^50 elements: far beyond any real model, and a
+  // guard against allocation attacks by tools that materialise tensors from metadata.
+  constexpr int64_t kMaxElements = int64_t{1} << 50;
+  for (const auto& [fqn, entry] : md.entries) {
+    if (fqn.empty()) fail("entry with an empty fqn");
+    const auto* t = std::get_if<TensorMetadata>(&entry);
+    if (t == nullptr) {
+      if (!md.storage.count(MetadataIndex{fqn, {}, {}})) {
+        fail("byte entry '" + fqn + "' has no stored item");
+      }
+      continue;
+    }
+    int64_t volume = 1;
+    for (int64_t d : t->shape) {
+      if (d < 0 || (d > 0 && volume > kMaxElements / d)) {
+        fail("tensor '" + fqn + "' has an invalid or absurd shape " + ShapeToString(t->shape));
+      }
+      volume *= d;
+    }
+    int64_t covered = 0;
+    for (const auto& c : t->chunks) {
+      if (c.offsets.size() != t->shape.size() || c.sizes.size() != t->shape.size()) {
+        fail("tensor '" + fqn + "' chunk " + c.ToString() + " does not match rank of shape " +
+             ShapeToString(t->shape));
+      }
+      for (size_t i = 0; i < t->shape.size(); ++i) {
+        if (c.offsets[i] < 0 || c.sizes[i] < 0 || c.offsets[i] > t->shape[i] - c.sizes[i]) {
+          fail("tensor '" + fqn + "' chunk " + c.ToString() + " lies outside its shape " +
+               ShapeToString(t->shape));
+        }
+      }
+      const int64_t n = NumElements(c.sizes);
+      covered += n;
+      auto it = md.storage.find(MetadataIndex{fqn, c.offsets, {}});
+      if (it == md.storage.end()) {
+        fail("tensor '" + fqn + "' chunk " + c.ToString() + " has no stored item");
+      }
+      const uint64_t raw = static_cast<uint64_t>(n) * ElementSize(t->dtype);
+      if (it->second.raw_length != raw) {
+        fail("tensor '" + fqn + "' chunk " + c.ToString() + " should hold " +
+             std::to_string(raw) + " bytes but its stored item records " +
+             std::to_string(it->second.raw_length));
+      }
+      if (it->second.transforms.empty() && it->second.length != raw) {
+        fail("tensor '" + fqn + "' chunk " + c.ToString() + " stored length " +
+             std::to_string(it->second.length) + " != " + std::to_string(raw));
+      }
+    }
+    if (covered != volume) {
+      fail("tensor '" + fqn + "' chunks cover " + std::to_string(covered) + " of " +
+           std::to_string(volume) + " elements");
+    }
+  }
+  for (const auto& [index, info] : md.storage) {
+    if (!md.entries.count(index.fqn)) fail("stored item " + index.ToString() + " has no entry");
+    const std::string& p = info.relative_path;
+    if (p.empty() || p[0] == '/' || p.find('\0') != std::string::npos) {
+      fail("stored item " + index.ToString() + " has an invalid path '" + p + "'");
+    }
+    size_t start = 0;
+    while (start <= p.size()) {
+      size_t end = p.find('/', start);
+      if (end == std::string::npos) end = p.size();
+      const std::string part = p.substr(start, end - start);
+      if (part == ".." || part == "." || part.empty()) {
+        fail("stored item " + index.ToString() + " path '" + p + "' leaves the checkpoint");
+      }
+      start = end + 1;
+    }
+    if (info.offset > std::numeric_limits<uint64_t>::max() - info.length ||
+        info.offset + info.length > (uint64_t{1} << 62)) {
+      fail("stored item " + index.ToString() + " has an overflowing offset/length");
+    }
+  }
+}
+
+std::string EncodeFailures(const std::vector<RankFailure>& failures) {
+  pb::PhaseOutcome p;
+  for (const auto& f : failures) {
+    auto* e = p.add_failures();
+    e->set_rank(f.rank);
+    e->set_code(static_cast<int>(f.code));
+    e->set_message(f.message);
+    e->set_retryable(f.retryable);
+  }
+  return p.SerializeAsString();
+}
+
+}  // namespace dcp

@@ -1,0 +1,45 @@
+// Serialisation of dcp's vocabulary: plans and results as protobuf bytes for the wire, and the
+// metadata file format (a checksummed envelope around a protobuf Metadata).
+//
+// Metadata read from storage is untrusted: DecodeMetadataFile checks the envelope and then
+// ValidateMetadata checks every field before anything uses it. Both throw CorruptionError (or
+// UnsupportedError for a newer format version) with a message that names `source`.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "proto/error.h"
+#include "proto/plan.h"
+
+namespace dcp {
+
+std::string EncodeSavePlan(const SavePlan& plan);
+SavePlan DecodeSavePlan(std::string_view bytes);
+std::string EncodeLoadPlan(const LoadPlan& plan);
+LoadPlan DecodeLoadPlan(std::string_view bytes);
+std::string EncodeWriteResults(const std::vector<WriteResult>& results);
+std::vector<WriteResult> DecodeWriteResults(std::string_view bytes);
+
+/// Plain protobuf encoding of Metadata (no envelope); used on the wire.
+std::string EncodeMetadata(const Metadata& md);
+Metadata DecodeMetadata(std::string_view bytes, std::string_view source);
+
+/// The metadata file: magic "DCPMETA1", u32 format version, u32 CRC32C of the payload, u64
+/// payload length (all little-endian), then the protobuf payload. See docs/FORMAT.md.
+std::string EncodeMetadataFile(const Metadata& md);
+/// Decode and validate a metadata file. `source` names it in errors (a path or URI).
+Metadata DecodeMetadataFile(std::string_view bytes, std::string_view source);
+/// Bytes of the envelope header (what a reader needs before the payload length is known).
+inline constexpr size_t kMetadataHeaderSize = 24;
+
+/// Check a decoded Metadata for internal consistency: paths stay inside the checkpoint, offsets
+/// and lengths do not overflow, chunks lie inside their tensors, every tensor chunk has exactly
+/// one stored item of the right length, dtypes are known, element counts are sane.
+void ValidateMetadata(const Metadata& md, std::string_view source);
+
+/// Error messages shared by ranks travel as protobuf too.
+std::string EncodeFailures(const std::vector<RankFailure>& failures);
+
+}  // namespace dcp

@@ -1,0 +1,124 @@
+// Typed errors shared by every layer of dcp.
+//
+// Every failure the library reports is a dcp::Error (a std::runtime_error) whose code() tells a
+// caller what to do about it:
+//   kInvalidArgument  the request itself is wrong (bad state dict, mismatched shapes); fix the call.
+//   kNotFound         a checkpoint, file or key is absent.
+//   kAlreadyExists    a checkpoint is already there and overwrite was not asked for.
+//   kCorruption       stored bytes or metadata are damaged or not a dcp checkpoint; do not retry.
+//   kIo               the storage failed; retryable() says whether retrying the call may succeed.
+//   kUnsupported      a format version or feature this build does not understand.
+//   kCollective       one or more ranks failed or did not answer; failures() names them.
+//   kInternal         a broken invariant inside dcp (a bug); please report it.
+// Errors cross threads inside std::future and cross ranks as ErrorReport messages; both keep the
+// code, the message and the retryable bit.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace dcp {
+
+enum class ErrorCode : int {
+  kInvalidArgument = 1,
+  kNotFound = 2,
+  kAlreadyExists = 3,
+  kCorruption = 4,
+  kIo = 5,
+  kUnsupported = 6,
+  kCollective = 7,
+  kTimeout = 8,  // used inside RankFailure: the rank did not answer in time
+  kInternal = 9,
+};
+
+/// Return the stable name of a code ("InvalidArgument", "Io", ...).
+const char* ErrorCodeName(ErrorCode code);
+
+/// Root of every exception dcp throws.
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorCode code, const std::string& message, bool retryable = false);
+  ErrorCode code() const noexcept { return code_; }
+  /// True when repeating the same call may succeed (transient I/O, a peer that timed out).
+  bool retryable() const noexcept { return retryable_; }
+
+ private:
+  ErrorCode code_;
+  bool retryable_;
+};
+
+class InvalidArgumentError : public Error {
+ public:
+  explicit InvalidArgumentError(const std::string& m) : Error(ErrorCode::kInvalidArgument, m) {}
+};
+class NotFoundError : public Error {
+ public:
+  explicit NotFoundError(const std::string& m) : Error(ErrorCode::kNotFound, m) {}
+};
+class AlreadyExistsError : public Error {
+ public:
+  explicit AlreadyExistsError(const std::string& m) : Error(ErrorCode::kAlreadyExists, m) {}
+};
+class CorruptionError : public Error {
+ public:
+  explicit CorruptionError(const std::string& m) : Error(ErrorCode::kCorruption, m) {}
+};
+class UnsupportedError : public Error {
+ public:
+  explicit UnsupportedError(const std::string& m) : Error(ErrorCode::kUnsupported, m) {}
+};
+class InternalError : public Error {
+ public:
+  explicit InternalError(const std::string& m) : Error(ErrorCode::kInternal, m) {}
+};
+
+/// A storage failure. errno_value is the OS error when there was one (0 otherwise).
+class IoError : public Error {
+ public:
+  IoError(const std::string& m, bool retryable, int errno_value = 0)
+      : Error(ErrorCode::kIo, m, retryable), errno_value_(errno_value) {}
+  int errno_value() const noexcept { return errno_value_; }
+
+ private:
+  int errno_value_;
+};
+
+/// Build an IoError from an errno value, naming the operation and the path.
+/// EINTR, EAGAIN, EBUSY, ETIMEDOUT and ENOSPC... are classified as retryable where a retry of
+/// the same call can reasonably succeed.
+IoError MakeIoError(const std::string& operation, const std::string& path, int errno_value);
+
+/// One rank's failure as seen by every rank after a collective phase.
+struct RankFailure {
+  int rank = -1;
+  ErrorCode code = ErrorCode::kInternal;
+  std::string message;
+  bool retryable = false;
+};
+
+/// One or more ranks failed (threw, or did not answer within the timeout) during `phase`.
+/// Every rank of the job throws an equal CollectiveError for the same failure.
+class CollectiveError : public Error {
+ public:
+  CollectiveError(std::string phase, std::vector<RankFailure> failures);
+  const std::string& phase() const noexcept { return phase_; }
+  const std::vector<RankFailure>& failures() const noexcept { return failures_; }
+  /// Ranks named in failures(), ascending, without duplicates.
+  std::vector<int> failed_ranks() const;
+  /// True when some rank did not answer in time (as opposed to reporting an error).
+  bool timed_out() const;
+
+ private:
+  std::string phase_;
+  std::vector<RankFailure> failures_;
+};
+
+/// Throw the typed Error matching `code` (used to re-raise errors received from other ranks).
+[[noreturn]] void ThrowError(ErrorCode code, const std::string& message, bool retryable);
+
+/// Describe the exception currently being handled as a RankFailure for `rank`
+/// (call only inside a catch block). Non-dcp exceptions become kInternal with their what().
+RankFailure CurrentExceptionAsFailure(int rank);
+
+}  // namespace dcp

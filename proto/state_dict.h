@@ -1,0 +1,63 @@
+// The state dict a job saves and loads: nested string-keyed containers whose leaves are
+// tensors (TensorView), sharded tensors (local shards plus the global shape) or byte blobs.
+//
+// A StateDict does not own tensor memory unless a view's `owner` is set: the caller keeps the
+// tensors alive across save()/load(). Loading writes into the views in place and replaces the
+// contents of blobs. Not thread-safe for concurrent mutation.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "proto/tensor.h"
+
+namespace dcp {
+
+/// One local piece of a sharded tensor: `view` holds the box starting at `offsets` of the
+/// global shape.
+struct Shard {
+  TensorView view;
+  Shape offsets;
+};
+
+/// A tensor of `global_shape` of which this rank holds `local_shards` (possibly none).
+struct ShardedTensor {
+  DType dtype = DType::kFloat32;
+  Shape global_shape;
+  std::vector<Shard> local_shards;
+};
+
+/// Opaque bytes (RNG state, a dataloader position, a config...). Saved as is.
+struct Blob {
+  std::string bytes;
+};
+
+class StateDict;
+using StateValue = std::variant<TensorView, ShardedTensor, Blob, std::shared_ptr<StateDict>>;
+
+class StateDict {
+ public:
+  StateDict() = default;
+
+  /// Insert or replace `key`. Returns *this for chaining.
+  StateDict& Set(const std::string& key, StateValue value);
+  /// The nested dict at `key`, created if absent. Throws InvalidArgumentError if `key` holds a
+  /// leaf.
+  StateDict& Nested(const std::string& key);
+  /// Entry at `key` in this dict (not a dotted path), or nullptr.
+  StateValue* Find(const std::string& key);
+  const StateValue* Find(const std::string& key) const;
+  bool empty() const { return items_.empty(); }
+  size_t size() const { return items_.size(); }
+
+  std::map<std::string, StateValue>& items() { return items_; }
+  const std::map<std::string, StateValue>& items() const { return items_; }
+
+ private:
+  std::map<std::string, StateValue> items_;
+};
+
+}  // namespace dcp

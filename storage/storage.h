@@ -1,0 +1,87 @@
+// Storage interfaces: storage decides *where and how* bytes are kept.
+//
+// Save (C = coordinator, rank 0): every rank SetUp -> PrepareLocalPlan; C PrepareGlobalPlan;
+// every rank WriteData (returns a future); C Finish writes the Metadata, whose atomic appearance
+// is what makes the checkpoint exist. After a failure anywhere, every rank calls Abort and no
+// metadata is written.
+// Load: C ReadMetadata (broadcast by the orchestrator); every rank SetUp -> PrepareLocalPlan;
+// C PrepareGlobalPlan; every rank ReadData.
+//
+// A writer or reader object serves one save or load at a time and is used from one thread,
+// except that the futures it returns complete on threads of its own. Errors are dcp::Error:
+// thrown directly, or carried by the returned futures.
+#pragma once
+
+#include <future>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "planner/planner.h"
+#include "proto/plan.h"
+
+namespace dcp {
+
+/// Options every backend understands; backend-specific settings go in `extra`.
+struct StorageOptions {
+  /// Replace an existing checkpoint at the same location (atomically: the old one stays
+  /// loadable until the new metadata is in place). Without it, saving over one is refused.
+  bool overwrite = false;
+  /// Data files per rank, written in parallel; items are balanced across them by size.
+  int files_per_rank = 1;
+  /// Make data and metadata durable (fsync) before reporting success.
+  bool sync = true;
+  /// Verify the CRC32C of every item read (on by default).
+  bool verify_checksums = true;
+  /// Threads a rank uses for reading.
+  int read_threads = 2;
+  std::map<std::string, std::string> extra;
+};
+
+struct StorageContext {
+  int rank = 0;
+  int world_size = 1;
+  bool is_coordinator = true;
+  std::string save_id;  // set on the coordinator for saves
+};
+
+class StorageWriter {
+ public:
+  virtual ~StorageWriter() = default;
+  /// Where this writer writes (a URI), for messages.
+  virtual std::string uri() const = 0;
+  /// Called on every rank first. The coordinator refuses (AlreadyExistsError) when a checkpoint
+  /// exists and overwrite is off.
+  virtual void SetUp(const StorageContext& ctx) = 0;
+  virtual SavePlan PrepareLocalPlan(SavePlan plan) = 0;
+  /// Coordinator only: e.g. give each rank's plan its file names (in storage_data).
+  virtual std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan> plans) = 0;
+  /// Write every item of `plan`, fetching bytes from `planner.ResolveData`. The future yields
+  /// one WriteResult per item. `plan` and `planner` must outlive the future.
+  virtual std::future<std::vector<WriteResult>> WriteData(const SavePlan& plan,
+                                                          const SavePlanner& planner) = 0;
+  /// Coordinator only, after every rank's writes succeeded: record where each item lives in
+  /// `metadata` and commit it durably and atomically.
+  virtual void Finish(Metadata& metadata, const std::vector<std::vector<WriteResult>>& results) = 0;
+  /// Discard what this rank wrote in the current save. Never throws; idempotent.
+  virtual void Abort() noexcept = 0;
+};
+
+class StorageReader {
+ public:
+  virtual ~StorageReader() = default;
+  virtual std::string uri() const = 0;
+  /// Read and validate the metadata. NotFoundError when there is no checkpoint (the message
+  /// says whether data files without metadata, i.e. an unfinished save, are present);
+  /// CorruptionError or UnsupportedError for a damaged or newer metadata file.
+  virtual Metadata ReadMetadata() = 0;
+  virtual void SetUp(const Metadata& metadata, const StorageContext& ctx) = 0;
+  virtual LoadPlan PrepareLocalPlan(LoadPlan plan) = 0;
+  virtual std::vector<LoadPlan> PrepareGlobalPlan(std::vector<LoadPlan> plans) = 0;
+  /// Read every item of `plan` into the planner's destinations. `plan` and `planner` must
+  /// outlive the future. Checksum mismatches and truncated data fail with CorruptionError naming
+  /// the fqn, the file and the offset.
+  virtual std::future<void> ReadData(const LoadPlan& plan, LoadPlanner& planner) = 0;
+};
+
+}  // namespace dcp

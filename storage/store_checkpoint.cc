@@ -1,0 +1,403 @@
+// The checkpoint protocol over a Store.
+//
+// Save, per rank:
+//   1. The coordinator refuses to proceed if metadata exists and overwrite is off.
+//   2. The coordinator names each rank's files "data-<save_id>-r<rank>" (the plan's
+//      storage_data); a rank appends "-b<bucket>.data".
+//   3. Each rank spreads its items over `files_per_rank` buckets (largest first onto the
+//      lightest), writes each bucket on its own thread, CRC32C-ing every item as it goes, and
+//      fsyncs each file.
+//   4. The coordinator, once every rank succeeded, publishes metadata.dcp atomically
+//      (temp + fsync + rename + directory fsync), then removes data files of replaced saves.
+// A failed save calls Abort on every rank, which removes that rank's files of this save.
+#include "storage/store_checkpoint.h"
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "proto/checksum.h"
+#include "proto/codec.h"
+#include "proto/error.h"
+
+namespace dcp {
+
+namespace {
+
+constexpr size_t kStagingBytes = 8 << 20;  // non-contiguous tensors are staged in 8 MiB slabs
+
+std::string RandomHex(int bytes) {
+  static thread_local std::mt19937_64 rng(std::random_device{}());
+  std::string s;
+  const char* digits = "0123456789abcdef";
+  for (int i = 0; i < bytes * 2; ++i) s.push_back(digits[rng() & 15]);
+  return s;
+}
+
+// Stream a host tensor view into `out` in row-major order, CRC-ing as we go. Contiguous views
+// go straight from tensor memory; others are gathered slab by slab into `staging`.
+uint32_t AppendTensor(WritableObject& out, const TensorView& view, std::vector<char>& staging) {
+  uint32_t crc = 0;
+  if (view.numel() == 0) return crc;
+  if (view.is_contiguous()) {
+    out.Append(view.data, view.nbytes());
+    return Crc32c(0, view.data, view.nbytes());
+  }
+  if (view.dim() == 0) {  // a scalar with strides is still one element
+    out.Append(view.data, view.nbytes());
+    return Crc32c(0, view.data, view.nbytes());
+  }
+  const size_t row_bytes = view.nbytes() / static_cast<size_t>(view.shape[0]);
+  const int64_t rows_per_slab =
+      std::max<int64_t>(1, static_cast<int64_t>(kStagingBytes / std::max<size_t>(row_bytes, 1)));
+  Shape offsets(view.shape.size(), 0), sizes = view.shape;
+  for (int64_t row = 0; row < view.shape[0]; row += rows_per_slab) {
+    const int64_t n = std::min(rows_per_slab, view.shape[0] - row);
+    offsets[0] = row;
+    sizes[0] = n;
+    TensorView src = view.Narrow(offsets, sizes);
+    const size_t bytes = static_cast<size_t>(n) * row_bytes;
+    if (staging.size() < bytes) staging.resize(bytes);
+    CopyTensor(TensorView::FromContiguous(staging.data(), view.dtype, sizes), src);
+    out.Append(staging.data(), bytes);
+    crc = Crc32c(crc, staging.data(), bytes);
+  }
+  return crc;
+}
+
+class StoreWriter : public StorageWriter {
+ public:
+  StoreWriter(std::shared_ptr<Store> store, StorageOptions options)
+      : store_(std::move(store)), options_(std::move(options)) {
+    if (options_.files_per_rank < 1) {
+      throw InvalidArgumentError("files_per_rank must be at least 1");
+    }
+  }
+
+  std::string uri() const override { return store_->uri(); }
+
+  void SetUp(const StorageContext& ctx) override {
+    ctx_ = ctx;
+    created_.clear();
+    store_->CreateRoot();
+    if (ctx.is_coordinator && !options_.overwrite && store_->Size(kMetadataName)) {
+      throw AlreadyExistsError("a checkpoint already exists at " + store_->uri() +
+                               " (it has " + kMetadataName +
+                               "); pass overwrite to replace it");
+    }
+  }
+
+  SavePlan PrepareLocalPlan(SavePlan plan) override { return plan; }
+
+  std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan> plans) override {
+    const std::string save = ctx_.save_id.empty() ? RandomHex(8) : ctx_.save_id;
+    for (size_t r = 0; r < plans.size(); ++r) {
+      plans[r].storage_data = "data-" + save + "-r" + std::to_string(r);
+    }
+    return plans;
+  }
+
+  std::future<std::vector<WriteResult>> WriteData(const SavePlan& plan,
+                                                  const SavePlanner& planner) override {
+    if (plan.storage_data.empty() && !plan.items.empty()) {
+      throw InternalError("save plan has no file prefix; PrepareGlobalPlan was not applied");
+    }
+    // Size-balanced buckets: largest item first onto the bucket with the fewest bytes.
+    const size_t nb = std::min<size_t>(options_.files_per_rank, std::max<size_t>(plan.items.size(), 1));
+    std::vector<size_t> order(plan.items.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return plan.items[a].size_bytes > plan.items[b].size_bytes;
+    });
+    std::vector<std::vector<size_t>> buckets(nb);
+    std::vector<uint64_t> bytes(nb, 0);
+    for (size_t i : order) {
+      const size_t b = std::min_element(bytes.begin(), bytes.end()) - bytes.begin();
+      buckets[b].push_back(i);
+      bytes[b] += plan.items[i].size_bytes;
+    }
+    for (auto& b : buckets) std::sort(b.begin(), b.end());  // plan order within a file
+    for (size_t b = 0; b < nb; ++b) {
+      if (!buckets[b].empty()) {
+        created_.push_back(plan.storage_data + "-b" + std::to_string(b) + ".data");
+      }
+    }
+    return std::async(std::launch::async, [this, &plan, &planner, buckets = std::move(buckets)] {
+      std::vector<std::future<std::vector<WriteResult>>> futures;
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        if (buckets[b].empty()) continue;
+        futures.push_back(std::async(std::launch::async, [this, &plan, &planner, b, &buckets] {
+          return WriteBucket(plan, planner, plan.storage_data + "-b" + std::to_string(b) + ".data",
+                             buckets[b]);
+        }));
+      }
+      std::vector<WriteResult> all;
+      std::exception_ptr first_error;
+      for (auto& f : futures) {  // wait for every bucket, even after one failed
+        try {
+          auto r = f.get();
+          all.insert(all.end(), std::make_move_iterator(r.begin()), std::make_move_iterator(r.end()));
+        } catch (...) {
+          if (!first_error) first_error = std::current_exception();
+        }
+      }
+      if (first_error) std::rethrow_exception(first_error);
+      return all;
+    });
+  }
+
+  void Finish(Metadata& md, const std::vector<std::vector<WriteResult>>& results) override {
+    md.storage.clear();
+    std::set<std::string> referenced;
+    for (const auto& rank_results : results) {
+      for (const auto& r : rank_results) {
+        if (!md.storage.emplace(r.index, r.storage).second) {
+          throw InternalError("item " + r.index.ToString() + " was written twice");
+        }
+        referenced.insert(r.storage.relative_path);
+      }
+    }
+    // Every entry must have been written; checking here keeps a bad plan from committing.
+    ValidateMetadata(md, store_->uri());
+    store_->PublishAtomically(kMetadataName, EncodeMetadataFile(md));
+    // The new checkpoint is committed; data files of the one it replaced are garbage now.
+    for (const auto& name : store_->List()) {
+      if (IsDataObjectName(name) && !referenced.count(name)) {
+        try {
+          store_->Remove(name);
+        } catch (const Error&) {
+          // Leftover garbage does not make the committed checkpoint wrong; `dcp verify` lists
+          // unreferenced files.
+        }
+      }
+    }
+  }
+
+  void Abort() noexcept override {
+    for (const auto& name : created_) {
+      try {
+        store_->Remove(name);
+      } catch (...) {
+        // Abort runs after the real error was reported; a file left behind is unreferenced.
+      }
+    }
+    created_.clear();
+  }
+
+ private:
+  std::vector<WriteResult> WriteBucket(const SavePlan& plan, const SavePlanner& planner,
+                                       const std::string& name, const std::vector<size_t>& items) {
+    auto out = store_->Create(name);
+    std::vector<char> staging;
+    std::vector<WriteResult> results;
+    results.reserve(items.size());
+    for (size_t i : items) {
+      const WriteItem& item = plan.items[i];
+      const ResolvedData data = planner.ResolveData(item);
+      WriteResult r;
+      r.index = item.index;
+      r.storage.relative_path = name;
+      r.storage.offset = out->size();
+      uint32_t crc;
+      if (item.is_tensor()) {
+        if (data.tensor.shape != item.chunk.sizes || data.tensor.dtype != item.dtype) {
+          throw InvalidArgumentError("tensor " + item.index.ToString() + " changed during the save: plan has " +
+                                     std::string(DTypeName(item.dtype)) + ShapeToString(item.chunk.sizes) +
+                                     ", data is " + data.tensor.ToString());
+        }
+        crc = AppendTensor(*out, data.tensor, staging);
+      } else {
+        out->Append(data.bytes.data(), data.bytes.size());
+        crc = Crc32c(0, data.bytes.data(), data.bytes.size());
+      }
+      r.storage.length = out->size() - r.storage.offset;
+      r.storage.raw_length = r.storage.length;
+      r.storage.crc32c = crc;
+      r.size_in_bytes = r.storage.length;
+      results.push_back(std::move(r));
+    }
+    if (options_.sync) out->Sync();
+    out->Close();
+    return results;
+  }
+
+  std::shared_ptr<Store> store_;
+  StorageOptions options_;
+  StorageContext ctx_;
+  std::vector<std::string> created_;
+};
+
+class StoreReader : public StorageReader {
+ public:
+  StoreReader(std::shared_ptr<Store> store, StorageOptions options)
+      : store_(std::move(store)), options_(std::move(options)) {}
+
+  std::string uri() const override { return store_->uri(); }
+
+  Metadata ReadMetadata() override {
+    const std::string where = store_->uri() + "/" + kMetadataName;
+    if (!store_->Size(kMetadataName)) {
+      const auto names = store_->List();
+      const bool has_data = std::any_of(names.begin(), names.end(), IsDataObjectName);
+      if (has_data) {
+        throw NotFoundError("incomplete checkpoint at " + store_->uri() +
+                            ": data files are present but " + kMetadataName +
+                            " is missing (the save did not finish)");
+      }
+      throw NotFoundError("no checkpoint at " + store_->uri() + " (" + kMetadataName +
+                          " not found)");
+    }
+    return DecodeMetadataFile(store_->ReadAll(kMetadataName), where);
+  }
+
+  void SetUp(const Metadata& metadata, const StorageContext& ctx) override {
+    metadata_ = &metadata;
+    ctx_ = ctx;
+  }
+
+  LoadPlan PrepareLocalPlan(LoadPlan plan) override { return plan; }
+  std::vector<LoadPlan> PrepareGlobalPlan(std::vector<LoadPlan> plans) override { return plans; }
+
+  std::future<void> ReadData(const LoadPlan& plan, LoadPlanner& planner) override {
+    // Group items by file and sort by offset, so each file is read front to back.
+    std::map<std::string, std::vector<size_t>> by_file;
+    for (size_t i = 0; i < plan.items.size(); ++i) {
+      by_file[Info(plan.items[i]).relative_path].push_back(i);
+    }
+    std::vector<std::pair<std::string, std::vector<size_t>>> files(by_file.begin(), by_file.end());
+    for (auto& [name, items] : files) {
+      std::stable_sort(items.begin(), items.end(), [&](size_t a, size_t b) {
+        return Info(plan.items[a]).offset < Info(plan.items[b]).offset;
+      });
+    }
+    return std::async(std::launch::async, [this, &plan, &planner, files = std::move(files)] {
+      const size_t nthreads = std::clamp<size_t>(options_.read_threads, 1, std::max<size_t>(files.size(), 1));
+      std::atomic<size_t> next{0};
+      std::mutex mu;
+      std::exception_ptr first_error;
+      auto worker = [&] {
+        std::vector<char> scratch;
+        for (size_t f; (f = next.fetch_add(1)) < files.size();) {
+          try {
+            ReadFile(plan, planner, files[f].first, files[f].second, scratch);
+          } catch (...) {
+            std::lock_guard<std::mutex> lock(mu);
+            if (!first_error) first_error = std::current_exception();
+            next = files.size();  // stop handing out work
+          }
+        }
+      };
+      std::vector<std::thread> threads;
+      for (size_t t = 1; t < nthreads; ++t) threads.emplace_back(worker);
+      worker();
+      for (auto& t : threads) t.join();
+      if (first_error) std::rethrow_exception(first_error);
+    });
+  }
+
+ private:
+  const StorageInfo& Info(const ReadItem& item) const {
+    auto it = metadata_->storage.find(item.storage_index);
+    if (it == metadata_->storage.end()) {
+      throw CorruptionError(store_->uri() + ": metadata has no stored item " +
+                            item.storage_index.ToString());
+    }
+    return it->second;
+  }
+
+  const ChunkMeta& StoredChunk(const ReadItem& item) const {
+    const auto& t = std::get<TensorMetadata>(metadata_->entries.at(item.storage_index.fqn));
+    if (item.storage_index.index && *item.storage_index.index >= 0 &&
+        static_cast<size_t>(*item.storage_index.index) < t.chunks.size() &&
+        t.chunks[*item.storage_index.index].offsets == item.storage_index.offset) {
+      return t.chunks[*item.storage_index.index];
+    }
+    for (const auto& c : t.chunks) {
+      if (c.offsets == item.storage_index.offset) return c;
+    }
+    throw CorruptionError(store_->uri() + ": metadata has no chunk " + item.storage_index.ToString());
+  }
+
+  void Verify(const ReadItem& item, const StorageInfo& info, const void* data, size_t n) const {
+    if (!options_.verify_checksums || !info.crc32c) return;
+    const uint32_t actual = Crc32c(0, data, n);
+    if (actual != *info.crc32c) {
+      throw CorruptionError("checksum mismatch for " + item.storage_index.ToString() + " in '" +
+                            store_->uri() + "/" + info.relative_path + "' at offset " +
+                            std::to_string(info.offset) + " (" + std::to_string(info.length) +
+                            " bytes): stored crc32c " + std::to_string(*info.crc32c) +
+                            ", computed " + std::to_string(actual));
+    }
+  }
+
+  void ReadFile(const LoadPlan& plan, LoadPlanner& planner, const std::string& name,
+                const std::vector<size_t>& items, std::vector<char>& scratch) {
+    auto in = store_->Open(name);
+    for (size_t i : items) {
+      const ReadItem& item = plan.items[i];
+      const StorageInfo& info = Info(item);
+      if (!info.transforms.empty()) {
+        throw UnsupportedError("item " + item.storage_index.ToString() + " in '" + name +
+                               "' uses transform '" + info.transforms[0] +
+                               "', which this build cannot read");
+      }
+      if (item.type == ReadItemType::kBytes) {
+        std::string bytes(info.length, '\0');
+        in->ReadAt(info.offset, bytes.data(), bytes.size());
+        Verify(item, info, bytes.data(), bytes.size());
+        planner.LoadBytes(item, std::move(bytes));
+        continue;
+      }
+      const ChunkMeta& chunk = StoredChunk(item);
+      const auto& entry = std::get<TensorMetadata>(metadata_->entries.at(item.storage_index.fqn));
+      TensorView dst = planner.ResolveTensor(item);
+      if (dst.dtype != entry.dtype || dst.shape != item.lengths) {
+        throw InternalError("destination for " + item.dest_index.ToString() + " is " +
+                            dst.ToString() + ", expected " + ShapeToString(item.lengths));
+      }
+      const bool whole = item.lengths == chunk.sizes;
+      if (whole && dst.is_contiguous() && info.length == dst.nbytes()) {
+        // The common case: the stored chunk lands directly in its destination.
+        in->ReadAt(info.offset, dst.data, info.length);
+        Verify(item, info, dst.data, info.length);
+      } else {
+        // Resharding or a strided destination: read the stored chunk, copy the overlap.
+        // (The whole chunk is read so that its checksum can be verified.)
+        if (scratch.size() < info.length) scratch.resize(info.length);
+        in->ReadAt(info.offset, scratch.data(), info.length);
+        Verify(item, info, scratch.data(), info.length);
+        TensorView src = TensorView::FromContiguous(scratch.data(), entry.dtype, chunk.sizes)
+                             .Narrow(item.storage_offsets, item.lengths);
+        CopyTensor(dst, src);
+      }
+      planner.CommitTensor(item, dst);
+    }
+  }
+
+  std::shared_ptr<Store> store_;
+  StorageOptions options_;
+  const Metadata* metadata_ = nullptr;
+  StorageContext ctx_;
+};
+
+}  // namespace
+
+bool IsDataObjectName(const std::string& name) {
+  return name.rfind("data-", 0) == 0 && name.size() > 10 &&
+         name.compare(name.size() - 5, 5, ".data") == 0;
+}
+
+std::unique_ptr<StorageWriter> MakeStoreWriter(std::shared_ptr<Store> store,
+                                               const StorageOptions& options) {
+  return std::make_unique<StoreWriter>(std::move(store), options);
+}
+
+std::unique_ptr<StorageReader> MakeStoreReader(std::shared_ptr<Store> store,
+                                               const StorageOptions& options) {
+  return std::make_unique<StoreReader>(std::move(store), options);
+}
+
+}  // namespace dcp

@@ -1,0 +1,17 @@
+// A downstream program built against the installed package: saves and loads through mem://.
+#include <dcp/dcp.h>
+
+#include <cstdio>
+#include <vector>
+
+int main() {
+  std::vector<float> w(64, 1.5f), back(64, 0.f);
+  dcp::StateDict sd, out;
+  sd.Set("w", dcp::TensorView::FromContiguous(w.data(), dcp::DType::kFloat32, {8, 8}));
+  out.Set("w", dcp::TensorView::FromContiguous(back.data(), dcp::DType::kFloat32, {8, 8}));
+  dcp::Save(sd, "mem://consumer");
+  dcp::Load(out, "mem://consumer");
+  if (back != w) return 1;
+  std::printf("consumer ok (dcp %s)\n", dcp::LibraryVersion());
+  return 0;
+}

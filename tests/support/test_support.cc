@@ -1,0 +1,73 @@
+#include "support/test_support.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+namespace dcp::testing {
+
+void FillRandom(void* data, size_t n, uint64_t seed) {
+  // splitmix64: fast, and every byte differs from a zero fill.
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  auto* p = static_cast<unsigned char*>(data);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    x += 0x9E3779B97F4A7C15ull;
+    uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    std::memcpy(p + i, &z, 8);
+  }
+  for (; i < n; ++i) p[i] = static_cast<unsigned char>((x >> (i % 8 * 8)) ^ i);
+}
+
+TempDir::TempDir(const std::string& tag) {
+  const char* base = std::getenv("DCP_TEST_TMPDIR");
+  std::string root = base ? base : std::filesystem::temp_directory_path().string();
+  std::filesystem::create_directories(root);
+  static std::atomic<int> counter{0};
+  path_ = root + "/dcp-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+  std::filesystem::remove_all(path_);
+  std::filesystem::create_directories(path_);
+}
+
+TempDir::~TempDir() {
+  if (std::getenv("DCP_KEEP_TEST_DIRS") == nullptr) {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+}
+
+TensorView RandomTensor(DType dtype, const Shape& shape, uint64_t seed) {
+  TensorView t = TensorView::Allocate(dtype, shape);
+  FillRandom(t.data, t.nbytes(), seed);
+  if (dtype == DType::kBool) {  // keep bools canonical (0 or 1)
+    auto* p = static_cast<unsigned char*>(t.data);
+    for (size_t i = 0; i < t.nbytes(); ++i) p[i] &= 1;
+  }
+  return t;
+}
+
+TensorView Clone(const TensorView& v) {
+  TensorView out = TensorView::Allocate(v.dtype, v.shape);
+  CopyTensor(out, v);
+  return out;
+}
+
+bool SameElements(const TensorView& a, const TensorView& b) {
+  if (a.shape != b.shape || a.dtype != b.dtype) return false;
+  TensorView ca = Clone(a), cb = Clone(b);
+  return std::memcmp(ca.data, cb.data, ca.nbytes()) == 0;
+}
+
+std::pair<int64_t, int64_t> RowRange(int64_t n, int rank, int world) {
+  const int64_t base = n / world, extra = n % world;
+  const int64_t begin = rank * base + std::min<int64_t>(rank, extra);
+  return {begin, begin + base + (rank < extra ? 1 : 0)};
+}
+
+}  // namespace dcp::testing
