@@ -54,7 +54,9 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
   }
 
   std::vector<std::string> replies;
-  if (rank == 0) {
+  if (rank != 0) {
+    comm.Gather(mine.SerializeAsString(), 0, phase);  // a send: never blocks
+  } else {
     std::vector<RankFailure> failures;
     std::vector<std::string> payloads(size);
     try {
