@@ -422,6 +422,22 @@ LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
                                      ShapeToString(shard.offsets) + " (" + shard.view.ToString() +
                                      ") does not match " + Describe(st.dtype, global));
         }
+        // A shard outside the shape, or a second shard at the same offsets, would be left
+        // partly or wholly unfilled (ResolveTensor finds shards by their offsets).
+        for (size_t d = 0; d < global.size(); ++d) {
+          if (shard.offsets[d] < 0 || shard.offsets[d] > global[d] - shard.view.shape[d]) {
+            throw InvalidArgumentError("sharded tensor '" + fqn + "': local shard at " +
+                                       ShapeToString(shard.offsets) + " (" +
+                                       shard.view.ToString() + ") lies outside " +
+                                       Describe(st.dtype, global));
+          }
+        }
+        for (const auto& c : local) {
+          if (c.offsets == shard.offsets) {
+            throw InvalidArgumentError("sharded tensor '" + fqn + "' has two local shards at " +
+                                       ShapeToString(shard.offsets));
+          }
+        }
         local.push_back({shard.offsets, shard.view.shape});
       }
     }

@@ -1,8 +1,11 @@
 #include "proto/codec.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <set>
+#include <utility>
 
 #include "proto/checksum.h"
 #include "dcp.pb.h"  // generated from proto/dcp.proto
@@ -84,6 +87,35 @@ uint64_t GetLe(const char* p, int n) {
   uint64_t v = 0;
   for (int i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;
+}
+
+// Two chunks of a tensor of rank `rank` that overlap, if any (indices into `chunks`, which lie
+// inside the shape). Sort-and-sweep along the dimension with the most distinct chunk starts.
+std::optional<std::pair<size_t, size_t>> FindOverlap(const std::vector<ChunkMeta>& chunks,
+                                                     size_t rank) {
+  std::vector<size_t> order;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (chunks[i].numel() > 0) order.push_back(i);
+  }
+  if (order.size() < 2) return std::nullopt;
+  size_t dim = 0, best = 0;
+  for (size_t d = 0; d < rank; ++d) {
+    std::set<int64_t> starts;
+    for (size_t i : order) starts.insert(chunks[i].offsets[d]);
+    if (starts.size() > best) best = starts.size(), dim = d;
+  }
+  auto start = [&](size_t i) { return rank == 0 ? 0 : chunks[i].offsets[dim]; };
+  auto end = [&](size_t i) { return rank == 0 ? 1 : start(i) + chunks[i].sizes[dim]; };
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return start(a) < start(b); });
+  std::vector<size_t> active;
+  for (size_t i : order) {
+    std::erase_if(active, [&](size_t a) { return end(a) <= start(i); });
+    for (size_t a : active) {
+      if (Intersect(chunks[a], chunks[i])) return std::make_pair(a, i);
+    }
+    active.push_back(i);
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -375,6 +407,12 @@ void ValidateMetadata(const Metadata& md, std::string_view source) {
         fail("tensor '" + fqn + "' chunk " + c.ToString() + " stored length " +
              std::to_string(it->second.length) + " != " + std::to_string(raw));
       }
+    }
+    // Disjoint chunks whose sizes add up to the volume cover it exactly; overlapping ones may
+    // add up to it too while leaving a gap.
+    if (auto overlap = FindOverlap(t->chunks, t->shape.size())) {
+      fail("tensor '" + fqn + "' chunks " + t->chunks[overlap->first].ToString() + " and " +
+           t->chunks[overlap->second].ToString() + " overlap");
     }
     if (covered != volume) {
       fail("tensor '" + fqn + "' chunks cover " + std::to_string(covered) + " of " +

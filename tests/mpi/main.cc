@@ -1,3 +1,57 @@
+// Runs the Catch2 session on every rank of an MPI job. Every rank runs every test case in the
+// same order; tests call dcp collectives, whose timeouts keep a diverging rank from hanging the job.
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
-int main(int argc, char** argv) { return Catch::Session().run(argc, argv); }
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <memory>
+
+#include "mpi/mpi_support.h"
+
+namespace dcp::testing {
+namespace {
+std::unique_ptr<MpiCommunicator> g_comm;
+int g_counter = 0;
+}  // namespace
+
+MpiCommunicator& Comm() { return *g_comm; }
+
+std::string SharedDir(const std::string& tag) {
+  std::string path;
+  if (Comm().rank() == 0) {
+    const char* base = std::getenv("DCP_TEST_TMPDIR");
+    std::string root = base ? base : std::filesystem::temp_directory_path().string();
+    path = root + "/dcp-mpi-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(g_counter++);
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  return Comm().Broadcast(path, 0, "test/shared-dir");
+}
+
+void RemoveSharedDir(const std::string& path) {
+  Comm().Barrier("test/remove-dir");
+  if (Comm().rank() == 0 && std::getenv("DCP_KEEP_TEST_DIRS") == nullptr) {
+    std::filesystem::remove_all(path);
+  }
+}
+
+}  // namespace dcp::testing
+
+int main(int argc, char** argv) {
+  dcp::InitMpi(&argc, &argv);
+  int rc;
+  {
+    dcp::testing::g_comm = std::make_unique<dcp::MpiCommunicator>(MPI_COMM_WORLD);
+    dcp::testing::Comm().set_timeout(std::chrono::seconds(120));
+    Catch::Session session;
+    if (dcp::testing::Comm().rank() != 0) {
+      // Other ranks report failures only, so the log stays readable.
+      session.configData().reporterName = "compact";
+    }
+    rc = session.run(argc, argv);
+    dcp::testing::g_comm.reset();
+  }
+  return rc;
+}

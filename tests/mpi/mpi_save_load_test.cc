@@ -1,1 +1,332 @@
+// Multi-rank save/load over MPI (run at 1, 2 and 4 ranks by CTest).
 #include <catch2/catch.hpp>
+
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <filesystem>
+#include <thread>
+
+#include "dcp/dcp.h"
+#include "mpi/mpi_support.h"
+#include "storage/store_checkpoint.h"
+#include "support/test_support.h"
+
+using namespace dcp;
+using namespace dcp::testing;
+using Catch::Matchers::Contains;
+
+namespace {
+
+// Run `fn`; every rank must fail with a CollectiveError whose text is identical on all ranks.
+CollectiveError ExpectSameFailureEverywhere(const std::function<void()>& fn) {
+  std::string what = "<no error>";
+  std::optional<CollectiveError> err;
+  try {
+    fn();
+  } catch (const CollectiveError& e) {
+    what = e.what();
+    err = e;
+  } catch (const std::exception& e) {
+    what = std::string("<not a CollectiveError> ") + e.what();
+  }
+  auto all = Comm().AllGather(what, "test/compare-errors");
+  for (int r = 0; r < Comm().size(); ++r) {
+    INFO("rank " << r << ": " << all[r]);
+    CHECK(all[r] == all[0]);
+  }
+  REQUIRE(err.has_value());
+  return *err;
+}
+
+bool Exists(const std::string& path) { return std::filesystem::exists(path); }
+
+size_t CountDataFiles(const std::string& dir) {
+  size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) n += IsDataObjectName(e.path().filename());
+  return n;
+}
+
+// A row-sharded [rows, cols] tensor whose values depend only on the global element position.
+struct Sharded {
+  TensorView full_expected;  // only the local rows, as expected values
+  TensorView local;          // the buffer in the state dict
+  ShardedTensor st;
+};
+
+Sharded MakeSharded(DType dtype, int64_t rows, int64_t cols, uint64_t seed, bool fill) {
+  Sharded s;
+  const int r = Comm().rank(), w = Comm().size();
+  auto [b, e] = RowRange(rows, r, w);
+  TensorView full = RandomTensor(dtype, {rows, cols}, seed);
+  s.full_expected = Clone(full.Narrow({b, 0}, {e - b, cols}));
+  s.local = fill ? Clone(s.full_expected) : TensorView::Allocate(dtype, {e - b, cols});
+  s.st = ShardedTensor{dtype, {rows, cols}, {}};
+  if (e > b) s.st.local_shards.push_back({s.local, {b, 0}});
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("mpi: every dtype round trips bit-exactly, sharded and replicated", "[mpi]") {
+  const std::string dir = SharedDir("dtypes");
+  std::vector<Sharded> sharded, sharded_back;
+  std::vector<TensorView> replicated, replicated_back;
+  StateDict sd, back;
+  uint64_t seed = 1;
+  for (DType dt : AllDTypes()) {
+    const std::string name(DTypeName(dt));
+    sharded.push_back(MakeSharded(dt, 3 * Comm().size() + 1, 5, seed, true));
+    sharded_back.push_back(MakeSharded(dt, 3 * Comm().size() + 1, 5, seed, false));
+    replicated.push_back(RandomTensor(dt, {17}, seed + 1000));
+    replicated_back.push_back(TensorView::Allocate(dt, {17}));
+    sd.Nested("sharded").Set(name, sharded.back().st);
+    back.Nested("sharded").Set(name, sharded_back.back().st);
+    sd.Nested("replicated").Set(name, replicated.back());
+    back.Nested("replicated").Set(name, replicated_back.back());
+    ++seed;
+  }
+  Metadata md = Save(sd, dir + "/ckpt", Comm());
+  CHECK(md.world_size == Comm().size());
+  CHECK(md.entries.size() == 2 * AllDTypes().size());
+  Load(back, dir + "/ckpt", Comm());
+  for (size_t i = 0; i < sharded.size(); ++i) {
+    INFO(DTypeName(AllDTypes()[i]));
+    CHECK(SameElements(sharded_back[i].local, sharded[i].full_expected));
+    CHECK(SameElements(replicated_back[i], replicated[i]));
+  }
+  RemoveSharedDir(dir);
+}
+
+TEST_CASE("mpi: empty and 0-d tensors, non-contiguous views, byte blobs", "[mpi]") {
+  const std::string dir = SharedDir("shapes");
+  const int rank = Comm().rank();
+  TensorView scalar = RandomTensor(DType::kInt64, {}, 5);
+  TensorView empty = TensorView::Allocate(DType::kFloat32, {0, 4});
+  // A transposed view of a [6, 9] buffer: shape [9, 6], strides [1, 9].
+  TensorView base = RandomTensor(DType::kFloat16, {6, 9}, 6);
+  TensorView transposed = base;
+  transposed.shape = {9, 6};
+  transposed.strides = {1, 9};
+  // A strided slice: every other column of a [8, 10] buffer.
+  TensorView wide = RandomTensor(DType::kFloat64, {8, 10}, 7);
+  TensorView every_other = wide;
+  every_other.shape = {8, 5};
+  every_other.strides = {10, 2};
+  StateDict sd;
+  sd.Set("scalar", scalar).Set("empty", empty).Set("transposed", transposed).Set("strided", every_other);
+  sd.Set("shared_config", Blob{"lr=0.1"});
+  sd.Set("rank_state_" + std::to_string(rank), Blob{std::string(100 + rank, static_cast<char>('a' + rank))});
+  sd.Set("empty_blob", Blob{});
+  Save(sd, dir + "/ckpt", Comm());
+
+  // Load, including into a non-contiguous destination.
+  TensorView scalar_b = TensorView::Allocate(DType::kInt64, {});
+  TensorView empty_b = TensorView::Allocate(DType::kFloat32, {0, 4});
+  TensorView base_b = TensorView::Allocate(DType::kFloat16, {6, 9});
+  TensorView transposed_b = base_b;
+  transposed_b.shape = {9, 6};
+  transposed_b.strides = {1, 9};
+  TensorView strided_b = TensorView::Allocate(DType::kFloat64, {8, 5});
+  StateDict back;
+  back.Set("scalar", scalar_b).Set("empty", empty_b).Set("transposed", transposed_b).Set("strided", strided_b);
+  back.Set("shared_config", Blob{}).Set("rank_state_" + std::to_string(rank), Blob{}).Set("empty_blob", Blob{"x"});
+  Load(back, dir + "/ckpt", Comm());
+  CHECK(SameElements(scalar_b, scalar));
+  CHECK(SameElements(transposed_b, transposed));
+  CHECK(SameElements(base_b, base));
+  CHECK(SameElements(strided_b, every_other));
+  CHECK(std::get<Blob>(*back.Find("shared_config")).bytes == "lr=0.1");
+  CHECK(std::get<Blob>(*back.Find("rank_state_" + std::to_string(rank))).bytes ==
+        std::string(100 + rank, static_cast<char>('a' + rank)));
+  CHECK(std::get<Blob>(*back.Find("empty_blob")).bytes.empty());
+  RemoveSharedDir(dir);
+}
+
+TEST_CASE("mpi: more than 2 GiB in total, with a chunk above 2 GiB at one rank", "[mpi][large]") {
+  const std::string dir = SharedDir("large");
+  // 2.25 GiB of float32 split by rows; at one rank the single chunk is 2.25 GiB.
+  const int64_t cols = 1 << 20, rows = 576;  // 576 * 4 MiB
+  const int r = Comm().rank(), w = Comm().size();
+  auto [b, e] = RowRange(rows, r, w);
+  TensorView local = TensorView::Allocate(DType::kFloat32, {e - b, cols});
+  const size_t row_bytes = cols * 4;
+  for (int64_t i = b; i < e; ++i) FillRandom(static_cast<char*>(local.data) + (i - b) * row_bytes, row_bytes, i);
+  StateDict sd;
+  sd.Set("big", ShardedTensor{DType::kFloat32, {rows, cols}, {{local, {b, 0}}}});
+  SaveOptions so;
+  so.storage.files_per_rank = 2;
+  Metadata md = Save(sd, dir + "/ckpt", Comm(), so);
+  CHECK(md.TotalStoredBytes() == static_cast<uint64_t>(rows) * row_bytes);
+  CHECK(md.TotalStoredBytes() > (uint64_t{2} << 30));
+
+  // Reload into a different layout: everyone holds half of the columns of its rows... and the
+  // whole tensor is checked row by row against the generator.
+  std::memset(local.data, 0, local.nbytes());
+  Load(sd, dir + "/ckpt", Comm());
+  std::vector<char> expect(row_bytes);
+  bool ok = true;
+  for (int64_t i = b; i < e && ok; ++i) {
+    FillRandom(expect.data(), row_bytes, i);
+    ok = std::memcmp(static_cast<char*>(local.data) + (i - b) * row_bytes, expect.data(), row_bytes) == 0;
+  }
+  CHECK(ok);
+  RemoveSharedDir(dir);
+}
+
+namespace {
+
+class ThrowingPlanner : public DefaultSavePlanner {
+ public:
+  explicit ThrowingPlanner(bool fail) : fail_(fail) {}
+  SavePlan CreateLocalPlan() override {
+    if (fail_) throw InvalidArgumentError("planner refused on purpose");
+    return DefaultSavePlanner::CreateLocalPlan();
+  }
+
+ private:
+  bool fail_;
+};
+
+// Writes its data, then reports a storage failure (as a full disk would).
+class FailingWriter : public StorageWriter {
+ public:
+  FailingWriter(std::unique_ptr<StorageWriter> inner, bool fail) : inner_(std::move(inner)), fail_(fail) {}
+  std::string uri() const override { return inner_->uri(); }
+  void SetUp(const StorageContext& c) override { inner_->SetUp(c); }
+  SavePlan PrepareLocalPlan(SavePlan p) override { return inner_->PrepareLocalPlan(std::move(p)); }
+  std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan> p) override {
+    return inner_->PrepareGlobalPlan(std::move(p));
+  }
+  std::future<std::vector<WriteResult>> WriteData(const SavePlan& p, const SavePlanner& pl) override {
+    auto f = inner_->WriteData(p, pl);
+    if (!fail_) return f;
+    return std::async(std::launch::async, [f = std::move(f)]() mutable -> std::vector<WriteResult> {
+      f.get();
+      throw IoError("injected: no space left on device", false, 28);
+    });
+  }
+  void Finish(Metadata& m, const std::vector<std::vector<WriteResult>>& r) override { inner_->Finish(m, r); }
+  void Abort() noexcept override { inner_->Abort(); }
+
+ private:
+  std::unique_ptr<StorageWriter> inner_;
+  bool fail_;
+};
+
+StateDict SmallState(std::vector<TensorView>& keep) {
+  keep = {RandomTensor(DType::kFloat32, {32, 32}, 1 + Comm().rank()), RandomTensor(DType::kInt32, {10}, 99)};
+  StateDict sd;
+  sd.Set("per_rank_" + std::to_string(Comm().rank()), keep[0]).Set("replicated", keep[1]);
+  return sd;
+}
+
+}  // namespace
+
+TEST_CASE("mpi: a rank whose planner throws fails every rank alike; no metadata", "[mpi][fault]") {
+  const std::string dir = SharedDir("planner-fail");
+  const int bad = Comm().size() - 1;
+  std::vector<TensorView> keep;
+  StateDict sd = SmallState(keep);
+  ThrowingPlanner planner(Comm().rank() == bad);
+  SaveOptions so;
+  so.planner = &planner;
+  CollectiveError e = ExpectSameFailureEverywhere([&] { Save(sd, dir + "/ckpt", Comm(), so); });
+  CHECK(e.failed_ranks() == std::vector<int>{bad});
+  CHECK_THAT(e.what(), Contains("planner refused on purpose") && Contains("save/plan"));
+  CHECK_FALSE(Exists(dir + "/ckpt/" + kMetadataName));
+  RemoveSharedDir(dir);
+}
+
+TEST_CASE("mpi: a rank whose storage fails mid-write fails every rank; its files are removed",
+          "[mpi][fault]") {
+  const std::string dir = SharedDir("storage-fail");
+  const int bad = Comm().size() - 1;
+  std::vector<TensorView> keep;
+  StateDict sd = SmallState(keep);
+  FailingWriter writer(OpenStorageWriter(dir + "/ckpt"), Comm().rank() == bad);
+  CollectiveError e = ExpectSameFailureEverywhere([&] { Save(sd, writer, Comm()); });
+  CHECK(e.failed_ranks() == std::vector<int>{bad});
+  CHECK(e.failures()[0].code == ErrorCode::kIo);
+  CHECK_THAT(e.what(), Contains("no space left") && Contains("save/write"));
+  Comm().Barrier("test/after-fail");
+  CHECK_FALSE(Exists(dir + "/ckpt/" + kMetadataName));
+  CHECK(CountDataFiles(dir + "/ckpt") == 0);
+  RemoveSharedDir(dir);
+}
+
+TEST_CASE("mpi: saving over a checkpoint is refused unless overwrite is asked", "[mpi]") {
+  const std::string dir = SharedDir("overwrite");
+  std::vector<TensorView> keep;
+  StateDict sd = SmallState(keep);
+  const Metadata first = Save(sd, dir + "/ckpt", Comm());
+  CollectiveError e = ExpectSameFailureEverywhere([&] { Save(sd, dir + "/ckpt", Comm()); });
+  CHECK(e.failures()[0].code == ErrorCode::kAlreadyExists);
+  CHECK(ReadMetadata(dir + "/ckpt").save_id == first.save_id);
+  SaveOptions so;
+  so.storage.overwrite = true;
+  const Metadata second = Save(sd, dir + "/ckpt", Comm(), so);
+  CHECK(second.save_id != first.save_id);
+  CHECK(ReadMetadata(dir + "/ckpt").save_id == second.save_id);
+  RemoveSharedDir(dir);
+}
+
+TEST_CASE("mpi: missing or garbage metadata gives a clear error on every rank", "[mpi][fault]") {
+  const std::string dir = SharedDir("bad-metadata");
+  std::vector<TensorView> keep;
+  StateDict sd = SmallState(keep);
+  CollectiveError missing = ExpectSameFailureEverywhere([&] { Load(sd, dir + "/nothing", Comm()); });
+  CHECK(missing.failures()[0].code == ErrorCode::kNotFound);
+  CHECK_THAT(missing.what(), Contains("no checkpoint") && Contains(dir + "/nothing"));
+
+  Save(sd, dir + "/ckpt", Comm());
+  Comm().Barrier("test/saved");
+  if (Comm().rank() == 0) {
+    std::ofstream(dir + "/ckpt/" + kMetadataName, std::ios::trunc) << "garbage, not metadata";
+  }
+  Comm().Barrier("test/garbled");
+  CollectiveError garbage = ExpectSameFailureEverywhere([&] { Load(sd, dir + "/ckpt", Comm()); });
+  CHECK(garbage.failures()[0].code == ErrorCode::kCorruption);
+  CHECK_THAT(garbage.what(), Contains(kMetadataName) && Contains("not a dcp metadata file"));
+  RemoveSharedDir(dir);
+}
+
+TEST_CASE("mpi: a stalled rank is reported as timed out on every rank", "[mpi][fault]") {
+  if (Comm().size() < 2) return;  // needs a peer to stall
+  const std::string dir = SharedDir("stall");
+  std::vector<TensorView> keep;
+  StateDict sd = SmallState(keep);
+  const auto saved = Comm().timeout();
+  Comm().set_timeout(std::chrono::milliseconds(500));
+  const int bad = Comm().size() - 1;
+  class StallingPlanner : public DefaultSavePlanner {
+   public:
+    explicit StallingPlanner(bool stall) : stall_(stall) {}
+    SavePlan CreateLocalPlan() override {
+      if (stall_) std::this_thread::sleep_for(std::chrono::seconds(2));
+      return DefaultSavePlanner::CreateLocalPlan();
+    }
+    bool stall_;
+  } planner(Comm().rank() == bad);
+  SaveOptions so;
+  so.planner = &planner;
+  std::string what;
+  std::vector<int> ranks;
+  bool timed_out = false;
+  try {
+    Save(sd, dir + "/ckpt", Comm(), so);
+  } catch (const CollectiveError& e) {
+    what = e.what();
+    ranks = e.failed_ranks();
+    timed_out = e.timed_out();
+  }
+  Comm().set_timeout(saved);
+  CHECK(ranks == std::vector<int>{bad});
+  CHECK(timed_out);
+  CHECK_THAT(what, Contains("did not answer"));
+  auto all = Comm().AllGather(what, "test/compare");
+  for (const auto& w : all) CHECK(w == all[0]);
+  CHECK_FALSE(Exists(dir + "/ckpt/" + kMetadataName));
+  RemoveSharedDir(dir);
+}
