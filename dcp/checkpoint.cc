@@ -16,8 +16,9 @@ namespace {
 
 std::string NewSaveId() {
   std::random_device rd;
-  std::mt19937_64 rng((static_cast<uint64_t>(rd()) << 32) ^ rd() ^
-                      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  std::mt19937_64 rng(
+      (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
   char buf[17];
   snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(rng()));
   return buf;
@@ -117,7 +118,8 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
   }
   pb::PhaseOutcome out;
   if (!out.ParseFromString(reply)) {
-    throw CollectiveError(phase, {{0, ErrorCode::kInternal, "unreadable reply from rank 0", false}});
+    throw CollectiveError(phase,
+                          {{0, ErrorCode::kInternal, "unreadable reply from rank 0", false}});
   }
   if (out.failures_size() > 0) {
     std::vector<RankFailure> failures;
@@ -171,7 +173,8 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
           std::vector<std::vector<WriteResult>> results;
           for (const auto& r : locals) results.push_back(DecodeWriteResults(r));
           global_md.format_version = kFormatVersion;
-          global_md.checkpoint_id = options.checkpoint_id.empty() ? writer.uri() : options.checkpoint_id;
+          global_md.checkpoint_id =
+              options.checkpoint_id.empty() ? writer.uri() : options.checkpoint_id;
           global_md.save_id = sctx.save_id;
           global_md.world_size = size;
           global_md.created_unix_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -199,7 +202,9 @@ Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
   // The coordinator alone reads (and validates) the metadata; everyone else receives it.
   const std::string md_bytes = RunPhase(
       comm, "load/metadata", [] { return std::string(); },
-      [&](std::vector<std::string>) { return Replicate(EncodeMetadata(reader.ReadMetadata()), size); });
+      [&](std::vector<std::string>) {
+        return Replicate(EncodeMetadata(reader.ReadMetadata()), size);
+      });
   const Metadata md = DecodeMetadata(md_bytes, reader.uri());
 
   const std::string my_plan = RunPhase(
@@ -237,11 +242,15 @@ class FailedWriter : public StorageWriter {
   std::string uri() const override { return uri_; }
   void SetUp(const StorageContext&) override { std::rethrow_exception(e_); }
   SavePlan PrepareLocalPlan(SavePlan) override { std::rethrow_exception(e_); }
-  std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan>) override { std::rethrow_exception(e_); }
+  std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan>) override {
+    std::rethrow_exception(e_);
+  }
   std::future<std::vector<WriteResult>> WriteData(const SavePlan&, const SavePlanner&) override {
     std::rethrow_exception(e_);
   }
-  void Finish(Metadata&, const std::vector<std::vector<WriteResult>>&) override { std::rethrow_exception(e_); }
+  void Finish(Metadata&, const std::vector<std::vector<WriteResult>>&) override {
+    std::rethrow_exception(e_);
+  }
   void Abort() noexcept override {}
 
  private:
@@ -256,7 +265,9 @@ class FailedReader : public StorageReader {
   Metadata ReadMetadata() override { std::rethrow_exception(e_); }
   void SetUp(const Metadata&, const StorageContext&) override { std::rethrow_exception(e_); }
   LoadPlan PrepareLocalPlan(LoadPlan) override { std::rethrow_exception(e_); }
-  std::vector<LoadPlan> PrepareGlobalPlan(std::vector<LoadPlan>) override { std::rethrow_exception(e_); }
+  std::vector<LoadPlan> PrepareGlobalPlan(std::vector<LoadPlan>) override {
+    std::rethrow_exception(e_);
+  }
   std::future<void> ReadData(const LoadPlan&, LoadPlanner&) override { std::rethrow_exception(e_); }
 
  private:

@@ -24,7 +24,8 @@ std::string Frame(uint64_t seq, std::string payload) {
 bool Unframe(const std::string& frame, uint64_t* seq, std::string* payload) {
   if (frame.size() < 8) return false;
   uint64_t s = 0;
-  for (int i = 0; i < 8; ++i) s |= static_cast<uint64_t>(static_cast<unsigned char>(frame[i])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    s |= static_cast<uint64_t>(static_cast<unsigned char>(frame[i])) << (8 * i);
   *seq = s;
   *payload = frame.substr(8);
   return true;
@@ -92,7 +93,8 @@ std::string PointToPointCommunicator::Receive(int source, uint64_t seq,
       if (Unframe(*frame, &got, &payload) && got == seq) return payload;
       continue;  // a stale message of an abandoned collective: drop it
     }
-    if (std::chrono::steady_clock::now() >= deadline) ThrowTimeout(what, {source}, timeout(), rank());
+    if (std::chrono::steady_clock::now() >= deadline)
+      ThrowTimeout(what, {source}, timeout(), rank());
     Backoff(round);
   }
 }
@@ -226,7 +228,8 @@ std::optional<std::string> InProcessCommunicator::TryReceive(int source, int tag
 
 InProcessGroup::InProcessGroup(int size) : state_(std::make_shared<State>(size)) {
   if (size < 1) throw InvalidArgumentError("group size must be at least 1");
-  for (int r = 0; r < size; ++r) comms_.push_back(std::make_unique<InProcessCommunicator>(state_, r));
+  for (int r = 0; r < size; ++r)
+    comms_.push_back(std::make_unique<InProcessCommunicator>(state_, r));
 }
 InProcessGroup::~InProcessGroup() = default;
 int InProcessGroup::size() const { return state_->size; }

@@ -71,7 +71,9 @@ class PointToPointCommunicator : public Communicator {
   std::string Receive(int source, uint64_t seq, std::chrono::steady_clock::time_point deadline,
                       std::string_view what);
   uint64_t NextSeq() { return ++seq_; }
-  int TagFor(uint64_t seq) const { return static_cast<int>(seq % static_cast<uint64_t>(max_tag())); }
+  int TagFor(uint64_t seq) const {
+    return static_cast<int>(seq % static_cast<uint64_t>(max_tag()));
+  }
   uint64_t seq_ = 0;
 };
 
@@ -80,10 +82,14 @@ class LocalCommunicator : public Communicator {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
-  std::vector<std::string> Gather(std::string m, int, std::string_view) override { return {std::move(m)}; }
+  std::vector<std::string> Gather(std::string m, int, std::string_view) override {
+    return {std::move(m)};
+  }
   std::string Scatter(std::vector<std::string> m, int, std::string_view) override;
   std::string Broadcast(std::string m, int, std::string_view) override { return m; }
-  std::vector<std::string> AllGather(std::string m, std::string_view) override { return {std::move(m)}; }
+  std::vector<std::string> AllGather(std::string m, std::string_view) override {
+    return {std::move(m)};
+  }
   void Barrier(std::string_view) override {}
 };
 
@@ -96,7 +102,7 @@ class InProcessGroup {
   int size() const;
   Communicator& communicator(int rank);
 
- struct State;  // shared mailboxes (defined in communicator.cc)
+  struct State;  // shared mailboxes (defined in communicator.cc)
 
  private:
   std::shared_ptr<State> state_;

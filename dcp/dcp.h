@@ -2,8 +2,8 @@
 //
 //   dcp::StateDict sd;
 //   sd.Set("step", dcp::Blob{"100"});
-//   sd.Nested("model").Set("weight", dcp::TensorView::FromContiguous(ptr, dcp::DType::kFloat32, {1024, 1024}));
-//   dcp::MpiCommunicator comm;                       // or dcp::LocalCommunicator
+//   sd.Nested("model").Set("weight", dcp::TensorView::FromContiguous(ptr, dcp::DType::kFloat32,
+//   {1024, 1024})); dcp::MpiCommunicator comm;                       // or dcp::LocalCommunicator
 //   dcp::Save(sd, "/ckpt/step100", comm);            // every rank, collectively
 //   dcp::Load(sd, "/ckpt/step100", comm);            // in place, any layout, any world size
 #pragma once

@@ -15,7 +15,8 @@ void Check(int rc, const char* what) {
     char msg[MPI_MAX_ERROR_STRING];
     int len = 0;
     MPI_Error_string(rc, msg, &len);
-    throw CollectiveError(what, {{-1, ErrorCode::kIo, std::string(what) + ": " + std::string(msg, len), false}});
+    throw CollectiveError(
+        what, {{-1, ErrorCode::kIo, std::string(what) + ": " + std::string(msg, len), false}});
   }
 }
 }  // namespace

@@ -9,7 +9,8 @@ namespace dcp {
 namespace {
 
 #define DCP_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+  (TORCH_VERSION_MAJOR > (major) ||      \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 struct Pair {
   c10::ScalarType torch;
@@ -57,15 +58,16 @@ DType FromTorchDType(c10::ScalarType type) {
   for (const auto& p : Pairs()) {
     if (p.torch == type) return p.dcp;
   }
-  throw UnsupportedError(std::string("LibTorch dtype ") + c10::toString(type) + " has no dcp equivalent");
+  throw UnsupportedError(std::string("LibTorch dtype ") + c10::toString(type) +
+                         " has no dcp equivalent");
 }
 
 c10::ScalarType ToTorchDType(DType dtype) {
   for (const auto& p : Pairs()) {
     if (p.dcp == dtype) return p.torch;
   }
-  throw UnsupportedError("dtype " + std::string(DTypeName(dtype)) + " is not available in LibTorch " +
-                         TORCH_VERSION);
+  throw UnsupportedError("dtype " + std::string(DTypeName(dtype)) +
+                         " is not available in LibTorch " + TORCH_VERSION);
 }
 
 TensorView FromTorch(const torch::Tensor& tensor) {
@@ -80,7 +82,8 @@ TensorView FromTorch(const torch::Tensor& tensor) {
     throw UnsupportedError("tensors on " + tensor.device().str() + " are not supported");
   }
   // Hold a reference to the tensor (and so its storage) for as long as the view lives.
-  v.owner = std::shared_ptr<void>(new torch::Tensor(tensor), [](void* p) { delete static_cast<torch::Tensor*>(p); });
+  v.owner = std::shared_ptr<void>(new torch::Tensor(tensor),
+                                  [](void* p) { delete static_cast<torch::Tensor*>(p); });
   return v;
 }
 
@@ -89,7 +92,8 @@ torch::Tensor ToTorch(const TensorView& view) {
   if (!view.device.is_cpu()) options = options.device(torch::kCUDA, view.device.index);
   std::shared_ptr<void> owner = view.owner;
   return torch::from_blob(
-      view.data, view.shape, view.effective_strides(), [owner](void*) mutable { owner.reset(); }, options);
+      view.data, view.shape, view.effective_strides(), [owner](void*) mutable { owner.reset(); },
+      options);
 }
 
 StateDict& AddModuleState(const torch::nn::Module& module, StateDict& into) {

@@ -119,9 +119,7 @@ void ValidateChunks(const std::string& fqn, const Shape& shape,
         if (starts.size() > best) best = starts.size(), sweep_dim = d;
       }
     }
-    auto start = [&](size_t i) {
-      return shape.empty() ? 0 : chunks[i].chunk.offsets[sweep_dim];
-    };
+    auto start = [&](size_t i) { return shape.empty() ? 0 : chunks[i].chunk.offsets[sweep_dim]; };
     auto end = [&](size_t i) {
       return shape.empty() ? 1 : start(i) + chunks[i].chunk.sizes[sweep_dim];
     };
@@ -236,8 +234,8 @@ std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
     const WriteItem& first = plans[hs[0].rank].items[hs[0].item];
     for (const auto& h : hs) {
       const WriteItem& other = plans[h.rank].items[h.item];
-      if (other.type != first.type || other.dtype != first.dtype ||
-          other.chunk != first.chunk || other.global_shape != first.global_shape) {
+      if (other.type != first.type || other.dtype != first.dtype || other.chunk != first.chunk ||
+          other.global_shape != first.global_shape) {
         throw InvalidArgumentError(
             "item " + index.ToString() + " differs between ranks: rank " +
             std::to_string(hs[0].rank) + " has " + Describe(first.dtype, first.chunk.sizes) +
@@ -324,18 +322,19 @@ std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
       if (inserted) first_rank[d.fqn] = static_cast<int>(r);
       const auto* t = std::get_if<TensorMetadata>(&it->second);
       if (t == nullptr || t->dtype != d.dtype || t->shape != d.shape) {
-        throw InvalidArgumentError(
-            "tensor '" + d.fqn + "' disagrees across ranks: rank " +
-            std::to_string(first_rank[d.fqn]) + " has " +
-            (t ? Describe(t->dtype, t->shape) : std::string("a byte blob")) + ", rank " +
-            std::to_string(r) + " has " + Describe(d.dtype, d.shape));
+        throw InvalidArgumentError("tensor '" + d.fqn + "' disagrees across ranks: rank " +
+                                   std::to_string(first_rank[d.fqn]) + " has " +
+                                   (t ? Describe(t->dtype, t->shape) : std::string("a byte blob")) +
+                                   ", rank " + std::to_string(r) + " has " +
+                                   Describe(d.dtype, d.shape));
       }
     }
     plans[r].planner_data.clear();
   }
   // 4. Every tensor must be tiled exactly by its chunks.
   for (const auto& [fqn, entry] : md.entries) {
-    if (const auto* t = std::get_if<TensorMetadata>(&entry)) ValidateChunks(fqn, t->shape, placed[fqn]);
+    if (const auto* t = std::get_if<TensorMetadata>(&entry))
+      ValidateChunks(fqn, t->shape, placed[fqn]);
   }
   return {std::move(plans), std::move(md)};
 }
@@ -389,8 +388,7 @@ LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
     const auto* saved = std::get_if<TensorMetadata>(&md_it->second);
     const bool want_tensor = !std::holds_alternative<Blob>(value);
     if ((saved != nullptr) != want_tensor) {
-      throw InvalidArgumentError("'" + fqn + "' is " + KindName(value) +
-                                 " in the state dict but " +
+      throw InvalidArgumentError("'" + fqn + "' is " + KindName(value) + " in the state dict but " +
                                  (saved ? "a tensor" : "a byte blob") + " in the checkpoint");
     }
     if (!want_tensor) {
@@ -427,9 +425,8 @@ LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
         for (size_t d = 0; d < global.size(); ++d) {
           if (shard.offsets[d] < 0 || shard.offsets[d] > global[d] - shard.view.shape[d]) {
             throw InvalidArgumentError("sharded tensor '" + fqn + "': local shard at " +
-                                       ShapeToString(shard.offsets) + " (" +
-                                       shard.view.ToString() + ") lies outside " +
-                                       Describe(st.dtype, global));
+                                       ShapeToString(shard.offsets) + " (" + shard.view.ToString() +
+                                       ") lies outside " + Describe(st.dtype, global));
           }
         }
         for (const auto& c : local) {

@@ -11,8 +11,8 @@ namespace dcp {
 
 template <typename ValuePtr>
 struct FlatEntryT {
-  KeyPath path;     // keys from the root, e.g. {"model", "layer1", "weight"}
-  ValuePtr value;   // points into the state dict; valid while the dict is not modified
+  KeyPath path;    // keys from the root, e.g. {"model", "layer1", "weight"}
+  ValuePtr value;  // points into the state dict; valid while the dict is not modified
 };
 using FlatEntry = FlatEntryT<const StateValue*>;
 using MutableFlatEntry = FlatEntryT<StateValue*>;

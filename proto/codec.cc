@@ -7,8 +7,8 @@
 #include <set>
 #include <utility>
 
-#include "proto/checksum.h"
 #include "dcp.pb.h"  // generated from proto/dcp.proto
+#include "proto/checksum.h"
 
 namespace dcp {
 
@@ -85,7 +85,8 @@ void PutLe(std::string* out, uint64_t v, int n) {
 }
 uint64_t GetLe(const char* p, int n) {
   uint64_t v = 0;
-  for (int i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  for (int i = 0; i < n; ++i)
+    v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;
 }
 
@@ -399,9 +400,8 @@ void ValidateMetadata(const Metadata& md, std::string_view source) {
       }
       const uint64_t raw = static_cast<uint64_t>(n) * ElementSize(t->dtype);
       if (it->second.raw_length != raw) {
-        fail("tensor '" + fqn + "' chunk " + c.ToString() + " should hold " +
-             std::to_string(raw) + " bytes but its stored item records " +
-             std::to_string(it->second.raw_length));
+        fail("tensor '" + fqn + "' chunk " + c.ToString() + " should hold " + std::to_string(raw) +
+             " bytes but its stored item records " + std::to_string(it->second.raw_length));
       }
       if (it->second.transforms.empty() && it->second.length != raw) {
         fail("tensor '" + fqn + "' chunk " + c.ToString() + " stored length " +
@@ -420,7 +420,16 @@ void ValidateMetadata(const Metadata& md, std::string_view source) {
     }
   }
   for (const auto& [index, info] : md.storage) {
-    if (!md.entries.count(index.fqn)) fail("stored item " + index.ToString() + " has no entry");
+    auto entry = md.entries.find(index.fqn);
+    if (entry == md.entries.end()) fail("stored item " + index.ToString() + " has no entry");
+    if (const auto* t = std::get_if<TensorMetadata>(&entry->second)) {
+      const bool matches = std::any_of(t->chunks.begin(), t->chunks.end(), [&](const ChunkMeta& c) {
+        return c.offsets == index.offset;
+      });
+      if (!matches) fail("stored item " + index.ToString() + " matches no chunk of its tensor");
+    } else if (!index.offset.empty()) {
+      fail("stored item " + index.ToString() + " of a byte entry has chunk offsets");
+    }
     const std::string& p = info.relative_path;
     if (p.empty() || p[0] == '/' || p.find('\0') != std::string::npos) {
       fail("stored item " + index.ToString() + " has an invalid path '" + p + "'");

@@ -12,15 +12,24 @@ namespace dcp {
 
 const char* ErrorCodeName(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kInvalidArgument: return "InvalidArgument";
-    case ErrorCode::kNotFound: return "NotFound";
-    case ErrorCode::kAlreadyExists: return "AlreadyExists";
-    case ErrorCode::kCorruption: return "Corruption";
-    case ErrorCode::kIo: return "Io";
-    case ErrorCode::kUnsupported: return "Unsupported";
-    case ErrorCode::kCollective: return "Collective";
-    case ErrorCode::kTimeout: return "Timeout";
-    case ErrorCode::kInternal: return "Internal";
+    case ErrorCode::kInvalidArgument:
+      return "InvalidArgument";
+    case ErrorCode::kNotFound:
+      return "NotFound";
+    case ErrorCode::kAlreadyExists:
+      return "AlreadyExists";
+    case ErrorCode::kCorruption:
+      return "Corruption";
+    case ErrorCode::kIo:
+      return "Io";
+    case ErrorCode::kUnsupported:
+      return "Unsupported";
+    case ErrorCode::kCollective:
+      return "Collective";
+    case ErrorCode::kTimeout:
+      return "Timeout";
+    case ErrorCode::kInternal:
+      return "Internal";
   }
   return "Unknown";
 }
@@ -76,14 +85,22 @@ bool CollectiveError::timed_out() const {
 
 void ThrowError(ErrorCode code, const std::string& message, bool retryable) {
   switch (code) {
-    case ErrorCode::kInvalidArgument: throw InvalidArgumentError(message);
-    case ErrorCode::kNotFound: throw NotFoundError(message);
-    case ErrorCode::kAlreadyExists: throw AlreadyExistsError(message);
-    case ErrorCode::kCorruption: throw CorruptionError(message);
-    case ErrorCode::kIo: throw IoError(message, retryable);
-    case ErrorCode::kUnsupported: throw UnsupportedError(message);
-    case ErrorCode::kInternal: throw InternalError(message);
-    default: throw Error(code, message, retryable);
+    case ErrorCode::kInvalidArgument:
+      throw InvalidArgumentError(message);
+    case ErrorCode::kNotFound:
+      throw NotFoundError(message);
+    case ErrorCode::kAlreadyExists:
+      throw AlreadyExistsError(message);
+    case ErrorCode::kCorruption:
+      throw CorruptionError(message);
+    case ErrorCode::kIo:
+      throw IoError(message, retryable);
+    case ErrorCode::kUnsupported:
+      throw UnsupportedError(message);
+    case ErrorCode::kInternal:
+      throw InternalError(message);
+    default:
+      throw Error(code, message, retryable);
   }
 }
 

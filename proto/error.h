@@ -2,14 +2,14 @@
 //
 // Every failure the library reports is a dcp::Error (a std::runtime_error) whose code() tells a
 // caller what to do about it:
-//   kInvalidArgument  the request itself is wrong (bad state dict, mismatched shapes); fix the call.
-//   kNotFound         a checkpoint, file or key is absent.
-//   kAlreadyExists    a checkpoint is already there and overwrite was not asked for.
-//   kCorruption       stored bytes or metadata are damaged or not a dcp checkpoint; do not retry.
-//   kIo               the storage failed; retryable() says whether retrying the call may succeed.
-//   kUnsupported      a format version or feature this build does not understand.
-//   kCollective       one or more ranks failed or did not answer; failures() names them.
-//   kInternal         a broken invariant inside dcp (a bug); please report it.
+//   kInvalidArgument  the request itself is wrong (bad state dict, mismatched shapes); fix the
+//   call. kNotFound         a checkpoint, file or key is absent. kAlreadyExists    a checkpoint is
+//   already there and overwrite was not asked for. kCorruption       stored bytes or metadata are
+//   damaged or not a dcp checkpoint; do not retry. kIo               the storage failed;
+//   retryable() says whether retrying the call may succeed. kUnsupported      a format version or
+//   feature this build does not understand. kCollective       one or more ranks failed or did not
+//   answer; failures() names them. kInternal         a broken invariant inside dcp (a bug); please
+//   report it.
 // Errors cross threads inside std::future and cross ranks as ErrorReport messages; both keep the
 // code, the message and the retryable bit.
 #pragma once

@@ -47,8 +47,8 @@ using KeyPath = std::vector<std::string>;
 
 struct SavePlan {
   std::vector<WriteItem> items;
-  std::string storage_data;  // opaque to everyone but the StorageWriter
-  std::string planner_data;  // opaque to everyone but the SavePlanner
+  std::string storage_data;                  // opaque to everyone but the StorageWriter
+  std::string planner_data;                  // opaque to everyone but the SavePlanner
   std::map<std::string, KeyPath> key_paths;  // fqn -> nesting, for entries this plan created
 };
 
@@ -73,12 +73,12 @@ struct LoadPlan {
 
 /// Where the bytes of one stored item live.
 struct StorageInfo {
-  std::string relative_path;  // relative to the checkpoint root
-  uint64_t offset = 0;        // of the stored (transformed) bytes in the file
-  uint64_t length = 0;        // stored length
-  std::optional<uint32_t> crc32c;   // of the stored bytes
+  std::string relative_path;            // relative to the checkpoint root
+  uint64_t offset = 0;                  // of the stored (transformed) bytes in the file
+  uint64_t length = 0;                  // stored length
+  std::optional<uint32_t> crc32c;       // of the stored bytes
   std::vector<std::string> transforms;  // applied in order on save; empty = raw bytes
-  uint64_t raw_length = 0;    // length before transforms
+  uint64_t raw_length = 0;              // length before transforms
 };
 
 struct WriteResult {

@@ -70,9 +70,14 @@ const std::vector<DType>& AllDTypes() {
 }
 
 int64_t NumElements(const Shape& shape) {
-  int64_t n = 1;
   for (int64_t d : shape) {
     if (d < 0) throw InvalidArgumentError("negative dimension in shape " + ShapeToString(shape));
+  }
+  for (int64_t d : shape) {
+    if (d == 0) return 0;  // an empty tensor, however large its other dimensions
+  }
+  int64_t n = 1;
+  for (int64_t d : shape) {
     if (d != 0 && n > INT64_MAX / d) {
       throw InvalidArgumentError("element count of shape " + ShapeToString(shape) +
                                  " overflows int64");
@@ -234,8 +239,8 @@ void CopyTensor(const TensorView& dst, const TensorView& src) {
                                ": shape or dtype differs");
   }
   if (!dst.device.is_cpu() || !src.device.is_cpu()) {
-    throw UnsupportedError("CopyTensor handles host memory only, got " + src.ToString() +
-                           " -> " + dst.ToString());
+    throw UnsupportedError("CopyTensor handles host memory only, got " + src.ToString() + " -> " +
+                           dst.ToString());
   }
   if (src.numel() == 0) return;
   const int64_t es = static_cast<int64_t>(ElementSize(src.dtype));
@@ -263,11 +268,21 @@ void CopyTensor(const TensorView& dst, const TensorView& src) {
     } else {
       const int64_t ds = l.dst_strides.back() * es, ss = l.src_strides.back() * es;
       switch (es) {
-        case 1: CopyElements<1>(d, s, inner, ds, ss); break;
-        case 2: CopyElements<2>(d, s, inner, ds, ss); break;
-        case 4: CopyElements<4>(d, s, inner, ds, ss); break;
-        case 8: CopyElements<8>(d, s, inner, ds, ss); break;
-        default: CopyElements<16>(d, s, inner, ds, ss); break;
+        case 1:
+          CopyElements<1>(d, s, inner, ds, ss);
+          break;
+        case 2:
+          CopyElements<2>(d, s, inner, ds, ss);
+          break;
+        case 4:
+          CopyElements<4>(d, s, inner, ds, ss);
+          break;
+        case 8:
+          CopyElements<8>(d, s, inner, ds, ss);
+          break;
+        default:
+          CopyElements<16>(d, s, inner, ds, ss);
+          break;
       }
     }
     // Advance the outer index (odometer over all but the innermost dim).

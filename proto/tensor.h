@@ -118,8 +118,9 @@ std::optional<ChunkMeta> Intersect(const ChunkMeta& a, const ChunkMeta& b);
 /// elements are copied with memcpy.
 void CopyTensor(const TensorView& dst, const TensorView& src);
 
-/// True when the elements of `view` occupy one gap-free byte range (any order of dims with unit
-/// steps collapsed); such a view can be read or written as a single span.
+/// True when the elements of `view`, visited in row-major order, occupy one gap-free ascending
+/// byte range; such a view can be read or written as a single span. (A transposed view is dense
+/// in memory but not in that order, so it is not.)
 bool IsDense(const TensorView& view);
 
 }  // namespace dcp

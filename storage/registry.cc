@@ -59,9 +59,10 @@ void RegisterStoreInto(Registry& reg, const std::string& scheme,
 Registry& GetRegistry() {
   static Registry* reg = [] {
     auto* r = new Registry();
-    RegisterStoreInto(*r, "file", [](const std::string& loc) { return MakeFileStore(loc); },
-                      false);
-    RegisterStoreInto(*r, "mem", [](const std::string& loc) { return MakeMemStore(loc); }, false);
+    RegisterStoreInto(
+        *r, "file", [](const std::string& loc) { return MakeFileStore(loc); }, false);
+    RegisterStoreInto(
+        *r, "mem", [](const std::string& loc) { return MakeMemStore(loc); }, false);
     return r;
   }();
   return *reg;
@@ -115,8 +116,8 @@ std::unique_ptr<StorageWriter> OpenStorageWriter(const std::string& uri,
     std::lock_guard<std::mutex> lock(reg.mu);
     auto it = reg.backends.find(scheme);
     if (it == reg.backends.end()) {
-      throw InvalidArgumentError("no storage backend for '" + uri + "' (registered: " +
-                                 KnownSchemes(reg) + ")");
+      throw InvalidArgumentError("no storage backend for '" + uri +
+                                 "' (registered: " + KnownSchemes(reg) + ")");
     }
     backend = it->second;
   }
@@ -132,8 +133,8 @@ std::unique_ptr<StorageReader> OpenStorageReader(const std::string& uri,
     std::lock_guard<std::mutex> lock(reg.mu);
     auto it = reg.backends.find(scheme);
     if (it == reg.backends.end()) {
-      throw InvalidArgumentError("no storage backend for '" + uri + "' (registered: " +
-                                 KnownSchemes(reg) + ")");
+      throw InvalidArgumentError("no storage backend for '" + uri +
+                                 "' (registered: " + KnownSchemes(reg) + ")");
     }
     backend = it->second;
   }
@@ -160,8 +161,7 @@ void LoadStoragePlugin(const std::string& library_path) {
   void* handle = ::dlopen(library_path.c_str(), RTLD_NOW | RTLD_GLOBAL);
   if (handle == nullptr) {
     const char* err = ::dlerror();
-    throw IoError("cannot load storage plugin '" + library_path + "': " + (err ? err : "?"),
-                  false);
+    throw IoError("cannot load storage plugin '" + library_path + "': " + (err ? err : "?"), false);
   }
   using RegisterFn = void (*)();
   if (auto fn = reinterpret_cast<RegisterFn>(::dlsym(handle, "dcp_register_storage"))) fn();

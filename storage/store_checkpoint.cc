@@ -84,9 +84,8 @@ class StoreWriter : public StorageWriter {
     created_.clear();
     store_->CreateRoot();
     if (ctx.is_coordinator && !options_.overwrite && store_->Size(kMetadataName)) {
-      throw AlreadyExistsError("a checkpoint already exists at " + store_->uri() +
-                               " (it has " + kMetadataName +
-                               "); pass overwrite to replace it");
+      throw AlreadyExistsError("a checkpoint already exists at " + store_->uri() + " (it has " +
+                               kMetadataName + "); pass overwrite to replace it");
     }
   }
 
@@ -106,7 +105,8 @@ class StoreWriter : public StorageWriter {
       throw InternalError("save plan has no file prefix; PrepareGlobalPlan was not applied");
     }
     // Size-balanced buckets: largest item first onto the bucket with the fewest bytes.
-    const size_t nb = std::min<size_t>(options_.files_per_rank, std::max<size_t>(plan.items.size(), 1));
+    const size_t nb =
+        std::min<size_t>(options_.files_per_rank, std::max<size_t>(plan.items.size(), 1));
     std::vector<size_t> order(plan.items.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
@@ -139,7 +139,8 @@ class StoreWriter : public StorageWriter {
       for (auto& f : futures) {  // wait for every bucket, even after one failed
         try {
           auto r = f.get();
-          all.insert(all.end(), std::make_move_iterator(r.begin()), std::make_move_iterator(r.end()));
+          all.insert(all.end(), std::make_move_iterator(r.begin()),
+                     std::make_move_iterator(r.end()));
         } catch (...) {
           if (!first_error) first_error = std::current_exception();
         }
@@ -204,9 +205,10 @@ class StoreWriter : public StorageWriter {
       uint32_t crc;
       if (item.is_tensor()) {
         if (data.tensor.shape != item.chunk.sizes || data.tensor.dtype != item.dtype) {
-          throw InvalidArgumentError("tensor " + item.index.ToString() + " changed during the save: plan has " +
-                                     std::string(DTypeName(item.dtype)) + ShapeToString(item.chunk.sizes) +
-                                     ", data is " + data.tensor.ToString());
+          throw InvalidArgumentError(
+              "tensor " + item.index.ToString() + " changed during the save: plan has " +
+              std::string(DTypeName(item.dtype)) + ShapeToString(item.chunk.sizes) + ", data is " +
+              data.tensor.ToString());
         }
         crc = AppendTensor(*out, data.tensor, staging);
       } else {
@@ -274,7 +276,8 @@ class StoreReader : public StorageReader {
       });
     }
     return std::async(std::launch::async, [this, &plan, &planner, files = std::move(files)] {
-      const size_t nthreads = std::clamp<size_t>(options_.read_threads, 1, std::max<size_t>(files.size(), 1));
+      const size_t nthreads =
+          std::clamp<size_t>(options_.read_threads, 1, std::max<size_t>(files.size(), 1));
       std::atomic<size_t> next{0};
       std::mutex mu;
       std::exception_ptr first_error;
@@ -318,7 +321,8 @@ class StoreReader : public StorageReader {
     for (const auto& c : t.chunks) {
       if (c.offsets == item.storage_index.offset) return c;
     }
-    throw CorruptionError(store_->uri() + ": metadata has no chunk " + item.storage_index.ToString());
+    throw CorruptionError(store_->uri() + ": metadata has no chunk " +
+                          item.storage_index.ToString());
   }
 
   void Verify(const ReadItem& item, const StorageInfo& info, const void* data, size_t n) const {

@@ -48,7 +48,7 @@ std::pair<int64_t, int64_t> Rows(int64_t n, int rank, int world) {
 
 // The training state of one rank. `fill` false gives zeroed buffers of the same layout.
 struct Model {
-  std::vector<TensorView> buffers;  // keeps memory alive
+  std::vector<TensorView> buffers;                         // keeps memory alive
   std::vector<std::pair<std::string, TensorView>> checks;  // what to compare after load
   StateDict sd;
 };
@@ -80,10 +80,12 @@ Model BuildState(int rank, int world, int64_t size_mib, bool fill) {
   {
     auto [b, e] = Rows(vocab, rank, world);
     TensorView local = alloc(DType::kFloat32, {e - b, d});
-    model.Nested("embed").Set("weight", ShardedTensor{DType::kFloat32, {vocab, d}, {{local, {b, 0}}}});
+    model.Nested("embed").Set("weight",
+                              ShardedTensor{DType::kFloat32, {vocab, d}, {{local, {b, 0}}}});
     m.checks.emplace_back("model.embed.weight", local);
     TensorView moment = alloc(DType::kFloat32, {e - b, d});
-    m.sd.Nested("optim").Nested("exp_avg").Set("embed", ShardedTensor{DType::kFloat32, {vocab, d}, {{moment, {b, 0}}}});
+    m.sd.Nested("optim").Nested("exp_avg").Set(
+        "embed", ShardedTensor{DType::kFloat32, {vocab, d}, {{moment, {b, 0}}}});
     m.checks.emplace_back("optim.exp_avg.embed", moment);
   }
   // Column-sharded MLP weight (bf16): tensor-parallel style.
@@ -131,7 +133,8 @@ Model BuildState(int rank, int world, int64_t size_mib, bool fill) {
 }
 
 bool Equal(const TensorView& a, const TensorView& b) {
-  TensorView ca = TensorView::Allocate(a.dtype, a.shape), cb = TensorView::Allocate(b.dtype, b.shape);
+  TensorView ca = TensorView::Allocate(a.dtype, a.shape),
+             cb = TensorView::Allocate(b.dtype, b.shape);
   CopyTensor(ca, a);
   CopyTensor(cb, b);
   return std::memcmp(ca.data, cb.data, ca.nbytes()) == 0;
@@ -145,7 +148,9 @@ bool DropCaches() {
   return static_cast<bool>(f.flush());
 }
 
-double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
 
 // Raw baseline: write this rank's bytes to one file with large pwrites + fdatasync, read back.
 std::pair<double, double> RawBaseline(Communicator& comm, const std::string& dir, const Model& m,
@@ -198,7 +203,8 @@ int main(int argc, char** argv) {
   int files_per_rank = 1;
   bool baseline = false, no_drop = false;
   app.add_option("--dir", dir, "checkpoint directory (default: a fresh temporary directory, kept)");
-  app.add_option("--size-mib", size_mib, "approximate size of the state in MiB")->check(CLI::PositiveNumber);
+  app.add_option("--size-mib", size_mib, "approximate size of the state in MiB")
+      ->check(CLI::PositiveNumber);
   app.add_option("--files-per-rank", files_per_rank, "data files each rank writes in parallel");
   app.add_flag("--baseline", baseline, "also time raw write+fsync and read of the same bytes");
   app.add_flag("--no-drop-caches", no_drop, "do not drop the page cache before loads");
@@ -236,7 +242,8 @@ int main(int argc, char** argv) {
     comm->Barrier("demo");
     auto t1 = Clock::now();
 
-    const bool cold = !no_drop && (rank != 0 || true) && comm->Broadcast(rank == 0 && DropCaches() ? "1" : "0", 0, "demo") == "1";
+    const bool cold = !no_drop && (rank != 0 || true) &&
+                      comm->Broadcast(rank == 0 && DropCaches() ? "1" : "0", 0, "demo") == "1";
     Model dst = BuildState(rank, world, size_mib, false);  // fresh, zeroed buffers
     comm->Barrier("demo");
     auto t2 = Clock::now();
@@ -269,26 +276,34 @@ int main(int argc, char** argv) {
       std::set<std::string> files;
       size_t tensors = 0, blobs = 0;
       for (const auto& [index, info] : md.storage) files.insert(info.relative_path);
-      for (const auto& [fqn, e] : md.entries) (std::holds_alternative<TensorMetadata>(e) ? tensors : blobs)++;
+      for (const auto& [fqn, e] : md.entries)
+        (std::holds_alternative<TensorMetadata>(e) ? tensors : blobs)++;
       const double stored = static_cast<double>(md.TotalStoredBytes());
       const double save_s = Seconds(t0, t1), load_s = Seconds(t2, t3);
-      std::printf("dcp-demo: %d rank%s, checkpoint %s\n", world, world == 1 ? "" : "s", ckpt.c_str());
-      std::printf("  state    %zu tensors + %zu blobs, %.1f MiB held in memory (all ranks), %.1f MiB stored "
-                  "(replicated data written once) in %zu data files + metadata\n",
-                  tensors, blobs, static_cast<double>(local_bytes) * world / 1048576.0, stored / 1048576.0,
-                  files.size());
-      std::printf("  save     %.3f s  %.2f GB/s (stored bytes, fsync'd)\n", save_s, stored / save_s / 1e9);
+      std::printf("dcp-demo: %d rank%s, checkpoint %s\n", world, world == 1 ? "" : "s",
+                  ckpt.c_str());
+      std::printf(
+          "  state    %zu tensors + %zu blobs, %.1f MiB held in memory (all ranks), %.1f MiB "
+          "stored "
+          "(replicated data written once) in %zu data files + metadata\n",
+          tensors, blobs, static_cast<double>(local_bytes) * world / 1048576.0, stored / 1048576.0,
+          files.size());
+      std::printf("  save     %.3f s  %.2f GB/s (stored bytes, fsync'd)\n", save_s,
+                  stored / save_s / 1e9);
       std::printf("  load     %.3f s  %.2f GB/s (%s page cache, into fresh buffers)\n", load_s,
                   stored / load_s / 1e9, cold ? "cold" : "warm");
       if (baseline) {
         const double raw_bytes = static_cast<double>(local_bytes) * world;
-        std::printf("  raw      write+fsync %.2f GB/s, read %.2f GB/s (%s) of %.1f MiB, same directory\n",
-                    raw_bytes / raw.first / 1e9, raw_bytes / raw.second / 1e9, cold ? "cold" : "warm",
-                    raw_bytes / 1048576.0);
+        std::printf(
+            "  raw      write+fsync %.2f GB/s, read %.2f GB/s (%s) of %.1f MiB, same directory\n",
+            raw_bytes / raw.first / 1e9, raw_bytes / raw.second / 1e9, cold ? "cold" : "warm",
+            raw_bytes / 1048576.0);
         std::printf("  ratio    save/raw-write %.2f, load/raw-read %.2f\n",
-                    (stored / save_s) / (raw_bytes / raw.first), (stored / load_s) / (raw_bytes / raw.second));
+                    (stored / save_s) / (raw_bytes / raw.first),
+                    (stored / load_s) / (raw_bytes / raw.second));
       }
-      std::printf("  verify   %s\n", total_mismatches == 0 ? "bit-exact on every rank" : "MISMATCHES (see stderr)");
+      std::printf("  verify   %s\n",
+                  total_mismatches == 0 ? "bit-exact on every rank" : "MISMATCHES (see stderr)");
     }
     return total_mismatches == 0 ? 0 : 1;
   } catch (const Error& e) {

@@ -1,10 +1,10 @@
 // Runs the Catch2 session on every rank of an MPI job. Every rank runs every test case in the
-// same order; tests call dcp collectives, whose timeouts keep a diverging rank from hanging the job.
+// same order; tests call dcp collectives, whose timeouts keep a diverging rank from hanging the
+// job.
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
-
 #include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <filesystem>
 #include <memory>
 
@@ -23,7 +23,8 @@ std::string SharedDir(const std::string& tag) {
   if (Comm().rank() == 0) {
     const char* base = std::getenv("DCP_TEST_TMPDIR");
     std::string root = base ? base : std::filesystem::temp_directory_path().string();
-    path = root + "/dcp-mpi-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(g_counter++);
+    path = root + "/dcp-mpi-" + tag + "-" + std::to_string(::getpid()) + "-" +
+           std::to_string(g_counter++);
     std::filesystem::remove_all(path);
     std::filesystem::create_directories(path);
   }

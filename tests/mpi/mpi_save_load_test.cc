@@ -1,11 +1,10 @@
 // Multi-rank save/load over MPI (run at 1, 2 and 4 ranks by CTest).
 #include <catch2/catch.hpp>
-
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
-#include <filesystem>
 #include <thread>
 
 #include "dcp/dcp.h"
@@ -44,7 +43,8 @@ bool Exists(const std::string& path) { return std::filesystem::exists(path); }
 
 size_t CountDataFiles(const std::string& dir) {
   size_t n = 0;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) n += IsDataObjectName(e.path().filename());
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    n += IsDataObjectName(e.path().filename());
   return n;
 }
 
@@ -115,9 +115,13 @@ TEST_CASE("mpi: empty and 0-d tensors, non-contiguous views, byte blobs", "[mpi]
   every_other.shape = {8, 5};
   every_other.strides = {10, 2};
   StateDict sd;
-  sd.Set("scalar", scalar).Set("empty", empty).Set("transposed", transposed).Set("strided", every_other);
+  sd.Set("scalar", scalar)
+      .Set("empty", empty)
+      .Set("transposed", transposed)
+      .Set("strided", every_other);
   sd.Set("shared_config", Blob{"lr=0.1"});
-  sd.Set("rank_state_" + std::to_string(rank), Blob{std::string(100 + rank, static_cast<char>('a' + rank))});
+  sd.Set("rank_state_" + std::to_string(rank),
+         Blob{std::string(100 + rank, static_cast<char>('a' + rank))});
   sd.Set("empty_blob", Blob{});
   Save(sd, dir + "/ckpt", Comm());
 
@@ -130,8 +134,13 @@ TEST_CASE("mpi: empty and 0-d tensors, non-contiguous views, byte blobs", "[mpi]
   transposed_b.strides = {1, 9};
   TensorView strided_b = TensorView::Allocate(DType::kFloat64, {8, 5});
   StateDict back;
-  back.Set("scalar", scalar_b).Set("empty", empty_b).Set("transposed", transposed_b).Set("strided", strided_b);
-  back.Set("shared_config", Blob{}).Set("rank_state_" + std::to_string(rank), Blob{}).Set("empty_blob", Blob{"x"});
+  back.Set("scalar", scalar_b)
+      .Set("empty", empty_b)
+      .Set("transposed", transposed_b)
+      .Set("strided", strided_b);
+  back.Set("shared_config", Blob{})
+      .Set("rank_state_" + std::to_string(rank), Blob{})
+      .Set("empty_blob", Blob{"x"});
   Load(back, dir + "/ckpt", Comm());
   CHECK(SameElements(scalar_b, scalar));
   CHECK(SameElements(transposed_b, transposed));
@@ -152,7 +161,8 @@ TEST_CASE("mpi: more than 2 GiB in total, with a chunk above 2 GiB at one rank",
   auto [b, e] = RowRange(rows, r, w);
   TensorView local = TensorView::Allocate(DType::kFloat32, {e - b, cols});
   const size_t row_bytes = cols * 4;
-  for (int64_t i = b; i < e; ++i) FillRandom(static_cast<char*>(local.data) + (i - b) * row_bytes, row_bytes, i);
+  for (int64_t i = b; i < e; ++i)
+    FillRandom(static_cast<char*>(local.data) + (i - b) * row_bytes, row_bytes, i);
   StateDict sd;
   sd.Set("big", ShardedTensor{DType::kFloat32, {rows, cols}, {{local, {b, 0}}}});
   SaveOptions so;
@@ -169,7 +179,8 @@ TEST_CASE("mpi: more than 2 GiB in total, with a chunk above 2 GiB at one rank",
   bool ok = true;
   for (int64_t i = b; i < e && ok; ++i) {
     FillRandom(expect.data(), row_bytes, i);
-    ok = std::memcmp(static_cast<char*>(local.data) + (i - b) * row_bytes, expect.data(), row_bytes) == 0;
+    ok = std::memcmp(static_cast<char*>(local.data) + (i - b) * row_bytes, expect.data(),
+                     row_bytes) == 0;
   }
   CHECK(ok);
   RemoveSharedDir(dir);
@@ -192,14 +203,16 @@ class ThrowingPlanner : public DefaultSavePlanner {
 // Writes its data, then reports a storage failure (as a full disk would).
 class FailingWriter : public StorageWriter {
  public:
-  FailingWriter(std::unique_ptr<StorageWriter> inner, bool fail) : inner_(std::move(inner)), fail_(fail) {}
+  FailingWriter(std::unique_ptr<StorageWriter> inner, bool fail)
+      : inner_(std::move(inner)), fail_(fail) {}
   std::string uri() const override { return inner_->uri(); }
   void SetUp(const StorageContext& c) override { inner_->SetUp(c); }
   SavePlan PrepareLocalPlan(SavePlan p) override { return inner_->PrepareLocalPlan(std::move(p)); }
   std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan> p) override {
     return inner_->PrepareGlobalPlan(std::move(p));
   }
-  std::future<std::vector<WriteResult>> WriteData(const SavePlan& p, const SavePlanner& pl) override {
+  std::future<std::vector<WriteResult>> WriteData(const SavePlan& p,
+                                                  const SavePlanner& pl) override {
     auto f = inner_->WriteData(p, pl);
     if (!fail_) return f;
     return std::async(std::launch::async, [f = std::move(f)]() mutable -> std::vector<WriteResult> {
@@ -207,7 +220,9 @@ class FailingWriter : public StorageWriter {
       throw IoError("injected: no space left on device", false, 28);
     });
   }
-  void Finish(Metadata& m, const std::vector<std::vector<WriteResult>>& r) override { inner_->Finish(m, r); }
+  void Finish(Metadata& m, const std::vector<std::vector<WriteResult>>& r) override {
+    inner_->Finish(m, r);
+  }
   void Abort() noexcept override { inner_->Abort(); }
 
  private:
@@ -216,7 +231,8 @@ class FailingWriter : public StorageWriter {
 };
 
 StateDict SmallState(std::vector<TensorView>& keep) {
-  keep = {RandomTensor(DType::kFloat32, {32, 32}, 1 + Comm().rank()), RandomTensor(DType::kInt32, {10}, 99)};
+  keep = {RandomTensor(DType::kFloat32, {32, 32}, 1 + Comm().rank()),
+          RandomTensor(DType::kInt32, {10}, 99)};
   StateDict sd;
   sd.Set("per_rank_" + std::to_string(Comm().rank()), keep[0]).Set("replicated", keep[1]);
   return sd;
@@ -276,7 +292,8 @@ TEST_CASE("mpi: missing or garbage metadata gives a clear error on every rank", 
   const std::string dir = SharedDir("bad-metadata");
   std::vector<TensorView> keep;
   StateDict sd = SmallState(keep);
-  CollectiveError missing = ExpectSameFailureEverywhere([&] { Load(sd, dir + "/nothing", Comm()); });
+  CollectiveError missing =
+      ExpectSameFailureEverywhere([&] { Load(sd, dir + "/nothing", Comm()); });
   CHECK(missing.failures()[0].code == ErrorCode::kNotFound);
   CHECK_THAT(missing.what(), Contains("no checkpoint") && Contains(dir + "/nothing"));
 

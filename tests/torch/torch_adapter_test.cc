@@ -1,9 +1,10 @@
 // LibTorch brings glog, whose CHECK macro would shadow Catch's: use the CATCH_ prefixed macros.
 #define CATCH_CONFIG_PREFIX_ALL
+#include "dcp/torch_adapter.h"
+
 #include <catch2/catch.hpp>
 
 #include "dcp/dcp.h"
-#include "dcp/torch_adapter.h"
 #include "storage/mem_store.h"
 
 using namespace dcp;
@@ -27,9 +28,11 @@ CATCH_TEST_CASE("torch: dtype mapping round trips for every dtype LibTorch has",
   CATCH_CHECK_THROWS_AS(FromTorchDType(c10::ScalarType::QInt8), UnsupportedError);
 }
 
-CATCH_TEST_CASE("torch: a module's parameters save and load in place, keeping identity", "[torch]") {
+CATCH_TEST_CASE("torch: a module's parameters save and load in place, keeping identity",
+                "[torch]") {
   torch::manual_seed(0);
-  torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::BatchNorm1d(16), torch::nn::Linear(16, 4));
+  torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::BatchNorm1d(16),
+                            torch::nn::Linear(16, 4));
   net->forward(torch::randn({5, 8}));  // moves BatchNorm running stats
   ClearMemStore("torch-module");
   StateDict sd;

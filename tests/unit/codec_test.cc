@@ -1,9 +1,10 @@
 // CRC32C, the wire encodings of plans and results, and the metadata file: its envelope, its
 // round trip, and the validation of untrusted metadata.
-#include <catch2/catch.hpp>
+#include "proto/codec.h"
 
 #include <sys/mman.h>
 
+#include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -11,7 +12,6 @@
 #include <vector>
 
 #include "proto/checksum.h"
-#include "proto/codec.h"
 #include "proto/error.h"
 #include "proto/plan.h"
 #include "support/test_support.h"
@@ -168,12 +168,11 @@ TEST_CASE("codec: Crc32c incremental equals one-shot", "[codec][crc]") {
   const uint32_t whole = Crc32c(0, data.data(), data.size());
   for (size_t split : {size_t{1}, size_t{7}, size_t{4096}, size_t{65537}, data.size() - 1}) {
     INFO("split " << split);
-    CHECK(Crc32c(Crc32c(0, data.data(), split), data.data() + split, data.size() - split) ==
-          whole);
+    CHECK(Crc32c(Crc32c(0, data.data(), split), data.data() + split, data.size() - split) == whole);
   }
   // Three pieces.
-  CHECK(Crc32c(Crc32c(Crc32c(0, data.data(), 10), data.data() + 10, 50000),
-               data.data() + 50010, data.size() - 50010) == whole);
+  CHECK(Crc32c(Crc32c(Crc32c(0, data.data(), 10), data.data() + 10, 50000), data.data() + 50010,
+               data.size() - 50010) == whole);
   // And it does depend on the data.
   data[500] ^= 1;
   CHECK(Crc32c(0, data.data(), data.size()) != whole);
@@ -300,8 +299,8 @@ TEST_CASE("codec: WriteResults round trip", "[codec][plan]") {
   results[1].storage = {"__0_0.distcp", 0, 5, std::nullopt, {}, 5};
   results[2].index = {"big", {0}, 0};
   results[2].size_in_bytes = uint64_t{3} << 33;
-  results[2].storage = {"__1_0.distcp", uint64_t{1} << 35, 1234, 0xDEADBEEFu, {"zstd"},
-                        uint64_t{3} << 33};
+  results[2].storage = {"__1_0.distcp", uint64_t{1} << 35, 1234,
+                        0xDEADBEEFu,    {"zstd"},          uint64_t{3} << 33};
 
   const auto back = DecodeWriteResults(EncodeWriteResults(results));
   REQUIRE(back.size() == results.size());
@@ -376,9 +375,7 @@ TEST_CASE("codec: DecodeMetadataFile rejects damaged files", "[codec][metadata]"
       CHECK_THAT(msg, Contains("truncated"));
     }
   }
-  SECTION("trailing bytes") {
-    CHECK_THROWS_AS(decode(good + "x"), CorruptionError);
-  }
+  SECTION("trailing bytes") { CHECK_THROWS_AS(decode(good + "x"), CorruptionError); }
   SECTION("flipped payload byte") {
     for (size_t at : {kMetadataHeaderSize, good.size() / 2, good.size() - 1}) {
       INFO("byte " << at);
@@ -456,6 +453,16 @@ TEST_CASE("codec: ValidateMetadata rejects inconsistent metadata", "[codec][meta
     return msg;
   };
 
+  SECTION("a stored item at offsets that match no chunk") {
+    md.storage.emplace(MetadataIndex{"model.w", {1, 1}, {}}, stored("model.b", {0}));
+    CHECK_THAT(message(), Contains("matches no chunk") && Contains("model.w"));
+  }
+  SECTION("a byte entry's stored item with chunk offsets") {
+    StorageInfo info = md.storage.at(MetadataIndex{"rng", {}, {}});
+    md.storage.erase(MetadataIndex{"rng", {}, {}});
+    md.storage.emplace(MetadataIndex{"rng", {0}, {}}, info);
+    CHECK_THROWS_AS(ValidateMetadata(md, kSource), CorruptionError);
+  }
   SECTION("'..' in a path") {
     stored("model.w", {2, 3}).relative_path = "../escape.distcp";
     const std::string msg = message();

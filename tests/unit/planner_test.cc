@@ -1,8 +1,7 @@
 // Flattening of nested state dicts and the default save and load planners, driven by hand for N
 // simulated ranks (no communicator, no storage).
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <map>
 #include <memory>
 #include <set>
@@ -166,8 +165,7 @@ TEST_CASE("planner: FlattenStateDict rejects colliding and empty keys", "[planne
     StateDict sd;
     sd.Nested("a").Set("b.c", Blob{"x"});
     sd.Nested("a.b").Set("c", Blob{"y"});
-    CHECK_THAT(MessageOf<InvalidArgumentError>([&] { FlattenStateDict(sd); }),
-               Contains("a.b.c"));
+    CHECK_THAT(MessageOf<InvalidArgumentError>([&] { FlattenStateDict(sd); }), Contains("a.b.c"));
   }
   SECTION("empty key at the top") {
     StateDict sd;
@@ -177,8 +175,7 @@ TEST_CASE("planner: FlattenStateDict rejects colliding and empty keys", "[planne
   SECTION("empty key in a nested dict names its parent") {
     StateDict sd;
     sd.Nested("model").Set("", Blob{"x"});
-    CHECK_THAT(MessageOf<InvalidArgumentError>([&] { FlattenStateDict(sd); }),
-               Contains("model"));
+    CHECK_THAT(MessageOf<InvalidArgumentError>([&] { FlattenStateDict(sd); }), Contains("model"));
   }
   SECTION("null nested dict") {
     StateDict sd;
@@ -453,8 +450,7 @@ TEST_CASE("planner: local plan errors", "[planner][save]") {
     sd.Set("w", st);
   }
   planner.SetUp(sd, {0, 1, true});
-  CHECK_THAT(MessageOf<InvalidArgumentError>([&] { planner.CreateLocalPlan(); }),
-             Contains("'w'"));
+  CHECK_THAT(MessageOf<InvalidArgumentError>([&] { planner.CreateLocalPlan(); }), Contains("'w'"));
 }
 
 TEST_CASE("planner: ResolveData returns the local data", "[planner][save]") {
@@ -488,9 +484,10 @@ TEST_CASE("planner: ValidateChunks", "[planner][chunks]") {
     CHECK_NOTHROW(ValidateChunks("s", {}, {pc({}, {})}));
     CHECK_THAT(MessageOf<InvalidArgumentError>([&] { ValidateChunks("s", {}, {}); }),
                Contains("'s'"));
-    CHECK_THAT(
-        MessageOf<InvalidArgumentError>([&] { ValidateChunks("s", {}, {pc({}, {}), pc({}, {})}); }),
-        Contains("overlap"));
+    CHECK_THAT(MessageOf<InvalidArgumentError>([&] {
+                 ValidateChunks("s", {}, {pc({}, {}), pc({}, {})});
+               }),
+               Contains("overlap"));
     CHECK_THROWS_AS(ValidateChunks("s", {}, {pc({0}, {1})}), InvalidArgumentError);
   }
   SECTION("zero-size tensors") {
@@ -503,18 +500,19 @@ TEST_CASE("planner: ValidateChunks", "[planner][chunks]") {
     CHECK_NOTHROW(ValidateChunks("z", {2, 2}, {pc({0, 0}, {2, 2}), pc({1, 1}, {0, 1})}));
   }
   SECTION("exact tilings") {
-    CHECK_NOTHROW(ValidateChunks("t", {4, 4},
-                                 {pc({2, 2}, {2, 2}), pc({0, 0}, {2, 2}), pc({0, 2}, {2, 2}),
-                                  pc({2, 0}, {2, 2})}));
+    CHECK_NOTHROW(ValidateChunks(
+        "t", {4, 4},
+        {pc({2, 2}, {2, 2}), pc({0, 0}, {2, 2}), pc({0, 2}, {2, 2}), pc({2, 0}, {2, 2})}));
     CHECK_NOTHROW(ValidateChunks("t", {5, 3}, {pc({0, 0}, {5, 1}), pc({0, 1}, {5, 2})}));
     // An L-shaped tiling: a long chunk beside two short ones.
-    CHECK_NOTHROW(ValidateChunks("t", {4, 2},
-                                 {pc({0, 0}, {4, 1}), pc({0, 1}, {1, 1}), pc({1, 1}, {3, 1})}));
+    CHECK_NOTHROW(
+        ValidateChunks("t", {4, 2}, {pc({0, 0}, {4, 1}), pc({0, 1}, {1, 1}), pc({1, 1}, {3, 1})}));
   }
   SECTION("overlaps whose sizes add up to the volume") {
     // Rows [0, 2) and [1, 3) of 4: 16 elements as the tensor has, yet overlapping.
-    const std::string msg = MessageOf<InvalidArgumentError>(
-        [&] { ValidateChunks("t", {4, 4}, {pc({0, 0}, {2, 4}, 0), pc({1, 0}, {2, 4}, 1)}); });
+    const std::string msg = MessageOf<InvalidArgumentError>([&] {
+      ValidateChunks("t", {4, 4}, {pc({0, 0}, {2, 4}, 0), pc({1, 0}, {2, 4}, 1)});
+    });
     CHECK_THAT(msg, Contains("'t'"));
     CHECK_THAT(msg, Contains("overlap"));
     CHECK_THAT(msg, Contains("rank 0"));
@@ -535,8 +533,7 @@ TEST_CASE("planner: ValidateChunks", "[planner][chunks]") {
   }
   SECTION("out of bounds and rank mismatch") {
     CHECK_THROWS_WITH(ValidateChunks("t", {4}, {pc({2}, {3})}), Contains("outside"));
-    CHECK_THROWS_WITH(ValidateChunks("t", {4}, {pc({-1}, {1}), pc({0}, {4})}),
-                      Contains("outside"));
+    CHECK_THROWS_WITH(ValidateChunks("t", {4}, {pc({-1}, {1}), pc({0}, {4})}), Contains("outside"));
     CHECK_THROWS_AS(ValidateChunks("t", {4}, {pc({0, 0}, {4, 1})}), InvalidArgumentError);
   }
   SECTION("a gap") {
@@ -701,8 +698,7 @@ TEST_CASE("planner: load plan errors", "[planner][load]") {
     st.global_shape = {8, 6};
     st.local_shards.push_back({TensorView::Allocate(DType::kFloat32, {8, 3}), {0, 4}});
     sd.Nested("m").Set("w", st);
-    CHECK_THAT(MessageOf<InvalidArgumentError>([&] { LocalLoadPlan(sd, md); }),
-               Contains("'m.w'"));
+    CHECK_THAT(MessageOf<InvalidArgumentError>([&] { LocalLoadPlan(sd, md); }), Contains("'m.w'"));
   }
   SECTION("two local shards at the same offsets") {
     ShardedTensor st;
@@ -710,16 +706,14 @@ TEST_CASE("planner: load plan errors", "[planner][load]") {
     st.local_shards.push_back({TensorView::Allocate(DType::kFloat32, {8, 3}), {0, 0}});
     st.local_shards.push_back({TensorView::Allocate(DType::kFloat32, {8, 3}), {0, 0}});
     sd.Nested("m").Set("w", st);
-    CHECK_THAT(MessageOf<InvalidArgumentError>([&] { LocalLoadPlan(sd, md); }),
-               Contains("'m.w'"));
+    CHECK_THAT(MessageOf<InvalidArgumentError>([&] { LocalLoadPlan(sd, md); }), Contains("'m.w'"));
   }
   SECTION("a local shard whose dtype is not the tensor's") {
     ShardedTensor st;
     st.global_shape = {8, 6};
     st.local_shards.push_back({TensorView::Allocate(DType::kFloat64, {8, 6}), {0, 0}});
     sd.Nested("m").Set("w", st);
-    CHECK_THAT(MessageOf<InvalidArgumentError>([&] { LocalLoadPlan(sd, md); }),
-               Contains("'m.w'"));
+    CHECK_THAT(MessageOf<InvalidArgumentError>([&] { LocalLoadPlan(sd, md); }), Contains("'m.w'"));
   }
 }
 

@@ -2,7 +2,6 @@
 // dedup, and the failure semantics: an error or a stall on any rank in any phase is the same
 // CollectiveError on every rank, no metadata is written, and the location keeps what it had.
 #include <catch2/catch.hpp>
-
 #include <chrono>
 #include <functional>
 #include <set>
@@ -13,16 +12,17 @@
 #include "support/test_support.h"
 
 using namespace dcp;
+using Catch::Matchers::Contains;
 using dcp::testing::RandomTensor;
 using dcp::testing::RowRange;
 using dcp::testing::SameElements;
-using Catch::Matchers::Contains;
 
 namespace {
 
 // Run fn(rank, comm) on `n` threads; returns each rank's exception (or nullptr).
-std::vector<std::exception_ptr> RunRanks(int n, const std::function<void(int, Communicator&)>& fn,
-                                         std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+std::vector<std::exception_ptr> RunRanks(
+    int n, const std::function<void(int, Communicator&)>& fn,
+    std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
   InProcessGroup group(n);
   std::vector<std::exception_ptr> errors(n);
   std::vector<std::thread> threads;
@@ -88,8 +88,10 @@ RankState MakeRankState(int rank, int world, bool random) {
   // Values depend only on global position, so any layout can be compared with any other.
   TensorView full = RandomTensor(DType::kFloat32, {kRows, kCols}, 7);
   TensorView rows = full.Narrow({b, 0}, {e - b, kCols});
-  s.shard = random ? dcp::testing::Clone(rows) : TensorView::Allocate(DType::kFloat32, {e - b, kCols});
-  s.bias = random ? RandomTensor(DType::kFloat64, {5}, 11) : TensorView::Allocate(DType::kFloat64, {5});
+  s.shard =
+      random ? dcp::testing::Clone(rows) : TensorView::Allocate(DType::kFloat32, {e - b, kCols});
+  s.bias =
+      random ? RandomTensor(DType::kFloat64, {5}, 11) : TensorView::Allocate(DType::kFloat64, {5});
   ShardedTensor st{DType::kFloat32, {kRows, kCols}, {}};
   if (e > b) st.local_shards.push_back({s.shard, {b, 0}});
   s.sd.Nested("layer").Set("weight", st).Set("bias", s.bias);
@@ -100,7 +102,8 @@ RankState MakeRankState(int rank, int world, bool random) {
 // A SavePlanner that throws from a chosen step on a chosen rank.
 class FailingSavePlanner : public DefaultSavePlanner {
  public:
-  FailingSavePlanner(int rank, int fail_rank, std::string step) : rank_(rank), fail_rank_(fail_rank), step_(std::move(step)) {}
+  FailingSavePlanner(int rank, int fail_rank, std::string step)
+      : rank_(rank), fail_rank_(fail_rank), step_(std::move(step)) {}
   SavePlan CreateLocalPlan() override {
     Maybe("local");
     return DefaultSavePlanner::CreateLocalPlan();
@@ -110,14 +113,17 @@ class FailingSavePlanner : public DefaultSavePlanner {
     return DefaultSavePlanner::CreateGlobalPlan(std::move(p));
   }
   ResolvedData ResolveData(const WriteItem& item) const override {
-    if (rank_ == fail_rank_ && step_ == "resolve") throw InvalidArgumentError("resolve failed on purpose");
+    if (rank_ == fail_rank_ && step_ == "resolve")
+      throw InvalidArgumentError("resolve failed on purpose");
     return DefaultSavePlanner::ResolveData(item);
   }
 
  private:
   void Maybe(const std::string& step) {
-    if (rank_ == fail_rank_ && step_ == step) throw InvalidArgumentError(step + " failed on purpose");
-    if (rank_ == fail_rank_ && step_ == "stall-" + step) std::this_thread::sleep_for(std::chrono::seconds(2));
+    if (rank_ == fail_rank_ && step_ == step)
+      throw InvalidArgumentError(step + " failed on purpose");
+    if (rank_ == fail_rank_ && step_ == "stall-" + step)
+      std::this_thread::sleep_for(std::chrono::seconds(2));
   }
   int rank_, fail_rank_;
   std::string step_;
@@ -158,7 +164,9 @@ TEST_CASE("protocol: round trip and reshard across 1, 2, 3 and 4 ranks", "[proto
           RankState expect = MakeRankState(r, load_world, true);
           CHECK(SameElements(loaded[r].shard, expect.shard));
           CHECK(SameElements(loaded[r].bias, expect.bias));
-          if (r < save_world) CHECK(std::get<Blob>(*loaded[r].sd.Find("rng" + std::to_string(r))).bytes == "rank-" + std::to_string(r));
+          if (r < save_world)
+            CHECK(std::get<Blob>(*loaded[r].sd.Find("rng" + std::to_string(r))).bytes ==
+                  "rank-" + std::to_string(r));
         }
       }
     }
@@ -169,7 +177,8 @@ TEST_CASE("protocol: replicated tensors are written once, balanced across ranks"
   const std::string name = "proto-dedup";
   ClearMemStore(name);
   std::vector<TensorView> replicated;
-  for (int i = 0; i < 4; ++i) replicated.push_back(RandomTensor(DType::kFloat32, {256, 256}, 100 + i));
+  for (int i = 0; i < 4; ++i)
+    replicated.push_back(RandomTensor(DType::kFloat32, {256, 256}, 100 + i));
   std::vector<Metadata> mds(4);
   RequireNoErrors(RunRanks(4, [&](int r, Communicator& comm) {
     StateDict sd;
@@ -200,7 +209,8 @@ TEST_CASE("protocol: a failing planner fails every rank alike and writes no meta
       });
       CollectiveError e = SameErrorEverywhere(errors);
       CHECK(e.failed_ranks() == std::vector<int>{fail_rank});
-      CHECK_THAT(e.what(), Contains("failed on purpose") && Contains("rank " + std::to_string(fail_rank)));
+      CHECK_THAT(e.what(),
+                 Contains("failed on purpose") && Contains("rank " + std::to_string(fail_rank)));
       CHECK_FALSE(e.timed_out());
       CHECK_FALSE(HasMetadata(name));
       CHECK(DataObjects(name) == 0);  // aborted saves clean up after themselves
@@ -222,7 +232,8 @@ TEST_CASE("protocol: a stalled rank times out, is named, and nothing hangs", "[p
         Save(s.sd, "mem://" + name, comm, so);
       },
       std::chrono::milliseconds(300));
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   CollectiveError e = SameErrorEverywhere(errors);  // the stalled rank learns it too
   CHECK(e.failed_ranks() == std::vector<int>{3});
   CHECK(e.timed_out());
@@ -231,7 +242,8 @@ TEST_CASE("protocol: a stalled rank times out, is named, and nothing hangs", "[p
   CHECK_FALSE(HasMetadata(name));
 }
 
-TEST_CASE("protocol: a failed overwrite keeps the previous checkpoint loadable", "[protocol][fault]") {
+TEST_CASE("protocol: a failed overwrite keeps the previous checkpoint loadable",
+          "[protocol][fault]") {
   const std::string name = "proto-keep";
   ClearMemStore(name);
   std::vector<RankState> first(2);
@@ -285,7 +297,8 @@ TEST_CASE("protocol: load errors on one rank reach every rank", "[protocol][faul
     });
     CollectiveError e = SameErrorEverywhere(errors);
     CHECK(e.failed_ranks() == std::vector<int>{0, 1});
-    CHECK_THAT(e.what(), Contains("layer.bias") && Contains("float64[5]") && Contains("float32[5]"));
+    CHECK_THAT(e.what(),
+               Contains("layer.bias") && Contains("float64[5]") && Contains("float32[5]"));
   }
   SECTION("no checkpoint at all") {
     auto errors = RunRanks(3, [&](int r, Communicator& comm) {
@@ -300,13 +313,16 @@ TEST_CASE("protocol: load errors on one rank reach every rank", "[protocol][faul
 TEST_CASE("communicator: collectives over an in-process group", "[comm]") {
   RequireNoErrors(RunRanks(4, [&](int r, Communicator& comm) {
     auto g = comm.Gather("g" + std::to_string(r), 0, "t");
-    if (r == 0) CHECK(g == std::vector<std::string>{"g0", "g1", "g2", "g3"});
-    else CHECK(g.empty());
+    if (r == 0)
+      CHECK(g == std::vector<std::string>{"g0", "g1", "g2", "g3"});
+    else
+      CHECK(g.empty());
     std::vector<std::string> msgs;
     if (r == 0) msgs = {"s0", "s1", "s2", "s3"};
     CHECK(comm.Scatter(msgs, 0, "t") == "s" + std::to_string(r));
     CHECK(comm.Broadcast(r == 0 ? std::string(1 << 20, 'b') : "", 0, "t").size() == 1u << 20);
-    CHECK(comm.AllGather(std::string(r, 'x'), "t") == std::vector<std::string>{"", "x", "xx", "xxx"});
+    CHECK(comm.AllGather(std::string(r, 'x'), "t") ==
+          std::vector<std::string>{"", "x", "xx", "xxx"});
     comm.Barrier("t");
   }));
 }

@@ -1,22 +1,21 @@
 // One conformance suite, run against every built-in backend (file://, mem://). A new backend
 // joins by adding a row to Backends().
 #include <catch2/catch.hpp>
-
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
 
-#include "support/test_support.h"
 #include "storage/file_store.h"
 #include "storage/mem_store.h"
 #include "storage/store_checkpoint.h"
+#include "support/test_support.h"
 
 using namespace dcp;
+using Catch::Matchers::Contains;
 using dcp::testing::RandomTensor;
 using dcp::testing::SameElements;
 using dcp::testing::TempDir;
-using Catch::Matchers::Contains;
 
 namespace {
 
@@ -46,13 +45,16 @@ StateDict MakeState(std::vector<TensorView>& keep) {
           RandomTensor(DType::kInt64, {}, 3), RandomTensor(DType::kUInt8, {0, 5}, 4)};
   StateDict sd;
   sd.Nested("model").Set("w", keep[0]).Set("b", keep[1]);
-  sd.Set("step", keep[2]).Set("empty", keep[3]).Set("rng", Blob{std::string("\x00\x01\xff state", 9)});
+  sd.Set("step", keep[2])
+      .Set("empty", keep[3])
+      .Set("rng", Blob{std::string("\x00\x01\xff state", 9)});
   return sd;
 }
 
 StateDict MakeEmptyLike(std::vector<TensorView>& keep) {
-  keep = {TensorView::Allocate(DType::kFloat32, {64, 33}), TensorView::Allocate(DType::kBFloat16, {7}),
-          TensorView::Allocate(DType::kInt64, {}), TensorView::Allocate(DType::kUInt8, {0, 5})};
+  keep = {TensorView::Allocate(DType::kFloat32, {64, 33}),
+          TensorView::Allocate(DType::kBFloat16, {7}), TensorView::Allocate(DType::kInt64, {}),
+          TensorView::Allocate(DType::kUInt8, {0, 5})};
   StateDict sd;
   sd.Nested("model").Set("w", keep[0]).Set("b", keep[1]);
   sd.Set("step", keep[2]).Set("empty", keep[3]).Set("rng", Blob{});
@@ -109,7 +111,10 @@ TEST_CASE("conformance: Store objects", "[storage][conformance]") {
       CHECK_THROWS_AS(store->Open("missing"), NotFoundError);
 
       // An abandoned object leaves nothing under its name.
-      { auto w = store->Create("abandoned"); w->Append("x", 1); }
+      {
+        auto w = store->Create("abandoned");
+        w->Append("x", 1);
+      }
       CHECK_FALSE(store->Size("abandoned"));
 
       // Atomic publish replaces whole objects.
@@ -248,7 +253,8 @@ TEST_CASE("conformance: damaged data is detected and named", "[storage][conforma
       const StorageInfo& w = md.storage.at(MetadataIndex{"model.w", {0, 0}, {}});
 
       std::string original = store->ReadAll(data);
-      Patch(*store, data, w.offset + 100, std::string(1, static_cast<char>(original[w.offset + 100] ^ 1)));
+      Patch(*store, data, w.offset + 100,
+            std::string(1, static_cast<char>(original[w.offset + 100] ^ 1)));
       StateDict back = MakeEmptyLike(dst);
       try {
         Load(back, loc.uri);
@@ -284,9 +290,11 @@ TEST_CASE("registry: unknown schemes, custom backends, plain paths", "[storage]"
   CHECK(std::find(schemes.begin(), schemes.end(), "file") != schemes.end());
 
   // A user-registered Store backend: here a prefix inside a mem:// bucket.
-  RegisterStoreBackend("prefixed", [](const std::string& loc) { return MakeMemStore("pfx/" + loc); }, true);
-  CHECK_THROWS_AS(RegisterStoreBackend("prefixed", [](const std::string&) { return MakeMemStore("x"); }),
-                  AlreadyExistsError);
+  RegisterStoreBackend(
+      "prefixed", [](const std::string& loc) { return MakeMemStore("pfx/" + loc); }, true);
+  CHECK_THROWS_AS(
+      RegisterStoreBackend("prefixed", [](const std::string&) { return MakeMemStore("x"); }),
+      AlreadyExistsError);
   std::vector<TensorView> src, dst;
   StateDict sd = MakeState(src);
   Save(sd, "prefixed://one");

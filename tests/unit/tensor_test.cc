@@ -1,6 +1,7 @@
 // The tensor vocabulary: dtypes, shapes, strides, views, boxes and strided copies.
-#include <catch2/catch.hpp>
+#include "proto/tensor.h"
 
+#include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -11,7 +12,6 @@
 #include <vector>
 
 #include "proto/error.h"
-#include "proto/tensor.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -70,16 +70,26 @@ TensorView Strided(const TensorView& base, Shape shape, Shape strides, int64_t e
 
 TEST_CASE("tensor: ElementSize is right for every dtype", "[tensor][dtype]") {
   const std::map<DType, size_t> expected = {
-      {DType::kBool, 1},           {DType::kUInt8, 1},
-      {DType::kInt8, 1},           {DType::kFloat8_e4m3fn, 1},
-      {DType::kFloat8_e5m2, 1},    {DType::kFloat8_e4m3fnuz, 1},
-      {DType::kFloat8_e5m2fnuz, 1}, {DType::kFloat8_e8m0fnu, 1},
-      {DType::kInt16, 2},          {DType::kFloat16, 2},
-      {DType::kBFloat16, 2},       {DType::kUInt16, 2},
-      {DType::kInt32, 4},          {DType::kFloat32, 4},
-      {DType::kComplex32, 4},      {DType::kUInt32, 4},
-      {DType::kInt64, 8},          {DType::kFloat64, 8},
-      {DType::kComplex64, 8},      {DType::kUInt64, 8},
+      {DType::kBool, 1},
+      {DType::kUInt8, 1},
+      {DType::kInt8, 1},
+      {DType::kFloat8_e4m3fn, 1},
+      {DType::kFloat8_e5m2, 1},
+      {DType::kFloat8_e4m3fnuz, 1},
+      {DType::kFloat8_e5m2fnuz, 1},
+      {DType::kFloat8_e8m0fnu, 1},
+      {DType::kInt16, 2},
+      {DType::kFloat16, 2},
+      {DType::kBFloat16, 2},
+      {DType::kUInt16, 2},
+      {DType::kInt32, 4},
+      {DType::kFloat32, 4},
+      {DType::kComplex32, 4},
+      {DType::kUInt32, 4},
+      {DType::kInt64, 8},
+      {DType::kFloat64, 8},
+      {DType::kComplex64, 8},
+      {DType::kUInt64, 8},
       {DType::kComplex128, 16},
   };
   const auto& all = AllDTypes();
@@ -210,8 +220,8 @@ TEST_CASE("tensor: is_contiguous", "[tensor][view]") {
 TEST_CASE("tensor: CopyTensor from strided views matches a hand-computed reference",
           "[tensor][copy]") {
   // One dtype per element size: 1, 2, 4, 8, 16 bytes.
-  const DType dtype = GENERATE(DType::kUInt8, DType::kInt16, DType::kInt32, DType::kInt64,
-                               DType::kComplex128);
+  const DType dtype =
+      GENERATE(DType::kUInt8, DType::kInt16, DType::kInt32, DType::kInt64, DType::kComplex128);
   const int64_t es = static_cast<int64_t>(ElementSize(dtype));
   INFO("dtype " << DTypeName(dtype));
   TensorView base = RandomTensor(dtype, {6, 4}, 11 + es);
@@ -295,8 +305,7 @@ TEST_CASE("tensor: CopyTensor from strided views matches a hand-computed referen
       for (int64_t a = 0; a < 2; ++a) {
         for (int64_t c = 0; c < 3; ++c) {
           // dst_mem[c][i][a] == big[a][c][i]
-          CHECK(std::memcmp(d + (c * 8 + i * 2 + a) * es, s + (a * 12 + c * 4 + i) * es, es) ==
-                0);
+          CHECK(std::memcmp(d + (c * 8 + i * 2 + a) * es, s + (a * 12 + c * 4 + i) * es, es) == 0);
         }
       }
     }
@@ -363,14 +372,14 @@ TEST_CASE("tensor: CopyTensor edge cases", "[tensor][copy]") {
 TEST_CASE("tensor: IsDense", "[tensor][view]") {
   TensorView t = TensorView::Allocate(DType::kFloat32, {6, 4});
   CHECK(IsDense(t));
-  CHECK(IsDense(t.Narrow({1, 0}, {3, 4})));          // whole rows
-  CHECK(IsDense(t.Narrow({2, 1}, {1, 3})));          // part of one row
-  CHECK_FALSE(IsDense(t.Narrow({0, 0}, {3, 2})));    // gaps between rows
-  CHECK_FALSE(IsDense(Strided(t, {6, 2}, {4, 2})));  // every other column
-  CHECK_FALSE(IsDense(Strided(t, {3, 4}, {8, 1})));  // every other row
+  CHECK(IsDense(t.Narrow({1, 0}, {3, 4})));           // whole rows
+  CHECK(IsDense(t.Narrow({2, 1}, {1, 3})));           // part of one row
+  CHECK_FALSE(IsDense(t.Narrow({0, 0}, {3, 2})));     // gaps between rows
+  CHECK_FALSE(IsDense(Strided(t, {6, 2}, {4, 2})));   // every other column
+  CHECK_FALSE(IsDense(Strided(t, {3, 4}, {8, 1})));   // every other row
   CHECK(IsDense(Strided(t, {1, 4, 1}, {77, 1, 5})));  // size-1 dims do not matter
-  CHECK(IsDense(t.Narrow({3, 2}, {1, 1})));          // one element
-  CHECK(IsDense(Strided(t, {0, 4}, {100, 3})));      // no elements
+  CHECK(IsDense(t.Narrow({3, 2}, {1, 1})));           // one element
+  CHECK(IsDense(Strided(t, {0, 4}, {100, 3})));       // no elements
   CHECK(IsDense(TensorView::Allocate(DType::kInt8, {})));
 }
 
@@ -412,4 +421,10 @@ TEST_CASE("tensor: Intersect", "[tensor][chunk]") {
   SECTION("rank mismatch") {
     CHECK_FALSE(Intersect(box({0}, {4}), box({0, 0}, {4, 4})).has_value());
   }
+}
+
+TEST_CASE("tensor: a zero dimension makes an empty tensor whatever the others", "[tensor]") {
+  CHECK(NumElements({int64_t{1} << 40, int64_t{1} << 40, 0}) == 0);
+  CHECK_THROWS_AS(NumElements({int64_t{1} << 40, int64_t{1} << 40}), InvalidArgumentError);
+  CHECK_THROWS_AS(NumElements({0, -1}), InvalidArgumentError);
 }
