@@ -233,6 +233,13 @@ InProcessGroup::InProcessGroup(int size) : state_(std::make_shared<State>(size))
 }
 InProcessGroup::~InProcessGroup() = default;
 int InProcessGroup::size() const { return state_->size; }
-Communicator& InProcessGroup::communicator(int rank) { return *comms_.at(rank); }
+Communicator& InProcessGroup::communicator(int rank) {
+  if (!comms_.at(rank))
+    throw InvalidArgumentError("communicator of rank " + std::to_string(rank) + " was released");
+  return *comms_[rank];
+}
+std::unique_ptr<Communicator> InProcessGroup::Release(int rank) {
+  return std::move(comms_.at(rank));
+}
 
 }  // namespace dcp

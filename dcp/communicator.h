@@ -101,6 +101,9 @@ class InProcessGroup {
   ~InProcessGroup();
   int size() const;
   Communicator& communicator(int rank);
+  /// Hand over rank `rank`'s communicator (e.g. to an AsyncCheckpointer); it stays usable after
+  /// the group is destroyed. communicator(rank) must not be used afterwards.
+  std::unique_ptr<Communicator> Release(int rank);
 
   struct State;  // shared mailboxes (defined in communicator.cc)
 

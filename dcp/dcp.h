@@ -8,7 +8,9 @@
 //   dcp::Load(sd, "/ckpt/step100", comm);            // in place, any layout, any world size
 #pragma once
 
+#include "dcp/async_checkpointer.h"
 #include "dcp/checkpoint.h"
+#include "dcp/checkpoint_manager.h"
 #include "dcp/communicator.h"
 #include "planner/default_planner.h"
 #include "planner/flatten.h"

@@ -4,7 +4,9 @@
 #   tools/setup.sh deps     install the Debian packages dcp needs (idempotent; quick when present)
 #   tools/setup.sh build    deps + configure + build            (default)
 #   tools/setup.sh demo     build + run dcp-demo under mpirun -np 4 (extra args go to dcp-demo)
-#   tools/setup.sh test     build + run the whole test suite with ctest (extra args go to ctest)
+#   tools/setup.sh test     build + run the whole test suite with ctest (extra args go to ctest),
+#                           then the threaded parts (async save, protocol, communicators) again
+#                           under ThreadSanitizer in a second build ($DCP_BUILD_DIR-tsan)
 #
 # Non-interactive. Needs root (or sudo) only to install missing packages. The build directory is
 # $DCP_BUILD_DIR (default: build/ in the repository).
@@ -64,8 +66,18 @@ case "$mode" in
     ;;
   test)
     install_deps; configure_and_build
-    cd "$build"
-    exec ctest --output-on-failure -j "$jobs" "$@"
+    (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
+    # The threaded parts under ThreadSanitizer: core libraries and unit tests only.
+    tsan="$build-tsan"
+    if [ ! -f "$tsan/build.ninja" ]; then
+      log "configuring $tsan (ThreadSanitizer)"
+      cmake -S "$root" -B "$tsan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDCP_SANITIZE=thread \
+        -DDCP_WITH_TORCH=OFF -DDCP_WITH_MPI=OFF -DDCP_WITH_CUDA=OFF -DDCP_BUILD_TOOLS=OFF
+    fi
+    cmake --build "$tsan" -j "$jobs" --target dcp_unit_tests
+    cd "$tsan"
+    export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
+    exec ctest --output-on-failure -j "$jobs" -R '^(fault:)?(async|manager|checkpoint io|protocol|communicator|conformance):'
     ;;
   *) echo "usage: $0 [deps|build|demo|test] [args...]" >&2; exit 2 ;;
 esac

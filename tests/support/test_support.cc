@@ -3,9 +3,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
 namespace dcp::testing {
 
@@ -68,6 +70,41 @@ std::pair<int64_t, int64_t> RowRange(int64_t n, int rank, int world) {
   const int64_t base = n / world, extra = n % world;
   const int64_t begin = rank * base + std::min<int64_t>(rank, extra);
   return {begin, begin + base + (rank < extra ? 1 : 0)};
+}
+
+std::vector<std::exception_ptr> RunRanks(int n, const std::function<void(int, Communicator&)>& fn,
+                                         std::chrono::milliseconds timeout) {
+  InProcessGroup group(n);
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      Communicator& comm = group.communicator(r);
+      comm.set_timeout(timeout);
+      try {
+        fn(r, comm);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+void Expect(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error("expectation failed: " + what);
+}
+
+void RequireNoErrors(const std::vector<std::exception_ptr>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (!errors[r]) continue;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const std::exception& e) {
+      FAIL("rank " << r << " failed: " << e.what());
+    }
+  }
 }
 
 }  // namespace dcp::testing

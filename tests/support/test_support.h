@@ -1,7 +1,10 @@
 // Helpers shared by dcp's tests.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -37,5 +40,18 @@ TensorView Clone(const TensorView& v);
 
 /// Row range [begin, end) of `n` rows for `rank` of `world` (uneven when n % world != 0).
 std::pair<int64_t, int64_t> RowRange(int64_t n, int rank, int world);
+
+/// Run fn(rank, comm) for `n` ranks as threads of an InProcessGroup; returns each rank's
+/// exception (nullptr when it succeeded).
+std::vector<std::exception_ptr> RunRanks(
+    int n, const std::function<void(int, Communicator&)>& fn,
+    std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+/// Inside rank threads (Catch2 assertions are not thread-safe): throw when `ok` is false; the
+/// failure reaches the test through RunRanks' per-rank errors.
+void Expect(bool ok, const std::string& what);
+
+/// Fail the current test if any rank failed, with that rank's message.
+void RequireNoErrors(const std::vector<std::exception_ptr>& errors);
 
 }  // namespace dcp::testing

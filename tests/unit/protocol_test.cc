@@ -19,38 +19,8 @@ using dcp::testing::SameElements;
 
 namespace {
 
-// Run fn(rank, comm) on `n` threads; returns each rank's exception (or nullptr).
-std::vector<std::exception_ptr> RunRanks(
-    int n, const std::function<void(int, Communicator&)>& fn,
-    std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
-  InProcessGroup group(n);
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      Communicator& comm = group.communicator(r);
-      comm.set_timeout(timeout);
-      try {
-        fn(r, comm);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
-}
-
-void RequireNoErrors(const std::vector<std::exception_ptr>& errors) {
-  for (size_t r = 0; r < errors.size(); ++r) {
-    if (!errors[r]) continue;
-    try {
-      std::rethrow_exception(errors[r]);
-    } catch (const std::exception& e) {
-      FAIL("rank " << r << " failed: " << e.what());
-    }
-  }
-}
+using dcp::testing::RequireNoErrors;
+using dcp::testing::RunRanks;
 
 // Every rank failed with a CollectiveError, all with the same message; returns rank 0's.
 CollectiveError SameErrorEverywhere(const std::vector<std::exception_ptr>& errors) {
@@ -149,7 +119,7 @@ TEST_CASE("protocol: round trip and reshard across 1, 2, 3 and 4 ranks", "[proto
     RequireNoErrors(RunRanks(save_world, [&](int r, Communicator& comm) {
       saved[r] = MakeRankState(r, save_world, true);
       Metadata md = Save(saved[r].sd, "mem://" + name, comm);
-      CHECK(md.world_size == save_world);
+      dcp::testing::Expect(md.world_size == save_world, "world size recorded");
     }));
     for (int load_world : {1, 2, 3, 4}) {
       DYNAMIC_SECTION("saved at " << save_world << ", loaded at " << load_world) {
@@ -311,18 +281,21 @@ TEST_CASE("protocol: load errors on one rank reach every rank", "[protocol][faul
 }
 
 TEST_CASE("communicator: collectives over an in-process group", "[comm]") {
+  using dcp::testing::Expect;
   RequireNoErrors(RunRanks(4, [&](int r, Communicator& comm) {
     auto g = comm.Gather("g" + std::to_string(r), 0, "t");
     if (r == 0)
-      CHECK(g == std::vector<std::string>{"g0", "g1", "g2", "g3"});
+      Expect(g == std::vector<std::string>{"g0", "g1", "g2", "g3"}, "gather at root");
     else
-      CHECK(g.empty());
+      Expect(g.empty(), "gather elsewhere");
     std::vector<std::string> msgs;
     if (r == 0) msgs = {"s0", "s1", "s2", "s3"};
-    CHECK(comm.Scatter(msgs, 0, "t") == "s" + std::to_string(r));
-    CHECK(comm.Broadcast(r == 0 ? std::string(1 << 20, 'b') : "", 0, "t").size() == 1u << 20);
-    CHECK(comm.AllGather(std::string(r, 'x'), "t") ==
-          std::vector<std::string>{"", "x", "xx", "xxx"});
+    Expect(comm.Scatter(msgs, 0, "t") == "s" + std::to_string(r), "scatter");
+    Expect(comm.Broadcast(r == 0 ? std::string(1 << 20, 'b') : "", 0, "t").size() == 1u << 20,
+           "broadcast");
+    Expect(
+        comm.AllGather(std::string(r, 'x'), "t") == std::vector<std::string>{"", "x", "xx", "xxx"},
+        "all-gather");
     comm.Barrier("t");
   }));
 }

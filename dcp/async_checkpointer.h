@@ -1,0 +1,127 @@
+// Asynchronous save: training blocks only for a point-in-time copy of its state.
+//
+//   dcp::AsyncCheckpointer ckpt(std::make_unique<dcp::MpiCommunicator>());  // its own communicator
+//   for (step...) {
+//     train();
+//     if (step % 100 == 0) ckpt.Save(state, root + "/step-" + std::to_string(step));
+//     // state may be modified at once: the checkpoint holds the values at the call
+//   }
+//   ckpt.Close();  // waits for the last save; throws if it failed or did not finish
+//
+// Save() copies every tensor and blob of the state dict into staging buffers owned by the
+// checkpointer (allocated on the first save, reused afterwards, page-locked where the system
+// allows), returns a handle, and writes the copy through the normal protocol (dcp::Save) on a
+// background thread. At most one save is in flight: Save() first waits for the previous one.
+// A background failure is raised by the next Save(), Wait() or Close() (or by the handle's
+// Wait()), exactly once, never lost.
+//
+// Collectives: the background thread uses the communicator given at construction, which must
+// be distinct from the one the training job uses (with MPI: a separate MpiCommunicator, and MPI
+// initialised with MPI_THREAD_MULTIPLE, as dcp::InitMpi does). All ranks must call Save() in the
+// same order.
+//
+// Thread safety: Save/Wait/Close are called from one thread (the training loop). Handles may be
+// waited on from any thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "dcp/checkpoint.h"
+#include "dcp/communicator.h"
+
+namespace dcp {
+
+/// What one asynchronous save cost and did. Seconds are wall-clock.
+struct SaveMetrics {
+  std::string uri;
+  double wait_previous_s = 0;  // blocked waiting for the previous save to finish
+  double staging_s = 0;        // blocked copying the state into staging buffers
+  double blocking_s = 0;       // total time Save() blocked the caller
+  uint64_t staged_bytes = 0;
+  double staging_gbps = 0;         // staged_bytes / staging_s / 1e9
+  size_t staging_allocations = 0;  // buffers (re)allocated by this save (0 after the first)
+  double background_s = 0;         // time of the background write (plan, write, commit)
+  uint64_t bytes_written = 0;      // stored bytes of the committed checkpoint (all ranks)
+  /// Estimated training time saved against a synchronous save of the same state:
+  /// background_s (what a synchronous save would have blocked) minus blocking_s.
+  double training_time_saved_s = 0;
+  bool succeeded = false;
+  std::string error;  // the failure's message when !succeeded
+  std::string ToString() const;
+};
+
+struct AsyncOptions {
+  SaveOptions save;
+  /// Threads copying into staging (the caller's thread is one of them).
+  int copy_threads = 2;
+  /// Try to page-lock staging buffers (mlock). Failing to lock is not an error.
+  bool lock_staging = true;
+  /// How long the destructor waits for an in-flight save before giving up on it.
+  std::chrono::milliseconds close_timeout{std::chrono::minutes(10)};
+  /// Called on the background thread when a save ends (success or failure). Defaults to a
+  /// one-line log on stderr from rank 0 when DCP_LOG is set in the environment.
+  std::function<void(const SaveMetrics&)> on_complete;
+};
+
+/// The result of one asynchronous save.
+class AsyncSave {
+ public:
+  /// True once the background write has ended (either way).
+  bool done() const;
+  /// Wait for the save; returns its Metadata or throws its error (a CollectiveError on
+  /// failure). Waiting on a failed save marks its error as reported.
+  Metadata Wait();
+  /// Wait until done or the timeout; true if done.
+  bool WaitFor(std::chrono::milliseconds timeout) const;
+  /// Metrics; background fields are filled once done().
+  SaveMetrics metrics() const;
+
+  /// A handle for a save that already ended successfully (e.g. a synchronous one).
+  static std::shared_ptr<AsyncSave> Completed(Metadata metadata, SaveMetrics metrics);
+
+  struct State;
+  explicit AsyncSave(std::shared_ptr<State> s) : state_(std::move(s)) {}
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+class AsyncCheckpointer {
+ public:
+  /// `background_comm`: the communicator the background saves use (not the training job's).
+  explicit AsyncCheckpointer(std::unique_ptr<Communicator> background_comm,
+                             AsyncOptions options = {});
+  /// Close(options.close_timeout) without throwing: an unfinished or failed save is reported on
+  /// stderr (never as done).
+  ~AsyncCheckpointer();
+  AsyncCheckpointer(const AsyncCheckpointer&) = delete;
+  AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
+
+  /// Snapshot `state` and start saving it to `uri` in the background. Throws the previous
+  /// save's unreported error instead of starting (then the next call starts normally).
+  /// `options` overrides the constructor's SaveOptions for this save.
+  std::shared_ptr<AsyncSave> Save(const StateDict& state, const std::string& uri,
+                                  const SaveOptions* options = nullptr);
+  /// Wait for the in-flight save, if any; returns its Metadata, throws its unreported error.
+  std::optional<Metadata> Wait();
+  /// Wait up to `timeout` for the in-flight save, then stop the background thread. Throws the
+  /// save's unreported error, or an Error saying the checkpoint is unfinished if it did not end
+  /// in time. Idempotent; no Save() is accepted afterwards.
+  void Close(std::chrono::milliseconds timeout = std::chrono::minutes(10));
+
+  /// Bytes of staging memory held, and buffers allocated since construction.
+  uint64_t staging_bytes() const;
+  size_t staging_allocations() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace dcp

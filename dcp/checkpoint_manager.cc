@@ -1,0 +1,315 @@
+#include "dcp/checkpoint_manager.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <set>
+
+#include "proto/error.h"
+#include "storage/registry.h"
+#include "storage/store_checkpoint.h"
+
+namespace dcp {
+
+namespace {
+
+constexpr char kStepPrefix[] = "step-";
+
+std::optional<int64_t> ParseStep(const std::string& name) {
+  if (name.rfind(kStepPrefix, 0) != 0 || name.size() == sizeof(kStepPrefix) - 1)
+    return std::nullopt;
+  int64_t v = 0;
+  for (size_t i = sizeof(kStepPrefix) - 1; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9' || v > (INT64_MAX - 9) / 10) return std::nullopt;
+    v = v * 10 + (name[i] - '0');
+  }
+  return v;
+}
+
+// Remove a checkpoint's files: metadata first (it stops being a checkpoint), then the rest.
+void RemoveCheckpointFiles(const std::string& uri) {
+  std::shared_ptr<Store> store = OpenStore(uri);
+  store->Remove(kMetadataName);
+  for (const auto& name : store->List()) store->Remove(name);
+  auto [scheme, location] = SplitUri(uri);
+  if (scheme == "file") {
+    std::error_code ec;
+    std::filesystem::remove(location, ec);  // the now-empty directory; absent is fine
+  }
+}
+
+std::string Encode(const std::vector<int64_t>& v) {
+  std::string s;
+  for (int64_t x : v) s += std::to_string(x) + ",";
+  return s;
+}
+
+std::vector<int64_t> Decode(const std::string& s) {
+  std::vector<int64_t> v;
+  size_t p = 0;
+  while (p < s.size()) {
+    size_t c = s.find(',', p);
+    v.push_back(std::stoll(s.substr(p, c - p)));
+    p = c + 1;
+  }
+  return v;
+}
+
+// Run `fn` on rank 0 and broadcast its result or its error, so every rank agrees.
+std::string OnCoordinator(Communicator& comm, const std::string& what,
+                          const std::function<std::string()>& fn) {
+  std::string out, error;
+  if (comm.rank() == 0) {
+    try {
+      out = "ok:" + fn();
+    } catch (const std::exception& e) {
+      out = std::string("error:") + e.what();
+    }
+  }
+  out = comm.Broadcast(out, 0, what);
+  if (out.rfind("error:", 0) == 0) {
+    throw CollectiveError(what, {{0, ErrorCode::kIo, out.substr(6), false}});
+  }
+  return out.substr(3);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// CheckpointIO
+
+void CheckpointIO::SaveCheckpoint(const StateDict& state, const std::string& path,
+                                  const StorageOptions& options) {
+  SaveOptions so;
+  so.storage = options;
+  dcp::Save(state, path, comm_, so);
+}
+
+namespace {
+LoadOptions ToLoadOptions(const LoadCheckpointOptions& o) {
+  if (!o.map_location.is_cpu()) {
+    throw UnsupportedError("map_location " + o.map_location.ToString() +
+                           " is not supported by this build (host memory only)");
+  }
+  LoadOptions lo;
+  lo.storage = o.storage;
+  lo.allow_partial_load = !o.strict;
+  return lo;
+}
+
+// With weights_only, load into a copy of the state dict's structure that leaves blobs out.
+StateDict WithoutBlobs(StateDict& state) {
+  StateDict out;
+  for (auto& [key, value] : state.items()) {
+    if (std::holds_alternative<Blob>(value)) continue;
+    if (auto* nested = std::get_if<std::shared_ptr<StateDict>>(&value)) {
+      StateDict child = WithoutBlobs(**nested);
+      if (!child.empty()) out.Set(key, std::make_shared<StateDict>(std::move(child)));
+      continue;
+    }
+    out.Set(key, value);  // views alias the caller's memory: loading still happens in place
+  }
+  return out;
+}
+}  // namespace
+
+void CheckpointIO::LoadCheckpoint(const std::string& path, StateDict& state,
+                                  const LoadCheckpointOptions& options) {
+  const LoadOptions lo = ToLoadOptions(options);
+  if (options.weights_only) {
+    StateDict tensors = WithoutBlobs(state);
+    dcp::Load(tensors, path, comm_, lo);
+  } else {
+    dcp::Load(state, path, comm_, lo);
+  }
+}
+
+void CheckpointIO::RemoveCheckpoint(const std::string& path) {
+  OnCoordinator(comm_, "remove-checkpoint", [&] {
+    RemoveCheckpointFiles(path);
+    return std::string();
+  });
+}
+
+AsyncCheckpointIO::AsyncCheckpointIO(Communicator& comm,
+                                     std::unique_ptr<Communicator> background_comm,
+                                     AsyncOptions options)
+    : CheckpointIO(comm), saver_(std::move(background_comm), std::move(options)) {}
+
+void AsyncCheckpointIO::SaveCheckpoint(const StateDict& state, const std::string& path,
+                                       const StorageOptions& options) {
+  SaveOptions so;
+  so.storage = options;
+  saver_.Save(state, path, &so);
+}
+
+void AsyncCheckpointIO::LoadCheckpoint(const std::string& path, StateDict& state,
+                                       const LoadCheckpointOptions& options) {
+  saver_.Wait();
+  CheckpointIO::LoadCheckpoint(path, state, options);
+}
+
+void AsyncCheckpointIO::RemoveCheckpoint(const std::string& path) {
+  saver_.Wait();
+  CheckpointIO::RemoveCheckpoint(path);
+}
+
+void AsyncCheckpointIO::Teardown() { saver_.Close(); }
+
+// ---------------------------------------------------------------------------------------------
+// CheckpointManager
+
+CheckpointManager::CheckpointManager(std::string root, Communicator& comm,
+                                     std::unique_ptr<Communicator> background_comm,
+                                     ManagerOptions options)
+    : root_(std::move(root)), comm_(comm), options_(std::move(options)) {
+  if (SplitUri(root_).first != "file") {
+    throw InvalidArgumentError("CheckpointManager needs a directory root, got '" + root_ + "'");
+  }
+  if (options_.keep_last < 1) throw InvalidArgumentError("keep_last must be at least 1");
+  if (background_comm) {
+    saver_ = std::make_unique<AsyncCheckpointer>(std::move(background_comm), options_.async);
+  }
+}
+
+CheckpointManager::~CheckpointManager() {
+  try {
+    Close();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dcp: CheckpointManager closed with a failed or unfinished save: %s\n",
+                 e.what());
+  }
+}
+
+std::string CheckpointManager::PathFor(int64_t step) const {
+  char name[32];
+  std::snprintf(name, sizeof(name), "%s%010lld", kStepPrefix, static_cast<long long>(step));
+  return SplitUri(root_).second + "/" + name;
+}
+
+std::vector<int64_t> CheckpointManager::ScanCompleteSteps() const {
+  std::vector<int64_t> steps;
+  std::error_code ec;
+  const std::string dir = SplitUri(root_).second;
+  if (!std::filesystem::is_directory(dir, ec)) return steps;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    auto step = ParseStep(e.path().filename().string());
+    if (!step || !e.is_directory()) continue;
+    try {
+      ReadMetadata(PathFor(*step));  // present and valid: complete
+      steps.push_back(*step);
+    } catch (const Error&) {
+      // No metadata (a save that never finished) or a damaged one: not a checkpoint.
+    }
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+std::vector<int64_t> CheckpointManager::CompleteSteps() {
+  return Decode(OnCoordinator(comm_, "manager/scan", [&] { return Encode(ScanCompleteSteps()); }));
+}
+
+std::optional<int64_t> CheckpointManager::LatestStep() {
+  auto steps = CompleteSteps();
+  if (steps.empty()) return std::nullopt;
+  return steps.back();
+}
+
+void CheckpointManager::AfterSaveEnded() {
+  OnCoordinator(comm_, "manager/retention", [&] {
+    const auto complete = ScanCompleteSteps();
+    if (complete.empty()) return std::string();
+    const int64_t newest = complete.back();
+    // "latest" names only a committed step.
+    OpenStore(root_)->PublishAtomically("latest", std::to_string(newest) + "\n");
+    std::set<int64_t> keep(complete.end() - std::min<size_t>(complete.size(), options_.keep_last),
+                           complete.end());
+    keep.insert(newest);
+    for (int64_t s : complete) {
+      if (options_.keep_every > 0 && s % options_.keep_every == 0) keep.insert(s);
+    }
+    for (int64_t s : complete) {
+      if (!keep.count(s) && s != in_flight_step_) RemoveCheckpointFiles(PathFor(s));
+    }
+    // Leftovers of crashed saves (no metadata), older than the newest complete step.
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(SplitUri(root_).second, ec)) {
+      auto step = ParseStep(e.path().filename().string());
+      if (step && *step < newest && *step != in_flight_step_ &&
+          !std::binary_search(complete.begin(), complete.end(), *step)) {
+        RemoveCheckpointFiles(PathFor(*step));
+      }
+    }
+    return std::string();
+  });
+}
+
+std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict& state) {
+  if (closed_) throw InvalidArgumentError("CheckpointManager is closed");
+  if (step <= last_step_) {
+    throw InvalidArgumentError("checkpoint steps must increase: " + std::to_string(step) +
+                               " after " + std::to_string(last_step_));
+  }
+  Wait();
+  last_step_ = step;
+  SaveOptions so = options_.save;
+  so.storage.overwrite = true;  // a step directory without metadata is a crashed attempt
+  if (saver_) {
+    in_flight_step_ = step;
+    in_flight_ = saver_->Save(state, PathFor(step), &so);
+    return in_flight_;
+  }
+  // Synchronous: a finished handle, for a uniform return type.
+  in_flight_step_ = step;
+  const auto t0 = std::chrono::steady_clock::now();
+  Metadata md = dcp::Save(state, PathFor(step), comm_, so);
+  SaveMetrics m;
+  m.uri = PathFor(step);
+  m.blocking_s = m.background_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  m.bytes_written = md.TotalStoredBytes();
+  in_flight_step_ = -1;
+  AfterSaveEnded();
+  return AsyncSave::Completed(std::move(md), std::move(m));
+}
+
+void CheckpointManager::Wait() {
+  if (!in_flight_) return;
+  std::shared_ptr<AsyncSave> s = std::move(in_flight_);
+  in_flight_.reset();
+  std::exception_ptr error;
+  try {
+    saver_->Wait();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  in_flight_step_ = -1;
+  AfterSaveEnded();  // also after a failure: tidies the failed attempt
+  if (error) std::rethrow_exception(error);
+}
+
+std::optional<int64_t> CheckpointManager::Restore(StateDict& state, const LoadOptions& options) {
+  Wait();
+  auto step = LatestStep();
+  if (!step) return std::nullopt;
+  dcp::Load(state, PathFor(*step), comm_, options);
+  return step;
+}
+
+void CheckpointManager::Close() {
+  if (closed_) return;
+  closed_ = true;
+  std::exception_ptr error;
+  try {
+    Wait();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (saver_) saver_->Close();
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace dcp
