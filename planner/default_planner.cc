@@ -148,6 +148,26 @@ void ValidateChunks(const std::string& fqn, const Shape& shape,
 // ---------------------------------------------------------------------------------------------
 // ChunkIndex
 
+namespace {
+
+// Intersect(a, b).has_value() without allocating.
+bool Overlap(const ChunkMeta& a, const ChunkMeta& b) {
+  const size_t n = a.offsets.size();
+  if (b.offsets.size() != n || a.sizes.size() != n || b.sizes.size() != n) {
+    return Intersect(a, b).has_value();
+  }
+  for (size_t d = 0; d < n; ++d) {
+    if (a.sizes[d] <= 0 || b.sizes[d] <= 0) return false;
+    if (std::max(a.offsets[d], b.offsets[d]) >=
+        std::min(a.offsets[d] + a.sizes[d], b.offsets[d] + b.sizes[d])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 ChunkIndex::ChunkIndex(const std::vector<ChunkMeta>& chunks) : chunks_(&chunks) {
   const size_t rank = chunks.empty() ? 0 : chunks[0].offsets.size();
   if (rank > 0) {
@@ -192,7 +212,7 @@ std::vector<size_t> ChunkIndex::Overlapping(const ChunkMeta& box) const {
   }
   auto first = std::lower_bound(starts_.begin(), starts_.end(), std::make_pair(lo, size_t{0}));
   for (auto it = first; it != starts_.end() && it->first < hi; ++it) {
-    if (Intersect(box, (*chunks_)[it->second])) out.push_back(it->second);
+    if (Overlap(box, (*chunks_)[it->second])) out.push_back(it->second);
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -494,13 +514,20 @@ LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
                                        ") lies outside " + Describe(st.dtype, global));
           }
         }
-        for (const auto& c : local) {
-          if (c.offsets == shard.offsets) {
-            throw InvalidArgumentError("sharded tensor '" + fqn + "' has two local shards at " +
-                                       ShapeToString(shard.offsets));
-          }
-        }
         local.push_back({shard.offsets, shard.view.shape});
+      }
+    }
+    if (local.size() > 1) {
+      std::vector<const Shape*> starts;
+      starts.reserve(local.size());
+      for (const auto& c : local) starts.push_back(&c.offsets);
+      std::sort(starts.begin(), starts.end(),
+                [](const Shape* a, const Shape* b) { return *a < *b; });
+      for (size_t i = 1; i < starts.size(); ++i) {
+        if (*starts[i] == *starts[i - 1]) {
+          throw InvalidArgumentError("sharded tensor '" + fqn + "' has two local shards at " +
+                                     ShapeToString(*starts[i]));
+        }
       }
     }
     if (dtype != saved->dtype || global != saved->shape) {
