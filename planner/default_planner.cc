@@ -536,7 +536,11 @@ LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
                                  ", the state dict asks for " + Describe(dtype, global));
     }
     std::optional<ChunkIndex> index;
-    if (!options_.naive_overlaps && !local.empty()) index.emplace(saved->chunks);
+    // A handful of saved chunks is scanned directly (same result, no index to build).
+    constexpr size_t kIndexFrom = 16;
+    if (!options_.naive_overlaps && !local.empty() && saved->chunks.size() >= kIndexFrom) {
+      index.emplace(saved->chunks);
+    }
     for (const auto& dst : local) {
       const std::vector<size_t> hits =
           index ? index->Overlapping(dst) : OverlappingChunksNaive(saved->chunks, dst);
