@@ -194,7 +194,10 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
 Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
               const LoadOptions& options) {
   const int rank = comm.rank(), size = comm.size();
-  DefaultLoadPlanner default_planner(LoadPlannerOptions{options.allow_partial_load});
+  LoadPlannerOptions planner_options;
+  planner_options.allow_partial_load = options.allow_partial_load;
+  planner_options.load_all = options.load_all;
+  DefaultLoadPlanner default_planner(planner_options);
   LoadPlanner& planner = options.planner ? *options.planner : default_planner;
   const PlannerContext pctx{rank, size, rank == 0};
   const StorageContext sctx{rank, size, rank == 0, {}};
@@ -231,6 +234,7 @@ Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
         return std::string();
       },
       [&](std::vector<std::string>) { return Replicate({}, size); });
+  if (options.extra_keys && !options.planner) *options.extra_keys = default_planner.extra_keys();
   return md;
 }
 

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "dcp/communicator.h"
 #include "planner/default_planner.h"
@@ -41,6 +42,13 @@ struct LoadOptions {
   StorageOptions storage;
   /// Skip state dict keys the checkpoint lacks instead of failing (default planner only).
   bool allow_partial_load = false;
+  /// Load without a model (default planner only): replace the state dict's contents with every
+  /// entry of the checkpoint, allocated from its metadata (StateDictFromMetadata), and load
+  /// them all. Works at any world size; every rank gets the whole checkpoint.
+  bool load_all = false;
+  /// When set (default planner only), receives the checkpoint keys the state dict did not ask
+  /// for, sorted.
+  std::vector<std::string>* extra_keys = nullptr;
   /// Custom planner; nullptr uses DefaultLoadPlanner.
   LoadPlanner* planner = nullptr;
 };

@@ -1,7 +1,9 @@
 #include "planner/default_planner.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -141,6 +143,88 @@ void ValidateChunks(const std::string& fqn, const Shape& shape,
                                ": its chunks cover " + std::to_string(covered) + " of " +
                                std::to_string(volume) + " elements (some part has no shard)");
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ChunkIndex
+
+namespace {
+
+// Intersect(a, b).has_value() without allocating.
+bool Overlap(const ChunkMeta& a, const ChunkMeta& b) {
+  const size_t n = a.offsets.size();
+  if (b.offsets.size() != n || a.sizes.size() != n || b.sizes.size() != n) {
+    return Intersect(a, b).has_value();
+  }
+  for (size_t d = 0; d < n; ++d) {
+    if (a.sizes[d] <= 0 || b.sizes[d] <= 0) return false;
+    if (std::max(a.offsets[d], b.offsets[d]) >=
+        std::min(a.offsets[d] + a.sizes[d], b.offsets[d] + b.sizes[d])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+ChunkIndex::ChunkIndex(const std::vector<ChunkMeta>& chunks) : chunks_(&chunks) {
+  const size_t rank = chunks.empty() ? 0 : chunks[0].offsets.size();
+  if (rank > 0) {
+    size_t best = 0;
+    std::vector<int64_t> starts;
+    for (size_t d = 0; d < rank; ++d) {
+      starts.clear();
+      for (const auto& c : chunks) {
+        if (c.offsets.size() == rank) starts.push_back(c.offsets[d]);
+      }
+      std::sort(starts.begin(), starts.end());
+      const size_t distinct = std::unique(starts.begin(), starts.end()) - starts.begin();
+      if (distinct > best) best = distinct, dim_ = d;
+    }
+  }
+  starts_.reserve(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const ChunkMeta& c = chunks[i];
+    if (rank == 0 || c.offsets.size() != rank || c.sizes.size() != rank) {
+      starts_.emplace_back(0, i);  // malformed or 0-d: always a candidate
+      max_extent_ = std::max<int64_t>(max_extent_, std::numeric_limits<int64_t>::max() / 4);
+      continue;
+    }
+    starts_.emplace_back(c.offsets[dim_], i);
+    max_extent_ = std::max(max_extent_, c.sizes[dim_]);
+  }
+  std::sort(starts_.begin(), starts_.end());
+}
+
+std::vector<size_t> ChunkIndex::Overlapping(const ChunkMeta& box) const {
+  std::vector<size_t> out;
+  if (starts_.empty()) return out;
+  int64_t lo = std::numeric_limits<int64_t>::min(), hi = std::numeric_limits<int64_t>::max();
+  if (dim_ < box.offsets.size() && dim_ < box.sizes.size() && !box.offsets.empty()) {
+    // A chunk [s, s + e) with e <= max_extent_ meets [b, b + n) only if b - max_extent_ < s <
+    // b + n.
+    const int64_t b = box.offsets[dim_], n = box.sizes[dim_];
+    lo = b > std::numeric_limits<int64_t>::min() / 2 + max_extent_
+             ? b - max_extent_ + 1
+             : std::numeric_limits<int64_t>::min();
+    hi = b + n;
+  }
+  auto first = std::lower_bound(starts_.begin(), starts_.end(), std::make_pair(lo, size_t{0}));
+  for (auto it = first; it != starts_.end() && it->first < hi; ++it) {
+    if (Overlap(box, (*chunks_)[it->second])) out.push_back(it->second);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<size_t> OverlappingChunksNaive(const std::vector<ChunkMeta>& chunks,
+                                           const ChunkMeta& box) {
+  std::vector<size_t> out;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (Intersect(box, chunks[i])) out.push_back(i);
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -370,6 +454,7 @@ ResolvedData DefaultSavePlanner::ResolveData(const WriteItem& item) const {
 
 void DefaultLoadPlanner::SetUp(StateDict& state_dict, const Metadata& metadata,
                                const PlannerContext& ctx) {
+  if (options_.load_all) state_dict = StateDictFromMetadata(metadata);
   flat_ = FlattenStateDict(state_dict);
   metadata_ = &metadata;
   ctx_ = ctx;
@@ -429,13 +514,20 @@ LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
                                        ") lies outside " + Describe(st.dtype, global));
           }
         }
-        for (const auto& c : local) {
-          if (c.offsets == shard.offsets) {
-            throw InvalidArgumentError("sharded tensor '" + fqn + "' has two local shards at " +
-                                       ShapeToString(shard.offsets));
-          }
-        }
         local.push_back({shard.offsets, shard.view.shape});
+      }
+    }
+    if (local.size() > 1) {
+      std::vector<const Shape*> starts;
+      starts.reserve(local.size());
+      for (const auto& c : local) starts.push_back(&c.offsets);
+      std::sort(starts.begin(), starts.end(),
+                [](const Shape* a, const Shape* b) { return *a < *b; });
+      for (size_t i = 1; i < starts.size(); ++i) {
+        if (*starts[i] == *starts[i - 1]) {
+          throw InvalidArgumentError("sharded tensor '" + fqn + "' has two local shards at " +
+                                     ShapeToString(*starts[i]));
+        }
       }
     }
     if (dtype != saved->dtype || global != saved->shape) {
@@ -443,8 +535,16 @@ LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
                                  Describe(saved->dtype, saved->shape) +
                                  ", the state dict asks for " + Describe(dtype, global));
     }
+    std::optional<ChunkIndex> index;
+    // A handful of saved chunks is scanned directly (same result, no index to build).
+    constexpr size_t kIndexFrom = 16;
+    if (!options_.naive_overlaps && !local.empty() && saved->chunks.size() >= kIndexFrom) {
+      index.emplace(saved->chunks);
+    }
     for (const auto& dst : local) {
-      for (size_t ci = 0; ci < saved->chunks.size(); ++ci) {
+      const std::vector<size_t> hits =
+          index ? index->Overlapping(dst) : OverlappingChunksNaive(saved->chunks, dst);
+      for (size_t ci : hits) {
         const ChunkMeta& src = saved->chunks[ci];
         auto overlap = Intersect(dst, src);
         if (!overlap) continue;
@@ -471,6 +571,10 @@ LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
     if (missing.size() > 20) os << " ...";
     os << " (pass allow_partial_load to skip missing keys)";
     throw NotFoundError(os.str());
+  }
+  extra_keys_.clear();
+  for (const auto& [fqn, entry] : metadata_->entries) {
+    if (!flat_.count(fqn)) extra_keys_.push_back(fqn);
   }
   return plan;
 }
@@ -504,5 +608,28 @@ TensorView DefaultLoadPlanner::ResolveTensor(const ReadItem& item) {
 }
 
 void DefaultLoadPlanner::CommitTensor(const ReadItem&, const TensorView&) {}
+
+StateDict StateDictFromMetadata(const Metadata& metadata) {
+  StateDict sd;
+  for (const auto& [fqn, entry] : metadata.entries) {
+    KeyPath path;
+    if (auto it = metadata.key_paths.find(fqn); it != metadata.key_paths.end()) {
+      path = it->second;
+    } else {
+      for (size_t pos = 0;;) {
+        const size_t dot = fqn.find('.', pos);
+        path.push_back(fqn.substr(pos, dot == std::string::npos ? dot : dot - pos));
+        if (dot == std::string::npos) break;
+        pos = dot + 1;
+      }
+    }
+    if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
+      InsertAtPath(sd, path, TensorView::Allocate(t->dtype, t->shape));
+    } else {
+      InsertAtPath(sd, path, Blob{});
+    }
+  }
+  return sd;
+}
 
 }  // namespace dcp

@@ -9,7 +9,8 @@
 // DefaultLoadPlanner: reads each local tensor, shard or blob from every saved chunk that
 //   overlaps it, so any saved layout loads into any requested layout. A requested key absent
 //   from the checkpoint is an error naming it unless allow_partial_load is set; a dtype or
-//   global-shape mismatch is an error naming the fqn and both sides.
+//   global-shape mismatch is an error naming the fqn and both sides. Overlaps are found through
+//   a ChunkIndex per tensor, so planning stays fast with many thousands of saved chunks.
 #pragma once
 
 #include <map>
@@ -47,9 +48,36 @@ class DefaultSavePlanner : public SavePlanner {
   PlannerContext ctx_;
 };
 
+/// An index over the chunks of one saved tensor, answering "which chunks overlap this box?"
+/// without scanning them all. Chunks are sorted by their start along the dimension with the most
+/// distinct starts; a query binary-searches the starts that can reach the box (start in
+/// (box_begin - longest_extent, box_end)) and intersects only those candidates. Row-, column- and
+/// block-sharded layouts answer in O(log n + k). Results equal OverlappingChunksNaive.
+class ChunkIndex {
+ public:
+  explicit ChunkIndex(const std::vector<ChunkMeta>& chunks);
+  /// Indices (into the constructor's vector) of the chunks that overlap `box`, ascending.
+  std::vector<size_t> Overlapping(const ChunkMeta& box) const;
+
+ private:
+  const std::vector<ChunkMeta>* chunks_;
+  size_t dim_ = 0;
+  int64_t max_extent_ = 0;
+  std::vector<std::pair<int64_t, size_t>> starts_;  // (offset along dim_, chunk index), sorted
+};
+
+/// Reference implementation of ChunkIndex::Overlapping: test every chunk.
+std::vector<size_t> OverlappingChunksNaive(const std::vector<ChunkMeta>& chunks,
+                                           const ChunkMeta& box);
+
 struct LoadPlannerOptions {
   /// Skip state dict keys that the checkpoint lacks instead of failing.
   bool allow_partial_load = false;
+  /// Compute overlaps by testing every saved chunk (the reference algorithm; for tests).
+  bool naive_overlaps = false;
+  /// Load without a model: SetUp replaces the state dict's contents with
+  /// StateDictFromMetadata(metadata), so every entry of the checkpoint is allocated and loaded.
+  bool load_all = false;
 };
 
 class DefaultLoadPlanner : public LoadPlanner {
@@ -63,11 +91,23 @@ class DefaultLoadPlanner : public LoadPlanner {
   TensorView ResolveTensor(const ReadItem& item) override;
   void CommitTensor(const ReadItem& item, const TensorView& tensor) override;
 
+  /// Checkpoint entries that the state dict does not ask for (sorted), as of the last
+  /// CreateLocalPlan.
+  const std::vector<std::string>& extra_keys() const { return extra_keys_; }
+
  private:
   LoadPlannerOptions options_;
+  std::vector<std::string> extra_keys_;
   std::map<std::string, MutableFlatEntry> flat_;
   const Metadata* metadata_ = nullptr;
   PlannerContext ctx_;
 };
+
+/// A state dict holding every entry of `metadata`, for loading a checkpoint without a model
+/// (tools, inference): each tensor is a freshly allocated (zeroed) host TensorView of its global
+/// shape and dtype, each blob an empty Blob, nested as recorded in metadata.key_paths (entries
+/// without a recorded path are nested by splitting the fqn at '.'). Load() into it then fills
+/// every entry; every rank that does so gets the whole checkpoint.
+StateDict StateDictFromMetadata(const Metadata& metadata);
 
 }  // namespace dcp

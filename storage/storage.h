@@ -35,6 +35,18 @@ struct StorageOptions {
   bool verify_checksums = true;
   /// Threads a rank uses for reading.
   int read_threads = 2;
+  /// Upper bound on the scratch memory one read thread uses (bytes; at least 64 are used).
+  /// Items that land whole in a contiguous destination, or whose overlap is one byte range
+  /// read into a dense destination, are read straight into it; everything else (resharding,
+  /// strided destinations) is read in pieces of at most this size (slabs of whole rows of the
+  /// stored chunk, narrowed to deeper dimensions when one row is too big) and copied. Never a
+  /// whole-tensor or whole-checkpoint buffer.
+  size_t max_scratch_bytes = 32 << 20;
+  /// A read that covers only part of a stored item cannot check the item's CRC32C from the
+  /// bytes it needs. With this set (and verify_checksums), the reader also streams the whole
+  /// stored item through the scratch buffer once per rank to verify it (extra I/O, bounded
+  /// memory); without it, partial reads are not verified. Whole-item reads are always verified.
+  bool verify_partial_reads = true;
   std::map<std::string, std::string> extra;
 };
 

@@ -337,9 +337,104 @@ class StoreReader : public StorageReader {
     }
   }
 
+  size_t ScratchLimit() const { return std::max<size_t>(options_.max_scratch_bytes, 64); }
+
+  void EnsureScratch(std::vector<char>& scratch, size_t n) const {
+    if (n > ScratchLimit()) throw InternalError("scratch request over the limit");
+    if (scratch.size() < n) scratch.resize(n);
+  }
+
+  void VerifyCrc(const ReadItem& item, const StorageInfo& info, uint32_t actual) const {
+    if (!options_.verify_checksums || !info.crc32c || actual == *info.crc32c) return;
+    throw CorruptionError("checksum mismatch for " + item.storage_index.ToString() + " in '" +
+                          store_->uri() + "/" + info.relative_path + "' at offset " +
+                          std::to_string(info.offset) + " (" + std::to_string(info.length) +
+                          " bytes): stored crc32c " + std::to_string(*info.crc32c) + ", computed " +
+                          std::to_string(actual));
+  }
+
+  // Copy the box [box_off, +box_len) of a stored C-contiguous chunk of shape `sizes` (starting
+  // at byte `base` of `in`) into `dst` (shape box_len), using at most ScratchLimit() bytes of
+  // scratch. When the box is one byte range and dst is dense, reads straight into dst. When
+  // `crc` is set the box must be the whole chunk; the CRC32C of its bytes, in order, is
+  // accumulated into *crc.
+  void ReadBox(ReadableObject& in, uint64_t base, DType dtype, const Shape& sizes,
+               const Shape& box_off, const Shape& box_len, const TensorView& dst,
+               std::vector<char>& scratch, uint32_t* crc) const {
+    const size_t esize = ElementSize(dtype);
+    const size_t rank = sizes.size();
+    // One byte range: leading dims of length 1, then one partial dim, then full dims.
+    size_t k = 0;
+    while (k < rank && box_len[k] == 1) ++k;
+    bool one_range = true;
+    for (size_t d = k + 1; d < rank; ++d) one_range &= box_len[d] == sizes[d];
+    if (one_range && IsDense(dst)) {
+      const Shape strides = ContiguousStrides(sizes);
+      uint64_t first = 0;
+      for (size_t d = 0; d < rank; ++d) first += static_cast<uint64_t>(box_off[d]) * strides[d];
+      const size_t n = dst.nbytes();
+      if (n > 0) {
+        // The lowest address of a dense view is its data pointer: strides are non-negative
+        // (IsDense) and the view starts at its first element.
+        in.ReadAt(base + first * esize, dst.data, n);
+        if (crc) *crc = Crc32c(*crc, dst.data, n);
+      }
+      return;
+    }
+    Shape prefix;  // fixed indices (relative to the box) of the dims before the current one
+    ReadBoxDim(in, base, dtype, esize, sizes, box_off, box_len, dst, scratch, crc, prefix);
+  }
+
+  void ReadBoxDim(ReadableObject& in, uint64_t base, DType dtype, size_t esize, const Shape& sizes,
+                  const Shape& box_off, const Shape& box_len, const TensorView& dst,
+                  std::vector<char>& scratch, uint32_t* crc, Shape& prefix) const {
+    const size_t d = prefix.size();
+    const size_t rank = sizes.size();
+    // Byte offset of the sub-block selected by `prefix`, and bytes per index along dim d.
+    const Shape strides = ContiguousStrides(sizes);
+    uint64_t off = 0;
+    for (size_t j = 0; j < d; ++j)
+      off += static_cast<uint64_t>(box_off[j] + prefix[j]) * strides[j];
+    const uint64_t row_bytes = static_cast<uint64_t>(strides[d]) * esize;
+    if (row_bytes <= ScratchLimit()) {
+      const int64_t rows_per_slab =
+          std::max<int64_t>(1, ScratchLimit() / std::max<uint64_t>(row_bytes, 1));
+      for (int64_t i = 0; i < box_len[d]; i += rows_per_slab) {
+        const int64_t n = std::min(rows_per_slab, box_len[d] - i);
+        const size_t bytes = static_cast<size_t>(n * row_bytes);
+        EnsureScratch(scratch, bytes);
+        in.ReadAt(base + (off + static_cast<uint64_t>(box_off[d] + i) * strides[d]) * esize,
+                  scratch.data(), bytes);
+        if (crc) *crc = Crc32c(*crc, scratch.data(), bytes);
+        // The slab as a full-rank view: 1 along the fixed dims, n along d, whole below.
+        Shape slab_shape(rank, 1), src_off(rank, 0), len(rank, 1), dst_off(rank, 0);
+        for (size_t j = 0; j < d; ++j) dst_off[j] = prefix[j];
+        slab_shape[d] = n;
+        len[d] = n;
+        dst_off[d] = i;
+        for (size_t j = d + 1; j < rank; ++j) {
+          slab_shape[j] = sizes[j];
+          src_off[j] = box_off[j];
+          len[j] = box_len[j];
+        }
+        const TensorView src =
+            TensorView::FromContiguous(scratch.data(), dtype, slab_shape).Narrow(src_off, len);
+        CopyTensor(dst.Narrow(dst_off, len), src);
+      }
+      return;
+    }
+    // One index along d is larger than the scratch buffer: descend a dimension.
+    for (int64_t i = 0; i < box_len[d]; ++i) {
+      prefix.push_back(i);
+      ReadBoxDim(in, base, dtype, esize, sizes, box_off, box_len, dst, scratch, crc, prefix);
+      prefix.pop_back();
+    }
+  }
+
   void ReadFile(const LoadPlan& plan, LoadPlanner& planner, const std::string& name,
                 const std::vector<size_t>& items, std::vector<char>& scratch) {
     auto in = store_->Open(name);
+    std::set<MetadataIndex> verified;  // stored items whose CRC a partial read already checked
     for (size_t i : items) {
       const ReadItem& item = plan.items[i];
       const StorageInfo& info = Info(item);
@@ -362,20 +457,37 @@ class StoreReader : public StorageReader {
         throw InternalError("destination for " + item.dest_index.ToString() + " is " +
                             dst.ToString() + ", expected " + ShapeToString(item.lengths));
       }
+      const size_t esize = ElementSize(entry.dtype);
       const bool whole = item.lengths == chunk.sizes;
       if (whole && dst.is_contiguous() && info.length == dst.nbytes()) {
         // The common case: the stored chunk lands directly in its destination.
         in->ReadAt(info.offset, dst.data, info.length);
         Verify(item, info, dst.data, info.length);
       } else {
-        // Resharding or a strided destination: read the stored chunk, copy the overlap.
-        // (The whole chunk is read so that its checksum can be verified.)
-        if (scratch.size() < info.length) scratch.resize(info.length);
-        in->ReadAt(info.offset, scratch.data(), info.length);
-        Verify(item, info, scratch.data(), info.length);
-        TensorView src = TensorView::FromContiguous(scratch.data(), entry.dtype, chunk.sizes)
-                             .Narrow(item.storage_offsets, item.lengths);
-        CopyTensor(dst, src);
+        if (info.length != static_cast<uint64_t>(chunk.numel()) * esize) {
+          throw CorruptionError("stored item " + item.storage_index.ToString() + " in '" + name +
+                                "' has " + std::to_string(info.length) + " bytes, expected " +
+                                std::to_string(chunk.numel() * esize));
+        }
+        uint32_t crc = 0;
+        ReadBox(*in, info.offset, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst,
+                scratch, whole ? &crc : nullptr);
+        if (whole) {
+          VerifyCrc(item, info, crc);
+        } else if (options_.verify_partial_reads && options_.verify_checksums && info.crc32c &&
+                   verified.insert(item.storage_index).second) {
+          // Stream the whole stored item through the scratch buffer to check its CRC32C.
+          uint32_t c = 0;
+          for (uint64_t pos = 0; pos < info.length;) {
+            const size_t n =
+                static_cast<size_t>(std::min<uint64_t>(ScratchLimit(), info.length - pos));
+            EnsureScratch(scratch, n);
+            in->ReadAt(info.offset + pos, scratch.data(), n);
+            c = Crc32c(c, scratch.data(), n);
+            pos += n;
+          }
+          VerifyCrc(item, info, c);
+        }
       }
       planner.CommitTensor(item, dst);
     }

@@ -1,0 +1,191 @@
+// plan-bench: how long the default planners take to plan a save and a resharding load, for the
+// planning work of all ranks of a job simulated in one process (no I/O, no communication).
+//
+//   plan-bench [--ranks 4] [--runs 5] [--naive]
+//
+// Scenarios:
+//   tensors: 10,000 tensors of [64, 32] floats, row-sharded over the ranks on save, loaded
+//            column-sharded (every local chunk overlaps every saved chunk of its tensor).
+//   chunks:  one [100000, 16] tensor saved as 100,000 one-row chunks (25,000 per rank at 4
+//            ranks), loaded as 4-row chunks shifted by 2 rows (each overlaps 4-5 saved chunks).
+// Prints the median over --runs of (thread CPU time, in ms): save planning (every rank's local plan
+// + the global plan: dedup, metadata, chunk validation) and load planning (every rank's local plan,
+// summed).
+// --naive also times the reference overlap algorithm (local chunks x saved chunks) for loads,
+// on the tensors scenario and on "chunks10k" (the chunks scenario with 10,000 rows).
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "planner/default_planner.h"
+
+using namespace dcp;
+// Thread CPU time: on a shared machine it is steadier than wall time (planning is
+// single-threaded), so that is what is reported.
+struct Clock {
+  using duration = std::chrono::nanoseconds;
+  struct time_point {
+    int64_t ns;
+    duration operator-(const time_point& o) const { return duration(ns - o.ns); }
+  };
+  static time_point now() {
+    timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return {int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec};
+  }
+};
+
+namespace {
+
+struct Layout {
+  std::vector<StateDict> per_rank;
+};
+
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// One dummy buffer large enough for every view: planning never touches the data.
+std::vector<char>& Buffer() {
+  static std::vector<char> b(1 << 20);
+  return b;
+}
+
+TensorView View(const Shape& sizes) {
+  return TensorView::FromContiguous(Buffer().data(), DType::kFloat32, sizes);
+}
+
+std::pair<int64_t, int64_t> Range(int64_t n, int r, int w) {
+  const int64_t base = n / w, extra = n % w;
+  const int64_t b = r * base + std::min<int64_t>(r, extra);
+  return {b, b + base + (r < extra ? 1 : 0)};
+}
+
+void TensorsScenario(int ranks, bool rows, std::vector<StateDict>& sds) {
+  const int64_t kTensors = 10000, kRows = 64, kCols = 32;
+  sds.assign(ranks, {});
+  for (int r = 0; r < ranks; ++r) {
+    for (int64_t t = 0; t < kTensors; ++t) {
+      ShardedTensor st{DType::kFloat32, {kRows, kCols}, {}};
+      auto [b, e] = Range(rows ? kRows : kCols, r, ranks);
+      if (rows) {
+        st.local_shards.push_back({View({e - b, kCols}), {b, 0}});
+      } else {
+        st.local_shards.push_back({View({kRows, e - b}), {0, b}});
+      }
+      sds[r].Nested("layer" + std::to_string(t / 10)).Set("w" + std::to_string(t % 10), st);
+    }
+  }
+}
+
+void ChunksScenario(int ranks, bool save, std::vector<StateDict>& sds, int64_t kRows) {
+  const int64_t kCols = 16;
+  sds.assign(ranks, {});
+  for (int r = 0; r < ranks; ++r) {
+    ShardedTensor st{DType::kFloat32, {kRows, kCols}, {}};
+    auto [b, e] = Range(kRows, r, ranks);
+    if (save) {
+      for (int64_t row = b; row < e; ++row) st.local_shards.push_back({View({1, kCols}), {row, 0}});
+    } else {
+      // 4-row chunks starting at row 2 (plus the 2-row head on rank 0 and the tail).
+      for (int64_t row = 0; row < kRows;) {
+        const int64_t start = row, len = row == 0 ? 2 : std::min<int64_t>(4, kRows - row);
+        row += len;
+        if (start < b || start >= e) continue;
+        st.local_shards.push_back({View({len, kCols}), {start, 0}});
+      }
+    }
+    sds[r].Set("big", st);
+  }
+}
+
+struct Times {
+  double save_ms, load_ms, naive_ms = -1;
+  size_t read_items = 0;
+};
+
+Times Run(std::vector<StateDict>& save_sds, std::vector<StateDict>& load_sds, bool naive) {
+  const int ranks = static_cast<int>(save_sds.size());
+  Times t;
+  auto t0 = Clock::now();
+  std::vector<DefaultSavePlanner> sp(ranks);
+  std::vector<SavePlan> plans;
+  for (int r = 0; r < ranks; ++r) {
+    sp[r].SetUp(save_sds[r], {r, ranks, r == 0});
+    plans.push_back(sp[r].CreateLocalPlan());
+  }
+  auto [global, md] = sp[0].CreateGlobalPlan(std::move(plans));
+  t.save_ms = Ms(Clock::now() - t0);
+
+  auto load = [&](bool use_naive) {
+    LoadPlannerOptions o;
+    o.naive_overlaps = use_naive;
+    size_t items = 0;
+    auto s = Clock::now();
+    for (int r = 0; r < ranks; ++r) {
+      DefaultLoadPlanner lp(o);
+      lp.SetUp(load_sds[r], md, {r, ranks, r == 0});
+      items += lp.CreateLocalPlan().items.size();
+    }
+    t.read_items = items;
+    return Ms(Clock::now() - s);
+  };
+  t.load_ms = load(false);
+  if (naive) t.naive_ms = load(true);
+  return t;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int ranks = 4, runs = 5;
+  bool naive = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--ranks") && i + 1 < argc) {
+      ranks = std::stoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--runs") && i + 1 < argc) {
+      runs = std::stoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--naive")) {
+      naive = true;
+    } else {
+      std::fprintf(stderr, "usage: %s [--ranks N] [--runs N] [--naive]\n", argv[0]);
+      return 2;
+    }
+  }
+  std::vector<const char*> scenarios = {"tensors", "chunks"};
+  if (naive) scenarios.push_back("chunks10k");  // naive on 100k chunks would take minutes
+  for (const char* scenario : scenarios) {
+    std::vector<StateDict> save_sds, load_sds;
+    if (!std::strcmp(scenario, "tensors")) {
+      TensorsScenario(ranks, true, save_sds);
+      TensorsScenario(ranks, false, load_sds);
+    } else {
+      const int64_t rows = std::strcmp(scenario, "chunks") ? 10000 : 100000;
+      ChunksScenario(ranks, true, save_sds, rows);
+      ChunksScenario(ranks, false, load_sds, rows);
+    }
+    const bool time_naive = naive && std::strcmp(scenario, "chunks");
+    std::vector<double> save, load, nv;
+    size_t items = 0;
+    for (int i = 0; i < runs; ++i) {
+      const Times t = Run(save_sds, load_sds, time_naive);
+      save.push_back(t.save_ms);
+      load.push_back(t.load_ms);
+      nv.push_back(t.naive_ms);
+      items = t.read_items;
+    }
+    std::printf("%-8s ranks=%d  save plan %9.1f ms  load plan %9.1f ms (%zu read items)", scenario,
+                ranks, Median(save), Median(load), items);
+    if (time_naive) std::printf("  naive load plan %9.1f ms", Median(nv));
+    std::printf("   [median of %d]\n", runs);
+  }
+  return 0;
+}
