@@ -354,6 +354,10 @@ Metadata DecodeMetadataFile(std::string_view bytes, std::string_view source) {
                           ", computed " + std::to_string(actual) + "); the file is damaged");
   }
   Metadata md = DecodeMetadata(payload, source);
+  if (version == 0 || md.format_version != version) {
+    throw CorruptionError(src + ": the header says format version " + std::to_string(version) +
+                          " but the payload says " + std::to_string(md.format_version));
+  }
   ValidateMetadata(md, source);
   return md;
 }

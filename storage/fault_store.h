@@ -1,0 +1,87 @@
+// FaultInjectionStore: wraps any Store and injects failures, for tests of the failure paths.
+//
+//   auto faults = std::make_shared<FaultInjectionStore>(MakeFileStore(dir));
+//   faults->FailNth(FaultOp::kAppend, 3, FaultKind::kNoSpace);   // the 3rd append fails
+//   ... run a save against it (RegisterFaultScheme exposes it by URI) ...
+//   faults->Crash();   // power loss: unsynced bytes and unpublished objects are dropped
+//
+// Operations are counted per kind from construction (or Reset). Injected errors are the errors a
+// real device gives (IoError with errno EIO/ENOSPC), so the code under test cannot tell them
+// apart. Crash() models a machine losing power: every object keeps only the bytes that were
+// Sync()ed, objects never synced are gone, PublishAtomically is durable when it returns, and
+// every later operation fails until Reset().
+//
+// Thread-safe: saves use several threads at once.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "storage/store.h"
+
+namespace dcp {
+
+enum class FaultOp { kCreate, kAppend, kSync, kClose, kPublish, kOpen, kRead, kRemove };
+enum class FaultKind {
+  kIoError,     // EIO
+  kNoSpace,     // ENOSPC
+  kShortWrite,  // an append writes half its bytes, then fails with EIO
+  kCrash,       // the machine loses power at this operation (see Crash())
+};
+
+const char* FaultOpName(FaultOp op);
+
+class FaultInjectionStore : public Store, public std::enable_shared_from_this<FaultInjectionStore> {
+ public:
+  explicit FaultInjectionStore(std::shared_ptr<Store> inner);
+
+  /// Make the `n`-th (1-based) operation of kind `op` fail with `kind`.
+  void FailNth(FaultOp op, int n, FaultKind kind = FaultKind::kIoError);
+  /// Sleep `delay` in every operation of kind `op`.
+  void Delay(FaultOp op, std::chrono::milliseconds delay);
+  /// Operations of kind `op` seen so far.
+  int Count(FaultOp op) const;
+  /// Lose power now: drop undurable data; fail every later operation until Reset().
+  void Crash();
+  /// Clear faults, counters and the crashed state (the data stays as it is).
+  void Reset();
+  bool crashed() const;
+
+  std::string uri() const override;
+  void CreateRoot() override;
+  std::unique_ptr<WritableObject> Create(const std::string& name) override;
+  std::unique_ptr<ReadableObject> Open(const std::string& name) override;
+  std::optional<uint64_t> Size(const std::string& name) override;
+  void PublishAtomically(const std::string& name, std::string_view bytes) override;
+  std::vector<std::string> List() override;
+  void Remove(const std::string& name) override;
+
+  // Used by the wrapped objects. Throws the injected error; returns true when an append must
+  // be cut short (write half, then fail).
+  bool Before(FaultOp op, const std::string& name);
+  void RecordWrite(const std::string& name, uint64_t size, bool synced, bool closed);
+  std::shared_ptr<Store> inner() const { return inner_; }
+
+ private:
+  void CrashLocked();
+  std::shared_ptr<Store> inner_;
+  mutable std::mutex mu_;
+  std::map<FaultOp, int> counts_;
+  std::map<std::pair<FaultOp, int>, FaultKind> faults_;
+  std::map<FaultOp, std::chrono::milliseconds> delays_;
+  struct Durability {
+    uint64_t synced = 0;  // bytes made durable by Sync
+    bool ever_synced = false;
+  };
+  std::map<std::string, Durability> written_;  // objects written through this store
+  bool crashed_ = false;
+};
+
+/// Expose `store` under "<scheme>://<anything>" (the location is ignored). Replaces an earlier
+/// registration of the scheme.
+void RegisterFaultScheme(const std::string& scheme, std::shared_ptr<FaultInjectionStore> store);
+
+}  // namespace dcp
