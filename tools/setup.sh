@@ -5,8 +5,10 @@
 #   tools/setup.sh build    deps + configure + build            (default)
 #   tools/setup.sh demo     build + run dcp-demo under mpirun -np 4 (extra args go to dcp-demo)
 #   tools/setup.sh test     build + run the whole test suite with ctest (extra args go to ctest),
-#                           then the threaded parts (async save, protocol, communicators) again
-#                           under ThreadSanitizer in a second build ($DCP_BUILD_DIR-tsan)
+#                           then: the unit, fault and MPI tests under ASan+UBSan ($DCP_BUILD_DIR-asan),
+#                           the threaded parts (async save, protocol, communicators) under TSan
+#                           ($DCP_BUILD_DIR-tsan), and the metadata fuzzer for $DCP_FUZZ_SECONDS
+#                           (default 60) over tests/fuzz/corpus ($DCP_BUILD_DIR-fuzz, clang)
 #
 # Non-interactive. Needs root (or sudo) only to install missing packages. The build directory is
 # $DCP_BUILD_DIR (default: build/ in the repository).
@@ -24,6 +26,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev catch2
   libopenmpi-dev openmpi-bin
   libtorch-dev
+  clang libclang-rt-14-dev
 )
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -67,6 +70,33 @@ case "$mode" in
   test)
     install_deps; configure_and_build
     (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
+    # Metadata is untrusted input: fuzz its decoding and validation for a bounded time.
+    fuzz="$build-fuzz"
+    if [ ! -f "$fuzz/build.ninja" ]; then
+      log "configuring $fuzz (libFuzzer, clang)"
+      CC=clang CXX=clang++ cmake -S "$root" -B "$fuzz" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+        -DDCP_FUZZ=ON -DDCP_SANITIZE=address -DDCP_WITH_TORCH=OFF -DDCP_WITH_MPI=OFF \
+        -DDCP_WITH_CUDA=OFF -DDCP_BUILD_TOOLS=OFF -DDCP_BUILD_TESTS=OFF
+    fi
+    cmake --build "$fuzz" -j "$jobs" --target dcp_metadata_fuzz
+    corpus=$(mktemp -d)
+    cp "$root"/tests/fuzz/corpus/* "$corpus"/
+    log "fuzzing metadata for ${DCP_FUZZ_SECONDS:-60} s"
+    "$fuzz/dcp_metadata_fuzz" -max_total_time="${DCP_FUZZ_SECONDS:-60}" -rss_limit_mb=2048 \
+      -print_final_stats=1 "$corpus" 2>&1 | grep -E '^(#|Done|stat::number_of_executed_units|==)' | tail -4
+    rm -rf "$corpus"
+    # ASan + UBSan over the unit, fault and MPI tests (LibTorch is not built with ASan: skipped).
+    asan="$build-asan"
+    if [ ! -f "$asan/build.ninja" ]; then
+      log "configuring $asan (AddressSanitizer + UndefinedBehaviorSanitizer)"
+      cmake -S "$root" -B "$asan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDCP_SANITIZE=address \
+        -DDCP_WITH_TORCH=OFF -DDCP_WITH_CUDA=OFF -DDCP_BUILD_TOOLS=OFF
+    fi
+    cmake --build "$asan" -j "$jobs"
+    # Open MPI's own allocations are reported as leaks at exit; leak checking stays on for the
+    # unit tests, off for the MPI ones.
+    (cd "$asan" && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j "$jobs" -L unit -E package_consumer)
+    (cd "$asan" && ASAN_OPTIONS=detect_leaks=0 ctest --output-on-failure -L mpi)
     # The threaded parts under ThreadSanitizer: core libraries and unit tests only.
     tsan="$build-tsan"
     if [ ! -f "$tsan/build.ninja" ]; then
