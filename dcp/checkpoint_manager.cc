@@ -126,6 +126,15 @@ void CheckpointIO::LoadCheckpoint(const std::string& path, StateDict& state,
   }
 }
 
+StateDict CheckpointIO::LoadCheckpoint(const std::string& path,
+                                       const LoadCheckpointOptions& options) {
+  StateDict state;
+  LoadOptions lo = ToLoadOptions(options);
+  lo.load_all = true;  // allocate every entry from the metadata
+  dcp::Load(state, path, comm_, lo);
+  return options.weights_only ? WithoutBlobs(state) : state;
+}
+
 void CheckpointIO::RemoveCheckpoint(const std::string& path) {
   OnCoordinator(comm_, "remove-checkpoint", [&] {
     RemoveCheckpointFiles(path);
@@ -149,6 +158,12 @@ void AsyncCheckpointIO::LoadCheckpoint(const std::string& path, StateDict& state
                                        const LoadCheckpointOptions& options) {
   saver_.Wait();
   CheckpointIO::LoadCheckpoint(path, state, options);
+}
+
+StateDict AsyncCheckpointIO::LoadCheckpoint(const std::string& path,
+                                            const LoadCheckpointOptions& options) {
+  saver_.Wait();
+  return CheckpointIO::LoadCheckpoint(path, options);
 }
 
 void AsyncCheckpointIO::RemoveCheckpoint(const std::string& path) {

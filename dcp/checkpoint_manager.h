@@ -48,6 +48,9 @@ class CheckpointIO {
   /// Load into `state` in place.
   virtual void LoadCheckpoint(const std::string& path, StateDict& state,
                               const LoadCheckpointOptions& options = {});
+  /// Load the whole checkpoint into a new state dict allocated from its metadata (every rank
+  /// gets every entry; with weights_only, blobs are left out).
+  StateDict LoadCheckpoint(const std::string& path, const LoadCheckpointOptions& options = {});
   /// Remove a checkpoint (metadata first, so it stops being a checkpoint at once). Collective;
   /// rank 0 removes. Removing an absent checkpoint is not an error.
   virtual void RemoveCheckpoint(const std::string& path);
@@ -67,6 +70,8 @@ class AsyncCheckpointIO : public CheckpointIO {
                       const StorageOptions& options = {}) override;
   void LoadCheckpoint(const std::string& path, StateDict& state,
                       const LoadCheckpointOptions& options = {}) override;
+  /// Waits for the save in flight, then loads into a new state dict.
+  StateDict LoadCheckpoint(const std::string& path, const LoadCheckpointOptions& options = {});
   void RemoveCheckpoint(const std::string& path) override;
   /// Wait for the last save and stop the background thread; raises its error.
   void Teardown() override;

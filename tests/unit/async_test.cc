@@ -289,6 +289,14 @@ TEST_CASE("checkpoint io: Lightning-style save, load, weights-only, remove", "[a
   CHECK(std::get<Blob>(*back.sd.Find("rng")).bytes == "untouched");
   io.LoadCheckpoint(dir / "a", back.sd);
   CHECK(std::get<Blob>(*back.sd.Find("rng")).bytes == "state-12");
+  // A new state, allocated from the metadata.
+  StateDict fresh = io.LoadCheckpoint(dir / "a");
+  const auto* w = std::get_if<TensorView>(fresh.Nested("model").Find("w"));
+  REQUIRE(w != nullptr);
+  CHECK(SameElements(*w, s.w));
+  CHECK(std::get<Blob>(*fresh.Find("rng")).bytes == "state-12");
+  StateDict weights = io.LoadCheckpoint(dir / "a", wo);
+  CHECK(weights.Find("rng") == nullptr);
   LoadCheckpointOptions gpu;
   gpu.map_location = Device{Device::Type::kCUDA, 0};
   CHECK_THROWS_AS(io.LoadCheckpoint(dir / "a", back.sd, gpu), UnsupportedError);
