@@ -22,6 +22,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev catch2
   libopenmpi-dev openmpi-bin
   libtorch-dev
+  python3 python3-numpy python3-torch   # CLI tests: independent safetensors reader, torch.load
 )
 
 log() { printf '[setup] %s\n' "$*" >&2; }

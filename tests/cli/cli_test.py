@@ -256,7 +256,8 @@ assert sd["step"].item() == 1234567890123 and sd["step"].dim() == 0
 assert sd["mask"].tolist() == [i % 2 == 0 for i in range(7)]
 assert sd["i8"].tolist() == [[-3, -2, -1], [0, 1, 2]]
 assert bytes(sd["rng"].tolist()) == b"\x00\x01\xffstate"
-torch.save({"x": torch.arange(6, dtype=torch.float64).reshape(2, 3), "nested": {"y": torch.ones(3, dtype=torch.int32)}}, sys.argv[2])
+assert sd["__dcp_blobs__"] == ["rng"], sd["__dcp_blobs__"]
+torch.save({"x": torch.arange(6, dtype=torch.float64).reshape(2, 3), "nested": {"y": torch.ones(3, dtype=torch.int32), "z": torch.zeros(2, 2, dtype=torch.bfloat16)}}, sys.argv[2])
 print("torch.load ok")
 """
     src2 = os.path.join(args.workdir, "py.pt")
@@ -273,7 +274,7 @@ print("torch.load ok")
     doc = inspect_json(back2)
     by = {e["fqn"]: e for e in doc["entries"]}
     check(by["x"]["dtype"] == "float64" and by["x"]["shape"] == [2, 3], str(by))
-    check(by["nested.y"]["dtype"] == "int32", str(by))
+    check(by["nested.y"]["dtype"] == "int32" and by["nested.z"]["dtype"] == "bfloat16", str(by))
 
 
 def test_plugin():

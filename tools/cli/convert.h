@@ -26,7 +26,9 @@ bool HaveTorch();
 /// A checkpoint into a file Python's torch.load reads: a dict {fqn: tensor} (blobs as uint8
 /// tensors). LibTorch's pickle writer needs every tensor in memory at once.
 void ExportTorch(const Checkpoint& src, const std::string& out, const ConvertOptions& o);
-/// A torch.save file holding a (possibly nested) dict of tensors into a dcp checkpoint.
+/// A torch.save file holding a (possibly nested) dict of tensors into a dcp checkpoint. The
+/// whole file is read into memory. LibTorch 1.13's unpickler rejects some files Python writes
+/// (a dict with exactly one entry uses the SETITEM opcode, which it lacks).
 void ImportTorch(const std::string& in, const std::string& out_uri, const ConvertOptions& o);
 
 }  // namespace dcp::cli
