@@ -144,15 +144,29 @@ TensorStream::TensorStream(Store& store, const Metadata& md, const std::string& 
                            size_t budget_bytes)
     : store_(store), fqn_(fqn), entry_(std::get<TensorMetadata>(md.entries.at(fqn))) {
   const size_t esize = ElementSize(entry_.dtype);
-  const int64_t numel = NumElements(entry_.shape);
-  if (numel == 0) {
+  if (NumElements(entry_.shape) == 0) {
     done_ = true;
     return;
   }
-  row_bytes_ = entry_.shape.empty() ? esize : static_cast<size_t>(numel / entry_.shape[0]) * esize;
-  if (!entry_.shape.empty()) {
-    rows_per_piece_ = std::max<int64_t>(1, static_cast<int64_t>(budget_bytes / row_bytes_));
-    rows_per_piece_ = std::min(rows_per_piece_, entry_.shape[0]);
+  const Shape& shape = entry_.shape;
+  if (!shape.empty()) {
+    // The outermost dimension whose single index (later dimensions whole) fits the budget.
+    split_ = shape.size() - 1;
+    for (size_t d = 0; d < shape.size(); ++d) {
+      size_t inner = esize;
+      for (size_t k = d + 1; k < shape.size(); ++k) inner *= static_cast<size_t>(shape[k]);
+      if (inner <= budget_bytes) {
+        split_ = d;
+        break;
+      }
+    }
+    inner_bytes_ = esize;
+    for (size_t k = split_ + 1; k < shape.size(); ++k) {
+      inner_bytes_ *= static_cast<size_t>(shape[k]);
+    }
+    per_piece_ =
+        std::clamp<int64_t>(static_cast<int64_t>(budget_bytes / inner_bytes_), 1, shape[split_]);
+    prefix_.assign(split_, 0);
   }
   for (const auto& c : entry_.chunks) {
     if (c.numel() == 0) continue;
@@ -171,7 +185,8 @@ ReadableObject& TensorStream::Object(const std::string& name) {
 bool TensorStream::Next(const char*& data, size_t& nbytes) {
   if (done_) return false;
   const size_t esize = ElementSize(entry_.dtype);
-  if (entry_.shape.empty()) {  // a scalar: one chunk, one element
+  const Shape& shape = entry_.shape;
+  if (shape.empty()) {  // a scalar: one chunk, one element
     piece_.resize(esize);
     ChunkState& cs = chunks_.at(0);
     Object(cs.info->relative_path).ReadAt(cs.info->offset, piece_.data(), esize);
@@ -184,23 +199,33 @@ bool TensorStream::Next(const char*& data, size_t& nbytes) {
     done_ = true;
     return true;
   }
-  const int64_t r0 = next_row_;
-  const int64_t n = std::min(rows_per_piece_, entry_.shape[0] - r0);
-  Shape piece_shape = entry_.shape;
+  const size_t d = split_;
+  const int64_t r0 = pos_;
+  const int64_t n = std::min(per_piece_, shape[d] - r0);
+  Shape piece_shape(shape.begin() + static_cast<std::ptrdiff_t>(d), shape.end());
   piece_shape[0] = n;
-  piece_.resize(static_cast<size_t>(n) * row_bytes_);
+  piece_.resize(static_cast<size_t>(n) * inner_bytes_);
   TensorView piece = TensorView::FromContiguous(piece_.data(), entry_.dtype, piece_shape);
   for (ChunkState& cs : chunks_) {
     const ChunkMeta& c = *cs.chunk;
-    const int64_t a = std::max(r0, c.offsets[0]);
-    const int64_t b = std::min(r0 + n, c.offsets[0] + c.sizes[0]);
-    if (a >= b) continue;
-    const size_t chunk_row = static_cast<size_t>(c.numel() / c.sizes[0]) * esize;
-    const uint64_t begin = static_cast<uint64_t>(a - c.offsets[0]) * chunk_row;
-    const size_t len = static_cast<size_t>(b - a) * chunk_row;
-    if (begin != cs.consumed) {
-      throw InternalError("chunk of " + fqn_ + " read out of order");
+    // The chunk must hold the current prefix; `lin` is its row-major index inside the chunk.
+    int64_t lin = 0;
+    bool inside = true;
+    for (size_t k = 0; k < d && inside; ++k) {
+      const int64_t li = prefix_[k] - c.offsets[k];
+      inside = li >= 0 && li < c.sizes[k];
+      lin = lin * c.sizes[k] + li;
     }
+    if (!inside) continue;
+    const int64_t a = std::max(r0, c.offsets[d]);
+    const int64_t b = std::min(r0 + n, c.offsets[d] + c.sizes[d]);
+    if (a >= b) continue;
+    size_t chunk_inner = esize;
+    for (size_t k = d + 1; k < shape.size(); ++k) chunk_inner *= static_cast<size_t>(c.sizes[k]);
+    const uint64_t begin =
+        static_cast<uint64_t>(lin * c.sizes[d] + (a - c.offsets[d])) * chunk_inner;
+    const size_t len = static_cast<size_t>(b - a) * chunk_inner;
+    if (begin != cs.consumed) throw InternalError("chunk of " + fqn_ + " read out of order");
     scratch_.resize(len);
     Object(cs.info->relative_path).ReadAt(cs.info->offset + begin, scratch_.data(), len);
     cs.crc = Crc32c(cs.crc, scratch_.data(), len);
@@ -208,14 +233,26 @@ bool TensorStream::Next(const char*& data, size_t& nbytes) {
     if (cs.consumed == cs.info->length && cs.info->crc32c && cs.crc != *cs.info->crc32c) {
       ChecksumMismatch(fqn_ + ShapeToString(c.offsets), store_.uri(), *cs.info, cs.crc);
     }
-    Shape src_shape = c.sizes, dst_off = c.offsets;
+    Shape src_shape(c.sizes.begin() + static_cast<std::ptrdiff_t>(d), c.sizes.end());
+    Shape dst_off(c.offsets.begin() + static_cast<std::ptrdiff_t>(d), c.offsets.end());
     src_shape[0] = b - a;
     dst_off[0] = a - r0;
     CopyTensor(piece.Narrow(dst_off, src_shape),
                TensorView::FromContiguous(scratch_.data(), entry_.dtype, src_shape));
   }
-  next_row_ += n;
-  done_ = next_row_ >= entry_.shape[0];
+  // Advance: along d, then the prefix in row-major order.
+  pos_ += n;
+  if (pos_ == shape[d]) {
+    pos_ = 0;
+    size_t k = d;
+    while (k > 0) {
+      --k;
+      if (++prefix_[k] < shape[k]) break;
+      prefix_[k] = 0;
+      if (k == 0) done_ = true;
+    }
+    if (d == 0) done_ = true;
+  }
   data = piece_.data();
   nbytes = piece_.size();
   return true;

@@ -57,19 +57,20 @@ uint64_t StoredBytesOf(const Metadata& md, const std::string& fqn);
 /// The stored item for a chunk; CorruptionError when absent.
 const StorageInfo& ItemInfo(const Metadata& md, const std::string& fqn, const Shape& offsets);
 
-/// Pulls the bytes of one tensor in row-major (C) order, `rows` of dimension 0 at a time, using
-/// at most about 2 x `budget_bytes` of memory (or two rows of dimension 0, if one row is larger).
-/// Each stored chunk is read front to back in pieces; its CRC32C is checked when its last piece
-/// has been read (CorruptionError naming the fqn, file and offset on mismatch).
+/// Pulls the bytes of one tensor in row-major (C) order, a bounded piece at a time. A piece is a
+/// run of consecutive indices along one split dimension d (with every later dimension whole, at
+/// one fixed index of each earlier dimension), so it is contiguous in the row-major output; d is
+/// the outermost dimension whose slices fit in `budget_bytes`, so memory stays at about
+/// 2 x `budget_bytes` whatever the shape. Each stored chunk is read front to back in pieces;
+/// its CRC32C is checked when its last piece has been read (CorruptionError naming the fqn,
+/// the file and the offset on mismatch).
 class TensorStream {
  public:
   TensorStream(Store& store, const Metadata& md, const std::string& fqn,
                size_t budget_bytes = 64 << 20);
-  /// The next piece: its bytes, element count and first row. False at the end.
+  /// The next piece of the tensor's bytes. False at the end.
   bool Next(const char*& data, size_t& nbytes);
   const TensorMetadata& entry() const { return entry_; }
-  /// Bytes of one row of dimension 0 (the whole tensor for 0-d).
-  size_t row_bytes() const { return row_bytes_; }
 
  private:
   struct ChunkState {
@@ -85,9 +86,11 @@ class TensorStream {
   const TensorMetadata& entry_;
   std::vector<ChunkState> chunks_;
   std::map<std::string, std::unique_ptr<ReadableObject>> objects_;
-  size_t row_bytes_ = 0;
-  int64_t rows_per_piece_ = 1;
-  int64_t next_row_ = 0;
+  size_t split_ = 0;        // the split dimension d
+  size_t inner_bytes_ = 0;  // bytes of one index of dimension d (later dimensions whole)
+  int64_t per_piece_ = 1;   // indices of dimension d per piece
+  Shape prefix_;            // current index of each dimension before d
+  int64_t pos_ = 0;         // next index along dimension d
   bool done_ = false;
   std::vector<char> piece_, scratch_;
 };

@@ -485,8 +485,9 @@ int Main(int argc, char** argv) {
                    "*.pt/*.pth/*.bin = torch, else dcp)")
       ->check(CLI::IsMember({"dcp", "safetensors", "torch"}));
   convert->add_flag("--overwrite", co.overwrite, "replace an existing destination");
-  size_t budget_mib = 64;
+  size_t budget_mib = 64, budget_bytes = 0;
   convert->add_option("--piece-mib", budget_mib, "memory bound per streamed piece (default 64)");
+  convert->add_option("--piece-bytes", budget_bytes, "the same in bytes (overrides --piece-mib)");
 
   try {
     app.parse(argc, argv);
@@ -500,7 +501,7 @@ int Main(int argc, char** argv) {
     if (verify->parsed()) return Verify(path);
     if (diff->parsed()) return Diff(path, other, values, atol, rtol);
     if (convert->parsed()) {
-      co.budget_bytes = std::max<size_t>(1, budget_mib) << 20;
+      co.budget_bytes = budget_bytes ? budget_bytes : std::max<size_t>(1, budget_mib) << 20;
       return Convert(path, other, from, to, co);
     }
   } catch (...) {
