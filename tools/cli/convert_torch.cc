@@ -1,5 +1,6 @@
 // dcp <-> torch.save files, through LibTorch's pickler (torch::pickle_save / pickle_load write
-// and read the zip format of Python's torch.save / torch.load). Built only with LibTorch.
+// and read the zip format of Python's torch.save / torch.load). Built only with LibTorch, as the
+// module libdcp_cli_torch.so that the `dcp` command loads on demand (convert_torch_loader.cc).
 //
 // Memory: LibTorch pickles one IValue, so the whole state lives in memory at once in both
 // directions (the checkpoint's tensors are still read chunk by chunk, in bounded pieces, into
@@ -71,7 +72,8 @@ void Collect(const c10::IValue& value, const std::string& prefix,
 
 }  // namespace
 
-bool HaveTorch() { return true; }
+void ExportTorch(const Checkpoint& src, const std::string& out, const ConvertOptions& o);
+void ImportTorch(const std::string& in, const std::string& out_uri, const ConvertOptions& o);
 
 void ExportTorch(const Checkpoint& src, const std::string& out, const ConvertOptions& o) {
   if (!o.overwrite && std::filesystem::exists(out)) {
@@ -159,3 +161,23 @@ void ImportTorch(const std::string& in, const std::string& out_uri, const Conver
 }
 
 }  // namespace dcp::cli
+
+extern "C" int dcp_cli_torch_convert(int to_torch, const char* src, const char* dst, int overwrite,
+                                     unsigned long long budget_bytes, char* err, size_t err_len) {
+  using namespace dcp::cli;
+  try {
+    ConvertOptions o;
+    o.overwrite = overwrite != 0;
+    o.budget_bytes = static_cast<size_t>(budget_bytes);
+    if (to_torch) {
+      ExportTorch(OpenCheckpoint(src), dst, o);
+    } else {
+      ImportTorch(src, dst, o);
+    }
+    return kOk;
+  } catch (...) {
+    const CliError e = ClassifyCurrentException();
+    std::snprintf(err, err_len, "%s", e.message.c_str());
+    return e.code;
+  }
+}

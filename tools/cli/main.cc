@@ -425,10 +425,9 @@ int Convert(const std::string& src, const std::string& dst, std::string from, st
   } else if (from == "safetensors" && to == "dcp") {
     ImportSafetensors(src, dst, o);
   } else if (from == "dcp" && to == "torch") {
-    if (!HaveTorch()) ExportTorch({}, dst, o);  // reports the missing feature
-    ExportTorch(OpenCheckpoint(src), dst, o);
+    ConvertTorch(true, src, dst, o);
   } else if (from == "torch" && to == "dcp") {
-    ImportTorch(src, dst, o);
+    ConvertTorch(false, src, dst, o);
   } else {
     throw CliError{kUsage, "cannot convert " + from + " to " + to +
                                " (supported: dcp <-> safetensors, dcp <-> torch)"};
