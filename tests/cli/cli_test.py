@@ -71,6 +71,8 @@ def expected():
         "step": np.array(1234567890123, dtype=np.int64),
         "mask": np.array([i % 2 == 0 for i in range(7)], dtype=np.bool_),
         "i8": (np.arange(6) - 3).astype(np.int8).reshape(2, 3),
+        "model.k": np.array([[[i * 100 + j * 10 + l for l in range(4)] for j in range(3)]
+                             for i in range(2)], dtype=np.float64),
     }
 
 
@@ -79,21 +81,21 @@ def test_basic():
     b = fresh("b", changed=True)
     _, out = dcp("inspect", a)
     contains(out, "world size      2", "model.w", "float32", "[6, 5]", "bfloat16", "rng", "bytes",
-             "7 tensors, 1 blobs", "in 2 files")
+             "8 tensors, 1 blobs", "in 2 files")
     doc = inspect_json(a)
-    check(doc["world_size"] == 2 and doc["tensors"] == 7 and doc["blobs"] == 1, str(doc))
+    check(doc["world_size"] == 2 and doc["tensors"] == 8 and doc["blobs"] == 1, str(doc))
     check(doc["format_version"] == 1 and doc["files"] == 2, str(doc))
     by = {e["fqn"]: e for e in doc["entries"]}
     check(by["model.c"]["shape"] == [4, 6] and len(by["model.c"]["chunks"]) == 2, str(by["model.c"]))
     check(by["rng"]["kind"] == "bytes" and by["rng"]["bytes"] == 8, str(by["rng"]))
     filtered = inspect_json(a, "--filter", "model.*")
-    check(sorted(e["fqn"] for e in filtered["entries"]) == ["model.bf", "model.c", "model.h", "model.w"],
+    check(sorted(e["fqn"] for e in filtered["entries"]) == ["model.bf", "model.c", "model.h", "model.k", "model.w"],
           str(filtered["entries"]))
     _, out = dcp("inspect", a, "--filter", "model.w")
     check("model.c" not in out and "model.w" in out, out)
 
     _, out = dcp("verify", a)
-    contains(out, "OK:", "10 stored items")
+    contains(out, "OK:", "12 stored items")
     check("\r" not in out, "progress bar drawn although stderr is not a terminal")
 
     # diff: metadata equal; values differ in model.w only.
@@ -102,7 +104,7 @@ def test_basic():
     _, out = dcp("diff", a, b, "--values", expect=1)
     contains(out, "values differ: model.w: 1 of 30 elements, max abs diff 0.5", "1 difference(s)")
     _, out = dcp("diff", a, a, "--values")
-    contains(out, "no differences", "8 compared by value")
+    contains(out, "no differences", "9 compared by value")
     _, out = dcp("diff", a, b, "--values", "--atol", "0.6")
     contains(out, "no differences")
 
@@ -225,8 +227,12 @@ def test_safetensors():
     st_small = os.path.join(args.workdir, "small.safetensors")
     if os.path.exists(st_small):
         os.remove(st_small)
-    dcp("convert", a, st_small, "--piece-bytes", "8")
-    check(open(st_small, "rb").read() == open(st, "rb").read(), "piece size changed the output")
+    for piece in ("8", "40", "100"):
+        if os.path.exists(st_small):
+            os.remove(st_small)
+        dcp("convert", a, st_small, "--piece-bytes", piece)
+        check(open(st_small, "rb").read() == open(st, "rb").read(),
+              f"piece size {piece} changed the output")
 
     back = os.path.join(args.workdir, "from_st")
     shutil.rmtree(back, ignore_errors=True)
@@ -262,6 +268,7 @@ assert sd["model.bf"].dtype == torch.bfloat16 and torch.equal(sd["model.bf"].flo
 assert sd["step"].item() == 1234567890123 and sd["step"].dim() == 0
 assert sd["mask"].tolist() == [i % 2 == 0 for i in range(7)]
 assert sd["i8"].tolist() == [[-3, -2, -1], [0, 1, 2]]
+assert sd["model.k"].dtype == torch.float64 and sd["model.k"][1, 2, 3].item() == 123
 assert bytes(sd["rng"].tolist()) == b"\x00\x01\xffstate"
 assert sd["__dcp_blobs__"] == ["rng"], sd["__dcp_blobs__"]
 torch.save({"x": torch.arange(6, dtype=torch.float64).reshape(2, 3), "nested": {"y": torch.ones(3, dtype=torch.int32), "z": torch.zeros(2, 2, dtype=torch.bfloat16)}}, sys.argv[2])
@@ -300,7 +307,7 @@ def test_plugin():
     contains(out, "--plugin")
     dcp("--plugin", args.plugin, "convert", st, uri, "--to", "dcp")
     _, out = dcp("--plugin", args.plugin, "inspect", uri)
-    contains(out, "kv://", "model.w", "7 tensors, 1 blobs")
+    contains(out, "kv://", "model.w", "8 tensors, 1 blobs")
     _, out = dcp("verify", uri, "--plugin", args.plugin)
     contains(out, "OK: kv://")
     _, out = dcp("--plugin", args.plugin, "diff", a, uri, "--values")

@@ -1,6 +1,7 @@
 // Makes the small checkpoints the CLI tests work on: 2 ranks (threads of one process), a
-// row-sharded and a column-sharded tensor, a replicated one, mixed dtypes, a scalar, a blob.
-// Values follow simple formulas that tests/cli/cli_test.py recomputes independently.
+// row-sharded, a column-sharded and a middle-dimension-sharded tensor, a replicated one, mixed
+// dtypes, a scalar, a blob. Values follow simple formulas that tests/cli/cli_test.py recomputes
+// independently.
 //
 //   dcp_cli_fixture DIR [--changed]   (--changed: model.w[1][2] += 0.5)
 #include <cstring>
@@ -36,6 +37,7 @@ struct Globals {
   TensorView step = TensorView::Allocate(DType::kInt64, {});
   TensorView mask = TensorView::Allocate(DType::kBool, {7});
   TensorView i8 = TensorView::Allocate(DType::kInt8, {2, 3});
+  TensorView k = TensorView::Allocate(DType::kFloat64, {2, 3, 4});
 };
 
 void Fill(Globals& g, bool changed) {
@@ -55,6 +57,8 @@ void Fill(Globals& g, bool changed) {
   for (int i = 0; i < 7; ++i) mask[i] = i % 2 == 0;
   auto* i8 = static_cast<int8_t*>(g.i8.data);
   for (int i = 0; i < 6; ++i) i8[i] = static_cast<int8_t>(i - 3);
+  auto* k = static_cast<double*>(g.k.data);
+  for (int i = 0; i < 24; ++i) k[i] = (i / 12) * 100 + (i / 4 % 3) * 10 + i % 4;
 }
 
 StateDict RankState(Globals& g, int rank) {
@@ -65,7 +69,11 @@ StateDict RankState(Globals& g, int rank) {
       .Set("w", ShardedTensor{DType::kFloat32, {6, 5}, {{g.w.Narrow({r0, 0}, {3, 5}), {r0, 0}}}})
       .Set("c", ShardedTensor{DType::kFloat32, {4, 6}, {{g.c.Narrow({0, c0}, {4, cn}), {0, c0}}}})
       .Set("h", g.h)  // replicated: written once
-      .Set("bf", g.bf);
+      .Set("bf", g.bf)
+      // model.k: a 3-d tensor sharded along its middle dimension (1 / 2 of 3 on ranks 0 / 1).
+      .Set("k", ShardedTensor{DType::kFloat64,
+                              {2, 3, 4},
+                              {{g.k.Narrow({0, rank, 0}, {2, rank + 1, 4}), {0, rank, 0}}}});
   sd.Set("step", g.step).Set("mask", g.mask).Set("i8", g.i8);
   sd.Set("rng", Blob{std::string("\x00\x01\xffstate", 8)});
   return sd;
