@@ -27,6 +27,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   libtorch-dev
   clang libclang-rt-14-dev
+  python3 python3-numpy python3-torch   # CLI tests: independent safetensors reader, torch.load
 )
 
 log() { printf '[setup] %s\n' "$*" >&2; }

@@ -1,9 +1,11 @@
-// One conformance suite, run against every built-in backend (file://, mem://). A new backend
-// joins by adding a row to Backends().
+// One conformance suite, run against every backend in Table(): the built-ins (file://, mem://)
+// and the example plugin kv:// (examples/kv_store), loaded at run time with LoadStoragePlugin
+// from the path CMake passes as DCP_KV_PLUGIN. A new backend joins by adding a row to Table().
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <thread>
 
 #include "storage/file_store.h"
@@ -25,20 +27,51 @@ struct Location {
   std::unique_ptr<TempDir> dir;
 };
 
-Location FreshLocation(const std::string& scheme) {
-  static int counter = 0;
+// One row per backend: its scheme and how to make a fresh, empty location of it.
+struct BackendCase {
+  std::string scheme;
+  std::function<Location()> fresh;
+};
+
+Location InTempDir(const std::string& prefix) {
   Location loc;
-  if (scheme == "file") {
-    loc.dir = std::make_unique<TempDir>("conf");
-    loc.uri = "file://" + loc.dir->path() + "/ckpt";
-  } else {
-    loc.uri = "mem://conformance-" + std::to_string(counter++);
-    ClearMemStore(SplitUri(loc.uri).second);
-  }
+  loc.dir = std::make_unique<TempDir>("conf");
+  loc.uri = prefix + loc.dir->path() + "/ckpt";
   return loc;
 }
 
-std::vector<std::string> Backends() { return {"file", "mem"}; }
+const std::vector<BackendCase>& Table() {
+  static const std::vector<BackendCase> table = [] {
+    std::vector<BackendCase> t;
+    t.push_back({"file", [] { return InTempDir("file://"); }});
+    t.push_back({"mem", [] {
+                   static int counter = 0;
+                   Location loc;
+                   loc.uri = "mem://conformance-" + std::to_string(counter++);
+                   ClearMemStore(SplitUri(loc.uri).second);
+                   return loc;
+                 }});
+#ifdef DCP_KV_PLUGIN
+    LoadStoragePlugin(DCP_KV_PLUGIN);  // registers kv:// through dcp_register_storage()
+    t.push_back({"kv", [] { return InTempDir("kv://"); }});
+#endif
+    return t;
+  }();
+  return table;
+}
+
+Location FreshLocation(const std::string& scheme) {
+  for (const auto& b : Table()) {
+    if (b.scheme == scheme) return b.fresh();
+  }
+  throw std::logic_error("no backend row for " + scheme);
+}
+
+std::vector<std::string> Backends() {
+  std::vector<std::string> names;
+  for (const auto& b : Table()) names.push_back(b.scheme);
+  return names;
+}
 
 StateDict MakeState(std::vector<TensorView>& keep) {
   keep = {RandomTensor(DType::kFloat32, {64, 33}, 1), RandomTensor(DType::kBFloat16, {7}, 2),

@@ -1,0 +1,332 @@
+#!/usr/bin/env python3
+"""Tests of the `dcp` command line on checkpoints made by dcp_cli_fixture.
+
+    cli_test.py PART --dcp BIN --fixture BIN --plugin LIB --workdir DIR
+
+PART is basic (inspect, verify, diff, error exit codes; standard library only), safetensors
+(an independent reader with numpy), torch (torch.load of the converted file) or plugin (the kv://
+backend through --plugin). Exits 77 (skipped) when numpy, torch or the plugin are unavailable.
+"""
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+SKIP = 77
+args = None
+
+
+def run(*cmd, expect=None):
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    out = p.stdout + p.stderr
+    if expect is not None and p.returncode != expect:
+        sys.exit(f"FAIL: {' '.join(map(str, cmd))}: exit {p.returncode}, expected {expect}\n{out}")
+    return p.returncode, out
+
+
+def dcp(*a, expect=0):
+    return run(args.dcp, *a, expect=expect)
+
+
+def check(cond, msg):
+    if not cond:
+        sys.exit("FAIL: " + msg)
+
+
+def contains(out, *needles):
+    for n in needles:
+        check(n in out, f"expected {n!r} in:\n{out}")
+
+
+def fresh(name, changed=False):
+    path = os.path.join(args.workdir, name)
+    shutil.rmtree(path, ignore_errors=True)
+    run(args.fixture, path, *(["--changed"] if changed else []), expect=0)
+    return path
+
+
+def inspect_json(path, *extra):
+    _, out = dcp("inspect", path, "--json", *extra)
+    return json.loads(out)
+
+
+def w_chunk(path):
+    """Where the stored chunk [3, 0] of model.w lives in checkpoint `path`."""
+    by = {e["fqn"]: e for e in inspect_json(path)["entries"]}
+    return next(c for c in by["model.w"]["chunks"] if c["offsets"] == [3, 0])
+
+
+# Expected values, computed independently of dcp (see make_checkpoint.cc).
+def expected():
+    import numpy as np
+    w = np.array([[i * 10 + j + 0.25 for j in range(5)] for i in range(6)], dtype=np.float32)
+    c = np.array([[(i - j) * 0.5 for j in range(6)] for i in range(4)], dtype=np.float32)
+    h = (np.arange(12, dtype=np.float32) / 8).reshape(3, 4).astype(np.float16)
+    bf = np.arange(5, dtype=np.float32) - 2.5
+    return {
+        "model.w": w, "model.c": c, "model.h": h, "model.bf": bf,
+        "step": np.array(1234567890123, dtype=np.int64),
+        "mask": np.array([i % 2 == 0 for i in range(7)], dtype=np.bool_),
+        "i8": (np.arange(6) - 3).astype(np.int8).reshape(2, 3),
+        "model.k": np.array([[[i * 100 + j * 10 + l for l in range(4)] for j in range(3)]
+                             for i in range(2)], dtype=np.float64),
+    }
+
+
+def test_basic():
+    a = fresh("a")
+    b = fresh("b", changed=True)
+    _, out = dcp("inspect", a)
+    contains(out, "world size      2", "model.w", "float32", "[6, 5]", "bfloat16", "rng", "bytes",
+             "8 tensors, 1 blobs", "in 2 files")
+    doc = inspect_json(a)
+    check(doc["world_size"] == 2 and doc["tensors"] == 8 and doc["blobs"] == 1, str(doc))
+    check(doc["format_version"] == 1 and doc["files"] == 2, str(doc))
+    by = {e["fqn"]: e for e in doc["entries"]}
+    check(by["model.c"]["shape"] == [4, 6] and len(by["model.c"]["chunks"]) == 2, str(by["model.c"]))
+    check(by["rng"]["kind"] == "bytes" and by["rng"]["bytes"] == 8, str(by["rng"]))
+    filtered = inspect_json(a, "--filter", "model.*")
+    check(sorted(e["fqn"] for e in filtered["entries"]) == ["model.bf", "model.c", "model.h", "model.k", "model.w"],
+          str(filtered["entries"]))
+    _, out = dcp("inspect", a, "--filter", "model.w")
+    check("model.c" not in out and "model.w" in out, out)
+
+    _, out = dcp("verify", a)
+    contains(out, "OK:", "12 stored items")
+    check("\r" not in out, "progress bar drawn although stderr is not a terminal")
+
+    # diff: metadata equal; values differ in model.w only.
+    _, out = dcp("diff", a, b)
+    contains(out, "no differences")
+    _, out = dcp("diff", a, b, "--values", expect=1)
+    contains(out, "values differ: model.w: 1 of 30 elements, max abs diff 0.5", "1 difference(s)")
+    _, out = dcp("diff", a, a, "--values")
+    contains(out, "no differences", "9 compared by value")
+    _, out = dcp("diff", a, b, "--values", "--atol", "0.6")
+    contains(out, "no differences")
+
+    # Damage: a flipped byte, a truncated file, a missing file.
+    d = fresh("flip")
+    w0 = w_chunk(d)
+    path = os.path.join(d, w0["file"])
+    data = bytearray(open(path, "rb").read())
+    data[w0["offset"] + 7] ^= 0x01
+    open(path, "wb").write(data)
+    _, out = dcp("verify", d, expect=1)
+    contains(out, "checksum mismatch: 'model.w' chunk [3, 0]", f"'{w0['file']}'",
+             f"at offset {w0['offset']}", "FAILED")
+    _, out = dcp("diff", d, a, "--values", expect=1)  # value reads check checksums too
+    contains(out, "checksum mismatch", "model.w")
+
+    d = fresh("trunc")
+    w0 = w_chunk(d)
+    path = os.path.join(d, w0["file"])
+    size = os.path.getsize(path)
+    os.truncate(path, w0["offset"] + 4)
+    _, out = dcp("verify", d, expect=1)
+    contains(out, f"truncated file '{w0['file']}'", "'model.w' chunk [3, 0] needs bytes",
+             f"[{w0['offset']}, {w0['offset'] + w0['length']})", "FAILED")
+    check(size > w0["offset"] + 4, "truncation did not shorten the file")
+
+    d = fresh("missing")
+    w0 = w_chunk(d)
+    os.remove(os.path.join(d, w0["file"]))
+    _, out = dcp("verify", d, expect=1)
+    contains(out, f"missing file '{w0['file']}'", "'model.w' chunk [3, 0]", "FAILED")
+
+    # An unreferenced data file is reported but does not fail the check.
+    d = fresh("extra")
+    w0 = w_chunk(d)
+    shutil.copy(os.path.join(d, w0["file"]), os.path.join(d, "data-0123456789abcdef-r0-b0.data"))
+    _, out = dcp("verify", d)
+    contains(out, "warning: unreferenced data file 'data-0123456789abcdef-r0-b0.data'", "OK:")
+
+    # Clear errors with distinct exit codes.
+    empty = os.path.join(args.workdir, "empty")
+    os.makedirs(empty, exist_ok=True)
+    _, out = dcp("inspect", empty, expect=3)
+    contains(out, "not a checkpoint")
+    d = fresh("incomplete")
+    os.remove(os.path.join(d, "metadata.dcp"))
+    _, out = dcp("verify", d, expect=4)
+    contains(out, "incomplete checkpoint")
+    d = fresh("garbage")
+    open(os.path.join(d, "metadata.dcp"), "wb").write(b"hello, not a checkpoint")
+    _, out = dcp("inspect", d, expect=3)
+    contains(out, "not a dcp metadata file")
+    d = fresh("corrupt")
+    md = bytearray(open(os.path.join(d, "metadata.dcp"), "rb").read())
+    md[len(md) // 2] ^= 0x40
+    open(os.path.join(d, "metadata.dcp"), "wb").write(md)
+    _, out = dcp("verify", d, expect=5)
+    contains(out, "corrupt metadata", "checksum")
+    d = fresh("future")
+    md = bytearray(open(os.path.join(d, "metadata.dcp"), "rb").read())
+    md[8:12] = struct.pack("<I", 99)
+    open(os.path.join(d, "metadata.dcp"), "wb").write(md)
+    _, out = dcp("inspect", d, expect=6)
+    contains(out, "version 99")
+    _, out = dcp("inspect", "nosuch://x", expect=2)
+    contains(out, "--plugin")
+    _, out = dcp("--help")
+    contains(out, "Exit codes", "incomplete checkpoint")
+    dcp("frobnicate", expect=2)
+
+
+def read_safetensors(path):
+    """An independent safetensors reader: standard library + numpy only."""
+    import numpy as np
+    types = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
+             "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+             "BF16": np.uint16}
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    buf = raw[8 + n:]
+    out, end = {}, 0
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = spec["data_offsets"]
+        end = max(end, e)
+        arr = np.frombuffer(buf[b:e], dtype=np.dtype(types[spec["dtype"]]).newbyteorder("<"))
+        if spec["dtype"] == "BF16":  # numpy has no bfloat16: widen to float32
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        out[name] = arr.reshape(spec["shape"])
+    check(end == len(buf), f"data buffer has {len(buf)} bytes, tensors cover {end}")
+    return header, out
+
+
+def test_safetensors():
+    try:
+        import numpy as np
+    except ImportError:
+        print("numpy not available: skipped")
+        sys.exit(SKIP)
+    a = fresh("a")
+    st = os.path.join(args.workdir, "a.safetensors")
+    if os.path.exists(st):
+        os.remove(st)
+    _, out = dcp("convert", a, st)
+    contains(out, "converted")
+    header, tensors = read_safetensors(st)
+    check(header["model.bf"]["dtype"] == "BF16" and header["mask"]["dtype"] == "BOOL", str(header))
+    for name, want in expected().items():
+        got = tensors[name]
+        check(got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}")
+        check(np.array_equal(got, want), f"{name}: values differ:\n{got}\n{want}")
+    check(tensors["rng"].tobytes() == b"\x00\x01\xffstate", "blob bytes differ")
+    check(json.loads(header["__metadata__"]["dcp.blobs"]) == ["rng"], str(header["__metadata__"]))
+    dcp("convert", a, st, expect=2)  # refuses to overwrite...
+    dcp("convert", a, st, "--overwrite", "--piece-mib", "1")  # ...unless asked
+    # Tiny pieces: tensors are assembled index by index of an inner dimension, across the
+    # column-sharded chunks of model.c; the result must be byte-identical.
+    st_small = os.path.join(args.workdir, "small.safetensors")
+    if os.path.exists(st_small):
+        os.remove(st_small)
+    for piece in ("8", "40", "100"):
+        if os.path.exists(st_small):
+            os.remove(st_small)
+        dcp("convert", a, st_small, "--piece-bytes", piece)
+        check(open(st_small, "rb").read() == open(st, "rb").read(),
+              f"piece size {piece} changed the output")
+
+    back = os.path.join(args.workdir, "from_st")
+    shutil.rmtree(back, ignore_errors=True)
+    dcp("convert", st, back)
+    dcp("verify", back)
+    _, out = dcp("diff", a, back, "--values")
+    contains(out, "no differences")
+
+
+def test_torch():
+    check_torch = subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True)
+    if check_torch.returncode != 0:
+        print("/usr/bin/python3 has no torch: skipped")
+        sys.exit(SKIP)
+    a = fresh("a")
+    pt = os.path.join(args.workdir, "a.pt")
+    if os.path.exists(pt):
+        os.remove(pt)
+    rc, out = dcp("convert", a, pt, expect=None)
+    if rc == 6 and "without LibTorch" in out:
+        print("dcp built without LibTorch: skipped")
+        sys.exit(SKIP)
+    check(rc == 0, out)
+    script = r"""
+import sys, torch
+sd = torch.load(sys.argv[1])
+w = torch.tensor([[i * 10 + j + 0.25 for j in range(5)] for i in range(6)], dtype=torch.float32)
+c = torch.tensor([[(i - j) * 0.5 for j in range(6)] for i in range(4)], dtype=torch.float32)
+assert torch.equal(sd["model.w"], w), sd["model.w"]
+assert torch.equal(sd["model.c"], c), sd["model.c"]
+assert sd["model.h"].dtype == torch.float16 and torch.equal(sd["model.h"].float(), (torch.arange(12) / 8).reshape(3, 4))
+assert sd["model.bf"].dtype == torch.bfloat16 and torch.equal(sd["model.bf"].float(), torch.arange(5) - 2.5)
+assert sd["step"].item() == 1234567890123 and sd["step"].dim() == 0
+assert sd["mask"].tolist() == [i % 2 == 0 for i in range(7)]
+assert sd["i8"].tolist() == [[-3, -2, -1], [0, 1, 2]]
+assert sd["model.k"].dtype == torch.float64 and sd["model.k"][1, 2, 3].item() == 123
+assert bytes(sd["rng"].tolist()) == b"\x00\x01\xffstate"
+assert sd["__dcp_blobs__"] == ["rng"], sd["__dcp_blobs__"]
+torch.save({"x": torch.arange(6, dtype=torch.float64).reshape(2, 3), "nested": {"y": torch.ones(3, dtype=torch.int32), "z": torch.zeros(2, 2, dtype=torch.bfloat16)}}, sys.argv[2])
+print("torch.load ok")
+"""
+    src2 = os.path.join(args.workdir, "py.pt")
+    rc, out = run("/usr/bin/python3", "-c", script, pt, src2)
+    check(rc == 0, "torch.load failed:\n" + out)
+    back = os.path.join(args.workdir, "from_pt")
+    shutil.rmtree(back, ignore_errors=True)
+    dcp("convert", pt, back)
+    _, out = dcp("diff", a, back, "--values")
+    contains(out, "no differences")
+    back2 = os.path.join(args.workdir, "from_py")
+    shutil.rmtree(back2, ignore_errors=True)
+    dcp("convert", src2, back2)
+    doc = inspect_json(back2)
+    by = {e["fqn"]: e for e in doc["entries"]}
+    check(by["x"]["dtype"] == "float64" and by["x"]["shape"] == [2, 3], str(by))
+    check(by["nested.y"]["dtype"] == "int32" and by["nested.z"]["dtype"] == "bfloat16", str(by))
+
+
+def test_plugin():
+    if not args.plugin or not os.path.exists(args.plugin):
+        print("no plugin built: skipped")
+        sys.exit(SKIP)
+    a = fresh("a")
+    st = os.path.join(args.workdir, "a.safetensors")
+    if os.path.exists(st):
+        os.remove(st)
+    dcp("convert", a, st)
+    kvdir = os.path.join(args.workdir, "kv")
+    shutil.rmtree(kvdir, ignore_errors=True)
+    uri = "kv://" + kvdir
+    _, out = dcp("inspect", uri, expect=2)  # scheme unknown without the plugin
+    contains(out, "--plugin")
+    dcp("--plugin", args.plugin, "convert", st, uri, "--to", "dcp")
+    _, out = dcp("--plugin", args.plugin, "inspect", uri)
+    contains(out, "kv://", "model.w", "8 tensors, 1 blobs")
+    _, out = dcp("verify", uri, "--plugin", args.plugin)
+    contains(out, "OK: kv://")
+    _, out = dcp("--plugin", args.plugin, "diff", a, uri, "--values")
+    contains(out, "no differences")
+
+
+def main():
+    global args
+    p = argparse.ArgumentParser()
+    p.add_argument("part", choices=["basic", "safetensors", "torch", "plugin"])
+    p.add_argument("--dcp", required=True)
+    p.add_argument("--fixture", required=True)
+    p.add_argument("--plugin", default="")
+    p.add_argument("--workdir", required=True)
+    args = p.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    globals()["test_" + args.part]()
+    print(f"cli {args.part}: ok")
+
+
+if __name__ == "__main__":
+    main()

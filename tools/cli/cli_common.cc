@@ -1,0 +1,437 @@
+#include "tools/cli/cli_common.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+
+#include "proto/checksum.h"
+#include "proto/codec.h"
+#include "proto/error.h"
+#include "storage/registry.h"
+#include "storage/store_checkpoint.h"
+
+namespace dcp::cli {
+
+std::string ExitCodeHelp() {
+  return "Exit codes:\n"
+         "  0  success (verify: complete and valid; diff: no differences)\n"
+         "  1  verify found damage, diff found differences, or diff/convert read damaged data\n"
+         "  2  bad command line, or a scheme with no Store-based backend (see --plugin)\n"
+         "  3  not a checkpoint (no metadata.dcp and no data files, or not a dcp metadata file)\n"
+         "  4  incomplete checkpoint (data files but no metadata.dcp: the save did not finish)\n"
+         "  5  corrupt metadata (checksum, truncation, inconsistent contents)\n"
+         "  6  unsupported (newer format version, unknown transform, feature not in this build)\n"
+         "  7  I/O or other error\n";
+}
+
+CliError ClassifyCurrentException() {
+  try {
+    throw;
+  } catch (const CliError& e) {
+    return e;
+  } catch (const CollectiveError& e) {
+    // A single-process save or load: report the failure's own kind.
+    const ErrorCode code = e.failures().empty() ? ErrorCode::kIo : e.failures()[0].code;
+    const int exit = code == ErrorCode::kUnsupported       ? kUnsupported
+                     : code == ErrorCode::kCorruption      ? kFailed
+                     : code == ErrorCode::kAlreadyExists   ? kUsage
+                     : code == ErrorCode::kInvalidArgument ? kUsage
+                                                           : kIoError;
+    return {exit, e.what()};
+  } catch (const UnsupportedError& e) {
+    return {kUnsupported, e.what()};
+  } catch (const CorruptionError& e) {
+    // Metadata damage is diagnosed by OpenCheckpoint; what reaches here is damaged data.
+    return {kFailed, std::string("damaged data: ") + e.what()};
+  } catch (const InvalidArgumentError& e) {
+    return {kUsage, e.what()};
+  } catch (const std::exception& e) {
+    return {kIoError, e.what()};
+  }
+}
+
+Checkpoint OpenCheckpoint(const std::string& path) {
+  Checkpoint c;
+  c.uri = path;
+  try {
+    c.store = OpenStore(path);
+  } catch (const InvalidArgumentError& e) {
+    throw CliError{kUsage, std::string(e.what()) +
+                               " (load the backend's plugin with --plugin LIB; registered: " +
+                               [] {
+                                 std::string s;
+                                 for (const auto& n : RegisteredSchemes()) s += " " + n + "://";
+                                 return s;
+                               }() +
+                               ")"};
+  }
+  const std::string where = c.store->uri() + "/" + kMetadataName;
+  std::optional<uint64_t> size;
+  try {
+    size = c.store->Size(kMetadataName);
+  } catch (const NotFoundError&) {
+  }
+  if (!size) {
+    bool has_data = false;
+    try {
+      const auto names = c.store->List();
+      has_data = std::any_of(names.begin(), names.end(), IsDataObjectName);
+    } catch (const Error&) {
+    }
+    if (has_data) {
+      throw CliError{kIncomplete, "incomplete checkpoint at " + c.store->uri() +
+                                      ": data files are present but " + kMetadataName +
+                                      " is missing (the save did not finish)"};
+    }
+    throw CliError{kNotCheckpoint,
+                   "not a checkpoint: " + c.store->uri() + " has no " + kMetadataName};
+  }
+  try {
+    c.md = DecodeMetadataFile(c.store->ReadAll(kMetadataName), where);
+  } catch (const CorruptionError& e) {
+    const bool foreign = std::strstr(e.what(), "not a dcp metadata file") != nullptr;
+    throw CliError{foreign ? kNotCheckpoint : kCorruptMetadata,
+                   std::string(foreign ? "not a checkpoint: " : "corrupt metadata: ") + e.what()};
+  } catch (const UnsupportedError& e) {
+    throw CliError{kUnsupported, std::string("unsupported checkpoint: ") + e.what()};
+  }
+  return c;
+}
+
+uint64_t StoredBytesOf(const Metadata& md, const std::string& fqn) {
+  uint64_t n = 0;
+  for (auto it = md.storage.lower_bound(MetadataIndex{fqn, {}, {}});
+       it != md.storage.end() && it->first.fqn == fqn; ++it) {
+    n += it->second.length;
+  }
+  return n;
+}
+
+const StorageInfo& ItemInfo(const Metadata& md, const std::string& fqn, const Shape& offsets) {
+  auto it = md.storage.find(MetadataIndex{fqn, offsets, {}});
+  if (it == md.storage.end()) {
+    throw CorruptionError("metadata has no stored item for " + fqn + ShapeToString(offsets));
+  }
+  return it->second;
+}
+
+namespace {
+
+void CheckRaw(const std::string& fqn, const StorageInfo& info) {
+  if (!info.transforms.empty()) {
+    throw UnsupportedError("item of '" + fqn + "' in '" + info.relative_path +
+                           "' uses transform '" + info.transforms[0] +
+                           "', which this build cannot read");
+  }
+}
+
+[[noreturn]] void ChecksumMismatch(const std::string& what, const std::string& uri,
+                                   const StorageInfo& info, uint32_t actual) {
+  throw CorruptionError("checksum mismatch for " + what + " in '" + uri + "/" + info.relative_path +
+                        "' at offset " + std::to_string(info.offset) + " (" +
+                        std::to_string(info.length) + " bytes): stored crc32c " +
+                        std::to_string(*info.crc32c) + ", computed " + std::to_string(actual));
+}
+
+}  // namespace
+
+TensorStream::TensorStream(Store& store, const Metadata& md, const std::string& fqn,
+                           size_t budget_bytes)
+    : store_(store), fqn_(fqn), entry_(std::get<TensorMetadata>(md.entries.at(fqn))) {
+  const size_t esize = ElementSize(entry_.dtype);
+  if (NumElements(entry_.shape) == 0) {
+    done_ = true;
+    return;
+  }
+  const Shape& shape = entry_.shape;
+  if (!shape.empty()) {
+    // The outermost dimension whose single index (later dimensions whole) fits the budget.
+    split_ = shape.size() - 1;
+    for (size_t d = 0; d < shape.size(); ++d) {
+      size_t inner = esize;
+      for (size_t k = d + 1; k < shape.size(); ++k) inner *= static_cast<size_t>(shape[k]);
+      if (inner <= budget_bytes) {
+        split_ = d;
+        break;
+      }
+    }
+    inner_bytes_ = esize;
+    for (size_t k = split_ + 1; k < shape.size(); ++k) {
+      inner_bytes_ *= static_cast<size_t>(shape[k]);
+    }
+    per_piece_ =
+        std::clamp<int64_t>(static_cast<int64_t>(budget_bytes / inner_bytes_), 1, shape[split_]);
+    prefix_.assign(split_, 0);
+  }
+  for (const auto& c : entry_.chunks) {
+    if (c.numel() == 0) continue;
+    const StorageInfo& info = ItemInfo(md, fqn, c.offsets);
+    CheckRaw(fqn, info);
+    chunks_.push_back({&c, &info});
+  }
+}
+
+ReadableObject& TensorStream::Object(const std::string& name) {
+  auto& obj = objects_[name];
+  if (!obj) obj = store_.Open(name);
+  return *obj;
+}
+
+bool TensorStream::Next(const char*& data, size_t& nbytes) {
+  if (done_) return false;
+  const size_t esize = ElementSize(entry_.dtype);
+  const Shape& shape = entry_.shape;
+  if (shape.empty()) {  // a scalar: one chunk, one element
+    piece_.resize(esize);
+    ChunkState& cs = chunks_.at(0);
+    Object(cs.info->relative_path).ReadAt(cs.info->offset, piece_.data(), esize);
+    const uint32_t crc = Crc32c(0, piece_.data(), esize);
+    if (cs.info->crc32c && crc != *cs.info->crc32c) {
+      ChecksumMismatch(fqn_ + "[]", store_.uri(), *cs.info, crc);
+    }
+    data = piece_.data();
+    nbytes = esize;
+    done_ = true;
+    return true;
+  }
+  const size_t d = split_;
+  const int64_t r0 = pos_;
+  const int64_t n = std::min(per_piece_, shape[d] - r0);
+  Shape piece_shape(shape.begin() + static_cast<std::ptrdiff_t>(d), shape.end());
+  piece_shape[0] = n;
+  piece_.resize(static_cast<size_t>(n) * inner_bytes_);
+  TensorView piece = TensorView::FromContiguous(piece_.data(), entry_.dtype, piece_shape);
+  for (ChunkState& cs : chunks_) {
+    const ChunkMeta& c = *cs.chunk;
+    // The chunk must hold the current prefix; `lin` is its row-major index inside the chunk.
+    int64_t lin = 0;
+    bool inside = true;
+    for (size_t k = 0; k < d && inside; ++k) {
+      const int64_t li = prefix_[k] - c.offsets[k];
+      inside = li >= 0 && li < c.sizes[k];
+      lin = lin * c.sizes[k] + li;
+    }
+    if (!inside) continue;
+    const int64_t a = std::max(r0, c.offsets[d]);
+    const int64_t b = std::min(r0 + n, c.offsets[d] + c.sizes[d]);
+    if (a >= b) continue;
+    size_t chunk_inner = esize;
+    for (size_t k = d + 1; k < shape.size(); ++k) chunk_inner *= static_cast<size_t>(c.sizes[k]);
+    const uint64_t begin =
+        static_cast<uint64_t>(lin * c.sizes[d] + (a - c.offsets[d])) * chunk_inner;
+    const size_t len = static_cast<size_t>(b - a) * chunk_inner;
+    if (begin != cs.consumed) throw InternalError("chunk of " + fqn_ + " read out of order");
+    scratch_.resize(len);
+    Object(cs.info->relative_path).ReadAt(cs.info->offset + begin, scratch_.data(), len);
+    cs.crc = Crc32c(cs.crc, scratch_.data(), len);
+    cs.consumed += len;
+    if (cs.consumed == cs.info->length && cs.info->crc32c && cs.crc != *cs.info->crc32c) {
+      ChecksumMismatch(fqn_ + ShapeToString(c.offsets), store_.uri(), *cs.info, cs.crc);
+    }
+    Shape src_shape(c.sizes.begin() + static_cast<std::ptrdiff_t>(d), c.sizes.end());
+    Shape dst_off(c.offsets.begin() + static_cast<std::ptrdiff_t>(d), c.offsets.end());
+    src_shape[0] = b - a;
+    dst_off[0] = a - r0;
+    CopyTensor(piece.Narrow(dst_off, src_shape),
+               TensorView::FromContiguous(scratch_.data(), entry_.dtype, src_shape));
+  }
+  // Advance: along d, then the prefix in row-major order.
+  pos_ += n;
+  if (pos_ == shape[d]) {
+    pos_ = 0;
+    size_t k = d;
+    while (k > 0) {
+      --k;
+      if (++prefix_[k] < shape[k]) break;
+      prefix_[k] = 0;
+      if (k == 0) done_ = true;
+    }
+    if (d == 0) done_ = true;
+  }
+  data = piece_.data();
+  nbytes = piece_.size();
+  return true;
+}
+
+std::string ReadBlob(Store& store, const Metadata& md, const std::string& fqn) {
+  const StorageInfo& info = ItemInfo(md, fqn, {});
+  CheckRaw(fqn, info);
+  std::string bytes(info.length, '\0');
+  store.Open(info.relative_path)->ReadAt(info.offset, bytes.data(), bytes.size());
+  const uint32_t crc = Crc32c(0, bytes.data(), bytes.size());
+  if (info.crc32c && crc != *info.crc32c) ChecksumMismatch(fqn, store.uri(), info, crc);
+  return bytes;
+}
+
+namespace {
+
+template <typename T>
+T Load(const char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+double HalfToDouble(uint16_t h) {
+  const int sign = h >> 15, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  double v;
+  if (exp == 0) {
+    v = std::ldexp(mant, -24);
+  } else if (exp == 31) {
+    v = mant ? NAN : INFINITY;
+  } else {
+    v = std::ldexp(1024 + mant, exp - 25);
+  }
+  return sign ? -v : v;
+}
+
+double E4M3FnToDouble(uint8_t b) {
+  const int sign = b >> 7, exp = (b >> 3) & 0xf, mant = b & 7;
+  double v;
+  if (exp == 15 && mant == 7) {
+    v = NAN;
+  } else if (exp == 0) {
+    v = std::ldexp(mant, -9);
+  } else {
+    v = std::ldexp(8 + mant, exp - 10);
+  }
+  return sign ? -v : v;
+}
+
+}  // namespace
+
+bool IsIntegral(DType d) {
+  switch (d) {
+    case DType::kBool:
+    case DType::kUInt8:
+    case DType::kInt8:
+    case DType::kInt16:
+    case DType::kInt32:
+    case DType::kInt64:
+    case DType::kUInt16:
+    case DType::kUInt32:
+    case DType::kUInt64:
+      return true;
+    default:
+      return false;
+  }
+}
+
+int ComponentsPerElement(DType d) {
+  return d == DType::kComplex32 || d == DType::kComplex64 || d == DType::kComplex128 ? 2 : 1;
+}
+
+bool ElementAsDouble(DType d, const char* data, size_t i, double& out) {
+  switch (d) {
+    case DType::kBool:
+    case DType::kUInt8:
+      out = static_cast<uint8_t>(data[i]);
+      return true;
+    case DType::kInt8:
+      out = static_cast<int8_t>(data[i]);
+      return true;
+    case DType::kInt16:
+      out = Load<int16_t>(data + 2 * i);
+      return true;
+    case DType::kUInt16:
+      out = Load<uint16_t>(data + 2 * i);
+      return true;
+    case DType::kInt32:
+      out = Load<int32_t>(data + 4 * i);
+      return true;
+    case DType::kUInt32:
+      out = Load<uint32_t>(data + 4 * i);
+      return true;
+    case DType::kInt64:
+      out = static_cast<double>(Load<int64_t>(data + 8 * i));
+      return true;
+    case DType::kUInt64:
+      out = static_cast<double>(Load<uint64_t>(data + 8 * i));
+      return true;
+    case DType::kFloat16:
+    case DType::kComplex32:
+      out = HalfToDouble(Load<uint16_t>(data + 2 * i));
+      return true;
+    case DType::kBFloat16:
+      out = static_cast<double>(std::bit_cast<float>(uint32_t{Load<uint16_t>(data + 2 * i)} << 16));
+      return true;
+    case DType::kFloat32:
+    case DType::kComplex64:
+      out = Load<float>(data + 4 * i);
+      return true;
+    case DType::kFloat64:
+    case DType::kComplex128:
+      out = Load<double>(data + 8 * i);
+      return true;
+    case DType::kFloat8_e5m2:
+      out = HalfToDouble(static_cast<uint16_t>(static_cast<uint8_t>(data[i]) << 8));
+      return true;
+    case DType::kFloat8_e4m3fn:
+      out = E4M3FnToDouble(static_cast<uint8_t>(data[i]));
+      return true;
+    default:
+      return false;
+  }
+}
+
+std::string FormatTime(int64_t unix_ns) {
+  const std::time_t t = static_cast<std::time_t>(unix_ns / 1000000000);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return buf;
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0) {
+    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f %s", v, units[u]);
+  }
+  return buf;
+}
+
+Progress::Progress(std::string label, uint64_t total)
+    : label_(std::move(label)), total_(total), enabled_(::isatty(STDERR_FILENO) == 1) {
+  if (enabled_) Draw(false);
+}
+
+Progress::~Progress() {
+  if (enabled_) Draw(true);
+}
+
+void Progress::Add(uint64_t n) {
+  done_ += n;
+  if (enabled_) Draw(false);
+}
+
+void Progress::Draw(bool final) {
+  const int permille =
+      total_ == 0 ? 1000 : static_cast<int>(std::min<uint64_t>(1000, done_ * 1000 / total_));
+  if (!final && permille == last_permille_) return;
+  last_permille_ = permille;
+  constexpr int kWidth = 30;
+  const int fill = permille * kWidth / 1000;
+  std::string bar(fill, '=');
+  bar += std::string(kWidth - fill, ' ');
+  std::fprintf(stderr, "\r%s [%s] %3d%% %s / %s", label_.c_str(), bar.c_str(), permille / 10,
+               FormatBytes(done_).c_str(), FormatBytes(total_).c_str());
+  if (final) std::fputc('\n', stderr);
+  std::fflush(stderr);
+}
+
+}  // namespace dcp::cli

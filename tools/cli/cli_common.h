@@ -1,0 +1,130 @@
+// Shared pieces of the `dcp` command line: exit codes, opening a checkpoint with a precise
+// diagnosis, bounded-memory streaming of a tensor in row-major order, and element decoding.
+//
+// Nothing here needs MPI or LibTorch; everything reads through the Store interface, so every
+// Store-based scheme (file://, mem://, a plugin's) works.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "proto/plan.h"
+#include "storage/store.h"
+
+namespace dcp::cli {
+
+/// Exit codes of `dcp` (printed by `dcp --help`).
+enum Exit : int {
+  kOk = 0,
+  kFailed = 1,           // verify found damage; diff found differences
+  kUsage = 2,            // bad command line
+  kNotCheckpoint = 3,    // no metadata and no data files, or not a dcp metadata file
+  kIncomplete = 4,       // data files but no metadata (an unfinished save)
+  kCorruptMetadata = 5,  // metadata damaged or inconsistent
+  kUnsupported = 6,      // newer format version, unknown transform, or a feature not built
+  kIoError = 7,          // storage failed, or any other error
+};
+
+/// The text for `dcp --help`.
+std::string ExitCodeHelp();
+
+/// A failure with the exit code it maps to.
+struct CliError {
+  int code;
+  std::string message;
+};
+
+/// Map the exception being handled (call inside a catch block) to a CliError.
+CliError ClassifyCurrentException();
+
+/// An opened checkpoint: its store and its validated metadata.
+struct Checkpoint {
+  std::string uri;
+  std::shared_ptr<Store> store;
+  Metadata md;
+};
+
+/// Open `path` (a directory, file://, mem:// or a registered Store-based URI) and read its
+/// metadata. Throws CliError with kNotCheckpoint / kIncomplete / kCorruptMetadata / kUnsupported.
+Checkpoint OpenCheckpoint(const std::string& path);
+
+/// Sum of the stored lengths of the items of `fqn`.
+uint64_t StoredBytesOf(const Metadata& md, const std::string& fqn);
+/// The stored item for a chunk; CorruptionError when absent.
+const StorageInfo& ItemInfo(const Metadata& md, const std::string& fqn, const Shape& offsets);
+
+/// Pulls the bytes of one tensor in row-major (C) order, a bounded piece at a time. A piece is a
+/// run of consecutive indices along one split dimension d (with every later dimension whole, at
+/// one fixed index of each earlier dimension), so it is contiguous in the row-major output; d is
+/// the outermost dimension whose slices fit in `budget_bytes`, so memory stays at about
+/// 2 x `budget_bytes` whatever the shape. Each stored chunk is read front to back in pieces;
+/// its CRC32C is checked when its last piece has been read (CorruptionError naming the fqn,
+/// the file and the offset on mismatch).
+class TensorStream {
+ public:
+  TensorStream(Store& store, const Metadata& md, const std::string& fqn,
+               size_t budget_bytes = 64 << 20);
+  /// The next piece of the tensor's bytes. False at the end.
+  bool Next(const char*& data, size_t& nbytes);
+  const TensorMetadata& entry() const { return entry_; }
+
+ private:
+  struct ChunkState {
+    const ChunkMeta* chunk;
+    const StorageInfo* info;
+    uint32_t crc = 0;
+    uint64_t consumed = 0;
+  };
+  ReadableObject& Object(const std::string& name);
+
+  Store& store_;
+  std::string fqn_;
+  const TensorMetadata& entry_;
+  std::vector<ChunkState> chunks_;
+  std::map<std::string, std::unique_ptr<ReadableObject>> objects_;
+  size_t split_ = 0;        // the split dimension d
+  size_t inner_bytes_ = 0;  // bytes of one index of dimension d (later dimensions whole)
+  int64_t per_piece_ = 1;   // indices of dimension d per piece
+  Shape prefix_;            // current index of each dimension before d
+  int64_t pos_ = 0;         // next index along dimension d
+  bool done_ = false;
+  std::vector<char> piece_, scratch_;
+};
+
+/// Read a byte entry (blob) whole, checking its CRC32C.
+std::string ReadBlob(Store& store, const Metadata& md, const std::string& fqn);
+
+/// Element `i` of `data` (of `dtype`) as a double, for floating and integer dtypes; for complex
+/// dtypes `i` indexes the real/imaginary components. False for dtypes without a numeric
+/// decoding here (fnuz float8 kinds, e8m0), which are compared bytewise.
+bool ElementAsDouble(DType dtype, const char* data, size_t i, double& out);
+/// True for bool and integer dtypes (compared exactly).
+bool IsIntegral(DType dtype);
+/// Numeric components per element: 2 for complex dtypes, else 1.
+int ComponentsPerElement(DType dtype);
+
+/// "2026-11-22 03:04:05 UTC".
+std::string FormatTime(int64_t unix_ns);
+/// "1.5 MiB".
+std::string FormatBytes(uint64_t bytes);
+
+/// A progress bar on stderr, drawn only when stderr is a terminal.
+class Progress {
+ public:
+  Progress(std::string label, uint64_t total);
+  ~Progress();
+  void Add(uint64_t n);
+
+ private:
+  void Draw(bool final);
+  std::string label_;
+  uint64_t total_, done_ = 0;
+  int last_permille_ = -1;
+  bool enabled_;
+};
+
+}  // namespace dcp::cli

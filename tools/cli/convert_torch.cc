@@ -1,0 +1,183 @@
+// dcp <-> torch.save files, through LibTorch's pickler (torch::pickle_save / pickle_load write
+// and read the zip format of Python's torch.save / torch.load). Built only with LibTorch, as the
+// module libdcp_cli_torch.so that the `dcp` command loads on demand (convert_torch_loader.cc).
+//
+// Memory: LibTorch pickles one IValue, so the whole state lives in memory at once in both
+// directions (the checkpoint's tensors are still read chunk by chunk, in bounded pieces, into
+// the destination tensors; no second copy is made). For states larger than memory use
+// safetensors, which streams.
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <set>
+
+#include "dcp/checkpoint.h"
+#include "dcp/torch_adapter.h"
+#include "proto/error.h"
+#include "tools/cli/convert.h"
+
+namespace dcp::cli {
+
+namespace {
+
+// The key under which the names of byte entries are listed (their values are uint8 tensors).
+constexpr char kBlobsKey[] = "__dcp_blobs__";
+
+void InsertDotted(StateDict& root, const std::string& fqn, StateValue value) {
+  StateDict* d = &root;
+  size_t start = 0;
+  for (size_t dot; (dot = fqn.find('.', start)) != std::string::npos; start = dot + 1) {
+    d = &d->Nested(fqn.substr(start, dot - start));
+  }
+  const std::string leaf = fqn.substr(start);
+  if (d->Find(leaf)) throw InvalidArgumentError("duplicate key '" + fqn + "'");
+  d->Set(leaf, std::move(value));
+}
+
+torch::Tensor BytesTensor(const std::string& bytes) {
+  torch::Tensor t = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+  if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+void Collect(const c10::IValue& value, const std::string& prefix,
+             std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+             std::set<std::string>& blobs) {
+  if (!value.isGenericDict()) {
+    throw CliError{kUnsupported, "'" + (prefix.empty() ? std::string("<root>") : prefix) +
+                                     "' is a " + value.tagKind() +
+                                     "; only (nested) dicts of tensors are converted"};
+  }
+  for (const auto& kv : value.toGenericDict()) {
+    if (!kv.key().isString()) {
+      throw CliError{kUnsupported, "dict key under '" + prefix + "' is not a string"};
+    }
+    const std::string key = kv.key().toStringRef();
+    const std::string fqn = prefix.empty() ? key : prefix + "." + key;
+    const c10::IValue& v = kv.value();
+    if (prefix.empty() && key == kBlobsKey && v.isList()) {
+      for (const auto& n : v.toListRef()) blobs.insert(n.toStringRef());
+    } else if (v.isTensor()) {
+      tensors.emplace_back(fqn, v.toTensor());
+    } else {
+      Collect(v, fqn, tensors, blobs);
+    }
+  }
+}
+
+}  // namespace
+
+void ExportTorch(const Checkpoint& src, const std::string& out, const ConvertOptions& o);
+void ImportTorch(const std::string& in, const std::string& out_uri, const ConvertOptions& o);
+
+void ExportTorch(const Checkpoint& src, const std::string& out, const ConvertOptions& o) {
+  if (!o.overwrite && std::filesystem::exists(out)) {
+    throw CliError{kUsage, "'" + out + "' exists; pass --overwrite to replace it"};
+  }
+  const Metadata& md = src.md;
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+  c10::List<std::string> blob_names;
+  {
+    Progress progress("read", md.TotalStoredBytes());
+    for (const auto& [fqn, entry] : md.entries) {
+      if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
+        torch::Tensor tensor = torch::empty(t->shape, torch::dtype(ToTorchDType(t->dtype)));
+        auto* dst = static_cast<char*>(tensor.data_ptr());
+        TensorStream stream(*src.store, md, fqn, o.budget_bytes);
+        const char* data;
+        size_t n;
+        while (stream.Next(data, n)) {
+          std::memcpy(dst, data, n);
+          dst += n;
+          progress.Add(n);
+        }
+        dict.insert(fqn, tensor);
+      } else {
+        const std::string bytes = ReadBlob(*src.store, md, fqn);
+        progress.Add(bytes.size());
+        dict.insert(fqn, BytesTensor(bytes));
+        blob_names.push_back(fqn);
+      }
+    }
+  }
+  if (!blob_names.empty()) dict.insert(kBlobsKey, blob_names);
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
+  const std::string tmp = out + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    f.close();
+    if (!f) {
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+      throw IoError("cannot write '" + tmp + "'", false);
+    }
+  }
+  std::filesystem::rename(tmp, out);
+}
+
+void ImportTorch(const std::string& in, const std::string& out_uri, const ConvertOptions& o) {
+  std::ifstream f(in, std::ios::binary);
+  if (!f) throw IoError("cannot open '" + in + "'", false);
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(f)),
+                                std::istreambuf_iterator<char>());
+  c10::IValue root;
+  try {
+    root = torch::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    std::string hint;
+    if (std::strstr(e.what_without_backtrace(), "Unknown opcode")) {
+      // LibTorch 1.13's unpickler lacks opcodes Python emits, notably SETITEM (0x73), which
+      // Python uses for a dict with exactly one entry.
+      hint =
+          " (this LibTorch cannot unpickle every torch.save file; a dict with a single entry "
+          "is a known case: convert it with safetensors instead)";
+    }
+    throw CliError{kNotCheckpoint, "'" + in + "' is not a torch.save file LibTorch can read: " +
+                                       e.what_without_backtrace() + hint};
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  std::set<std::string> blobs;
+  Collect(root, "", tensors, blobs);
+  StateDict sd;
+  for (auto& [fqn, t] : tensors) {
+    torch::Tensor c = t.to(torch::kCPU).contiguous();
+    if (blobs.count(fqn) && c.scalar_type() == torch::kUInt8 && c.dim() == 1) {
+      InsertDotted(sd, fqn,
+                   Blob{std::string(static_cast<const char*>(c.data_ptr()),
+                                    static_cast<size_t>(c.numel()))});
+    } else {
+      InsertDotted(sd, fqn, FromTorch(c));
+    }
+  }
+  SaveOptions so;
+  so.storage.overwrite = o.overwrite;
+  Save(sd, out_uri, so);
+}
+
+}  // namespace dcp::cli
+
+extern "C" int dcp_cli_torch_convert(int to_torch, const char* src, const char* dst, int overwrite,
+                                     unsigned long long budget_bytes, char* err, size_t err_len) {
+  using namespace dcp::cli;
+  try {
+    ConvertOptions o;
+    o.overwrite = overwrite != 0;
+    o.budget_bytes = static_cast<size_t>(budget_bytes);
+    if (to_torch) {
+      ExportTorch(OpenCheckpoint(src), dst, o);
+    } else {
+      ImportTorch(src, dst, o);
+    }
+    return kOk;
+  } catch (...) {
+    const CliError e = ClassifyCurrentException();
+    std::snprintf(err, err_len, "%s", e.message.c_str());
+    return e.code;
+  }
+}

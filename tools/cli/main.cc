@@ -1,0 +1,517 @@
+// dcp: inspect, verify, diff and convert checkpoints from the command line.
+//
+//   dcp inspect PATH [--filter GLOB] [--json]
+//   dcp verify PATH
+//   dcp diff A B [--values] [--atol X] [--rtol Y]
+//   dcp convert SRC DST [--from FMT] [--to FMT] [--overwrite]
+//   --plugin LIB (repeatable) loads a storage backend before anything else.
+// Needs neither MPI nor LibTorch (only the torch.save conversion needs LibTorch).
+#include <fnmatch.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "dcp/checkpoint.h"
+#include "proto/checksum.h"
+#include "proto/error.h"
+#include "storage/registry.h"
+#include "storage/store_checkpoint.h"
+#include "tools/cli/cli_common.h"
+#include "tools/cli/convert.h"
+
+namespace dcp::cli {
+namespace {
+
+using nlohmann::ordered_json;
+
+std::string Transforms(const Metadata& md, const std::string& fqn) {
+  std::set<std::string> all;
+  for (auto it = md.storage.lower_bound(MetadataIndex{fqn, {}, {}});
+       it != md.storage.end() && it->first.fqn == fqn; ++it) {
+    std::string t;
+    for (const auto& x : it->second.transforms) t += (t.empty() ? "" : "+") + x;
+    all.insert(t.empty() ? "raw" : t);
+  }
+  std::string s;
+  for (const auto& t : all) s += (s.empty() ? "" : ",") + t;
+  return s.empty() ? "raw" : s;
+}
+
+std::set<std::string> ReferencedFiles(const Metadata& md) {
+  std::set<std::string> files;
+  for (const auto& [idx, info] : md.storage) files.insert(info.relative_path);
+  return files;
+}
+
+// ---- inspect ----
+
+int Inspect(const std::string& path, const std::string& filter, bool json) {
+  const Checkpoint c = OpenCheckpoint(path);
+  const Metadata& md = c.md;
+  size_t tensors = 0, blobs = 0;
+  for (const auto& [fqn, e] : md.entries) {
+    (std::holds_alternative<TensorMetadata>(e) ? tensors : blobs)++;
+  }
+  const size_t files = ReferencedFiles(md).size();
+  auto selected = [&](const std::string& fqn) {
+    return filter.empty() || ::fnmatch(filter.c_str(), fqn.c_str(), 0) == 0;
+  };
+  if (json) {
+    ordered_json j = {{"uri", c.store->uri()},
+                      {"checkpoint_id", md.checkpoint_id},
+                      {"save_id", md.save_id},
+                      {"world_size", md.world_size},
+                      {"created_unix_ns", md.created_unix_ns},
+                      {"created", FormatTime(md.created_unix_ns)},
+                      {"library_version", md.library_version},
+                      {"format_version", md.format_version},
+                      {"total_bytes", md.TotalStoredBytes()},
+                      {"files", files},
+                      {"tensors", tensors},
+                      {"blobs", blobs}};
+    ordered_json entries = ordered_json::array();
+    for (const auto& [fqn, e] : md.entries) {
+      if (!selected(fqn)) continue;
+      ordered_json je = {{"fqn", fqn}};
+      ordered_json items = ordered_json::array();
+      if (const auto* t = std::get_if<TensorMetadata>(&e)) {
+        je["kind"] = "tensor";
+        je["dtype"] = DTypeName(t->dtype);
+        je["shape"] = t->shape;
+        for (const auto& ch : t->chunks) {
+          const StorageInfo& info = ItemInfo(md, fqn, ch.offsets);
+          items.push_back({{"offsets", ch.offsets},
+                           {"sizes", ch.sizes},
+                           {"file", info.relative_path},
+                           {"offset", info.offset},
+                           {"length", info.length},
+                           {"crc32c", info.crc32c ? ordered_json(*info.crc32c) : ordered_json()}});
+        }
+      } else {
+        je["kind"] = "bytes";
+        const StorageInfo& info = ItemInfo(md, fqn, {});
+        items.push_back({{"file", info.relative_path},
+                         {"offset", info.offset},
+                         {"length", info.length},
+                         {"crc32c", info.crc32c ? ordered_json(*info.crc32c) : ordered_json()}});
+      }
+      je["bytes"] = StoredBytesOf(md, fqn);
+      je["transform"] = Transforms(md, fqn);
+      je["chunks"] = std::move(items);
+      entries.push_back(std::move(je));
+    }
+    j["entries"] = std::move(entries);
+    std::cout << j.dump(2) << "\n";
+    return kOk;
+  }
+  std::printf("checkpoint      %s\n", md.checkpoint_id.c_str());
+  std::printf("location        %s\n", c.store->uri().c_str());
+  std::printf("save id         %s\n", md.save_id.c_str());
+  std::printf("world size      %d\n", md.world_size);
+  std::printf("created         %s\n", FormatTime(md.created_unix_ns).c_str());
+  std::printf("library         %s (format version %u)\n", md.library_version.c_str(),
+              md.format_version);
+  std::printf("stored          %s (%llu bytes) in %zu files\n",
+              FormatBytes(md.TotalStoredBytes()).c_str(),
+              static_cast<unsigned long long>(md.TotalStoredBytes()), files);
+  std::printf("entries         %zu tensors, %zu blobs\n\n", tensors, blobs);
+  std::vector<std::array<std::string, 6>> rows = {
+      {"FQN", "DTYPE", "SHAPE", "CHUNKS", "BYTES", "TRANSFORM"}};
+  for (const auto& [fqn, e] : md.entries) {
+    if (!selected(fqn)) continue;
+    if (const auto* t = std::get_if<TensorMetadata>(&e)) {
+      rows.push_back({fqn, std::string(DTypeName(t->dtype)), ShapeToString(t->shape),
+                      std::to_string(t->chunks.size()), std::to_string(StoredBytesOf(md, fqn)),
+                      Transforms(md, fqn)});
+    } else {
+      rows.push_back(
+          {fqn, "bytes", "-", "1", std::to_string(StoredBytesOf(md, fqn)), Transforms(md, fqn)});
+    }
+  }
+  std::array<size_t, 6> width{};
+  for (const auto& r : rows) {
+    for (size_t i = 0; i < r.size(); ++i) width[i] = std::max(width[i], r[i].size());
+  }
+  for (const auto& r : rows) {
+    std::string line;
+    for (size_t i = 0; i < r.size(); ++i) {
+      std::string cell = r[i];
+      const bool right = i == 3 || i == 4;
+      const std::string pad(width[i] - cell.size(), ' ');
+      line += right ? pad + cell : cell + pad;
+      if (i + 1 < r.size()) line += "  ";
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    std::printf("%s\n", line.c_str());
+  }
+  if (rows.size() == 1 && !filter.empty()) {
+    std::printf("(no entry matches '%s')\n", filter.c_str());
+  }
+  return kOk;
+}
+
+// ---- verify ----
+
+int Verify(const std::string& path) {
+  const Checkpoint c = OpenCheckpoint(path);
+  const Metadata& md = c.md;
+  Store& store = *c.store;
+  struct Item {
+    const MetadataIndex* index;
+    const StorageInfo* info;
+  };
+  std::map<std::string, std::vector<Item>> by_file;
+  for (const auto& [idx, info] : md.storage) by_file[info.relative_path].push_back({&idx, &info});
+  for (auto& [f, items] : by_file) {
+    std::sort(items.begin(), items.end(),
+              [](const Item& a, const Item& b) { return a.info->offset < b.info->offset; });
+  }
+  std::vector<std::string> problems, warnings;
+  auto name = [](const MetadataIndex& i) {
+    return "'" + i.fqn + "'" + (i.offset.empty() ? "" : " chunk " + ShapeToString(i.offset));
+  };
+  constexpr size_t kPiece = size_t{8} << 20;
+  std::vector<char> buf;
+  {
+    Progress progress("verify", md.TotalStoredBytes());
+    for (const auto& [file, items] : by_file) {
+      std::optional<uint64_t> size;
+      try {
+        size = store.Size(file);
+      } catch (const Error& e) {
+        problems.push_back("cannot stat file '" + file + "': " + e.what());
+        continue;
+      }
+      if (!size) {
+        for (const Item& it : items) {
+          problems.push_back("missing file '" + file + "': " + name(*it.index) + " (" +
+                             std::to_string(it.info->length) + " bytes at offset " +
+                             std::to_string(it.info->offset) + ") cannot be read");
+          progress.Add(it.info->length);
+        }
+        continue;
+      }
+      std::unique_ptr<ReadableObject> obj;
+      for (const Item& it : items) {
+        const StorageInfo& info = *it.info;
+        if (info.offset > *size || info.length > *size - info.offset) {
+          problems.push_back("truncated file '" + file + "' (" + std::to_string(*size) +
+                             " bytes): " + name(*it.index) + " needs bytes [" +
+                             std::to_string(info.offset) + ", " +
+                             std::to_string(info.offset + info.length) + ")");
+          progress.Add(info.length);
+          continue;
+        }
+        try {
+          if (!obj) obj = store.Open(file);
+          uint32_t crc = 0;
+          for (uint64_t done = 0; done < info.length;) {
+            const size_t n = static_cast<size_t>(std::min<uint64_t>(kPiece, info.length - done));
+            buf.resize(n);
+            obj->ReadAt(info.offset + done, buf.data(), n);
+            crc = Crc32c(crc, buf.data(), n);
+            done += n;
+            progress.Add(n);
+          }
+          if (!info.crc32c) {
+            warnings.push_back(name(*it.index) + " in '" + file + "' has no checksum");
+          } else if (crc != *info.crc32c) {
+            char line[160];
+            std::snprintf(line, sizeof line,
+                          " in file '%s' at offset %llu (%llu bytes): stored crc32c %08x, "
+                          "computed %08x",
+                          file.c_str(), static_cast<unsigned long long>(info.offset),
+                          static_cast<unsigned long long>(info.length), *info.crc32c, crc);
+            problems.push_back("checksum mismatch: " + name(*it.index) + line);
+          }
+        } catch (const Error& e) {
+          problems.push_back("cannot read " + name(*it.index) + " from '" + file + "' at offset " +
+                             std::to_string(info.offset) + ": " + e.what());
+        }
+      }
+    }
+  }
+  try {
+    for (const auto& n : store.List()) {
+      if (IsDataObjectName(n) && !by_file.count(n)) {
+        const auto size = store.Size(n);
+        warnings.push_back("unreferenced data file '" + n + "' (" +
+                           std::to_string(size.value_or(0)) +
+                           " bytes; left by an interrupted or replaced save, safe to delete)");
+      }
+    }
+  } catch (const Error& e) {
+    warnings.push_back(std::string("cannot list the checkpoint's objects: ") + e.what());
+  }
+  for (const auto& w : warnings) std::printf("warning: %s\n", w.c_str());
+  if (!problems.empty()) {
+    for (const auto& p : problems) std::printf("error: %s\n", p.c_str());
+    std::printf("FAILED: %s: %zu problem(s) in %zu stored items\n", c.store->uri().c_str(),
+                problems.size(), md.storage.size());
+    return kFailed;
+  }
+  std::printf(
+      "OK: %s: %zu entries, %zu stored items, %s in %zu files; checksums, sizes and "
+      "chunk tiling verified\n",
+      c.store->uri().c_str(), md.entries.size(), md.storage.size(),
+      FormatBytes(md.TotalStoredBytes()).c_str(), by_file.size());
+  return kOk;
+}
+
+// ---- diff ----
+
+struct ValueDiff {
+  double max_abs = 0, max_rel = 0;
+  uint64_t differing = 0, compared = 0;
+  bool numeric = true;
+};
+
+void CompareValues(DType dtype, const char* a, const char* b, size_t nbytes, double atol,
+                   double rtol, ValueDiff& d) {
+  const size_t esize = ElementSize(dtype);
+  const int comps = ComponentsPerElement(dtype);
+  const size_t csize = esize / comps;
+  const size_t n = nbytes / esize;
+  for (size_t i = 0; i < n; ++i) {
+    ++d.compared;
+    if (std::memcmp(a + i * esize, b + i * esize, esize) == 0) continue;
+    bool differs = false;
+    for (int k = 0; k < comps; ++k) {
+      const size_t ci = i * comps + k;
+      double x, y;
+      if (!ElementAsDouble(dtype, a, ci, x) || !ElementAsDouble(dtype, b, ci, y)) {
+        d.numeric = false;
+        differs = true;
+        continue;
+      }
+      if (std::memcmp(a + ci * csize, b + ci * csize, csize) == 0) continue;
+      double abs = std::fabs(x - y);
+      if (std::isnan(abs)) abs = INFINITY;  // NaN against a number
+      const double scale = std::max(std::fabs(x), std::fabs(y));
+      const double rel = abs == 0 ? 0 : (scale == 0 || std::isinf(abs) ? INFINITY : abs / scale);
+      d.max_abs = std::max(d.max_abs, abs);
+      d.max_rel = std::max(d.max_rel, rel);
+      if (IsIntegral(dtype) ? abs != 0 : abs > atol + rtol * std::fabs(y)) differs = true;
+    }
+    if (differs) ++d.differing;
+  }
+}
+
+int Diff(const std::string& pa, const std::string& pb, bool values, double atol, double rtol) {
+  const Checkpoint a = OpenCheckpoint(pa);
+  const Checkpoint b = OpenCheckpoint(pb);
+  int differences = 0;
+  auto report = [&](const std::string& s) {
+    std::printf("%s\n", s.c_str());
+    ++differences;
+  };
+  std::vector<std::string> common;
+  for (const auto& [fqn, e] : a.md.entries) {
+    if (!b.md.entries.count(fqn)) {
+      report("only in A: " + fqn);
+    } else {
+      common.push_back(fqn);
+    }
+  }
+  for (const auto& [fqn, e] : b.md.entries) {
+    if (!a.md.entries.count(fqn)) report("only in B: " + fqn);
+  }
+  size_t compared = 0;
+  for (const auto& fqn : common) {
+    const auto& ea = a.md.entries.at(fqn);
+    const auto& eb = b.md.entries.at(fqn);
+    const auto* ta = std::get_if<TensorMetadata>(&ea);
+    const auto* tb = std::get_if<TensorMetadata>(&eb);
+    if (!ta != !tb) {
+      report(std::string("kind differs: ") + fqn + ": " + (ta ? "tensor" : "bytes") + " vs " +
+             (tb ? "tensor" : "bytes"));
+      continue;
+    }
+    if (!ta) {  // blobs
+      if (values) {
+        ++compared;
+        if (ReadBlob(*a.store, a.md, fqn) != ReadBlob(*b.store, b.md, fqn)) {
+          report("bytes differ: " + fqn);
+        }
+      } else if (StoredBytesOf(a.md, fqn) != StoredBytesOf(b.md, fqn)) {
+        report("size differs: " + fqn + ": " + std::to_string(StoredBytesOf(a.md, fqn)) + " vs " +
+               std::to_string(StoredBytesOf(b.md, fqn)) + " bytes");
+      }
+      continue;
+    }
+    bool comparable = true;
+    if (ta->dtype != tb->dtype) {
+      report("dtype differs: " + fqn + ": " + std::string(DTypeName(ta->dtype)) + " vs " +
+             std::string(DTypeName(tb->dtype)));
+      comparable = false;
+    }
+    if (ta->shape != tb->shape) {
+      report("shape differs: " + fqn + ": " + ShapeToString(ta->shape) + " vs " +
+             ShapeToString(tb->shape));
+      comparable = false;
+    }
+    auto sorted = [](std::vector<ChunkMeta> v) {
+      std::sort(v.begin(), v.end(),
+                [](const ChunkMeta& x, const ChunkMeta& y) { return x.offsets < y.offsets; });
+      return v;
+    };
+    if (comparable && sorted(ta->chunks) != sorted(tb->chunks)) {
+      const std::string s = "chunking differs: " + fqn + ": " + std::to_string(ta->chunks.size()) +
+                            " vs " + std::to_string(tb->chunks.size()) + " chunks";
+      if (values) {
+        std::printf("%s (layout only; values compared below)\n", s.c_str());
+      } else {
+        report(s);
+      }
+    }
+    if (!values || !comparable) continue;
+    ++compared;
+    TensorStream sa(*a.store, a.md, fqn), sb(*b.store, b.md, fqn);
+    ValueDiff d;
+    const char *pa_, *pb_;
+    size_t na, nb;
+    while (sa.Next(pa_, na) && sb.Next(pb_, nb)) {
+      CompareValues(ta->dtype, pa_, pb_, std::min(na, nb), atol, rtol, d);
+    }
+    if (d.differing) {
+      char line[256];
+      if (d.numeric) {
+        std::snprintf(line, sizeof line,
+                      "values differ: %s: %llu of %llu elements, max abs diff %.6g, max rel diff "
+                      "%.6g",
+                      fqn.c_str(), static_cast<unsigned long long>(d.differing),
+                      static_cast<unsigned long long>(d.compared), d.max_abs, d.max_rel);
+      } else {
+        std::snprintf(line, sizeof line, "values differ: %s: %llu of %llu elements (bytewise)",
+                      fqn.c_str(), static_cast<unsigned long long>(d.differing),
+                      static_cast<unsigned long long>(d.compared));
+      }
+      report(line);
+    }
+  }
+  if (differences) {
+    std::printf("%d difference(s)\n", differences);
+    return kFailed;
+  }
+  std::printf("no differences (%zu entries%s)\n", a.md.entries.size(),
+              values ? (", " + std::to_string(compared) + " compared by value").c_str() : "");
+  return kOk;
+}
+
+// ---- convert ----
+
+std::string GuessFormat(const std::string& path) {
+  auto ends = [&](const char* s) {
+    const std::string e(s);
+    return path.size() >= e.size() && path.compare(path.size() - e.size(), e.size(), e) == 0;
+  };
+  if (ends(".safetensors")) return "safetensors";
+  if (ends(".pt") || ends(".pth") || ends(".bin")) return "torch";
+  return "dcp";
+}
+
+int Convert(const std::string& src, const std::string& dst, std::string from, std::string to,
+            const ConvertOptions& o) {
+  if (from.empty()) from = GuessFormat(src);
+  if (to.empty()) to = GuessFormat(dst);
+  if (from == "dcp" && to == "safetensors") {
+    ExportSafetensors(OpenCheckpoint(src), dst, o);
+  } else if (from == "safetensors" && to == "dcp") {
+    ImportSafetensors(src, dst, o);
+  } else if (from == "dcp" && to == "torch") {
+    ConvertTorch(true, src, dst, o);
+  } else if (from == "torch" && to == "dcp") {
+    ConvertTorch(false, src, dst, o);
+  } else {
+    throw CliError{kUsage, "cannot convert " + from + " to " + to +
+                               " (supported: dcp <-> safetensors, dcp <-> torch)"};
+  }
+  std::printf("converted %s (%s) -> %s (%s)\n", src.c_str(), from.c_str(), dst.c_str(), to.c_str());
+  return kOk;
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app{
+      "dcp: inspect, verify, diff and convert dcp checkpoints.\n"
+      "PATH is a directory, file://DIR, mem://NAME or a URI of a registered scheme."};
+  app.footer(ExitCodeHelp());
+  app.require_subcommand(1);
+  app.fallthrough();
+  std::vector<std::string> plugins;
+  app.add_option("--plugin", plugins,
+                 "load a storage backend plugin (a shared library) before opening PATH")
+      ->type_name("LIB");
+
+  std::string path, filter, other;
+  bool json = false;
+  auto* inspect = app.add_subcommand("inspect", "summary and table of a checkpoint's entries");
+  inspect->add_option("PATH", path, "checkpoint location")->required();
+  inspect->add_option("--filter", filter, "only entries whose fqn matches this glob")
+      ->type_name("GLOB");
+  inspect->add_flag("--json", json, "print one JSON document");
+
+  auto* verify = app.add_subcommand(
+      "verify", "read every stored item; check checksums, sizes and chunk tiling");
+  verify->add_option("PATH", path, "checkpoint location")->required();
+
+  bool values = false;
+  double atol = 0, rtol = 0;
+  auto* diff = app.add_subcommand("diff", "differences between two checkpoints");
+  diff->add_option("A", path, "first checkpoint")->required();
+  diff->add_option("B", other, "second checkpoint")->required();
+  diff->add_flag("--values", values, "compare values too: per-tensor max abs and rel difference");
+  diff->add_option("--atol", atol, "absolute tolerance for float values (default 0)");
+  diff->add_option("--rtol", rtol, "relative tolerance for float values (default 0)");
+
+  std::string from, to;
+  ConvertOptions co;
+  auto* convert = app.add_subcommand(
+      "convert",
+      "convert between dcp and safetensors, or dcp and torch.save files (with LibTorch)");
+  convert->add_option("SRC", path, "source")->required();
+  convert->add_option("DST", other, "destination")->required();
+  convert->add_option("--from", from, "source format (default: from the name)")
+      ->check(CLI::IsMember({"dcp", "safetensors", "torch"}));
+  convert
+      ->add_option("--to", to,
+                   "destination format (default: from the name: *.safetensors, "
+                   "*.pt/*.pth/*.bin = torch, else dcp)")
+      ->check(CLI::IsMember({"dcp", "safetensors", "torch"}));
+  convert->add_flag("--overwrite", co.overwrite, "replace an existing destination");
+  size_t budget_mib = 64, budget_bytes = 0;
+  convert->add_option("--piece-mib", budget_mib, "memory bound per streamed piece (default 64)");
+  convert->add_option("--piece-bytes", budget_bytes, "the same in bytes (overrides --piece-mib)");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? kOk : kUsage;
+  }
+  try {
+    for (const auto& p : plugins) LoadStoragePlugin(p);
+    if (inspect->parsed()) return Inspect(path, filter, json);
+    if (verify->parsed()) return Verify(path);
+    if (diff->parsed()) return Diff(path, other, values, atol, rtol);
+    if (convert->parsed()) {
+      co.budget_bytes = budget_bytes ? budget_bytes : std::max<size_t>(1, budget_mib) << 20;
+      return Convert(path, other, from, to, co);
+    }
+  } catch (...) {
+    const CliError e = ClassifyCurrentException();
+    std::fprintf(stderr, "dcp: error: %s\n", e.message.c_str());
+    return e.code;
+  }
+  return kUsage;
+}
+
+}  // namespace
+}  // namespace dcp::cli
+
+int main(int argc, char** argv) { return dcp::cli::Main(argc, argv); }
