@@ -428,9 +428,8 @@ void ValidateMetadata(const Metadata& md, std::string_view source) {
     if (entry == md.entries.end()) fail("stored item " + index.ToString() + " has no entry");
     if (const auto* t = std::get_if<TensorMetadata>(&entry->second)) {
       const Shape& offset = index.offset;  // (clang 14 cannot capture structured bindings)
-      const bool matches = std::any_of(t->chunks.begin(), t->chunks.end(), [&](const ChunkMeta& c) {
-        return c.offsets == offset;
-      });
+      const bool matches = std::any_of(t->chunks.begin(), t->chunks.end(),
+                                       [&](const ChunkMeta& c) { return c.offsets == offset; });
       if (!matches) fail("stored item " + index.ToString() + " matches no chunk of its tensor");
     } else if (!index.offset.empty()) {
       fail("stored item " + index.ToString() + " of a byte entry has chunk offsets");
