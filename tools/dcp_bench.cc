@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "dcp/dcp.h"
+#include "tools/fill_random.h"
 
 namespace {
 
@@ -34,20 +35,7 @@ double Median(std::vector<double> v) {
   return n == 0 ? 0 : (n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2);
 }
 
-void Fill(void* p, size_t n, uint64_t seed) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  auto* out = static_cast<unsigned char*>(p);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    x += 0x9E3779B97F4A7C15ull;
-    uint64_t z = x;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    std::memcpy(out + i, &z, 8);
-  }
-  for (; i < n; ++i) out[i] = static_cast<unsigned char>(i);
-}
+void Fill(void* p, size_t n, uint64_t seed) { tools::FillRandomBytes(p, n, seed); }
 
 // A stand-in for a training step: a fixed amount of floating-point work on a small array.
 double ComputeStep(std::vector<float>& a) {

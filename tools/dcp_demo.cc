@@ -15,6 +15,7 @@
 #include <set>
 
 #include "dcp/dcp.h"
+#include "tools/fill_random.h"
 #ifdef DCP_WITH_MPI
 #include "dcp/mpi_communicator.h"
 #endif
@@ -24,21 +25,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using namespace dcp;
 
-// splitmix64 fill: every rank's bytes differ and none are zero pages.
-void Fill(void* p, size_t n, uint64_t seed) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 7;
-  auto* out = static_cast<unsigned char*>(p);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    x += 0x9E3779B97F4A7C15ull;
-    uint64_t z = x;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    std::memcpy(out + i, &z, 8);
-  }
-  for (; i < n; ++i) out[i] = static_cast<unsigned char>(i * 131 + seed);
-}
+// Every rank's bytes differ and none are zero pages.
+void Fill(void* p, size_t n, uint64_t seed) { tools::FillRandomBytes(p, n, seed); }
 
 std::pair<int64_t, int64_t> Rows(int64_t n, int rank, int world) {
   const int64_t base = n / world, extra = n % world;

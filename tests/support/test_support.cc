@@ -9,23 +9,11 @@
 #include <filesystem>
 #include <thread>
 
+#include "tools/fill_random.h"
+
 namespace dcp::testing {
 
-void FillRandom(void* data, size_t n, uint64_t seed) {
-  // splitmix64: fast, and every byte differs from a zero fill.
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  auto* p = static_cast<unsigned char*>(data);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    x += 0x9E3779B97F4A7C15ull;
-    uint64_t z = x;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    std::memcpy(p + i, &z, 8);
-  }
-  for (; i < n; ++i) p[i] = static_cast<unsigned char>((x >> (i % 8 * 8)) ^ i);
-}
+void FillRandom(void* data, size_t n, uint64_t seed) { tools::FillRandomBytes(data, n, seed); }
 
 TempDir::TempDir(const std::string& tag) {
   const char* base = std::getenv("DCP_TEST_TMPDIR");
@@ -90,6 +78,11 @@ std::vector<std::exception_ptr> RunRanks(int n, const std::function<void(int, Co
   }
   for (auto& t : threads) t.join();
   return errors;
+}
+
+void FailNoException() {
+  FAIL("expected an exception");
+  throw std::logic_error("unreachable");
 }
 
 void Expect(bool ok, const std::string& what) {

@@ -51,6 +51,20 @@ std::vector<std::exception_ptr> RunRanks(
 /// failure reaches the test through RunRanks' per-rank errors.
 void Expect(bool ok, const std::string& what);
 
+/// Fail the current test (Catch2 FAIL) with "expected an exception".
+[[noreturn]] void FailNoException();
+
+/// The message of the exception of type E that `f` throws; fails the test if it throws nothing.
+template <typename E, typename F>
+std::string MessageOf(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  FailNoException();
+}
+
 /// Fail the current test if any rank failed, with that rank's message.
 void RequireNoErrors(const std::vector<std::exception_ptr>& errors);
 

@@ -7,6 +7,7 @@
 
 #include "dcp/dcp.h"
 #include "dcp/torch_adapter.h"
+#include "support/test_support.h"
 #include "storage/mem_store.h"
 
 using namespace dcp;
@@ -73,22 +74,7 @@ void RoundTrip(const std::string& name, const OptFactory& make) {
   ClearMemStore(name);
 }
 
-std::vector<std::exception_ptr> RunRanks(int n, const std::function<void(int, Communicator&)>& fn) {
-  InProcessGroup group(n);
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(r, group.communicator(r));
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
-}
+using dcp::testing::RunRanks;
 
 }  // namespace
 

@@ -23,17 +23,7 @@ namespace {
 
 constexpr char kSource[] = "mem://ckpt/.metadata";
 
-// The message of the exception of type E that `f` throws; fails the test if it throws nothing.
-template <typename E, typename F>
-std::string MessageOf(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  FAIL("expected an exception");
-  return {};
-}
+using dcp::testing::MessageOf;
 
 void AddStored(Metadata& md, const std::string& fqn, Shape offset, std::optional<int32_t> index,
                std::string path, uint64_t file_offset, uint64_t raw_length) {

@@ -20,17 +20,7 @@ using dcp::testing::RowRange;
 
 namespace {
 
-// The message of the exception of type E that `f` throws; fails the test if it throws nothing.
-template <typename E, typename F>
-std::string MessageOf(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  FAIL("expected an exception");
-  return {};
-}
+using dcp::testing::MessageOf;
 
 // Run the save planners of `sds.size()` simulated ranks: SetUp and CreateLocalPlan on each, then
 // CreateGlobalPlan on rank 0's planner with every plan.

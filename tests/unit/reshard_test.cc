@@ -20,22 +20,7 @@ using dcp::testing::SameElements;
 
 namespace {
 
-std::vector<std::exception_ptr> RunRanks(int n, const std::function<void(int, Communicator&)>& fn) {
-  InProcessGroup group(n);
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(r, group.communicator(r));
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
-}
+using dcp::testing::RunRanks;
 
 void RequireNoErrors(const std::vector<std::exception_ptr>& errors) {
   for (size_t r = 0; r < errors.size(); ++r) {
