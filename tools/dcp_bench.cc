@@ -425,7 +425,8 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
     prow("Python torch.load, cold", "torch_load_cold", load_cold_g, "cold load");
     prow("Python torch.load, warm", "torch_load_warm", load_warm_g, "warm load");
   } else {
-    std::printf("  PyTorch peers: not measured (no usable %s)\n", python.c_str());
+    std::printf("  PyTorch peers: not measured (%s)\n",
+                python.empty() ? "--python ''" : ("no usable torch in " + python).c_str());
   }
   std::printf("  LibTorch torch::save/torch::load: not measured (dcp-bench has no LibTorch)\n");
   if (json) {
