@@ -5,8 +5,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <future>
+#include <mutex>
 #include <random>
 
 #include "proto/error.h"
@@ -51,39 +56,211 @@ std::string RandomSuffix() {
   return buf;
 }
 
+constexpr size_t kAlign = 4096;                  // O_DIRECT offset, length and memory alignment
+constexpr size_t kDirectBufferBytes = 16 << 20;  // each of the two staging buffers
+
+// Aligned staging buffers, kept for the life of the process so that saves after the first one
+// allocate (and first-touch) nothing.
+class BufferPool {
+ public:
+  static BufferPool& Get() {
+    static BufferPool* pool = new BufferPool();
+    return *pool;
+  }
+  char* Take() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        char* b = free_.back();
+        free_.pop_back();
+        return b;
+      }
+    }
+    void* p = std::aligned_alloc(kAlign, kDirectBufferBytes);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<char*>(p);
+  }
+  void Give(char* b) {
+    if (b == nullptr) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.size() < kMaxKept) {
+      free_.push_back(b);
+    } else {
+      std::free(b);
+    }
+  }
+
+ private:
+  static constexpr size_t kMaxKept = 16;
+  std::mutex mu_;
+  std::vector<char*> free_;
+};
+
+bool IsAligned(const void* p, uint64_t n) {
+  return (reinterpret_cast<uintptr_t>(p) % kAlign) == 0 && n % kAlign == 0;
+}
+
 // Writes go to the final name directly: data files are only meaningful once the metadata that
 // names them is committed, so a partial one is harmless, and the destructor removes it when the
 // object is abandoned.
+//
+// With direct I/O (the default where the filesystem accepts O_DIRECT) appends are gathered in
+// two 16 MiB aligned buffers: while one is written by a background thread, the caller fills the
+// other. Whole aligned blocks go out with O_DIRECT; the final partial block is written through
+// the page cache (O_DIRECT dropped with fcntl for that write) at Sync/Close, so the file has
+// exactly size() bytes. After a Sync the partial block stays buffered and is rewritten, with
+// O_DIRECT, once more data completes it. Appends of aligned memory larger than a buffer, at an
+// aligned file offset, are written straight from the caller's memory (all whole blocks of it;
+// the rest is staged).
 class FileWritable : public WritableObject {
  public:
-  explicit FileWritable(std::string path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  FileWritable(std::string path, bool direct) : path_(std::move(path)) {
+    const int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+    if (direct) {
+      fd_ = ::open(path_.c_str(), flags | O_DIRECT, 0644);
+      if (fd_ >= 0) {
+        direct_ = true;
+      } else if (errno != EINVAL) {
+        throw MakeIoError("create", path_, errno);
+      }
+    }
+    if (fd_ < 0) fd_ = ::open(path_.c_str(), flags, 0644);
     if (fd_ < 0) throw MakeIoError("create", path_, errno);
   }
   ~FileWritable() override {
+    WaitPending(/*rethrow=*/false);
+    BufferPool::Get().Give(buf_[0]);
+    BufferPool::Get().Give(buf_[1]);
     if (fd_ >= 0) {
       ::close(fd_);
       ::unlink(path_.c_str());
     }
   }
   void Append(const void* data, size_t n) override {
-    WriteFully(fd_, static_cast<const char*>(data), n, size_, path_);
-    size_ += n;
+    if (!direct_) {
+      WriteFully(fd_, static_cast<const char*>(data), n, size_, path_);
+      size_ += n;
+      return;
+    }
+    const char* p = static_cast<const char*>(data);
+    if (n > 0) tail_written_ = false;
+    const size_t whole = n / kAlign * kAlign;
+    if (fill_ == 0 && whole >= kDirectBufferBytes && IsAligned(p, whole)) {
+      WaitPending(true);  // keep at most one write in flight
+      WriteDirect(p, whole, flushed_);
+      flushed_ += whole;
+      size_ += whole;
+      p += whole;
+      n -= whole;
+    }
+    while (n > 0) {
+      if (buf_[cur_] == nullptr) buf_[cur_] = BufferPool::Get().Take();
+      const size_t take = std::min(n, kDirectBufferBytes - fill_);
+      std::memcpy(buf_[cur_] + fill_, p, take);
+      fill_ += take;
+      p += take;
+      n -= take;
+      size_ += take;
+      if (fill_ == kDirectBufferBytes) Submit();
+    }
   }
   void Sync() override {
+    FlushTail();
     if (::fdatasync(fd_) != 0) throw MakeIoError("fdatasync", path_, errno);
   }
   void Close() override {
+    FlushTail();
     const int fd = fd_;
     fd_ = -1;
     if (::close(fd) != 0) throw MakeIoError("close", path_, errno);
   }
   uint64_t size() const override { return size_; }
 
+  bool direct() const { return direct_; }
+
  private:
+  // Hand the full current buffer to the background writer and switch to the other one.
+  void Submit() {
+    WaitPending(true);
+    char* b = buf_[cur_];
+    const size_t n = fill_;
+    const uint64_t off = flushed_;
+    pending_ = std::async(std::launch::async, [this, b, n, off] { WriteDirect(b, n, off); });
+    flushed_ += n;
+    fill_ = 0;
+    cur_ ^= 1;
+  }
+  void WaitPending(bool rethrow) {
+    if (!pending_.valid()) return;
+    if (rethrow) {
+      pending_.get();
+    } else {
+      try {
+        pending_.get();
+      } catch (...) {
+        // The object is being abandoned; the error was or will be reported elsewhere.
+      }
+    }
+  }
+  // Write everything buffered: whole blocks with O_DIRECT, the partial last block buffered. The
+  // partial block is kept (at the start of the buffer) so later appends can complete it.
+  void FlushTail() {
+    if (!direct_) return;
+    WaitPending(true);
+    if (fill_ == 0) return;
+    char* b = buf_[cur_];
+    const size_t whole = fill_ / kAlign * kAlign;
+    if (whole > 0) {
+      WriteDirect(b, whole, flushed_);
+      flushed_ += whole;
+      fill_ -= whole;
+      std::memmove(b, b + whole, fill_);
+    }
+    if (fill_ > 0 && !tail_written_) {
+      SetDirect(false);
+      WriteFully(fd_, b, fill_, flushed_, path_);
+      SetDirect(true);
+      tail_written_ = true;
+    }
+  }
+  void SetDirect(bool on) {
+    const int fl = ::fcntl(fd_, F_GETFL);
+    if (fl < 0) throw MakeIoError("fcntl F_GETFL", path_, errno);
+    if (::fcntl(fd_, F_SETFL, on ? (fl | O_DIRECT) : (fl & ~O_DIRECT)) != 0) {
+      throw MakeIoError("fcntl F_SETFL", path_, errno);
+    }
+  }
+  // pwrite of aligned memory at an aligned offset through O_DIRECT. A filesystem that accepts
+  // the open but refuses the alignment (EINVAL) gets the same bytes through the page cache.
+  void WriteDirect(const char* p, size_t n, uint64_t offset) {
+    while (n > 0) {
+      const ssize_t w = ::pwrite(fd_, p, n, static_cast<off_t>(offset));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EINVAL) {
+          SetDirect(false);
+          WriteFully(fd_, p, n, offset, path_);
+          SetDirect(true);
+          return;
+        }
+        throw MakeIoError("write", path_, errno);
+      }
+      p += w;
+      n -= static_cast<size_t>(w);
+      offset += static_cast<uint64_t>(w);
+    }
+  }
+
   std::string path_;
   int fd_ = -1;
-  uint64_t size_ = 0;
+  bool direct_ = false;
+  uint64_t size_ = 0;     // bytes appended
+  uint64_t flushed_ = 0;  // bytes handed to whole-block writes (a multiple of kAlign)
+  char* buf_[2] = {nullptr, nullptr};
+  int cur_ = 0;
+  size_t fill_ = 0;            // bytes in buf_[cur_]
+  bool tail_written_ = false;  // the partial block in buf_[cur_] is already in the file
+  std::future<void> pending_;
 };
 
 class FileReadable : public ReadableObject {
@@ -131,7 +308,7 @@ class FileReadable : public ReadableObject {
 
 class FileStore : public Store {
  public:
-  explicit FileStore(std::string dir) : dir_(std::move(dir)) {
+  FileStore(std::string dir, FileStoreOptions options) : dir_(std::move(dir)), options_(options) {
     if (dir_.empty()) throw InvalidArgumentError("empty checkpoint directory");
     while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
   }
@@ -144,7 +321,7 @@ class FileStore : public Store {
     if (ec) throw MakeIoError("create directory", dir_, ec.value());
   }
   std::unique_ptr<WritableObject> Create(const std::string& name) override {
-    return std::make_unique<FileWritable>(Path(name));
+    return std::make_unique<FileWritable>(Path(name), options_.direct_io);
   }
   std::unique_ptr<ReadableObject> Open(const std::string& name) override {
     return std::make_unique<FileReadable>(Path(name));
@@ -201,12 +378,20 @@ class FileStore : public Store {
  private:
   std::string Path(const std::string& name) const { return dir_ + "/" + name; }
   std::string dir_;
+  FileStoreOptions options_;
 };
 
 }  // namespace
 
 std::shared_ptr<Store> MakeFileStore(const std::string& directory) {
-  return std::make_shared<FileStore>(directory);
+  FileStoreOptions options;
+  const char* env = std::getenv("DCP_DIRECT_IO");
+  if (env != nullptr && std::string_view(env) == "0") options.direct_io = false;
+  return MakeFileStore(directory, options);
+}
+
+std::shared_ptr<Store> MakeFileStore(const std::string& directory, FileStoreOptions options) {
+  return std::make_shared<FileStore>(directory, options);
 }
 
 }  // namespace dcp

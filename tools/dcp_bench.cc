@@ -1,9 +1,18 @@
 // dcp-bench: dcp against baselines measured in the same run, on the same bytes (random, not zero).
 //
+//   dcp-bench [--size-mib N] [--repeats R] [--dir DIR] [--files-per-rank F] [--python PY] [--json]
+//     Disk mode (default): raw O_DIRECT write+fsync of the state's bytes in large aligned blocks,
+//     raw cold (page cache dropped) and warm reads into preallocated memory; dcp save (fsync) and
+//     cold/warm load at 1 rank through file://; and, when PY (default /usr/bin/python3) imports
+//     torch, PyTorch DCP (single_file_per_rank, no_dist) and Python torch.save/torch.load on the
+//     same bytes. LibTorch torch::save is not measured (dcp-bench does not link LibTorch): its
+//     keys are null. Medians over R runs; with --json the last line is one JSON object.
+//
 //   dcp-bench --async [--size-mib N] [--repeats R] [--dir DIR] [--json]
 //     Blocking time of an asynchronous save against a plain memcpy of the same bytes into warm
 //     buffers; a synchronous save of the same state; and how much a compute loop slows down while
 //     a background save runs. With --json the last line is one JSON object.
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -13,7 +22,10 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -62,25 +74,403 @@ double StepsPerSecond(std::vector<float>& a, double seconds,
   return steps / Since(t0);
 }
 
+// ---- Disk mode ---------------------------------------------------------------------------------
+
+constexpr size_t kPage = 4096;
+constexpr size_t kRawBlock = 64 << 20;  // raw baseline I/O size
+
+// 4 KiB-aligned, pre-touched host memory owned by the view (as pinned/page-locked allocators
+// give); contents are filled by the caller.
+TensorView AlignedTensor(DType dt, Shape shape) {
+  TensorView v;
+  v.dtype = dt;
+  v.shape = std::move(shape);
+  const size_t rounded = std::max(kPage, (v.nbytes() + kPage - 1) / kPage * kPage);
+  void* p = std::aligned_alloc(kPage, rounded);
+  if (p == nullptr) throw std::bad_alloc();
+  std::memset(p, 0, rounded);
+  v.owner = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+  v.data = p;
+  return v;
+}
+
+// A mixed state: ~90 % in 8 large float32/bf16/fp16 tensors (4 KiB multiples), ~10 % in 16
+// medium odd-sized uint8 tensors, plus 40 small odd ones (1 byte to ~300 KiB).
+std::vector<TensorView> MakeMixedTensors(size_t total) {
+  std::vector<TensorView> ts;
+  const DType big[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+  for (int i = 0; i < 8; ++i) {
+    const DType dt = big[i % 4];
+    const size_t pages = std::max<size_t>(1, total * 9 / 10 / 8 / kPage);
+    const int64_t rows = static_cast<int64_t>(pages * kPage / ElementSize(dt) / 1024);
+    ts.push_back(AlignedTensor(dt, {rows, 1024}));
+  }
+  for (int i = 0; i < 16; ++i) {
+    ts.push_back(
+        AlignedTensor(DType::kUInt8, {static_cast<int64_t>(total / 10 / 16 + 13 * i + 1)}));
+  }
+  for (int i = 0; i < 40; ++i) {
+    ts.push_back(AlignedTensor(DType::kUInt8, {static_cast<int64_t>((i * 7919u) % 300000 + 1)}));
+  }
+  return ts;
+}
+
+// Evict `files` from the page cache: /proc/sys/vm/drop_caches when writable, otherwise
+// posix_fadvise(DONTNEED) on each file (works for clean pages without privileges).
+std::string DropCaches(const std::vector<std::string>& files) {
+  ::sync();
+  const int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    const bool ok = ::write(fd, "1", 1) == 1;
+    ::close(fd);
+    if (ok) return "drop_caches";
+  }
+  for (const auto& f : files) {
+    const int r = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
+    if (r < 0) continue;
+    ::fdatasync(r);
+    ::posix_fadvise(r, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(r);
+  }
+  return "fadvise_dontneed";
+}
+
+std::vector<std::string> FilesUnder(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) out.push_back(e.path().string());
+  }
+  return out;
+}
+
+void Die(const std::string& what) {
+  std::fprintf(stderr, "dcp-bench: %s: %s\n", what.c_str(), std::strerror(errno));
+  std::exit(1);
+}
+
+// Raw baseline: the tensors' bytes concatenated into one file with O_DIRECT, 64 MiB writes
+// straight from (4 KiB-aligned) tensor memory; the first unaligned piece and everything after it
+// go through the page cache (only the small odd tensors at the end). Then fsync.
+void RawWrite(const std::string& path, const std::vector<TensorView>& ts) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+  bool direct = fd >= 0;
+  if (fd < 0) fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) Die("open " + path);
+  uint64_t off = 0;
+  for (const auto& t : ts) {
+    const char* p = static_cast<const char*>(t.data);
+    size_t n = t.nbytes();
+    if (direct && (off % kPage || n % kPage || reinterpret_cast<uintptr_t>(p) % kPage)) {
+      if (::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_DIRECT) != 0) Die("fcntl");
+      direct = false;
+    }
+    while (n > 0) {
+      const ssize_t w = ::pwrite(fd, p, std::min(n, kRawBlock), static_cast<off_t>(off));
+      if (w <= 0) Die("write " + path);
+      p += w;
+      n -= static_cast<size_t>(w);
+      off += static_cast<uint64_t>(w);
+    }
+  }
+  if (::fsync(fd) != 0) Die("fsync " + path);
+  ::close(fd);
+}
+
+// Raw read of the same file into the (pre-touched) destination tensors, 64 MiB preads.
+void RawRead(const std::string& path, const std::vector<TensorView>& ts) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) Die("open " + path);
+  uint64_t off = 0;
+  for (const auto& t : ts) {
+    char* p = static_cast<char*>(t.data);
+    size_t n = t.nbytes();
+    while (n > 0) {
+      const ssize_t r = ::pread(fd, p, std::min(n, kRawBlock), static_cast<off_t>(off));
+      if (r <= 0) Die("read " + path);
+      p += r;
+      n -= static_cast<size_t>(r);
+      off += static_cast<uint64_t>(r);
+    }
+  }
+  ::close(fd);
+}
+
+bool SameBytes(const std::vector<TensorView>& a, const std::vector<TensorView>& b) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(a[i].data, b[i].data, a[i].nbytes()) != 0) return false;
+  }
+  return true;
+}
+
+// The PyTorch peers, run by `python` on the raw file's bytes (the same bytes dcp saves).
+// Prints one JSON line of median seconds.
+constexpr const char* kPeerScript = R"PY(
+import copy, dataclasses, json, os, sys, time, shutil, statistics
+_orig = dataclasses._get_field
+def _get_field(cls, a_name, a_type, *rest):
+    d = cls.__dict__.get(a_name, dataclasses.MISSING)
+    val = d.default if isinstance(d, dataclasses.Field) else d
+    if val is not dataclasses.MISSING and dataclasses.is_dataclass(val) and type(val).__hash__ is None:
+        setattr(cls, a_name, dataclasses.field(default_factory=lambda v=val: copy.deepcopy(v)))
+    return _orig(cls, a_name, a_type, *rest)
+dataclasses._get_field = _get_field
+import torch
+try:
+    import torch.distributed.checkpoint as dcp
+except ImportError:
+    import torch.distributed._shard.checkpoint as dcp
+dataclasses._get_field = _orig
+spec = json.load(open(sys.argv[1]))
+raw, work, repeats = spec["raw"], spec["dir"], spec["repeats"]
+dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "uint8": torch.uint8}
+blob = torch.from_file(raw, shared=False, size=os.path.getsize(raw), dtype=torch.uint8)
+sd, off = {}, 0
+for i, t in enumerate(spec["tensors"]):
+    n = t["nbytes"]
+    sd["t%d" % i] = blob[off:off + n].clone().view(dtypes[t["dtype"]]).reshape(t["shape"])
+    off += n
+del blob
+def drop(paths):
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f: f.write("1")
+        return
+    except OSError:
+        pass
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+def files(d):
+    return [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
+res = {k: [] for k in ["torch_save", "torch_load_cold", "torch_load_warm", "dcp_save",
+                       "dcp_load_cold", "dcp_load_warm"]}
+dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+for r in range(repeats):
+    p = os.path.join(work, "torch.pt")
+    t0 = time.perf_counter()
+    with open(p, "wb") as f:
+        torch.save(sd, f); f.flush(); os.fsync(f.fileno())
+    res["torch_save"].append(time.perf_counter() - t0)
+    drop([p])
+    t0 = time.perf_counter(); x = torch.load(p); res["torch_load_cold"].append(time.perf_counter() - t0)
+    del x
+    t0 = time.perf_counter(); x = torch.load(p); res["torch_load_warm"].append(time.perf_counter() - t0)
+    del x
+    os.remove(p)
+    d = os.path.join(work, "ptdcp")
+    shutil.rmtree(d, ignore_errors=True)
+    t0 = time.perf_counter()
+    dcp.save_state_dict(sd, dcp.FileSystemWriter(d, single_file_per_rank=True), no_dist=True)
+    res["dcp_save"].append(time.perf_counter() - t0)
+    drop(files(d))
+    t0 = time.perf_counter(); dcp.load_state_dict(dst, dcp.FileSystemReader(d), no_dist=True)
+    res["dcp_load_cold"].append(time.perf_counter() - t0)
+    t0 = time.perf_counter(); dcp.load_state_dict(dst, dcp.FileSystemReader(d), no_dist=True)
+    res["dcp_load_warm"].append(time.perf_counter() - t0)
+    shutil.rmtree(d, ignore_errors=True)
+assert all(torch.equal(dst[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd)
+print(json.dumps({k: statistics.median(v) for k, v in res.items()}))
+)PY";
+
+std::optional<nlohmann::json> RunPythonPeers(const std::string& python, const std::string& dir,
+                                             const std::string& raw,
+                                             const std::vector<TensorView>& ts, int repeats) {
+  if (python.empty() || ::access(python.c_str(), X_OK) != 0) return std::nullopt;
+  nlohmann::json spec = {{"raw", raw}, {"dir", dir}, {"repeats", repeats}};
+  for (const auto& t : ts) {
+    spec["tensors"].push_back({{"dtype", t.dtype == DType::kFloat32    ? "float32"
+                                         : t.dtype == DType::kBFloat16 ? "bfloat16"
+                                         : t.dtype == DType::kFloat16  ? "float16"
+                                                                       : "uint8"},
+                               {"shape", t.shape},
+                               {"nbytes", t.nbytes()}});
+  }
+  std::ofstream(dir + "/peers.json") << spec.dump();
+  std::ofstream(dir + "/peers.py") << kPeerScript;
+  const std::string cmd =
+      python + " " + dir + "/peers.py " + dir + "/peers.json 2>" + dir + "/peers.err";
+  FILE* f = ::popen(cmd.c_str(), "r");
+  if (f == nullptr) return std::nullopt;
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), f)) out.append(buf, n);
+  const int status = ::pclose(f);
+  if (status != 0) {
+    std::ifstream err(dir + "/peers.err");
+    std::stringstream ss;
+    ss << err.rdbuf();
+    std::string e = ss.str();
+    if (e.size() > 600) e = e.substr(e.size() - 600);
+    std::fprintf(stderr, "dcp-bench: PyTorch peers unavailable (%s exited %d): %s\n",
+                 python.c_str(), status, e.c_str());
+    return std::nullopt;
+  }
+  const size_t nl = out.find_last_of('\n', out.size() >= 2 ? out.size() - 2 : 0);
+  return nlohmann::json::parse(nl == std::string::npos ? out : out.substr(nl + 1));
+}
+
+int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_rank,
+            const std::string& python, bool json) {
+  std::vector<TensorView> src = MakeMixedTensors(total), dst;
+  StateDict state, back;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < src.size(); ++i) {
+    Fill(src[i].data, src[i].nbytes(), i + 1);
+    dst.push_back(AlignedTensor(src[i].dtype, src[i].shape));
+    state.Set("t" + std::to_string(i), src[i]);
+    back.Set("t" + std::to_string(i), dst.back());
+    bytes += src[i].nbytes();
+  }
+  const std::string raw = dir + "/raw.bin", ckpt = dir + "/dcp";
+  SaveOptions so;
+  so.storage.overwrite = true;
+  so.storage.files_per_rank = files_per_rank;
+  std::vector<double> raw_w, raw_cold, raw_warm, save, load_cold, load_warm;
+  std::string drop_method;
+  bool ok = true;
+  for (int r = 0; r < repeats; ++r) {
+    auto t0 = Clock::now();
+    RawWrite(raw, src);
+    raw_w.push_back(Since(t0));
+    drop_method = DropCaches({raw});
+    t0 = Clock::now();
+    RawRead(raw, dst);
+    raw_cold.push_back(Since(t0));
+    t0 = Clock::now();
+    RawRead(raw, dst);
+    raw_warm.push_back(Since(t0));
+    ok = ok && SameBytes(src, dst);
+
+    t0 = Clock::now();
+    Save(state, ckpt, so);
+    save.push_back(Since(t0));
+    for (auto& t : dst) std::memset(t.data, 0, t.nbytes());
+    DropCaches(FilesUnder(ckpt));
+    t0 = Clock::now();
+    Load(back, ckpt);
+    load_cold.push_back(Since(t0));
+    ok = ok && SameBytes(src, dst);
+    t0 = Clock::now();
+    Load(back, ckpt);
+    load_warm.push_back(Since(t0));
+  }
+  if (!ok) {
+    std::fprintf(stderr, "dcp-bench: loaded bytes differ from the saved ones\n");
+    return 1;
+  }
+  std::filesystem::remove_all(ckpt);
+  std::optional<nlohmann::json> peers = RunPythonPeers(python, dir, raw, src, repeats);
+  std::filesystem::remove(raw);
+
+  auto gbps = [&](double s) { return bytes / s / 1e9; };
+  const double raw_w_g = gbps(Median(raw_w)), raw_cold_g = gbps(Median(raw_cold)),
+               raw_warm_g = gbps(Median(raw_warm)), save_g = gbps(Median(save)),
+               load_cold_g = gbps(Median(load_cold)), load_warm_g = gbps(Median(load_warm));
+  std::printf(
+      "dcp-bench: %.1f MiB in %zu tensors (4 KiB-aligned memory), %d repeats (medians), %u "
+      "cores, cold = %s\n",
+      bytes / 1048576.0, src.size(), repeats, std::thread::hardware_concurrency(),
+      drop_method.c_str());
+  std::printf("  %-34s %8s %8s %s\n", "", "s", "GB/s", "ratio");
+  auto row = [](const char* name, double s, double g, const char* ratio_name, double ratio) {
+    if (ratio_name) {
+      std::printf("  %-34s %8.3f %8.2f %.2f x %s\n", name, s, g, ratio, ratio_name);
+    } else {
+      std::printf("  %-34s %8.3f %8.2f\n", name, s, g);
+    }
+  };
+  row("raw O_DIRECT write+fsync", Median(raw_w), raw_w_g, nullptr, 0);
+  row("raw read, cold", Median(raw_cold), raw_cold_g, nullptr, 0);
+  row("raw read, warm", Median(raw_warm), raw_warm_g, nullptr, 0);
+  row("dcp save (1 rank, fsync)", Median(save), save_g, "raw write", save_g / raw_w_g);
+  row("dcp load, cold", Median(load_cold), load_cold_g, "raw cold read", load_cold_g / raw_cold_g);
+  row("dcp load, warm", Median(load_warm), load_warm_g, "raw warm read", load_warm_g / raw_warm_g);
+  nlohmann::json null_j;
+  auto peer_g = [&](const char* key) -> nlohmann::json {
+    if (!peers || !peers->contains(key)) return null_j;
+    return gbps((*peers)[key].get<double>());
+  };
+  auto ratio = [&](double ours, const nlohmann::json& theirs) -> nlohmann::json {
+    if (theirs.is_null()) return null_j;
+    return ours / theirs.get<double>();
+  };
+  const nlohmann::json pt_save = peer_g("dcp_save"), pt_load = peer_g("dcp_load_cold"),
+                       pt_load_warm = peer_g("dcp_load_warm"), py_save = peer_g("torch_save"),
+                       py_load = peer_g("torch_load_cold"),
+                       py_load_warm = peer_g("torch_load_warm");
+  if (peers) {
+    auto prow = [&](const char* name, const char* key, double ours, const char* what) {
+      const double s = (*peers)[key].get<double>();
+      std::printf("  %-34s %8.3f %8.2f dcp is %.2f x (%s)\n", name, s, gbps(s), ours / gbps(s),
+                  what);
+    };
+    prow("PyTorch DCP save (1.13, 1 file)", "dcp_save", save_g, "save");
+    prow("PyTorch DCP load, cold", "dcp_load_cold", load_cold_g, "cold load");
+    prow("PyTorch DCP load, warm", "dcp_load_warm", load_warm_g, "warm load");
+    prow("Python torch.save (+fsync)", "torch_save", save_g, "save");
+    prow("Python torch.load, cold", "torch_load_cold", load_cold_g, "cold load");
+    prow("Python torch.load, warm", "torch_load_warm", load_warm_g, "warm load");
+  } else {
+    std::printf("  PyTorch peers: not measured (%s)\n",
+                python.empty() ? "--python ''" : ("no usable torch in " + python).c_str());
+  }
+  std::printf("  LibTorch torch::save/torch::load: not measured (dcp-bench has no LibTorch)\n");
+  if (json) {
+    nlohmann::json j = {{"bytes", bytes},
+                        {"repeats", repeats},
+                        {"cold_method", drop_method},
+                        {"raw_write_gbps", raw_w_g},
+                        {"raw_read_cold_gbps", raw_cold_g},
+                        {"raw_read_warm_gbps", raw_warm_g},
+                        {"save_gbps", save_g},
+                        {"load_cold_gbps", load_cold_g},
+                        {"load_warm_gbps", load_warm_g},
+                        {"save_vs_raw", save_g / raw_w_g},
+                        {"load_cold_vs_raw", load_cold_g / raw_cold_g},
+                        {"load_warm_vs_raw", load_warm_g / raw_warm_g},
+                        {"torch_save_gbps", null_j},
+                        {"torch_load_gbps", null_j},
+                        {"save_vs_torch_save", null_j},
+                        {"load_vs_torch_load", null_j},
+                        {"pytorch_dcp_save_gbps", pt_save},
+                        {"pytorch_dcp_load_cold_gbps", pt_load},
+                        {"pytorch_dcp_load_warm_gbps", pt_load_warm},
+                        {"save_vs_pytorch_dcp", ratio(save_g, pt_save)},
+                        {"load_vs_pytorch_dcp", ratio(load_cold_g, pt_load)},
+                        {"python_torch_save_gbps", py_save},
+                        {"python_torch_load_cold_gbps", py_load},
+                        {"python_torch_load_warm_gbps", py_load_warm},
+                        {"save_vs_python_torch_save", ratio(save_g, py_save)},
+                        {"load_vs_python_torch_load", ratio(load_cold_g, py_load)}};
+    std::printf("%s\n", j.dump().c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"dcp-bench: dcp against same-run baselines"};
   bool async_mode = false, json = false;
-  int64_t size_mib = 1024;
-  int repeats = 5;
-  std::string dir;
+  int64_t size_mib = 0;
+  int repeats = 0;  // default: 5 with --async, 3 otherwise
+  int files_per_rank = 1;
+  std::string dir, python = "/usr/bin/python3";
   app.add_flag("--async", async_mode, "measure async-save blocking time against memcpy");
-  app.add_option("--size-mib", size_mib, "bytes of state (MiB)")->check(CLI::PositiveNumber);
+  app.add_option("--size-mib", size_mib, "bytes of state (MiB; default 1024 --async, 2048 disk)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--files-per-rank", files_per_rank, "dcp data files per rank (disk mode)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--python", python, "python with torch for the PyTorch peers ('' skips them)");
   app.add_option("--repeats", repeats, "repetitions (medians are reported)")
       ->check(CLI::PositiveNumber);
   app.add_option("--dir", dir, "scratch directory (default: a fresh one under /tmp, removed)");
   app.add_flag("--json", json, "print one JSON object as the last line");
   CLI11_PARSE(app, argc, argv);
-  if (!async_mode) {
-    std::fprintf(stderr, "dcp-bench: only --async is implemented so far (see issue tracker)\n");
-    return 2;
-  }
+  if (repeats == 0) repeats = async_mode ? 5 : 3;
+  if (size_mib == 0) size_mib = async_mode ? 1024 : 2048;
 
   bool remove_dir = false;
   if (dir.empty()) {
@@ -88,6 +478,12 @@ int main(int argc, char** argv) {
     if (::mkdtemp(tmpl.data()) == nullptr) return 2;
     dir = tmpl;
     remove_dir = true;
+  }
+  if (!async_mode) {
+    const int rc =
+        RunDisk(static_cast<size_t>(size_mib) << 20, repeats, dir, files_per_rank, python, json);
+    if (remove_dir) std::filesystem::remove_all(dir);
+    return rc;
   }
 
   // The state: 8 tensors of mixed dtypes summing to size_mib, random bytes.
