@@ -7,8 +7,8 @@
 
 #include "dcp/dcp.h"
 #include "dcp/torch_adapter.h"
-#include "support/test_support.h"
 #include "storage/mem_store.h"
+#include "support/test_support.h"
 
 using namespace dcp;
 
