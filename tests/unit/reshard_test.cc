@@ -22,16 +22,7 @@ namespace {
 
 using dcp::testing::RunRanks;
 
-void RequireNoErrors(const std::vector<std::exception_ptr>& errors) {
-  for (size_t r = 0; r < errors.size(); ++r) {
-    if (!errors[r]) continue;
-    try {
-      std::rethrow_exception(errors[r]);
-    } catch (const std::exception& e) {
-      FAIL("rank " << r << " failed: " << e.what());
-    }
-  }
-}
+using dcp::testing::RequireNoErrors;
 
 // Layouts of a tensor over `world` ranks: the chunks rank `rank` holds.
 enum class Layout { kRows, kCols, kBlocks, kUneven, kLastOnly, kFull };

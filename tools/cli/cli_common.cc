@@ -434,4 +434,15 @@ void Progress::Draw(bool final) {
   std::fflush(stderr);
 }
 
+void InsertDotted(StateDict& root, const std::string& fqn, StateValue value) {
+  StateDict* d = &root;
+  size_t start = 0;
+  for (size_t dot; (dot = fqn.find('.', start)) != std::string::npos; start = dot + 1) {
+    d = &d->Nested(fqn.substr(start, dot - start));
+  }
+  const std::string leaf = fqn.substr(start);
+  if (d->Find(leaf)) throw InvalidArgumentError("duplicate key '" + fqn + "'");
+  d->Set(leaf, std::move(value));
+}
+
 }  // namespace dcp::cli

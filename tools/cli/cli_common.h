@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "proto/plan.h"
+#include "proto/state_dict.h"
 #include "storage/store.h"
 
 namespace dcp::cli {
@@ -126,5 +127,9 @@ class Progress {
   int last_permille_ = -1;
   bool enabled_;
 };
+
+/// Insert `value` at the dotted path `fqn`, rebuilding nesting ("model.w" -> model/w).
+/// InvalidArgumentError when the key is already present.
+void InsertDotted(StateDict& root, const std::string& fqn, StateValue value);
 
 }  // namespace dcp::cli

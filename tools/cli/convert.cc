@@ -105,18 +105,6 @@ void RefuseExisting(const std::string& out, const ConvertOptions& o) {
   }
 }
 
-// Insert `value` at the dotted path `fqn`, rebuilding nesting ("model.w" -> model/w).
-void InsertDotted(StateDict& root, const std::string& fqn, StateValue value) {
-  StateDict* d = &root;
-  size_t start = 0;
-  for (size_t dot; (dot = fqn.find('.', start)) != std::string::npos; start = dot + 1) {
-    d = &d->Nested(fqn.substr(start, dot - start));
-  }
-  const std::string leaf = fqn.substr(start);
-  if (d->Find(leaf)) throw InvalidArgumentError("duplicate key '" + fqn + "'");
-  d->Set(leaf, std::move(value));
-}
-
 }  // namespace
 
 void ExportSafetensors(const Checkpoint& src, const std::string& out, const ConvertOptions& o) {

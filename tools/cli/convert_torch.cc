@@ -28,17 +28,6 @@ namespace {
 // The key under which the names of byte entries are listed (their values are uint8 tensors).
 constexpr char kBlobsKey[] = "__dcp_blobs__";
 
-void InsertDotted(StateDict& root, const std::string& fqn, StateValue value) {
-  StateDict* d = &root;
-  size_t start = 0;
-  for (size_t dot; (dot = fqn.find('.', start)) != std::string::npos; start = dot + 1) {
-    d = &d->Nested(fqn.substr(start, dot - start));
-  }
-  const std::string leaf = fqn.substr(start);
-  if (d->Find(leaf)) throw InvalidArgumentError("duplicate key '" + fqn + "'");
-  d->Set(leaf, std::move(value));
-}
-
 torch::Tensor BytesTensor(const std::string& bytes) {
   torch::Tensor t = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
   if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
