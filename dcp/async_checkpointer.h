@@ -15,6 +15,10 @@
 // A background failure is raised by the next Save(), Wait() or Close() (or by the handle's
 // Wait()), exactly once, never lost.
 //
+// Device tensors (e.g. CUDA, see proto/device.h): Save() blocks only for their device-to-host
+// copy into staging, which is page-locked with the device runtime so the copy runs at DMA
+// speed; all device copies are queued before the host copies start, so they overlap.
+//
 // Collectives: the background thread uses the communicator given at construction, which must
 // be distinct from the one the training job uses (with MPI: a separate MpiCommunicator, and MPI
 // initialised with MPI_THREAD_MULTIPLE, as dcp::InitMpi does). All ranks must call Save() in the
@@ -43,6 +47,7 @@ struct SaveMetrics {
   double staging_s = 0;        // blocked copying the state into staging buffers
   double blocking_s = 0;       // total time Save() blocked the caller
   uint64_t staged_bytes = 0;
+  uint64_t device_bytes = 0;       // part of staged_bytes copied from device memory (e.g. CUDA)
   double staging_gbps = 0;         // staged_bytes / staging_s / 1e9
   size_t staging_allocations = 0;  // buffers (re)allocated by this save (0 after the first)
   double background_s = 0;         // time of the background write (plan, write, commit)

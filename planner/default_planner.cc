@@ -7,17 +7,17 @@
 #include <set>
 #include <sstream>
 
+#include "proto/device.h"
 #include "proto/error.h"
 
 namespace dcp {
 
 namespace {
 
-void CheckHostView(const std::string& fqn, const TensorView& v) {
-  if (!v.device.is_cpu()) {
-    throw UnsupportedError("tensor '" + fqn + "' lives on " + v.device.ToString() +
-                           "; this build saves host tensors only");
-  }
+// A device tensor is accepted when this process has a backend and the device (proto/device.h);
+// checking here makes every rank refuse it during planning, before any byte is written.
+void CheckTensorView(const std::string& fqn, const TensorView& v) {
+  if (!v.device.is_cpu()) DeviceBackendFor(v.device, "tensor '" + fqn + "'");
   if (!v.strides.empty() && v.strides.size() != v.shape.size()) {
     throw InvalidArgumentError("tensor '" + fqn + "' has " + std::to_string(v.strides.size()) +
                                " strides for shape " + ShapeToString(v.shape));
@@ -241,7 +241,7 @@ SavePlan DefaultSavePlanner::CreateLocalPlan() {
     plan.key_paths[fqn] = entry.path;
     const StateValue& value = *entry.value;
     if (const auto* t = std::get_if<TensorView>(&value)) {
-      CheckHostView(fqn, *t);
+      CheckTensorView(fqn, *t);
       WriteItem item;
       item.index = {fqn, Shape(t->shape.size(), 0), {}};
       item.type = WriteItemType::kTensor;
@@ -254,7 +254,7 @@ SavePlan DefaultSavePlanner::CreateLocalPlan() {
       NumElements(st->global_shape);  // validates the shape
       std::set<Shape> seen;
       for (const auto& shard : st->local_shards) {
-        CheckHostView(fqn, shard.view);
+        CheckTensorView(fqn, shard.view);
         if (shard.view.dtype != st->dtype) {
           throw InvalidArgumentError("sharded tensor '" + fqn + "' is " +
                                      std::string(DTypeName(st->dtype)) + " but a local shard is " +
@@ -489,7 +489,7 @@ LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
     DType dtype;
     Shape global;
     if (auto* t = std::get_if<TensorView>(&value)) {
-      CheckHostView(fqn, *t);
+      CheckTensorView(fqn, *t);
       dtype = t->dtype;
       global = t->shape;
       local.push_back({Shape(t->shape.size(), 0), t->shape});
@@ -498,7 +498,7 @@ LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
       dtype = st.dtype;
       global = st.global_shape;
       for (const auto& shard : st.local_shards) {
-        CheckHostView(fqn, shard.view);
+        CheckTensorView(fqn, shard.view);
         if (shard.view.dtype != st.dtype || shard.offsets.size() != global.size() ||
             shard.view.shape.size() != global.size()) {
           throw InvalidArgumentError("sharded tensor '" + fqn + "': local shard at " +

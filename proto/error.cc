@@ -30,6 +30,8 @@ const char* ErrorCodeName(ErrorCode code) {
       return "Timeout";
     case ErrorCode::kInternal:
       return "Internal";
+    case ErrorCode::kDevice:
+      return "Device";
   }
   return "Unknown";
 }
@@ -99,6 +101,8 @@ void ThrowError(ErrorCode code, const std::string& message, bool retryable) {
       throw UnsupportedError(message);
     case ErrorCode::kInternal:
       throw InternalError(message);
+    case ErrorCode::kDevice:
+      throw DeviceError(message);
     default:
       throw Error(code, message, retryable);
   }

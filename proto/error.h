@@ -2,14 +2,16 @@
 //
 // Every failure the library reports is a dcp::Error (a std::runtime_error) whose code() tells a
 // caller what to do about it:
-//   kInvalidArgument  the request itself is wrong (bad state dict, mismatched shapes); fix the
-//   call. kNotFound         a checkpoint, file or key is absent. kAlreadyExists    a checkpoint is
-//   already there and overwrite was not asked for. kCorruption       stored bytes or metadata are
-//   damaged or not a dcp checkpoint; do not retry. kIo               the storage failed;
-//   retryable() says whether retrying the call may succeed. kUnsupported      a format version or
-//   feature this build does not understand. kCollective       one or more ranks failed or did not
-//   answer; failures() names them. kInternal         a broken invariant inside dcp (a bug); please
-//   report it.
+// - kInvalidArgument: the request itself is wrong (bad state dict, mismatched shapes).
+// - kNotFound: a checkpoint, file or key is absent.
+// - kAlreadyExists: a checkpoint is there and overwrite was not asked for.
+// - kCorruption: stored bytes or metadata are damaged or not dcp's; do not retry.
+// - kIo: the storage failed; retryable() says whether retrying may succeed.
+// - kUnsupported: a format version or feature this build does not understand.
+// - kCollective: one or more ranks failed or did not answer; failures() names them.
+// - kInternal: a broken invariant inside dcp (a bug); please report it.
+// - kDevice: the accelerator runtime failed (a CUDA error, out of device or pinned memory);
+//   the message carries the runtime's own error text.
 // Errors cross threads inside std::future and cross ranks as ErrorReport messages; both keep the
 // code, the message and the retryable bit.
 #pragma once
@@ -30,6 +32,7 @@ enum class ErrorCode : int {
   kCollective = 7,
   kTimeout = 8,  // used inside RankFailure: the rank did not answer in time
   kInternal = 9,
+  kDevice = 10,
 };
 
 /// Return the stable name of a code ("InvalidArgument", "Io", ...).
@@ -67,6 +70,10 @@ class CorruptionError : public Error {
 class UnsupportedError : public Error {
  public:
   explicit UnsupportedError(const std::string& m) : Error(ErrorCode::kUnsupported, m) {}
+};
+class DeviceError : public Error {
+ public:
+  explicit DeviceError(const std::string& m) : Error(ErrorCode::kDevice, m) {}
 };
 class InternalError : public Error {
  public:

@@ -6,7 +6,9 @@
 #include <cstring>
 #include <sstream>
 
+#include "proto/device.h"
 #include "proto/error.h"
+#include "proto/tensor_layout.h"
 
 namespace dcp {
 
@@ -200,13 +202,7 @@ std::optional<ChunkMeta> Intersect(const ChunkMeta& a, const ChunkMeta& b) {
   return r;
 }
 
-namespace {
-
-// A copy problem reduced to the fewest dimensions: adjacent dims are merged when both sides
-// step through them contiguously, so the innermost run is as long as possible.
-struct Layout {
-  std::vector<int64_t> sizes, dst_strides, src_strides;
-};
+namespace internal {
 
 Layout Coalesce(const Shape& shape, const Shape& dst, const Shape& src) {
   Layout l;
@@ -226,6 +222,13 @@ Layout Coalesce(const Shape& shape, const Shape& dst, const Shape& src) {
   return l;
 }
 
+}  // namespace internal
+
+using internal::Coalesce;
+using internal::Layout;
+
+namespace {
+
 template <size_t N>
 void CopyElements(char* d, const char* s, int64_t n, int64_t dstep, int64_t sstep) {
   for (int64_t i = 0; i < n; ++i) std::memcpy(d + i * dstep, s + i * sstep, N);
@@ -238,11 +241,11 @@ void CopyTensor(const TensorView& dst, const TensorView& src) {
     throw InvalidArgumentError("copy from " + src.ToString() + " into " + dst.ToString() +
                                ": shape or dtype differs");
   }
-  if (!dst.device.is_cpu() || !src.device.is_cpu()) {
-    throw UnsupportedError("CopyTensor handles host memory only, got " + src.ToString() + " -> " +
-                           dst.ToString());
-  }
   if (src.numel() == 0) return;
+  if (!dst.device.is_cpu() || !src.device.is_cpu()) {
+    CopyTensorThroughDevice(dst, src);
+    return;
+  }
   const int64_t es = static_cast<int64_t>(ElementSize(src.dtype));
   Layout l = Coalesce(src.shape, dst.effective_strides(), src.effective_strides());
   if (l.sizes.empty()) {  // a single element

@@ -113,9 +113,10 @@ struct ChunkMeta {
 /// (a zero size) never overlap anything.
 std::optional<ChunkMeta> Intersect(const ChunkMeta& a, const ChunkMeta& b);
 
-/// Copy every element of `src` into `dst`. Both must have the same shape and dtype and live in
-/// host memory; they may have arbitrary strides but must not overlap. Runs of contiguous
-/// elements are copied with memcpy.
+/// Copy every element of `src` into `dst`. Both must have the same shape and dtype; they may
+/// have arbitrary strides but must not overlap. Host to host, runs of contiguous elements are
+/// copied with memcpy. When either side is on a device, the copy goes through that device's
+/// backend (proto/device.h) and is complete on return; UnsupportedError when there is none.
 void CopyTensor(const TensorView& dst, const TensorView& src);
 
 /// True when the elements of `view`, visited in row-major order, occupy one gap-free ascending

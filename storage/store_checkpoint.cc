@@ -21,13 +21,12 @@
 
 #include "proto/checksum.h"
 #include "proto/codec.h"
+#include "proto/device.h"
 #include "proto/error.h"
 
 namespace dcp {
 
 namespace {
-
-constexpr size_t kStagingBytes = 8 << 20;  // non-contiguous tensors are staged in 8 MiB slabs
 
 std::string RandomHex(int bytes) {
   static thread_local std::mt19937_64 rng(std::random_device{}());
@@ -37,34 +36,16 @@ std::string RandomHex(int bytes) {
   return s;
 }
 
-// Stream a host tensor view into `out` in row-major order, CRC-ing as we go. Contiguous views
-// go straight from tensor memory; others are gathered slab by slab into `staging`.
-uint32_t AppendTensor(WritableObject& out, const TensorView& view, std::vector<char>& staging) {
+// Stream a tensor view (host or device, any strides) into `out` in row-major order, CRC-ing
+// each piece right after it is appended. Contiguous host views go straight from tensor memory;
+// strided ones through a reused staging buffer; device views through pinned buffers whose
+// device-to-host copy of the next piece overlaps this append (proto/device.h).
+uint32_t AppendTensor(WritableObject& out, const TensorView& view) {
   uint32_t crc = 0;
-  if (view.numel() == 0) return crc;
-  if (view.is_contiguous()) {
-    out.Append(view.data, view.nbytes());
-    return Crc32c(0, view.data, view.nbytes());
-  }
-  if (view.dim() == 0) {  // a scalar with strides is still one element
-    out.Append(view.data, view.nbytes());
-    return Crc32c(0, view.data, view.nbytes());
-  }
-  const size_t row_bytes = view.nbytes() / static_cast<size_t>(view.shape[0]);
-  const int64_t rows_per_slab =
-      std::max<int64_t>(1, static_cast<int64_t>(kStagingBytes / std::max<size_t>(row_bytes, 1)));
-  Shape offsets(view.shape.size(), 0), sizes = view.shape;
-  for (int64_t row = 0; row < view.shape[0]; row += rows_per_slab) {
-    const int64_t n = std::min(rows_per_slab, view.shape[0] - row);
-    offsets[0] = row;
-    sizes[0] = n;
-    TensorView src = view.Narrow(offsets, sizes);
-    const size_t bytes = static_cast<size_t>(n) * row_bytes;
-    if (staging.size() < bytes) staging.resize(bytes);
-    CopyTensor(TensorView::FromContiguous(staging.data(), view.dtype, sizes), src);
-    out.Append(staging.data(), bytes);
-    crc = Crc32c(crc, staging.data(), bytes);
-  }
+  StreamToHost(view, kDevicePieceBytes, [&](const void* data, size_t n) {
+    out.Append(data, n);
+    crc = Crc32c(crc, data, n);
+  });
   return crc;
 }
 
@@ -192,7 +173,6 @@ class StoreWriter : public StorageWriter {
   std::vector<WriteResult> WriteBucket(const SavePlan& plan, const SavePlanner& planner,
                                        const std::string& name, const std::vector<size_t>& items) {
     auto out = store_->Create(name);
-    std::vector<char> staging;
     std::vector<WriteResult> results;
     results.reserve(items.size());
     for (size_t i : items) {
@@ -210,7 +190,7 @@ class StoreWriter : public StorageWriter {
               std::string(DTypeName(item.dtype)) + ShapeToString(item.chunk.sizes) + ", data is " +
               data.tensor.ToString());
         }
-        crc = AppendTensor(*out, data.tensor, staging);
+        crc = AppendTensor(*out, data.tensor);
       } else {
         out->Append(data.bytes.data(), data.bytes.size());
         crc = Crc32c(0, data.bytes.data(), data.bytes.size());
@@ -368,7 +348,7 @@ class StoreReader : public StorageReader {
     while (k < rank && box_len[k] == 1) ++k;
     bool one_range = true;
     for (size_t d = k + 1; d < rank; ++d) one_range &= box_len[d] == sizes[d];
-    if (one_range && IsDense(dst)) {
+    if (one_range && IsDense(dst) && dst.device.is_cpu()) {
       const Shape strides = ContiguousStrides(sizes);
       uint64_t first = 0;
       for (size_t d = 0; d < rank; ++d) first += static_cast<uint64_t>(box_off[d]) * strides[d];
@@ -459,10 +439,21 @@ class StoreReader : public StorageReader {
       }
       const size_t esize = ElementSize(entry.dtype);
       const bool whole = item.lengths == chunk.sizes;
-      if (whole && dst.is_contiguous() && info.length == dst.nbytes()) {
+      if (whole && dst.is_contiguous() && dst.device.is_cpu() && info.length == dst.nbytes()) {
         // The common case: the stored chunk lands directly in its destination.
         in->ReadAt(info.offset, dst.data, info.length);
         Verify(item, info, dst.data, info.length);
+      } else if (whole && !dst.device.is_cpu() && info.length == dst.nbytes()) {
+        // A device destination: read piece by piece into pinned buffers, each piece's
+        // host-to-device copy overlapping the next read (proto/device.h).
+        uint32_t crc = 0;
+        uint64_t pos = info.offset;
+        StreamFromHost(dst, kDevicePieceBytes, [&](void* buf, size_t n) {
+          in->ReadAt(pos, buf, n);
+          crc = Crc32c(crc, buf, n);
+          pos += n;
+        });
+        VerifyCrc(item, info, crc);
       } else {
         if (info.length != static_cast<uint64_t>(chunk.numel()) * esize) {
           throw CorruptionError("stored item " + item.storage_index.ToString() + " in '" + name +

@@ -1,0 +1,20 @@
+// Internal (not installed): the strided-copy layout shared by CopyTensor and the device copies.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "proto/tensor.h"
+
+namespace dcp::internal {
+
+/// A copy problem reduced to the fewest dimensions: size-1 dims are dropped and adjacent dims
+/// are merged when both sides step through them contiguously, so the innermost run is as long
+/// as possible. Strides are in elements.
+struct Layout {
+  std::vector<int64_t> sizes, dst_strides, src_strides;
+};
+
+Layout Coalesce(const Shape& shape, const Shape& dst, const Shape& src);
+
+}  // namespace dcp::internal
