@@ -6,18 +6,18 @@
 // cudaErrorNoDevice), which device_count() turns into 0 devices and a reason.
 //
 // Every call that needs a current device sets it for the duration of the call and restores the
-// caller's, so dcp never changes which device the training thread's own CUDA calls go to.
-#include <cuda_runtime_api.h>
-
+// caller's (cuda::DeviceScope), so dcp never changes which device the training thread's own
+// CUDA calls go to.
 #include <mutex>
 #include <string>
 
+#include "proto/cuda_util.h"
 #include "proto/device.h"
 #include "proto/error.h"
 
 namespace dcp {
 
-namespace {
+namespace cuda {
 
 std::string Describe(cudaError_t e) {
   return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
@@ -30,25 +30,25 @@ void Check(cudaError_t e, const char* call, int device) {
                     " failed: " + Describe(e));
 }
 
-// Makes `device` current for the scope and restores the caller's device afterwards.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device) Check(cudaSetDevice(device), "cudaSetDevice", device);
-  }
-  ~DeviceScope() {
-    int now = -1;
-    if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) {
-      (void)cudaSetDevice(previous_);
-    }
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
+DeviceScope::DeviceScope(int device) {
+  if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+  if (previous_ != device) Check(cudaSetDevice(device), "cudaSetDevice", device);
+}
 
- private:
-  int previous_ = -1;
-};
+DeviceScope::~DeviceScope() {
+  int now = -1;
+  if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) {
+    (void)cudaSetDevice(previous_);
+  }
+}
+
+}  // namespace cuda
+
+namespace {
+
+using cuda::Check;
+using cuda::Describe;
+using cuda::DeviceScope;
 
 class CudaStream : public DeviceStream {
  public:

@@ -178,29 +178,44 @@ char* FakeDevice::Resolve(const void* device_address, size_t bytes) {
   return reinterpret_cast<char*>(host);
 }
 
-TensorView FakeDevice::Empty(DType dtype, const Shape& shape, int device) {
+TensorView DeviceEmpty(const std::shared_ptr<DeviceBackend>& backend, DType dtype,
+                       const Shape& shape, int device) {
   TensorView v;
   v.dtype = dtype;
   v.shape = shape;
   v.device = Device{Device::Type::kCUDA, device};
   const size_t n = v.nbytes();
   if (n > 0) {
-    v.data = AllocDevice(device, n);
-    v.owner = std::shared_ptr<void>(v.data, [this, device](void* p) { FreeDevice(device, p); });
+    v.data = backend->AllocDevice(device, n);
+    v.owner = std::shared_ptr<void>(v.data,
+                                    [backend, device](void* p) { backend->FreeDevice(device, p); });
   }
   return v;
 }
 
-TensorView FakeDevice::Upload(const TensorView& host, int device) {
-  TensorView v = Empty(host.dtype, host.shape, device);
+TensorView DeviceUpload(const std::shared_ptr<DeviceBackend>& backend, const TensorView& host,
+                        int device) {
+  TensorView v = DeviceEmpty(backend, host.dtype, host.shape, device);
   CopyTensor(v, host);
   return v;
 }
 
-TensorView FakeDevice::Download(const TensorView& device_view) {
-  TensorView host = TensorView::Allocate(device_view.dtype, device_view.shape);
-  CopyTensor(host, device_view);
+TensorView DeviceDownload(const TensorView& view) {
+  TensorView host = TensorView::Allocate(view.dtype, view.shape);
+  CopyTensor(host, view);
   return host;
+}
+
+TensorView FakeDevice::Empty(DType dtype, const Shape& shape, int device) {
+  return DeviceEmpty(shared_from_this(), dtype, shape, device);
+}
+
+TensorView FakeDevice::Upload(const TensorView& host, int device) {
+  return DeviceUpload(shared_from_this(), host, device);
+}
+
+TensorView FakeDevice::Download(const TensorView& device_view) {
+  return DeviceDownload(device_view);
 }
 
 ScopedFakeDevice::ScopedFakeDevice(int devices)

@@ -19,7 +19,7 @@
 
 namespace dcp::testing {
 
-class FakeDevice : public DeviceBackend {
+class FakeDevice : public DeviceBackend, public std::enable_shared_from_this<FakeDevice> {
  public:
   explicit FakeDevice(int devices = 2) : devices_(devices) {}
   ~FakeDevice() override;
@@ -60,6 +60,15 @@ class FakeDevice : public DeviceBackend {
   std::set<void*> pinned_;
   friend class FakeStream;
 };
+
+/// Device tensors through any backend (the fake one or real CUDA), owning their memory (the
+/// owner keeps the backend alive).
+TensorView DeviceEmpty(const std::shared_ptr<DeviceBackend>& backend, DType dtype,
+                       const Shape& shape, int device = 0);
+TensorView DeviceUpload(const std::shared_ptr<DeviceBackend>& backend, const TensorView& host,
+                        int device = 0);
+/// A contiguous host copy of a device (or host) view.
+TensorView DeviceDownload(const TensorView& view);
 
 /// Installs a FakeDevice as the kCUDA backend for the scope; restores the previous backend and
 /// frees pooled pinned buffers on exit.

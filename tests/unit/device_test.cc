@@ -289,3 +289,27 @@ TEST_CASE("device: async save blocks only for the device snapshot", "[device][as
   ckpt.Close();
   CHECK(dev->registered_ >= 1);  // staging was page-locked with the device runtime
 }
+
+TEST_CASE("device: the built-in backend on this machine refuses device tensors cleanly",
+          "[device]") {
+  // No override installed: a CUDA build uses the real CUDA runtime (on a machine without a
+  // driver it finds 0 devices, it must not crash); a build without CUDA has no backend.
+  auto cuda = FindDeviceBackend(Device::Type::kCUDA);
+  CHECK((cuda != nullptr) == BuiltWithCuda());
+  if (cuda && cuda->device_count() > 0) return;  // a GPU machine: tests/gpu covers it
+  TensorView v;
+  v.dtype = DType::kFloat16;
+  v.shape = {8};
+  v.data = reinterpret_cast<void*>(uintptr_t{1} << 62);
+  v.device = Device{Device::Type::kCUDA, 0};
+  StateDict sd;
+  sd.Set("lm_head.weight", v);
+  LocalCommunicator comm;
+  const std::string msg = MessageOf<CollectiveError>([&] { Save(sd, "mem://device-real", comm); });
+  CHECK_THAT(msg, Contains("lm_head.weight") && Contains("cuda:0"));
+  if (cuda) {
+    CHECK_THAT(msg, Contains(cuda->unavailable_reason()));
+  } else {
+    CHECK_THAT(msg, Contains("no cuda support"));
+  }
+}
