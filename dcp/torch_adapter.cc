@@ -83,6 +83,9 @@ TensorView FromTorch(const torch::Tensor& tensor) {
   v.data = tensor.numel() > 0 ? tensor.data_ptr() : nullptr;
   if (tensor.device().is_cuda()) {
     v.device = Device{Device::Type::kCUDA, tensor.device().index()};
+    // dcp copies on its own CUDA streams, which wait for the legacy default stream only; work
+    // LibTorch queued on other streams (a user's side stream, say) must finish first.
+    torch::cuda::synchronize(tensor.device().index());
   } else if (!tensor.device().is_cpu()) {
     throw UnsupportedError("tensors on " + tensor.device().str() + " are not supported");
   }

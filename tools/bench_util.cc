@@ -1,0 +1,109 @@
+#include "tools/bench_util.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+namespace dcp::bench {
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+TensorView AlignedTensor(DType dt, Shape shape) {
+  TensorView v;
+  v.dtype = dt;
+  v.shape = std::move(shape);
+  const size_t rounded = std::max(kPage, (v.nbytes() + kPage - 1) / kPage * kPage);
+  void* p = std::aligned_alloc(kPage, rounded);
+  if (p == nullptr) throw std::bad_alloc();
+  std::memset(p, 0, rounded);
+  v.owner = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+  v.data = p;
+  return v;
+}
+
+std::string DropCaches(const std::vector<std::string>& files) {
+  ::sync();
+  const int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    const bool ok = ::write(fd, "1", 1) == 1;
+    ::close(fd);
+    if (ok) return "drop_caches";
+  }
+  for (const auto& f : files) {
+    const int r = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
+    if (r < 0) continue;
+    ::fdatasync(r);
+    ::posix_fadvise(r, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(r);
+  }
+  return "fadvise_dontneed";
+}
+
+std::vector<std::string> FilesUnder(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) out.push_back(e.path().string());
+  }
+  return out;
+}
+
+void Die(const std::string& what) {
+  std::fprintf(stderr, "%s: %s\n", what.c_str(), std::strerror(errno));
+  std::exit(1);
+}
+
+void RawWrite(const std::string& path, const std::vector<TensorView>& ts) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+  bool direct = fd >= 0;
+  if (fd < 0) fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) Die("open " + path);
+  uint64_t off = 0;
+  for (const auto& t : ts) {
+    const char* p = static_cast<const char*>(t.data);
+    size_t n = t.nbytes();
+    if (direct && (off % kPage || n % kPage || reinterpret_cast<uintptr_t>(p) % kPage)) {
+      if (::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_DIRECT) != 0) Die("fcntl");
+      direct = false;
+    }
+    while (n > 0) {
+      const ssize_t w = ::pwrite(fd, p, std::min(n, kRawBlock), static_cast<off_t>(off));
+      if (w <= 0) Die("write " + path);
+      p += w;
+      n -= static_cast<size_t>(w);
+      off += static_cast<uint64_t>(w);
+    }
+  }
+  if (::fsync(fd) != 0) Die("fsync " + path);
+  ::close(fd);
+}
+
+void RawRead(const std::string& path, const std::vector<TensorView>& ts) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) Die("open " + path);
+  uint64_t off = 0;
+  for (const auto& t : ts) {
+    char* p = static_cast<char*>(t.data);
+    size_t n = t.nbytes();
+    while (n > 0) {
+      const ssize_t r = ::pread(fd, p, std::min(n, kRawBlock), static_cast<off_t>(off));
+      if (r <= 0) Die("read " + path);
+      p += r;
+      n -= static_cast<size_t>(r);
+      off += static_cast<uint64_t>(r);
+    }
+  }
+  ::close(fd);
+}
+
+}  // namespace dcp::bench

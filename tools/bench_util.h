@@ -1,0 +1,40 @@
+// Helpers shared by dcp's benchmark tools (dcp-bench, dcp-gpu-bench): timing, medians, page
+// cache eviction and the raw-disk baselines every dcp figure is compared against.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "proto/tensor.h"
+
+namespace dcp::bench {
+
+using Clock = std::chrono::steady_clock;
+inline double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+double Median(std::vector<double> v);
+
+constexpr size_t kPage = 4096;
+constexpr size_t kRawBlock = 64 << 20;  // raw baseline I/O size
+
+/// 4 KiB-aligned, pre-touched host memory owned by the view (as pinned allocators give).
+TensorView AlignedTensor(DType dtype, Shape shape);
+
+/// Evict `files` from the page cache: /proc/sys/vm/drop_caches when writable, otherwise
+/// posix_fadvise(DONTNEED) per file. Returns the method used.
+std::string DropCaches(const std::vector<std::string>& files);
+std::vector<std::string> FilesUnder(const std::string& dir);
+
+/// Print "<tool>: <what>: strerror(errno)" and exit(1).
+[[noreturn]] void Die(const std::string& what);
+
+/// Raw baseline: the tensors' bytes concatenated into one file with O_DIRECT, 64 MiB writes
+/// straight from (4 KiB-aligned) host memory; from the first unaligned piece on, buffered.
+/// Then fsync.
+void RawWrite(const std::string& path, const std::vector<TensorView>& tensors);
+/// Raw read of that file into the (pre-touched) host tensors, 64 MiB preads.
+void RawRead(const std::string& path, const std::vector<TensorView>& tensors);
+
+}  // namespace dcp::bench
