@@ -1,12 +1,16 @@
 // dcp-bench: dcp against baselines measured in the same run, on the same bytes (random, not zero).
 //
-//   dcp-bench [--size-mib N] [--repeats R] [--dir DIR] [--files-per-rank F] [--python PY] [--json]
+//   dcp-bench [--size-mib N] [--repeats R] [--dir DIR] [--files-per-rank F] [--python PY]
+//             [--torch-peer EXE] [--json]
 //     Disk mode (default): raw O_DIRECT write+fsync of the state's bytes in large aligned blocks,
 //     raw cold (page cache dropped) and warm reads into preallocated memory; dcp save (fsync) and
-//     cold/warm load at 1 rank through file://; and, when PY (default /usr/bin/python3) imports
-//     torch, PyTorch DCP (single_file_per_rank, no_dist) and Python torch.save/torch.load on the
-//     same bytes. LibTorch torch::save is not measured (dcp-bench does not link LibTorch): its
-//     keys are null. Medians over R runs; with --json the last line is one JSON object.
+//     cold/warm load through file:// at 1 rank (the state in one process) and at 4 ranks (an
+//     InProcessGroup: 4 threads, every tensor row-sharded so each rank saves and loads its
+//     quarter); LibTorch torch::save (+fsync) and cold/warm torch::load, run by the peer program
+//     EXE (default: dcp-bench-torch-peer next to this executable, built with LibTorch); and, when
+//     PY (default /usr/bin/python3) imports torch, PyTorch DCP (single_file_per_rank, no_dist) and
+//     Python torch.save/torch.load. All on the same bytes in the same directory; a peer that is
+//     absent has null keys. Medians over R runs; with --json the last line is one JSON object.
 //
 //   dcp-bench --async [--size-mib N] [--repeats R] [--dir DIR] [--json]
 //     Blocking time of an asynchronous save against a plain memcpy of the same bytes into warm
@@ -21,8 +25,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -30,6 +36,7 @@
 #include <vector>
 
 #include "dcp/dcp.h"
+#include "tools/drop_caches.h"
 #include "tools/fill_random.h"
 
 namespace {
@@ -115,25 +122,7 @@ std::vector<TensorView> MakeMixedTensors(size_t total) {
   return ts;
 }
 
-// Evict `files` from the page cache: /proc/sys/vm/drop_caches when writable, otherwise
-// posix_fadvise(DONTNEED) on each file (works for clean pages without privileges).
-std::string DropCaches(const std::vector<std::string>& files) {
-  ::sync();
-  const int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY | O_CLOEXEC);
-  if (fd >= 0) {
-    const bool ok = ::write(fd, "1", 1) == 1;
-    ::close(fd);
-    if (ok) return "drop_caches";
-  }
-  for (const auto& f : files) {
-    const int r = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
-    if (r < 0) continue;
-    ::fdatasync(r);
-    ::posix_fadvise(r, 0, 0, POSIX_FADV_DONTNEED);
-    ::close(r);
-  }
-  return "fadvise_dontneed";
-}
+using tools::DropCaches;
 
 std::vector<std::string> FilesUnder(const std::string& dir) {
   std::vector<std::string> out;
@@ -274,10 +263,10 @@ assert all(torch.equal(dst[k].view(torch.uint8), sd[k].view(torch.uint8)) for k 
 print(json.dumps({k: statistics.median(v) for k, v in res.items()}))
 )PY";
 
-std::optional<nlohmann::json> RunPythonPeers(const std::string& python, const std::string& dir,
-                                             const std::string& raw,
-                                             const std::vector<TensorView>& ts, int repeats) {
-  if (python.empty() || ::access(python.c_str(), X_OK) != 0) return std::nullopt;
+// The peers' input: the raw file (the state's bytes back to back, in tensor order), the scratch
+// directory, the repeat count and each tensor's dtype, shape and size. Written to DIR/peers.json.
+std::string WritePeerSpec(const std::string& dir, const std::string& raw,
+                          const std::vector<TensorView>& ts, int repeats) {
   nlohmann::json spec = {{"raw", raw}, {"dir", dir}, {"repeats", repeats}};
   for (const auto& t : ts) {
     spec["tensors"].push_back({{"dtype", t.dtype == DType::kFloat32    ? "float32"
@@ -287,32 +276,111 @@ std::optional<nlohmann::json> RunPythonPeers(const std::string& python, const st
                                {"shape", t.shape},
                                {"nbytes", t.nbytes()}});
   }
-  std::ofstream(dir + "/peers.json") << spec.dump();
-  std::ofstream(dir + "/peers.py") << kPeerScript;
-  const std::string cmd =
-      python + " " + dir + "/peers.py " + dir + "/peers.json 2>" + dir + "/peers.err";
-  FILE* f = ::popen(cmd.c_str(), "r");
+  const std::string path = dir + "/peers.json";
+  std::ofstream(path) << spec.dump();
+  return path;
+}
+
+// Run a peer command (stderr to `err`); its last stdout line is a JSON object of median seconds.
+// nullopt (with the tail of its stderr printed) when it fails.
+std::optional<nlohmann::json> RunPeer(const std::string& what, const std::string& cmd,
+                                      const std::string& err) {
+  FILE* f = ::popen((cmd + " 2>" + err).c_str(), "r");
   if (f == nullptr) return std::nullopt;
   std::string out;
   char buf[4096];
   while (size_t n = std::fread(buf, 1, sizeof(buf), f)) out.append(buf, n);
   const int status = ::pclose(f);
-  if (status != 0) {
-    std::ifstream err(dir + "/peers.err");
-    std::stringstream ss;
-    ss << err.rdbuf();
-    std::string e = ss.str();
-    if (e.size() > 600) e = e.substr(e.size() - 600);
-    std::fprintf(stderr, "dcp-bench: PyTorch peers unavailable (%s exited %d): %s\n",
-                 python.c_str(), status, e.c_str());
-    return std::nullopt;
+  if (status == 0) {
+    const size_t nl = out.find_last_of('\n', out.size() >= 2 ? out.size() - 2 : 0);
+    auto j = nlohmann::json::parse(nl == std::string::npos ? out : out.substr(nl + 1), nullptr,
+                                   /*allow_exceptions=*/false);
+    if (j.is_object()) return j;
   }
-  const size_t nl = out.find_last_of('\n', out.size() >= 2 ? out.size() - 2 : 0);
-  return nlohmann::json::parse(nl == std::string::npos ? out : out.substr(nl + 1));
+  std::ifstream in(err);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string e = ss.str();
+  if (e.size() > 600) e = e.substr(e.size() - 600);
+  std::fprintf(stderr, "dcp-bench: %s unavailable (exit status %d): %s\n", what.c_str(), status,
+               e.c_str());
+  return std::nullopt;
 }
 
+std::optional<nlohmann::json> RunPythonPeers(const std::string& python, const std::string& dir,
+                                             const std::string& spec) {
+  if (python.empty() || ::access(python.c_str(), X_OK) != 0) return std::nullopt;
+  std::ofstream(dir + "/peers.py") << kPeerScript;
+  return RunPeer("PyTorch peers (" + python + ")", python + " " + dir + "/peers.py " + spec,
+                 dir + "/peers.err");
+}
+
+// The LibTorch peer (tools/torch_save_peer.cc) on the same spec; nullopt when `exe` is absent.
+std::optional<nlohmann::json> RunTorchPeer(const std::string& exe, const std::string& dir,
+                                           const std::string& spec) {
+  if (exe.empty() || ::access(exe.c_str(), X_OK) != 0) return std::nullopt;
+  return RunPeer("LibTorch peer (" + exe + ")", exe + " " + spec, dir + "/torch_peer.err");
+}
+
+// dcp-bench-torch-peer in the directory of this executable.
+std::string DefaultTorchPeer() {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return "";
+  return (self.parent_path() / "dcp-bench-torch-peer").string();
+}
+
+// Per-rank state dicts over the same memory for `ranks` ranks: every tensor is split along its
+// first dimension into `ranks` near-equal row ranges (a rank whose range is empty holds no shard
+// of it), each rank's shard a view of its rows.
+std::vector<StateDict> ShardedStates(const std::vector<TensorView>& ts, int ranks) {
+  std::vector<StateDict> out(static_cast<size_t>(ranks));
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const TensorView& t = ts[i];
+    const int64_t rows = t.shape[0];
+    for (int r = 0; r < ranks; ++r) {
+      ShardedTensor st{t.dtype, t.shape, {}};
+      const int64_t b = rows * r / ranks, e = rows * (r + 1) / ranks;
+      if (e > b) {
+        Shape off(t.shape.size(), 0), len = t.shape;
+        off[0] = b;
+        len[0] = e - b;
+        st.local_shards.push_back({t.Narrow(off, len), off});
+      }
+      out[static_cast<size_t>(r)].Set("t" + std::to_string(i), std::move(st));
+    }
+  }
+  return out;
+}
+
+// Seconds for fn(rank, comm) on every rank of `group` at once, each on its own thread. Rethrows
+// the first rank's error.
+double TimeRanks(InProcessGroup& group, const std::function<void(int, Communicator&)>& fn) {
+  const int n = group.size();
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  const auto t0 = Clock::now();
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r, group.communicator(r));
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double s = Since(t0);
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  return s;
+}
+
+constexpr int kMultiRanks = 4;  // the second dcp configuration: 4 ranks as threads
+
 int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_rank,
-            const std::string& python, bool json) {
+            const std::string& python, const std::string& torch_peer, bool json) {
   std::vector<TensorView> src = MakeMixedTensors(total), dst;
   StateDict state, back;
   uint64_t bytes = 0;
@@ -323,13 +391,21 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
     back.Set("t" + std::to_string(i), dst.back());
     bytes += src[i].nbytes();
   }
-  const std::string raw = dir + "/raw.bin", ckpt = dir + "/dcp";
+  // The same tensors row-sharded over kMultiRanks ranks (views of the same memory).
+  std::vector<StateDict> states_n = ShardedStates(src, kMultiRanks),
+                         backs_n = ShardedStates(dst, kMultiRanks);
+  InProcessGroup group(kMultiRanks);
+  const std::string raw = dir + "/raw.bin", ckpt = dir + "/dcp", ckpt_n = dir + "/dcp-4ranks";
   SaveOptions so;
   so.storage.overwrite = true;
   so.storage.files_per_rank = files_per_rank;
-  std::vector<double> raw_w, raw_cold, raw_warm, save, load_cold, load_warm;
+  std::vector<double> raw_w, raw_cold, raw_warm, save, load_cold, load_warm, save_n, load_cold_n,
+      load_warm_n;
   std::string drop_method;
   bool ok = true;
+  auto clear_dst = [&] {
+    for (auto& t : dst) std::memset(t.data, 0, t.nbytes());
+  };
   for (int r = 0; r < repeats; ++r) {
     auto t0 = Clock::now();
     RawWrite(raw, src);
@@ -346,7 +422,7 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
     t0 = Clock::now();
     Save(state, ckpt, so);
     save.push_back(Since(t0));
-    for (auto& t : dst) std::memset(t.data, 0, t.nbytes());
+    clear_dst();
     DropCaches(FilesUnder(ckpt));
     t0 = Clock::now();
     Load(back, ckpt);
@@ -355,19 +431,36 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
     t0 = Clock::now();
     Load(back, ckpt);
     load_warm.push_back(Since(t0));
+
+    save_n.push_back(TimeRanks(group, [&](int rank, Communicator& comm) {
+      Save(states_n[static_cast<size_t>(rank)], ckpt_n, comm, so);
+    }));
+    clear_dst();
+    DropCaches(FilesUnder(ckpt_n));
+    auto load_n = [&](int rank, Communicator& comm) {
+      Load(backs_n[static_cast<size_t>(rank)], ckpt_n, comm);
+    };
+    load_cold_n.push_back(TimeRanks(group, load_n));
+    ok = ok && SameBytes(src, dst);
+    load_warm_n.push_back(TimeRanks(group, load_n));
   }
   if (!ok) {
     std::fprintf(stderr, "dcp-bench: loaded bytes differ from the saved ones\n");
     return 1;
   }
   std::filesystem::remove_all(ckpt);
-  std::optional<nlohmann::json> peers = RunPythonPeers(python, dir, raw, src, repeats);
+  std::filesystem::remove_all(ckpt_n);
+  const std::string spec = WritePeerSpec(dir, raw, src, repeats);
+  std::optional<nlohmann::json> libtorch = RunTorchPeer(torch_peer, dir, spec);
+  std::optional<nlohmann::json> peers = RunPythonPeers(python, dir, spec);
   std::filesystem::remove(raw);
 
   auto gbps = [&](double s) { return bytes / s / 1e9; };
   const double raw_w_g = gbps(Median(raw_w)), raw_cold_g = gbps(Median(raw_cold)),
                raw_warm_g = gbps(Median(raw_warm)), save_g = gbps(Median(save)),
-               load_cold_g = gbps(Median(load_cold)), load_warm_g = gbps(Median(load_warm));
+               load_cold_g = gbps(Median(load_cold)), load_warm_g = gbps(Median(load_warm)),
+               save_n_g = gbps(Median(save_n)), load_cold_n_g = gbps(Median(load_cold_n)),
+               load_warm_n_g = gbps(Median(load_warm_n));
   std::printf(
       "dcp-bench: %.1f MiB in %zu tensors (4 KiB-aligned memory), %d repeats (medians), %u "
       "cores, cold = %s\n",
@@ -387,36 +480,58 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
   row("dcp save (1 rank, fsync)", Median(save), save_g, "raw write", save_g / raw_w_g);
   row("dcp load, cold", Median(load_cold), load_cold_g, "raw cold read", load_cold_g / raw_cold_g);
   row("dcp load, warm", Median(load_warm), load_warm_g, "raw warm read", load_warm_g / raw_warm_g);
+  row("dcp save (4 ranks, fsync)", Median(save_n), save_n_g, "raw write", save_n_g / raw_w_g);
+  row("dcp load, cold (4 ranks)", Median(load_cold_n), load_cold_n_g, "raw cold read",
+      load_cold_n_g / raw_cold_g);
+  row("dcp load, warm (4 ranks)", Median(load_warm_n), load_warm_n_g, "raw warm read",
+      load_warm_n_g / raw_warm_g);
   nlohmann::json null_j;
-  auto peer_g = [&](const char* key) -> nlohmann::json {
-    if (!peers || !peers->contains(key)) return null_j;
-    return gbps((*peers)[key].get<double>());
+  auto peer_g = [&](const std::optional<nlohmann::json>& p, const char* key) -> nlohmann::json {
+    if (!p || !p->contains(key) || !(*p)[key].is_number()) return null_j;
+    return gbps((*p)[key].get<double>());
   };
   auto ratio = [&](double ours, const nlohmann::json& theirs) -> nlohmann::json {
     if (theirs.is_null()) return null_j;
     return ours / theirs.get<double>();
   };
-  const nlohmann::json pt_save = peer_g("dcp_save"), pt_load = peer_g("dcp_load_cold"),
-                       pt_load_warm = peer_g("dcp_load_warm"), py_save = peer_g("torch_save"),
-                       py_load = peer_g("torch_load_cold"),
-                       py_load_warm = peer_g("torch_load_warm");
+  // Each peer row: its time, GB/s, and how many times faster (>1) dcp's 1-rank figure is.
+  auto prow = [&](const std::optional<nlohmann::json>& p, const char* name, const char* key,
+                  double ours, const char* what) {
+    const double s = (*p)[key].get<double>();
+    std::printf("  %-34s %8.3f %8.2f dcp is %.2f x (%s)\n", name, s, gbps(s), ours / gbps(s), what);
+  };
+  const nlohmann::json lt_save = peer_g(libtorch, "torch_save"),
+                       lt_load = peer_g(libtorch, "torch_load_cold"),
+                       lt_load_warm = peer_g(libtorch, "torch_load_warm");
+  if (libtorch && !lt_save.is_null() && !lt_load.is_null() && !lt_load_warm.is_null()) {
+    prow(libtorch, "LibTorch torch::save (+fsync)", "torch_save", save_g, "save");
+    prow(libtorch, "LibTorch torch::load, cold", "torch_load_cold", load_cold_g, "cold load");
+    prow(libtorch, "LibTorch torch::load, warm", "torch_load_warm", load_warm_g, "warm load");
+  } else {
+    std::printf("  LibTorch torch::save/torch::load: not measured (%s)\n",
+                torch_peer.empty() ? "--torch-peer ''"
+                : libtorch         ? "the peer's output lacks a figure"
+                : ::access(torch_peer.c_str(), X_OK) != 0
+                    ? ("no peer program " + torch_peer + "; it is built with LibTorch").c_str()
+                    : ("the peer " + torch_peer + " failed").c_str());
+  }
+  const nlohmann::json pt_save = peer_g(peers, "dcp_save"),
+                       pt_load = peer_g(peers, "dcp_load_cold"),
+                       pt_load_warm = peer_g(peers, "dcp_load_warm"),
+                       py_save = peer_g(peers, "torch_save"),
+                       py_load = peer_g(peers, "torch_load_cold"),
+                       py_load_warm = peer_g(peers, "torch_load_warm");
   if (peers) {
-    auto prow = [&](const char* name, const char* key, double ours, const char* what) {
-      const double s = (*peers)[key].get<double>();
-      std::printf("  %-34s %8.3f %8.2f dcp is %.2f x (%s)\n", name, s, gbps(s), ours / gbps(s),
-                  what);
-    };
-    prow("PyTorch DCP save (1.13, 1 file)", "dcp_save", save_g, "save");
-    prow("PyTorch DCP load, cold", "dcp_load_cold", load_cold_g, "cold load");
-    prow("PyTorch DCP load, warm", "dcp_load_warm", load_warm_g, "warm load");
-    prow("Python torch.save (+fsync)", "torch_save", save_g, "save");
-    prow("Python torch.load, cold", "torch_load_cold", load_cold_g, "cold load");
-    prow("Python torch.load, warm", "torch_load_warm", load_warm_g, "warm load");
+    prow(peers, "PyTorch DCP save (1.13, 1 file)", "dcp_save", save_g, "save");
+    prow(peers, "PyTorch DCP load, cold", "dcp_load_cold", load_cold_g, "cold load");
+    prow(peers, "PyTorch DCP load, warm", "dcp_load_warm", load_warm_g, "warm load");
+    prow(peers, "Python torch.save (+fsync)", "torch_save", save_g, "save");
+    prow(peers, "Python torch.load, cold", "torch_load_cold", load_cold_g, "cold load");
+    prow(peers, "Python torch.load, warm", "torch_load_warm", load_warm_g, "warm load");
   } else {
     std::printf("  PyTorch peers: not measured (%s)\n",
                 python.empty() ? "--python ''" : ("no usable torch in " + python).c_str());
   }
-  std::printf("  LibTorch torch::save/torch::load: not measured (dcp-bench has no LibTorch)\n");
   if (json) {
     nlohmann::json j = {{"bytes", bytes},
                         {"repeats", repeats},
@@ -430,10 +545,16 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
                         {"save_vs_raw", save_g / raw_w_g},
                         {"load_cold_vs_raw", load_cold_g / raw_cold_g},
                         {"load_warm_vs_raw", load_warm_g / raw_warm_g},
-                        {"torch_save_gbps", null_j},
-                        {"torch_load_gbps", null_j},
-                        {"save_vs_torch_save", null_j},
-                        {"load_vs_torch_load", null_j},
+                        {"save_4rank_gbps", save_n_g},
+                        {"load_cold_4rank_gbps", load_cold_n_g},
+                        {"load_warm_4rank_gbps", load_warm_n_g},
+                        {"save_4rank_vs_raw", save_n_g / raw_w_g},
+                        {"load_cold_4rank_vs_raw", load_cold_n_g / raw_cold_g},
+                        {"torch_save_gbps", lt_save},
+                        {"torch_load_gbps", lt_load},
+                        {"torch_load_warm_gbps", lt_load_warm},
+                        {"save_vs_torch_save", ratio(save_g, lt_save)},
+                        {"load_vs_torch_load", ratio(load_cold_g, lt_load)},
                         {"pytorch_dcp_save_gbps", pt_save},
                         {"pytorch_dcp_load_cold_gbps", pt_load},
                         {"pytorch_dcp_load_warm_gbps", pt_load_warm},
@@ -457,13 +578,16 @@ int main(int argc, char** argv) {
   int64_t size_mib = 0;
   int repeats = 0;  // default: 5 with --async, 3 otherwise
   int files_per_rank = 1;
-  std::string dir, python = "/usr/bin/python3";
+  std::string dir, python = "/usr/bin/python3", torch_peer = DefaultTorchPeer();
   app.add_flag("--async", async_mode, "measure async-save blocking time against memcpy");
   app.add_option("--size-mib", size_mib, "bytes of state (MiB; default 1024 --async, 2048 disk)")
       ->check(CLI::PositiveNumber);
   app.add_option("--files-per-rank", files_per_rank, "dcp data files per rank (disk mode)")
       ->check(CLI::PositiveNumber);
   app.add_option("--python", python, "python with torch for the PyTorch peers ('' skips them)");
+  app.add_option("--torch-peer", torch_peer,
+                 "the LibTorch torch::save/load peer program ('' skips it; default: "
+                 "dcp-bench-torch-peer next to dcp-bench)");
   app.add_option("--repeats", repeats, "repetitions (medians are reported)")
       ->check(CLI::PositiveNumber);
   app.add_option("--dir", dir, "scratch directory (default: a fresh one under /tmp, removed)");
@@ -480,8 +604,8 @@ int main(int argc, char** argv) {
     remove_dir = true;
   }
   if (!async_mode) {
-    const int rc =
-        RunDisk(static_cast<size_t>(size_mib) << 20, repeats, dir, files_per_rank, python, json);
+    const int rc = RunDisk(static_cast<size_t>(size_mib) << 20, repeats, dir, files_per_rank,
+                           python, torch_peer, json);
     if (remove_dir) std::filesystem::remove_all(dir);
     return rc;
   }
