@@ -32,24 +32,6 @@ TensorView AlignedTensor(DType dt, Shape shape) {
   return v;
 }
 
-std::string DropCaches(const std::vector<std::string>& files) {
-  ::sync();
-  const int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY | O_CLOEXEC);
-  if (fd >= 0) {
-    const bool ok = ::write(fd, "1", 1) == 1;
-    ::close(fd);
-    if (ok) return "drop_caches";
-  }
-  for (const auto& f : files) {
-    const int r = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
-    if (r < 0) continue;
-    ::fdatasync(r);
-    ::posix_fadvise(r, 0, 0, POSIX_FADV_DONTNEED);
-    ::close(r);
-  }
-  return "fadvise_dontneed";
-}
-
 std::vector<std::string> FilesUnder(const std::string& dir) {
   std::vector<std::string> out;
   for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "proto/tensor.h"
+#include "tools/drop_caches.h"
 
 namespace dcp::bench {
 
@@ -22,9 +23,7 @@ constexpr size_t kRawBlock = 64 << 20;  // raw baseline I/O size
 /// 4 KiB-aligned, pre-touched host memory owned by the view (as pinned allocators give).
 TensorView AlignedTensor(DType dtype, Shape shape);
 
-/// Evict `files` from the page cache: /proc/sys/vm/drop_caches when writable, otherwise
-/// posix_fadvise(DONTNEED) per file. Returns the method used.
-std::string DropCaches(const std::vector<std::string>& files);
+using tools::DropCaches;  // tools/drop_caches.h (header-only: the LibTorch peer shares it)
 std::vector<std::string> FilesUnder(const std::string& dir);
 
 /// Print "<tool>: <what>: strerror(errno)" and exit(1).

@@ -36,23 +36,13 @@
 #include <vector>
 
 #include "dcp/dcp.h"
-#include "tools/drop_caches.h"
+#include "tools/bench_util.h"
 #include "tools/fill_random.h"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using namespace dcp;
-
-double Since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n == 0 ? 0 : (n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2);
-}
+using namespace dcp::bench;
 
 void Fill(void* p, size_t n, uint64_t seed) { tools::FillRandomBytes(p, n, seed); }
 
@@ -83,24 +73,6 @@ double StepsPerSecond(std::vector<float>& a, double seconds,
 
 // ---- Disk mode ---------------------------------------------------------------------------------
 
-constexpr size_t kPage = 4096;
-constexpr size_t kRawBlock = 64 << 20;  // raw baseline I/O size
-
-// 4 KiB-aligned, pre-touched host memory owned by the view (as pinned/page-locked allocators
-// give); contents are filled by the caller.
-TensorView AlignedTensor(DType dt, Shape shape) {
-  TensorView v;
-  v.dtype = dt;
-  v.shape = std::move(shape);
-  const size_t rounded = std::max(kPage, (v.nbytes() + kPage - 1) / kPage * kPage);
-  void* p = std::aligned_alloc(kPage, rounded);
-  if (p == nullptr) throw std::bad_alloc();
-  std::memset(p, 0, rounded);
-  v.owner = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
-  v.data = p;
-  return v;
-}
-
 // A mixed state: ~90 % in 8 large float32/bf16/fp16 tensors (4 KiB multiples), ~10 % in 16
 // medium odd-sized uint8 tensors, plus 40 small odd ones (1 byte to ~300 KiB).
 std::vector<TensorView> MakeMixedTensors(size_t total) {
@@ -120,68 +92,6 @@ std::vector<TensorView> MakeMixedTensors(size_t total) {
     ts.push_back(AlignedTensor(DType::kUInt8, {static_cast<int64_t>((i * 7919u) % 300000 + 1)}));
   }
   return ts;
-}
-
-using tools::DropCaches;
-
-std::vector<std::string> FilesUnder(const std::string& dir) {
-  std::vector<std::string> out;
-  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
-    if (e.is_regular_file()) out.push_back(e.path().string());
-  }
-  return out;
-}
-
-void Die(const std::string& what) {
-  std::fprintf(stderr, "dcp-bench: %s: %s\n", what.c_str(), std::strerror(errno));
-  std::exit(1);
-}
-
-// Raw baseline: the tensors' bytes concatenated into one file with O_DIRECT, 64 MiB writes
-// straight from (4 KiB-aligned) tensor memory; the first unaligned piece and everything after it
-// go through the page cache (only the small odd tensors at the end). Then fsync.
-void RawWrite(const std::string& path, const std::vector<TensorView>& ts) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
-  bool direct = fd >= 0;
-  if (fd < 0) fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) Die("open " + path);
-  uint64_t off = 0;
-  for (const auto& t : ts) {
-    const char* p = static_cast<const char*>(t.data);
-    size_t n = t.nbytes();
-    if (direct && (off % kPage || n % kPage || reinterpret_cast<uintptr_t>(p) % kPage)) {
-      if (::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_DIRECT) != 0) Die("fcntl");
-      direct = false;
-    }
-    while (n > 0) {
-      const ssize_t w = ::pwrite(fd, p, std::min(n, kRawBlock), static_cast<off_t>(off));
-      if (w <= 0) Die("write " + path);
-      p += w;
-      n -= static_cast<size_t>(w);
-      off += static_cast<uint64_t>(w);
-    }
-  }
-  if (::fsync(fd) != 0) Die("fsync " + path);
-  ::close(fd);
-}
-
-// Raw read of the same file into the (pre-touched) destination tensors, 64 MiB preads.
-void RawRead(const std::string& path, const std::vector<TensorView>& ts) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) Die("open " + path);
-  uint64_t off = 0;
-  for (const auto& t : ts) {
-    char* p = static_cast<char*>(t.data);
-    size_t n = t.nbytes();
-    while (n > 0) {
-      const ssize_t r = ::pread(fd, p, std::min(n, kRawBlock), static_cast<off_t>(off));
-      if (r <= 0) Die("read " + path);
-      p += r;
-      n -= static_cast<size_t>(r);
-      off += static_cast<uint64_t>(r);
-    }
-  }
-  ::close(fd);
 }
 
 bool SameBytes(const std::vector<TensorView>& a, const std::vector<TensorView>& b) {
