@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "proto/error.h"
+#include "proto/staging.h"
 #include "proto/tensor_layout.h"
 
 namespace dcp {
@@ -373,13 +374,6 @@ struct Slot {
   size_t bytes = 0;  // bytes of the piece in flight, 0 when idle
 };
 
-// Host staging for strided host views, reused by the thread across calls.
-std::vector<char>& ThreadStaging(size_t n) {
-  thread_local std::vector<char> staging;
-  if (staging.size() < n) staging.resize(n);
-  return staging;
-}
-
 size_t PieceLimit(const TensorView& v, size_t piece_bytes) {
   const size_t es = ElementSize(v.dtype);
   return std::max(es, piece_bytes / es * es);
@@ -399,8 +393,8 @@ void StreamToHost(const TensorView& src, size_t piece_bytes,
       }
       return;
     }
+    HostBuffer staging(std::min(limit, src.nbytes()));  // pooled: no allocation when warm
     for (const TensorView& piece : SplitRowMajor(src, limit)) {
-      std::vector<char>& staging = ThreadStaging(piece.nbytes());
       CopyTensor(TensorView::FromContiguous(staging.data(), piece.dtype, piece.shape), piece);
       consume(staging.data(), piece.nbytes());
     }
@@ -442,8 +436,8 @@ void StreamFromHost(const TensorView& dst, size_t piece_bytes,
       }
       return;
     }
+    HostBuffer staging(std::min(limit, dst.nbytes()));
     for (const TensorView& piece : SplitRowMajor(dst, limit)) {
-      std::vector<char>& staging = ThreadStaging(piece.nbytes());
       produce(staging.data(), piece.nbytes());
       CopyTensor(piece, TensorView::FromContiguous(staging.data(), piece.dtype, piece.shape));
     }

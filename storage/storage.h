@@ -23,6 +23,9 @@
 namespace dcp {
 
 /// Options every backend understands; backend-specific settings go in `extra`.
+/// Staging one writer of the generic Store protocol may hold at once (see memory_budget_bytes).
+constexpr size_t kWriterStagingBytes = size_t{80} << 20;
+
 struct StorageOptions {
   /// Replace an existing checkpoint at the same location (atomically: the old one stays
   /// loadable until the new metadata is in place). Without it, saving over one is refused.
@@ -47,6 +50,14 @@ struct StorageOptions {
   /// stored item through the scratch buffer once per rank to verify it (extra I/O, bounded
   /// memory); without it, partial reads are not verified. Whole-item reads are always verified.
   bool verify_partial_reads = true;
+  /// Peak extra host memory one rank's save or load may use for staging (bytes). Each
+  /// concurrent writer (one per data file) costs up to kWriterStagingBytes: a store's write
+  /// buffers (file://: 2 x 16 MiB), a 16 MiB gather buffer for strided tensors and 2 x 16 MiB
+  /// page-locked pieces for device tensors. Each read thread costs max_scratch_bytes plus the
+  /// same device pieces. Files and read threads beyond what fits are processed one after
+  /// another; at least one always runs. Buffers are pooled, so after the first save or load no
+  /// staging memory is allocated again.
+  size_t memory_budget_bytes = 256 << 20;
   std::map<std::string, std::string> extra;
 };
 

@@ -5,8 +5,8 @@
 //   2. The coordinator names each rank's files "data-<save_id>-r<rank>" (the plan's
 //      storage_data); a rank appends "-b<bucket>.data".
 //   3. Each rank spreads its items over `files_per_rank` buckets (largest first onto the
-//      lightest), writes each bucket on its own thread, CRC32C-ing every item as it goes, and
-//      fsyncs each file.
+//      lightest), writes the buckets on as many threads as the memory budget allows, CRC32C-ing
+//      every item as it goes, and fsyncs each file.
 //   4. The coordinator, once every rank succeeded, publishes metadata.dcp atomically
 //      (temp + fsync + rename + directory fsync), then removes data files of replaced saves.
 // A failed save calls Abort on every rank, which removes that rank's files of this save.
@@ -119,26 +119,39 @@ class StoreWriter : public StorageWriter {
       }
     }
     return std::async(std::launch::async, [this, &plan, &planner, buckets = std::move(buckets)] {
-      std::vector<std::future<std::vector<WriteResult>>> futures;
+      // Writers run concurrently as far as the memory budget allows, each taking the next file.
+      std::vector<size_t> todo;
       for (size_t b = 0; b < buckets.size(); ++b) {
-        if (buckets[b].empty()) continue;
-        futures.push_back(std::async(std::launch::async, [this, &plan, &planner, b, &buckets] {
-          return WriteBucket(plan, planner, plan.storage_data + "-b" + std::to_string(b) + ".data",
-                             buckets[b]);
-        }));
+        if (!buckets[b].empty()) todo.push_back(b);
       }
-      std::vector<WriteResult> all;
+      const size_t writers = std::clamp<size_t>(options_.memory_budget_bytes / kWriterStagingBytes,
+                                                1, std::max<size_t>(todo.size(), 1));
+      std::vector<std::vector<WriteResult>> results(buckets.size());
+      std::atomic<size_t> next{0};
+      std::mutex mu;
       std::exception_ptr first_error;
-      for (auto& f : futures) {  // wait for every bucket, even after one failed
-        try {
-          auto r = f.get();
-          all.insert(all.end(), std::make_move_iterator(r.begin()),
-                     std::make_move_iterator(r.end()));
-        } catch (...) {
-          if (!first_error) first_error = std::current_exception();
+      auto worker = [&] {
+        for (size_t i; (i = next.fetch_add(1)) < todo.size();) {
+          const size_t b = todo[i];
+          try {
+            results[b] = WriteBucket(
+                plan, planner, plan.storage_data + "-b" + std::to_string(b) + ".data", buckets[b]);
+          } catch (...) {
+            std::lock_guard<std::mutex> lock(mu);
+            if (!first_error) first_error = std::current_exception();
+            next = todo.size();  // start no more files; running writers finish theirs
+          }
         }
-      }
+      };
+      std::vector<std::thread> threads;
+      for (size_t t = 1; t < writers; ++t) threads.emplace_back(worker);
+      worker();
+      for (auto& t : threads) t.join();
       if (first_error) std::rethrow_exception(first_error);
+      std::vector<WriteResult> all;
+      for (auto& r : results) {
+        all.insert(all.end(), std::make_move_iterator(r.begin()), std::make_move_iterator(r.end()));
+      }
       return all;
     });
   }
@@ -268,8 +281,11 @@ class StoreReader : public StorageReader {
       });
     }
     return std::async(std::launch::async, [this, &plan, &planner, files = std::move(files)] {
-      const size_t nthreads =
-          std::clamp<size_t>(options_.read_threads, 1, std::max<size_t>(files.size(), 1));
+      // As many readers as asked for, files to read, and the memory budget allow.
+      const size_t per_reader = ScratchLimit() + 2 * kDevicePieceBytes;
+      const size_t nthreads = std::clamp<size_t>(
+          std::min<size_t>(options_.read_threads, options_.memory_budget_bytes / per_reader), 1,
+          std::max<size_t>(files.size(), 1));
       std::atomic<size_t> next{0};
       std::mutex mu;
       std::exception_ptr first_error;

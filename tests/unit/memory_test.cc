@@ -1,0 +1,118 @@
+// Memory: staging comes from pools (a second save allocates none), and the memory budget bounds
+// how many files a rank writes at once.
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <thread>
+
+#include "proto/staging.h"
+#include "storage/mem_store.h"
+#include "storage/store_checkpoint.h"
+#include "support/fake_device.h"
+#include "support/test_support.h"
+
+using namespace dcp;
+using namespace dcp::testing;
+
+namespace {
+
+// A Store that counts how many objects are open for writing at once.
+class CountingStore : public Store {
+ public:
+  explicit CountingStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
+  std::string uri() const override { return inner_->uri(); }
+  void CreateRoot() override { inner_->CreateRoot(); }
+  std::unique_ptr<WritableObject> Create(const std::string& n) override {
+    class Counted : public WritableObject {
+     public:
+      Counted(std::unique_ptr<WritableObject> w, CountingStore& s) : w_(std::move(w)), s_(s) {
+        const int now = ++s_.open_;
+        int seen = s_.max_open_.load();
+        while (now > seen && !s_.max_open_.compare_exchange_weak(seen, now)) {
+        }
+      }
+      ~Counted() override { --s_.open_; }
+      void Append(const void* d, size_t n) override {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));  // let writers overlap
+        w_->Append(d, n);
+      }
+      void Sync() override { w_->Sync(); }
+      void Close() override { w_->Close(); }
+      uint64_t size() const override { return w_->size(); }
+
+     private:
+      std::unique_ptr<WritableObject> w_;
+      CountingStore& s_;
+    };
+    return std::make_unique<Counted>(inner_->Create(n), *this);
+  }
+  std::unique_ptr<ReadableObject> Open(const std::string& n) override { return inner_->Open(n); }
+  std::optional<uint64_t> Size(const std::string& n) override { return inner_->Size(n); }
+  void PublishAtomically(const std::string& n, std::string_view b) override {
+    inner_->PublishAtomically(n, b);
+  }
+  std::vector<std::string> List() override { return inner_->List(); }
+  void Remove(const std::string& n) override { inner_->Remove(n); }
+
+  std::atomic<int> open_{0}, max_open_{0};
+
+ private:
+  std::shared_ptr<Store> inner_;
+};
+
+StateDict ManyTensors(std::vector<TensorView>& keep) {
+  StateDict sd;
+  for (int i = 0; i < 8; ++i) {
+    keep.push_back(RandomTensor(DType::kFloat32, {64, 1024}, 50 + i));
+    sd.Set("t" + std::to_string(i), keep.back());
+  }
+  return sd;
+}
+
+}  // namespace
+
+TEST_CASE("memory: the budget bounds concurrent writers and readers", "[memory]") {
+  for (size_t budget : {size_t{1}, kWriterStagingBytes, 4 * kWriterStagingBytes}) {
+    INFO("budget " << budget);
+    auto store = std::make_shared<CountingStore>(MakeMemStore("budget-" + std::to_string(budget)));
+    std::vector<TensorView> keep;
+    StateDict sd = ManyTensors(keep);
+    StorageOptions o;
+    o.files_per_rank = 4;
+    o.memory_budget_bytes = budget;
+    LocalCommunicator comm;
+    auto writer = MakeStoreWriter(store, o);
+    Save(sd, *writer, comm);
+    const size_t allowed = std::max<size_t>(1, std::min<size_t>(4, budget / kWriterStagingBytes));
+    CHECK(store->max_open_ <= static_cast<int>(allowed));
+    CHECK(store->max_open_ >= 1);
+    // Loads within the same budget read everything back.
+    StateDict back;
+    std::vector<TensorView> dst;
+    for (int i = 0; i < 8; ++i) {
+      dst.push_back(TensorView::Allocate(DType::kFloat32, {64, 1024}));
+      back.Set("t" + std::to_string(i), dst.back());
+    }
+    auto reader = MakeStoreReader(store, o);
+    Load(back, *reader, comm);
+    for (int i = 0; i < 8; ++i) CHECK(SameElements(dst[i], keep[i]));
+  }
+}
+
+TEST_CASE("memory: after the first save no staging memory is allocated", "[memory]") {
+  ScopedFakeDevice dev;
+  TempDir dir("mem");
+  // A strided host tensor (gathered through host staging) and a device tensor (pinned pieces).
+  TensorView base = RandomTensor(DType::kFloat32, {1024, 3000}, 61);
+  TensorView strided = base.Narrow({0, 1}, {1024, 2000});
+  StateDict sd;
+  sd.Set("strided", strided);
+  sd.Set("device", dev->Upload(RandomTensor(DType::kBFloat16, {4096, 2048}, 62)));
+  LocalCommunicator comm;
+  SaveOptions o;
+  o.storage.overwrite = true;
+  Save(sd, dir / "a", comm, o);
+  const uint64_t host = HostStagingBytesAllocated(), pinned = PinnedBytesAllocated();
+  for (int i = 0; i < 3; ++i) Save(sd, dir / "a", comm, o);
+  CHECK(HostStagingBytesAllocated() == host);
+  CHECK(PinnedBytesAllocated() == pinned);
+}
