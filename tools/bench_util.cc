@@ -40,6 +40,35 @@ std::vector<std::string> FilesUnder(const std::string& dir) {
   return out;
 }
 
+bool ResetPeakRss() {
+  const int fd = ::open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = ::write(fd, "5", 1) == 1;
+  ::close(fd);
+  return ok;
+}
+
+namespace {
+uint64_t StatusKiB(const char* key) {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  uint64_t kib = 0;
+  const size_t klen = std::strlen(key);
+  while (std::fgets(line, sizeof line, f)) {
+    if (std::strncmp(line, key, klen) == 0) {
+      kib = std::strtoull(line + klen, nullptr, 10);
+      break;
+    }
+  }
+  std::fclose(f);
+  return kib;
+}
+}  // namespace
+
+uint64_t RssBytes() { return StatusKiB("VmRSS:") << 10; }
+uint64_t PeakRssBytes() { return StatusKiB("VmHWM:") << 10; }
+
 void Die(const std::string& what) {
   std::fprintf(stderr, "%s: %s\n", what.c_str(), std::strerror(errno));
   std::exit(1);

@@ -26,6 +26,12 @@ TensorView AlignedTensor(DType dtype, Shape shape);
 using tools::DropCaches;  // tools/drop_caches.h (header-only: the LibTorch peer shares it)
 std::vector<std::string> FilesUnder(const std::string& dir);
 
+/// Peak-memory probes (Linux /proc/self): ResetPeakRss makes the peak equal to the current RSS
+/// (clear_refs "5"); both return 0 where unavailable.
+bool ResetPeakRss();
+uint64_t RssBytes();
+uint64_t PeakRssBytes();
+
 /// Print "<tool>: <what>: strerror(errno)" and exit(1).
 [[noreturn]] void Die(const std::string& what);
 

@@ -312,6 +312,7 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
   std::vector<double> raw_w, raw_cold, raw_warm, save, load_cold, load_warm, save_n, load_cold_n,
       load_warm_n;
   std::string drop_method;
+  uint64_t save_peak_extra = 0, load_peak_extra = 0;
   bool ok = true;
   auto clear_dst = [&] {
     for (auto& t : dst) std::memset(t.data, 0, t.nbytes());
@@ -329,14 +330,22 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
     raw_warm.push_back(Since(t0));
     ok = ok && SameBytes(src, dst);
 
+    // Peak extra memory of the first (cold-pool) save and load: RSS high-water mark minus RSS
+    // before, with the peak reset first.
+    const bool measure_memory = r == 0 && ResetPeakRss();
+    uint64_t rss_before = RssBytes();
     t0 = Clock::now();
     Save(state, ckpt, so);
     save.push_back(Since(t0));
+    if (measure_memory) save_peak_extra = PeakRssBytes() - std::min(PeakRssBytes(), rss_before);
     clear_dst();
     DropCaches(FilesUnder(ckpt));
+    if (measure_memory) ResetPeakRss();
+    rss_before = RssBytes();
     t0 = Clock::now();
     Load(back, ckpt);
     load_cold.push_back(Since(t0));
+    if (measure_memory) load_peak_extra = PeakRssBytes() - std::min(PeakRssBytes(), rss_before);
     ok = ok && SameBytes(src, dst);
     t0 = Clock::now();
     Load(back, ckpt);
@@ -390,6 +399,11 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
   row("dcp save (1 rank, fsync)", Median(save), save_g, "raw write", save_g / raw_w_g);
   row("dcp load, cold", Median(load_cold), load_cold_g, "raw cold read", load_cold_g / raw_cold_g);
   row("dcp load, warm", Median(load_warm), load_warm_g, "raw warm read", load_warm_g / raw_warm_g);
+  std::printf(
+      "  peak extra memory (1 rank, first save/load): save %.0f MiB, load %.0f MiB "
+      "(budget %zu MiB)\n",
+      save_peak_extra / 1048576.0, load_peak_extra / 1048576.0,
+      so.storage.memory_budget_bytes >> 20);
   row("dcp save (4 ranks, fsync)", Median(save_n), save_n_g, "raw write", save_n_g / raw_w_g);
   row("dcp load, cold (4 ranks)", Median(load_cold_n), load_cold_n_g, "raw cold read",
       load_cold_n_g / raw_cold_g);
@@ -455,6 +469,9 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
                         {"save_vs_raw", save_g / raw_w_g},
                         {"load_cold_vs_raw", load_cold_g / raw_cold_g},
                         {"load_warm_vs_raw", load_warm_g / raw_warm_g},
+                        {"memory_budget_mib", so.storage.memory_budget_bytes >> 20},
+                        {"save_peak_extra_mib", save_peak_extra / 1048576.0},
+                        {"load_peak_extra_mib", load_peak_extra / 1048576.0},
                         {"save_4rank_gbps", save_n_g},
                         {"load_cold_4rank_gbps", load_cold_n_g},
                         {"load_warm_4rank_gbps", load_warm_n_g},
