@@ -11,4 +11,8 @@ namespace dcp {
 /// (start with 0). Crc32c(0, "123456789", 9) == 0xE3069283.
 uint32_t Crc32c(uint32_t crc, const void* data, size_t len);
 
+/// CRC32C of A followed by B, from crc_a = Crc32c(0, A), crc_b = Crc32c(0, B) and B's length,
+/// in O(log len_b) without the data: lets pieces of one item be checksummed in parallel.
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
 }  // namespace dcp

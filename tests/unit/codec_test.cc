@@ -584,3 +584,21 @@ TEST_CASE("codec: ValidateMetadata accepts legitimate corner cases", "[codec][me
   AddStored(md, "x", {1}, 1, "a/b/c/.hidden", 1, 1);
   CHECK_NOTHROW(ValidateMetadata(md, kSource));
 }
+
+TEST_CASE("codec: Crc32cCombine equals the CRC of the concatenation", "[codec][crc]") {
+  std::vector<char> buf(1 << 20);
+  dcp::testing::FillRandom(buf.data(), buf.size(), 77);
+  const uint32_t whole = Crc32c(0, buf.data(), buf.size());
+  for (size_t split : {size_t{0}, size_t{1}, size_t{7}, size_t{4096}, size_t{333333},
+                       buf.size() - 1, buf.size()}) {
+    INFO("split " << split);
+    const uint32_t a = Crc32c(0, buf.data(), split);
+    const uint32_t b = Crc32c(0, buf.data() + split, buf.size() - split);
+    CHECK(Crc32cCombine(a, b, buf.size() - split) == whole);
+  }
+  // Three pieces, combined left to right.
+  const uint32_t p1 = Crc32c(0, buf.data(), 1000), p2 = Crc32c(0, buf.data() + 1000, 5000),
+                 p3 = Crc32c(0, buf.data() + 6000, buf.size() - 6000);
+  CHECK(Crc32cCombine(Crc32cCombine(p1, p2, 5000), p3, buf.size() - 6000) == whole);
+  CHECK(Crc32cCombine(0xE3069283u, 0, 0) == 0xE3069283u);
+}
