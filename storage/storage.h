@@ -12,6 +12,7 @@
 // thrown directly, or carried by the returned futures.
 #pragma once
 
+#include <cstdint>
 #include <future>
 #include <map>
 #include <string>
@@ -21,6 +22,9 @@
 #include "proto/plan.h"
 
 namespace dcp {
+
+/// Per-item compression of stored bytes on save (see StorageOptions::compression).
+enum class Compression : uint8_t { kNone = 0, kZstd = 1 };
 
 /// Options every backend understands; backend-specific settings go in `extra`.
 /// Staging one writer of the generic Store protocol may hold at once (see memory_budget_bytes).
@@ -58,6 +62,28 @@ struct StorageOptions {
   /// another; at least one always runs. Buffers are pooled, so after the first save or load no
   /// staging memory is allocated again.
   size_t memory_budget_bytes = 256 << 20;
+  /// Compress items on save with zstd (the "zstd" transform of docs/FORMAT.md), item by item:
+  /// items under `compression_min_bytes` and items that do not shrink to at most
+  /// `compression_max_ratio` of their raw size are stored raw, so a checkpoint may hold a mix.
+  /// Items over 8 MiB are judged on their first 8 MiB (storage/zstd_transform.h). Loads read
+  /// any mix of compressed and raw items whatever this says. A compressed item's crc32c covers
+  /// its stored (compressed) bytes; zstd's own checksum covers the raw bytes and is always
+  /// checked on load. Whole-item reads into dense tensors decompress straight into them; other
+  /// reads of a compressed item go through the scratch buffer and need zstd's window too (up
+  /// to 8 MiB for levels up to 19, 128 MiB for 20-22); all use an input buffer of at most
+  /// min(max_scratch_bytes, 1 MiB). A partial (resharding) read of a compressed item
+  /// decompresses it from its start to the end of the box, or to its end when it is verified.
+  Compression compression = Compression::kNone;
+  /// zstd level: 1 (fastest) to 19 (smallest; 20 to 22 need far more memory), negative levels
+  /// for zstd's fast modes. 3 is zstd's default.
+  int compression_level = 3;
+  /// zstd worker threads per data file; 0 compresses on the thread writing the file.
+  int compression_threads = 0;
+  /// Items with fewer raw bytes than this are stored raw.
+  uint64_t compression_min_bytes = 4096;
+  /// An item stays compressed only when its compressed size is at most this fraction of its
+  /// raw size (in (0, 1]); otherwise it is stored raw.
+  double compression_max_ratio = 0.9;
   std::map<std::string, std::string> extra;
 };
 

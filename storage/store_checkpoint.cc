@@ -24,6 +24,7 @@
 #include "proto/codec.h"
 #include "proto/device.h"
 #include "proto/error.h"
+#include "storage/zstd_transform.h"
 
 namespace dcp {
 
@@ -68,6 +69,7 @@ class StoreWriter : public StorageWriter {
     if (options_.files_per_rank < 1) {
       throw InvalidArgumentError("files_per_rank must be at least 1");
     }
+    ValidateCompressionOptions(options_);
   }
 
   std::string uri() const override { return store_->uri(); }
@@ -198,6 +200,7 @@ class StoreWriter : public StorageWriter {
   std::vector<WriteResult> WriteBucket(const SavePlan& plan, const SavePlanner& planner,
                                        const std::string& name, const std::vector<size_t>& items) {
     auto out = store_->Create(name);
+    ZstdItemCompressor compressor(options_);  // stores items raw unless options_.compression
     std::vector<WriteResult> results;
     results.reserve(items.size());
     for (size_t i : items) {
@@ -215,13 +218,23 @@ class StoreWriter : public StorageWriter {
               std::string(DTypeName(item.dtype)) + ShapeToString(item.chunk.sizes) + ", data is " +
               data.tensor.ToString());
         }
-        crc = AppendTensor(*out, data.tensor);
+      }
+      // The item's raw bytes into `sink` (the data file, or the compressor feeding it).
+      auto append = [&](WritableObject& sink) {
+        if (item.is_tensor()) return AppendTensor(sink, data.tensor);
+        sink.Append(data.bytes.data(), data.bytes.size());
+        return Crc32c(0, data.bytes.data(), data.bytes.size());
+      };
+      const uint64_t raw = item.is_tensor() ? data.tensor.nbytes() : data.bytes.size();
+      if (auto stored_crc = compressor.Compress(
+              *out, raw, [&](WritableObject& sink) { append(sink); }, item.index.ToString())) {
+        crc = *stored_crc;  // of the compressed bytes, as stored
+        r.storage.transforms = {kZstdTransform};
       } else {
-        out->Append(data.bytes.data(), data.bytes.size());
-        crc = Crc32c(0, data.bytes.data(), data.bytes.size());
+        crc = append(*out);
       }
       r.storage.length = out->size() - r.storage.offset;
-      r.storage.raw_length = r.storage.length;
+      r.storage.raw_length = raw;
       r.storage.crc32c = crc;
       r.size_in_bytes = r.storage.length;
       results.push_back(std::move(r));
@@ -447,9 +460,8 @@ class StoreReader : public StorageReader {
       const ReadItem& item = plan.items[i];
       const StorageInfo& info = Info(item);
       if (!info.transforms.empty()) {
-        throw UnsupportedError("item " + item.storage_index.ToString() + " in '" + name +
-                               "' uses transform '" + info.transforms[0] +
-                               "', which this build cannot read");
+        ReadTransformed(planner, item, info, *in, name, scratch, verified);
+        continue;
       }
       if (item.type == ReadItemType::kBytes) {
         std::string bytes(info.length, '\0');
@@ -510,6 +522,49 @@ class StoreReader : public StorageReader {
       }
       planner.CommitTensor(item, dst);
     }
+  }
+
+  // An item stored compressed (storage/zstd_transform.h), decompressed on the way in: straight
+  // into a dense destination when the read covers the whole item, else piece by piece through
+  // the scratch buffer, from the start of the item to the end of the box (to the end of the
+  // item when it is verified, once per rank as for raw partial reads).
+  void ReadTransformed(LoadPlanner& planner, const ReadItem& item, const StorageInfo& info,
+                       ReadableObject& in, const std::string& name, std::vector<char>& scratch,
+                       std::set<MetadataIndex>& verified) {
+    if (!IsZstdItem(info)) {
+      std::string t;
+      for (const auto& x : info.transforms) t += (t.empty() ? "" : "+") + x;
+      throw UnsupportedError("item " + item.storage_index.ToString() + " in '" + name +
+                             "' uses transform '" + t + "', which this build cannot read");
+    }
+    ZstdItemReader z(in, info, options_.verify_checksums, ScratchLimit(),
+                     item.storage_index.ToString() + " in '" + store_->uri() + "/" + name + "'");
+    if (item.type == ReadItemType::kBytes) {
+      std::string bytes(info.raw_length, '\0');
+      z.ReadAll(bytes.data());
+      planner.LoadBytes(item, std::move(bytes));
+      return;
+    }
+    const ChunkMeta& chunk = StoredChunk(item);
+    const auto& entry = std::get<TensorMetadata>(metadata_->entries.at(item.storage_index.fqn));
+    TensorView dst = planner.ResolveTensor(item);
+    if (dst.dtype != entry.dtype || dst.shape != item.lengths) {
+      throw InternalError("destination for " + item.dest_index.ToString() + " is " +
+                          dst.ToString() + ", expected " + ShapeToString(item.lengths));
+    }
+    const bool whole = item.lengths == chunk.sizes;
+    // A device destination takes the scratch path: each decompressed piece is copied host to
+    // device by CopyTensor (proto/device.h).
+    if (whole && IsDense(dst) && dst.device.is_cpu()) {
+      // The lowest address of a dense view is its data pointer (see ReadBox).
+      z.ReadAll(dst.data);
+    } else {
+      const bool to_end = whole || (options_.verify_partial_reads && options_.verify_checksums &&
+                                    verified.insert(item.storage_index).second);
+      ReadZstdBox(z, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst, scratch,
+                  ScratchLimit(), to_end);
+    }
+    planner.CommitTensor(item, dst);
   }
 
   std::shared_ptr<Store> store_;

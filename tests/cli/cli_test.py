@@ -41,10 +41,11 @@ def contains(out, *needles):
         check(n in out, f"expected {n!r} in:\n{out}")
 
 
-def fresh(name, changed=False):
+def fresh(name, changed=False, zstd=False):
     path = os.path.join(args.workdir, name)
     shutil.rmtree(path, ignore_errors=True)
-    run(args.fixture, path, *(["--changed"] if changed else []), expect=0)
+    run(args.fixture, path, *(["--changed"] if changed else []), *(["--zstd"] if zstd else []),
+        expect=0)
     return path
 
 
@@ -144,6 +145,33 @@ def test_basic():
     _, out = dcp("verify", d)
     contains(out, "warning: unreferenced data file 'data-0123456789abcdef-r0-b0.data'", "OK:")
 
+    # Compressed items (the fixture's --zstd: every item that shrinks; the rest stay raw).
+    z = fresh("z", zstd=True)
+    chunks = [(e["fqn"], c) for e in inspect_json(z)["entries"] for c in e["chunks"]]
+    zstd = [(f, c) for f, c in chunks if c["transforms"] == ["zstd"]]
+    check(zstd and len(zstd) < len(chunks), f"expected a mix of zstd and raw items: {chunks}")
+    for f, c in zstd:
+        check(c["length"] < c["raw_length"], f"{f}: {c}")
+    _, out = dcp("inspect", z)
+    contains(out, "TRANSFORM", "zstd", "raw")
+    _, out = dcp("verify", z)
+    contains(out, "OK:", "12 stored items")
+    _, out = dcp("diff", a, z, "--values")  # decompressed values equal the raw checkpoint's
+    contains(out, "no differences", "9 compared by value")
+    _, out = dcp("diff", b, z, "--values", expect=1)
+    contains(out, "values differ: model.w: 1 of 30 elements")
+    d = fresh("zflip", zstd=True)
+    f, c = next((e["fqn"], c) for e in inspect_json(d)["entries"] for c in e["chunks"]
+                if c["transforms"] == ["zstd"])
+    path = os.path.join(d, c["file"])
+    data = bytearray(open(path, "rb").read())
+    data[c["offset"] + c["length"] // 2] ^= 0x01
+    open(path, "wb").write(data)
+    _, out = dcp("verify", d, expect=1)  # the CRC32C covers the compressed bytes
+    contains(out, "checksum mismatch: '" + f + "'", f"at offset {c['offset']}", "FAILED")
+    _, out = dcp("diff", d, a, "--values", expect=1)
+    contains(out, "damaged data", f, c["file"])
+
     # Clear errors with distinct exit codes.
     empty = os.path.join(args.workdir, "empty")
     os.makedirs(empty, exist_ok=True)
@@ -240,6 +268,43 @@ def test_safetensors():
     dcp("verify", back)
     _, out = dcp("diff", a, back, "--values")
     contains(out, "no differences")
+
+    # A checkpoint with compressed items converts to the same safetensors values.
+    z = fresh("z", zstd=True)
+    st_z = os.path.join(args.workdir, "z.safetensors")
+    if os.path.exists(st_z):
+        os.remove(st_z)
+    for extra in (["--piece-bytes", "8"], []):
+        if os.path.exists(st_z):
+            os.remove(st_z)
+        dcp("convert", z, st_z, *extra)
+        _, tz = read_safetensors(st_z)
+        for name, want in tensors.items():
+            check(np.array_equal(tz[name], want), f"{name} (compressed source, {extra})")
+    # --compress zstd: a large compressible tensor is stored compressed, a small one raw.
+    big = os.path.join(args.workdir, "big.safetensors")
+    blob = (np.arange(65536, dtype=np.float32) % 7).tobytes()
+    small = np.arange(4, dtype=np.float32).tobytes()
+    header = json.dumps({"big": {"dtype": "F32", "shape": [256, 256], "data_offsets": [0, len(blob)]},
+                         "small": {"dtype": "F32", "shape": [4],
+                                   "data_offsets": [len(blob), len(blob) + len(small)]}}).encode()
+    with open(big, "wb") as fh:
+        fh.write(struct.pack("<Q", len(header)) + header + blob + small)
+    zdir = os.path.join(args.workdir, "from_big")
+    shutil.rmtree(zdir, ignore_errors=True)
+    dcp("convert", big, zdir, "--compress", "zstd", "--compress-level", "5")
+    by = {e["fqn"]: e for e in inspect_json(zdir)["entries"]}
+    check(by["big"]["transform"] == "zstd" and by["small"]["transform"] == "raw", str(by))
+    check(by["big"]["bytes"] < len(blob) // 10, str(by["big"]))
+    dcp("verify", zdir)
+    back_st = os.path.join(args.workdir, "from_big.safetensors")
+    if os.path.exists(back_st):
+        os.remove(back_st)
+    dcp("convert", zdir, back_st)
+    _, t = read_safetensors(back_st)
+    check(t["big"].tobytes() == blob and t["small"].tobytes() == small, "compressed round trip")
+    _, out = dcp("convert", zdir, back_st + ".x", "--compress", "zstd", expect=2)
+    contains(out, "--compress applies")
 
 
 def test_torch():

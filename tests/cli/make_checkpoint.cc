@@ -3,7 +3,8 @@
 // dtypes, a scalar, a blob. Values follow simple formulas that tests/cli/cli_test.py recomputes
 // independently.
 //
-//   dcp_cli_fixture DIR [--changed]   (--changed: model.w[1][2] += 0.5)
+//   dcp_cli_fixture DIR [--changed] [--zstd]
+//   --changed: model.w[1][2] += 0.5; --zstd: compress every item that gets smaller (a mix)
 #include <cstring>
 #include <iostream>
 #include <thread>
@@ -83,11 +84,24 @@ StateDict RankState(Globals& g, int rank) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: dcp_cli_fixture DIR [--changed]\n";
+    std::cerr << "usage: dcp_cli_fixture DIR [--changed] [--zstd]\n";
     return 2;
   }
   const std::string dir = argv[1];
-  const bool changed = argc > 2 && std::strcmp(argv[2], "--changed") == 0;
+  bool changed = false;
+  SaveOptions so;
+  for (int i = 2; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--changed") == 0) {
+      changed = true;
+    } else if (std::strcmp(argv[i], "--zstd") == 0) {
+      so.storage.compression = Compression::kZstd;
+      so.storage.compression_min_bytes = 0;  // the items are tiny: compress whatever shrinks
+      so.storage.compression_max_ratio = 1;
+    } else {
+      std::cerr << "unknown option " << argv[i] << "\n";
+      return 2;
+    }
+  }
   Globals g;
   Fill(g, changed);
   InProcessGroup group(2);
@@ -97,7 +111,7 @@ int main(int argc, char** argv) {
     threads.emplace_back([&, r] {
       try {
         StateDict sd = RankState(g, r);
-        Save(sd, dir, group.communicator(r));
+        Save(sd, dir, group.communicator(r), so);
       } catch (...) {
         errors[r] = std::current_exception();
       }

@@ -14,6 +14,7 @@
 #include "proto/error.h"
 #include "storage/registry.h"
 #include "storage/store_checkpoint.h"
+#include "storage/zstd_transform.h"
 
 namespace dcp::cli {
 
@@ -122,12 +123,23 @@ const StorageInfo& ItemInfo(const Metadata& md, const std::string& fqn, const Sh
 
 namespace {
 
-void CheckRaw(const std::string& fqn, const StorageInfo& info) {
-  if (!info.transforms.empty()) {
+// Items are raw or zstd-compressed (storage/zstd_transform.h); anything else is refused.
+void CheckTransforms(const std::string& fqn, const StorageInfo& info) {
+  if (!info.transforms.empty() && !IsZstdItem(info)) {
+    std::string t;
+    for (const auto& x : info.transforms) t += (t.empty() ? "" : "+") + x;
     throw UnsupportedError("item of '" + fqn + "' in '" + info.relative_path +
-                           "' uses transform '" + info.transforms[0] +
-                           "', which this build cannot read");
+                           "' uses transform '" + t + "', which this build cannot read");
   }
+}
+
+constexpr size_t kZstdInputBytes = size_t{1} << 20;
+
+std::unique_ptr<ZstdItemReader> OpenZstd(Store& store, ReadableObject& obj, const std::string& what,
+                                         const StorageInfo& info) {
+  return std::make_unique<ZstdItemReader>(
+      obj, info, true, kZstdInputBytes,
+      what + " in '" + store.uri() + "/" + info.relative_path + "'");
 }
 
 [[noreturn]] void ChecksumMismatch(const std::string& what, const std::string& uri,
@@ -171,7 +183,7 @@ TensorStream::TensorStream(Store& store, const Metadata& md, const std::string& 
   for (const auto& c : entry_.chunks) {
     if (c.numel() == 0) continue;
     const StorageInfo& info = ItemInfo(md, fqn, c.offsets);
-    CheckRaw(fqn, info);
+    CheckTransforms(fqn, info);
     chunks_.push_back({&c, &info});
   }
 }
@@ -189,6 +201,14 @@ bool TensorStream::Next(const char*& data, size_t& nbytes) {
   if (shape.empty()) {  // a scalar: one chunk, one element
     piece_.resize(esize);
     ChunkState& cs = chunks_.at(0);
+    if (IsZstdItem(*cs.info)) {
+      OpenZstd(store_, Object(cs.info->relative_path), fqn_ + "[]", *cs.info)
+          ->ReadAll(piece_.data());  // checks the stored bytes' CRC32C too
+      data = piece_.data();
+      nbytes = esize;
+      done_ = true;
+      return true;
+    }
     Object(cs.info->relative_path).ReadAt(cs.info->offset, piece_.data(), esize);
     const uint32_t crc = Crc32c(0, piece_.data(), esize);
     if (cs.info->crc32c && crc != *cs.info->crc32c) {
@@ -227,11 +247,27 @@ bool TensorStream::Next(const char*& data, size_t& nbytes) {
     const size_t len = static_cast<size_t>(b - a) * chunk_inner;
     if (begin != cs.consumed) throw InternalError("chunk of " + fqn_ + " read out of order");
     scratch_.resize(len);
-    Object(cs.info->relative_path).ReadAt(cs.info->offset + begin, scratch_.data(), len);
-    cs.crc = Crc32c(cs.crc, scratch_.data(), len);
-    cs.consumed += len;
-    if (cs.consumed == cs.info->length && cs.info->crc32c && cs.crc != *cs.info->crc32c) {
-      ChecksumMismatch(fqn_ + ShapeToString(c.offsets), store_.uri(), *cs.info, cs.crc);
+    if (IsZstdItem(*cs.info)) {
+      // Compressed chunks are decompressed front to back as they are consumed; one decoder is
+      // open per chunk in progress, closed (after its checks) at the chunk's end.
+      if (!cs.zstd) {
+        cs.zstd = OpenZstd(store_, Object(cs.info->relative_path), fqn_ + ShapeToString(c.offsets),
+                           *cs.info);
+      }
+      cs.zstd->Read(scratch_.data(), len);
+      cs.consumed += len;
+      if (cs.consumed == cs.info->raw_length) {
+        std::vector<char> tail;
+        cs.zstd->Finish(tail, 64);
+        cs.zstd.reset();
+      }
+    } else {
+      Object(cs.info->relative_path).ReadAt(cs.info->offset + begin, scratch_.data(), len);
+      cs.crc = Crc32c(cs.crc, scratch_.data(), len);
+      cs.consumed += len;
+      if (cs.consumed == cs.info->length && cs.info->crc32c && cs.crc != *cs.info->crc32c) {
+        ChecksumMismatch(fqn_ + ShapeToString(c.offsets), store_.uri(), *cs.info, cs.crc);
+      }
     }
     Shape src_shape(c.sizes.begin() + static_cast<std::ptrdiff_t>(d), c.sizes.end());
     Shape dst_off(c.offsets.begin() + static_cast<std::ptrdiff_t>(d), c.offsets.end());
@@ -260,7 +296,13 @@ bool TensorStream::Next(const char*& data, size_t& nbytes) {
 
 std::string ReadBlob(Store& store, const Metadata& md, const std::string& fqn) {
   const StorageInfo& info = ItemInfo(md, fqn, {});
-  CheckRaw(fqn, info);
+  CheckTransforms(fqn, info);
+  if (IsZstdItem(info)) {
+    std::string bytes(info.raw_length, '\0');
+    auto obj = store.Open(info.relative_path);
+    OpenZstd(store, *obj, fqn, info)->ReadAll(bytes.data());  // checks the CRC32C too
+    return bytes;
+  }
   std::string bytes(info.length, '\0');
   store.Open(info.relative_path)->ReadAt(info.offset, bytes.data(), bytes.size());
   const uint32_t crc = Crc32c(0, bytes.data(), bytes.size());

@@ -15,6 +15,7 @@
 #include "proto/plan.h"
 #include "proto/state_dict.h"
 #include "storage/store.h"
+#include "storage/zstd_transform.h"
 
 namespace dcp::cli {
 
@@ -64,7 +65,10 @@ const StorageInfo& ItemInfo(const Metadata& md, const std::string& fqn, const Sh
 /// the outermost dimension whose slices fit in `budget_bytes`, so memory stays at about
 /// 2 x `budget_bytes` whatever the shape. Each stored chunk is read front to back in pieces;
 /// its CRC32C is checked when its last piece has been read (CorruptionError naming the fqn,
-/// the file and the offset on mismatch).
+/// the file and the offset on mismatch). Compressed (zstd) chunks are decompressed as they are
+/// consumed, with one decoder (zstd's window, up to 8 MiB at levels up to 19, plus a 1 MiB
+/// input buffer) per chunk in progress: for a tensor split along a later dimension than the
+/// pieces, all its chunks are in progress at once.
 class TensorStream {
  public:
   TensorStream(Store& store, const Metadata& md, const std::string& fqn,
@@ -78,7 +82,8 @@ class TensorStream {
     const ChunkMeta* chunk;
     const StorageInfo* info;
     uint32_t crc = 0;
-    uint64_t consumed = 0;
+    uint64_t consumed = 0;                   // raw bytes
+    std::unique_ptr<ZstdItemReader> zstd{};  // for a compressed chunk being read
   };
   ReadableObject& Object(const std::string& name);
 
@@ -96,7 +101,7 @@ class TensorStream {
   std::vector<char> piece_, scratch_;
 };
 
-/// Read a byte entry (blob) whole, checking its CRC32C.
+/// Read a byte entry (blob) whole, decompressed, checking its CRC32C.
 std::string ReadBlob(Store& store, const Metadata& md, const std::string& fqn);
 
 /// Element `i` of `data` (of `dtype`) as a double, for floating and integer dtypes; for complex

@@ -128,7 +128,7 @@ void ExportSafetensors(const Checkpoint& src, const std::string& out, const Conv
       header[fqn] = {
           {"dtype", *name}, {"shape", t->shape}, {"data_offsets", {offset, offset + bytes}}};
     } else {
-      bytes = StoredBytesOf(md, fqn);
+      bytes = ItemInfo(md, fqn, {}).raw_length;  // the stored length when compressed differs
       header[fqn] = {{"dtype", "U8"},
                      {"shape", {static_cast<int64_t>(bytes)}},
                      {"data_offsets", {offset, offset + bytes}}};
@@ -252,6 +252,8 @@ void ImportSafetensors(const std::string& in, const std::string& out_uri, const 
   }
   SaveOptions so;
   so.storage.overwrite = o.overwrite;
+  if (o.compress == "zstd") so.storage.compression = Compression::kZstd;
+  so.storage.compression_level = o.compress_level;
   Save(sd, out_uri, so);
 }
 

@@ -11,6 +11,8 @@ namespace dcp::cli {
 struct ConvertOptions {
   bool overwrite = false;                  // replace an existing destination
   size_t budget_bytes = size_t{64} << 20;  // per-piece memory bound when streaming
+  std::string compress = "none";           // "zstd": compress the items of a dcp destination
+  int compress_level = 3;                  // zstd level
 };
 
 /// Every entry of `src` into one safetensors file. Streams: the header first, then each tensor

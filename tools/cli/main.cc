@@ -3,7 +3,7 @@
 //   dcp inspect PATH [--filter GLOB] [--json]
 //   dcp verify PATH
 //   dcp diff A B [--values] [--atol X] [--rtol Y]
-//   dcp convert SRC DST [--from FMT] [--to FMT] [--overwrite]
+//   dcp convert SRC DST [--from FMT] [--to FMT] [--overwrite] [--compress zstd]
 //   --plugin LIB (repeatable) loads a storage backend before anything else.
 // Needs neither MPI nor LibTorch (only the torch.save conversion needs LibTorch).
 #include <fnmatch.h>
@@ -91,7 +91,9 @@ int Inspect(const std::string& path, const std::string& filter, bool json) {
                            {"file", info.relative_path},
                            {"offset", info.offset},
                            {"length", info.length},
-                           {"crc32c", info.crc32c ? ordered_json(*info.crc32c) : ordered_json()}});
+                           {"crc32c", info.crc32c ? ordered_json(*info.crc32c) : ordered_json()},
+                           {"raw_length", info.raw_length},
+                           {"transforms", info.transforms}});
         }
       } else {
         je["kind"] = "bytes";
@@ -99,7 +101,9 @@ int Inspect(const std::string& path, const std::string& filter, bool json) {
         items.push_back({{"file", info.relative_path},
                          {"offset", info.offset},
                          {"length", info.length},
-                         {"crc32c", info.crc32c ? ordered_json(*info.crc32c) : ordered_json()}});
+                         {"crc32c", info.crc32c ? ordered_json(*info.crc32c) : ordered_json()},
+                         {"raw_length", info.raw_length},
+                         {"transforms", info.transforms}});
       }
       je["bytes"] = StoredBytesOf(md, fqn);
       je["transform"] = Transforms(md, fqn);
@@ -339,9 +343,10 @@ int Diff(const std::string& pa, const std::string& pb, bool values, double atol,
         if (ReadBlob(*a.store, a.md, fqn) != ReadBlob(*b.store, b.md, fqn)) {
           report("bytes differ: " + fqn);
         }
-      } else if (StoredBytesOf(a.md, fqn) != StoredBytesOf(b.md, fqn)) {
-        report("size differs: " + fqn + ": " + std::to_string(StoredBytesOf(a.md, fqn)) + " vs " +
-               std::to_string(StoredBytesOf(b.md, fqn)) + " bytes");
+      } else if (ItemInfo(a.md, fqn, {}).raw_length != ItemInfo(b.md, fqn, {}).raw_length) {
+        // Raw lengths: the same blob may be stored compressed in one and raw in the other.
+        report("size differs: " + fqn + ": " + std::to_string(ItemInfo(a.md, fqn, {}).raw_length) +
+               " vs " + std::to_string(ItemInfo(b.md, fqn, {}).raw_length) + " bytes");
       }
       continue;
     }
@@ -420,6 +425,9 @@ int Convert(const std::string& src, const std::string& dst, std::string from, st
             const ConvertOptions& o) {
   if (from.empty()) from = GuessFormat(src);
   if (to.empty()) to = GuessFormat(dst);
+  if (o.compress != "none" && !(from == "safetensors" && to == "dcp")) {
+    throw CliError{kUsage, "--compress applies to conversions from safetensors to dcp"};
+  }
   if (from == "dcp" && to == "safetensors") {
     ExportSafetensors(OpenCheckpoint(src), dst, o);
   } else if (from == "safetensors" && to == "dcp") {
@@ -484,6 +492,12 @@ int Main(int argc, char** argv) {
                    "*.pt/*.pth/*.bin = torch, else dcp)")
       ->check(CLI::IsMember({"dcp", "safetensors", "torch"}));
   convert->add_flag("--overwrite", co.overwrite, "replace an existing destination");
+  convert
+      ->add_option("--compress", co.compress,
+                   "compress the items of a dcp destination (safetensors -> dcp): none (default) "
+                   "or zstd; items that do not shrink by 10% are stored raw")
+      ->check(CLI::IsMember({"none", "zstd"}));
+  convert->add_option("--compress-level", co.compress_level, "zstd level (default 3)");
   size_t budget_mib = 64, budget_bytes = 0;
   convert->add_option("--piece-mib", budget_mib, "memory bound per streamed piece (default 64)");
   convert->add_option("--piece-bytes", budget_bytes, "the same in bytes (overrides --piece-mib)");
