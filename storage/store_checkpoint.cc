@@ -30,6 +30,27 @@ namespace dcp {
 
 namespace {
 
+// Large whole items are read in pieces of this size by all read threads at once.
+constexpr uint64_t kReadPieceBytes = uint64_t{32} << 20;
+
+// Read scratch buffers outlive a load: reused by the next one instead of re-faulting pages.
+std::mutex scratch_pool_mu;
+std::vector<std::vector<char>> scratch_pool;
+
+std::vector<char> TakeScratch() {
+  std::lock_guard<std::mutex> lock(scratch_pool_mu);
+  if (scratch_pool.empty()) return {};
+  std::vector<char> v = std::move(scratch_pool.back());
+  scratch_pool.pop_back();
+  return v;
+}
+
+void GiveScratch(std::vector<char> v) {
+  if (v.empty()) return;
+  std::lock_guard<std::mutex> lock(scratch_pool_mu);
+  if (scratch_pool.size() < 4) scratch_pool.push_back(std::move(v));
+}
+
 std::string RandomHex(int bytes) {
   static thread_local std::mt19937_64 rng(std::random_device{}());
   std::string s;
@@ -294,25 +315,97 @@ class StoreReader : public StorageReader {
       });
     }
     return std::async(std::launch::async, [this, &plan, &planner, files = std::move(files)] {
-      // As many readers as asked for, files to read, and the memory budget allow.
+      // Work units: large whole items bound for contiguous host memory are split into pieces
+      // that any reader reads straight into place, each CRC'd on its own (the CRCs combine), so
+      // both threads stream one big file; everything else is read file run by file run.
+      struct Split {
+        size_t item;
+        TensorView dst;
+        std::vector<uint32_t> crcs;
+        std::atomic<size_t> remaining{0};
+      };
+      struct Task {
+        size_t file;
+        std::vector<size_t> items;  // a run of items for ReadFile, or
+        Split* split = nullptr;     // one piece of a split item
+        uint64_t begin = 0, length = 0;
+        size_t piece = 0;
+      };
+      std::vector<std::unique_ptr<Split>> splits;
+      std::vector<Task> tasks;
+      for (size_t f = 0; f < files.size(); ++f) {
+        std::vector<size_t> run;
+        for (size_t i : files[f].second) {
+          const ReadItem& item = plan.items[i];
+          const StorageInfo& info = Info(item);
+          bool split = item.type != ReadItemType::kBytes && info.transforms.empty() &&
+                       info.length > kReadPieceBytes && item.lengths == StoredChunk(item).sizes;
+          TensorView dst;
+          if (split) {
+            dst = planner.ResolveTensor(item);
+            split = dst.device.is_cpu() && dst.is_contiguous() && dst.nbytes() == info.length;
+          }
+          if (!split) {
+            run.push_back(i);
+            continue;
+          }
+          if (!run.empty()) tasks.push_back({f, std::move(run)});
+          run.clear();
+          auto& sp = splits.emplace_back(std::make_unique<Split>());
+          sp->item = i;
+          sp->dst = dst;
+          const size_t pieces = (info.length + kReadPieceBytes - 1) / kReadPieceBytes;
+          sp->crcs.assign(pieces, 0);
+          sp->remaining = pieces;
+          for (size_t k = 0; k < pieces; ++k) {
+            const uint64_t b = k * kReadPieceBytes;
+            tasks.push_back(
+                {f, {}, sp.get(), b, std::min<uint64_t>(kReadPieceBytes, info.length - b), k});
+          }
+        }
+        if (!run.empty()) tasks.push_back({f, std::move(run)});
+      }
+      // As many readers as asked for, work units, and the memory budget allow.
       const size_t per_reader = ScratchLimit() + 2 * kDevicePieceBytes;
       const size_t nthreads = std::clamp<size_t>(
           std::min<size_t>(options_.read_threads, options_.memory_budget_bytes / per_reader), 1,
-          std::max<size_t>(files.size(), 1));
+          std::max<size_t>(tasks.size(), 1));
       std::atomic<size_t> next{0};
       std::mutex mu;
       std::exception_ptr first_error;
       auto worker = [&] {
-        std::vector<char> scratch;
-        for (size_t f; (f = next.fetch_add(1)) < files.size();) {
+        std::vector<char> scratch = TakeScratch();
+        for (size_t t; (t = next.fetch_add(1)) < tasks.size();) {
+          const Task& task = tasks[t];
           try {
-            ReadFile(plan, planner, files[f].first, files[f].second, scratch);
+            if (task.split == nullptr) {
+              ReadFile(plan, planner, files[task.file].first, task.items, scratch);
+              continue;
+            }
+            Split& sp = *task.split;
+            const ReadItem& item = plan.items[sp.item];
+            const StorageInfo& info = Info(item);
+            char* into = static_cast<char*>(sp.dst.data) + task.begin;
+            store_->Open(files[task.file].first)
+                ->ReadAt(info.offset + task.begin, into, task.length);
+            if (options_.verify_checksums) sp.crcs[task.piece] = Crc32c(0, into, task.length);
+            if (--sp.remaining == 0) {  // the last piece: combine, verify, hand over
+              uint32_t crc = sp.crcs[0];
+              for (size_t k = 1; k < sp.crcs.size(); ++k) {
+                crc = Crc32cCombine(
+                    crc, sp.crcs[k],
+                    std::min<uint64_t>(kReadPieceBytes, info.length - k * kReadPieceBytes));
+              }
+              VerifyCrc(item, info, crc);
+              planner.CommitTensor(item, sp.dst);
+            }
           } catch (...) {
             std::lock_guard<std::mutex> lock(mu);
             if (!first_error) first_error = std::current_exception();
-            next = files.size();  // stop handing out work
+            next = tasks.size();  // stop handing out work
           }
         }
+        GiveScratch(std::move(scratch));
       };
       std::vector<std::thread> threads;
       for (size_t t = 1; t < nthreads; ++t) threads.emplace_back(worker);
