@@ -38,7 +38,7 @@ struct NcclCommunicator::Impl {
   size_t capacity = 0;
 
   ~Impl() {
-    DeviceScope scope(device);
+    DeviceScope scope(device, std::nothrow);  // a destructor must not throw
     if (comm && !aborted) {  // (an aborted communicator was released by ncclCommAbort)
       // Non-blocking finalize: wait a bounded time for it, abort if a peer never joins.
       ncclResult_t r = ncclCommFinalize(comm);

@@ -35,6 +35,11 @@ DeviceScope::DeviceScope(int device) {
   if (previous_ != device) Check(cudaSetDevice(device), "cudaSetDevice", device);
 }
 
+DeviceScope::DeviceScope(int device, std::nothrow_t) {
+  if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+  if (previous_ != device && cudaSetDevice(device) != cudaSuccess) (void)cudaGetLastError();
+}
+
 DeviceScope::~DeviceScope() {
   int now = -1;
   if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) {
@@ -59,7 +64,7 @@ class CudaStream : public DeviceStream {
     Check(cudaStreamCreateWithFlags(&stream_, cudaStreamDefault), "cudaStreamCreate", device_);
   }
   ~CudaStream() override {
-    DeviceScope scope(device_);
+    DeviceScope scope(device_, std::nothrow);
     (void)cudaStreamSynchronize(stream_);
     (void)cudaStreamDestroy(stream_);
   }

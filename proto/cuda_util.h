@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <new>
 #include <string>
 
 namespace dcp::cuda {
@@ -19,7 +20,11 @@ void Check(cudaError_t e, const char* call, int device);
 /// never changes which device the application's own CUDA calls go to.
 class DeviceScope {
  public:
+  /// Throws DeviceError when the device cannot be made current.
   explicit DeviceScope(int device);
+  /// For destructors and clean-up: never throws; a failure to switch is ignored (the calls that
+  /// follow then fail on their own, and clean-up ignores their results).
+  DeviceScope(int device, std::nothrow_t);
   ~DeviceScope();
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;

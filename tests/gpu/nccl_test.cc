@@ -118,10 +118,29 @@ int main(int argc, char** argv) {
     int ok = NcclUsable(per_node, &why) ? 1 : 0, all = 0;
     MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
     if (!all) {
-      if (mpi.rank() == 0)
-        std::printf("SKIPPED: NCCL tests need a CUDA device per rank: %s\n",
-                    why.empty() ? "another rank lacks one" : why.c_str());
-      rc = 77;
+      // Without devices, constructing the communicator must fail cleanly and alike on every
+      // rank (an error, not a crash or a hang); then the tests are skipped.
+      std::string error;
+      try {
+        NcclCommunicator nccl(MPI_COMM_WORLD);
+        error = "constructed without a usable device";
+      } catch (const CollectiveError& e) {
+        if (e.failed_ranks().empty()) error = "CollectiveError names no rank";
+      } catch (const std::exception& e) {
+        error = std::string("unexpected error type: ") + e.what();
+      }
+      if (!error.empty()) {
+        std::printf("FAILED: rank %d: %s\n", mpi.rank(), error.c_str());
+        rc = 1;
+      } else {
+        if (mpi.rank() == 0) {
+          std::printf(
+              "SKIPPED: NCCL tests need a CUDA device per rank: %s (construction failed "
+              "cleanly on every rank)\n",
+              why.empty() ? "another rank lacks one" : why.c_str());
+        }
+        rc = 77;
+      }
     } else {
       NcclCommunicator nccl(MPI_COMM_WORLD);
       nccl.set_timeout(std::chrono::seconds(60));
