@@ -374,6 +374,16 @@ struct Slot {
   size_t bytes = 0;  // bytes of the piece in flight, 0 when idle
 };
 
+// Both slots of a pipeline over the device tensor `v`: a pinned buffer of one piece (or the
+// whole tensor, when smaller) and a stream on v's device.
+void InitSlots(Slot (&slots)[2], const TensorView& v, size_t limit) {
+  auto backend = DeviceBackendFor(v.device, "tensor " + v.ToString());
+  for (auto& s : slots) {
+    s.buffer = PinnedBuffer(backend, std::min(limit, v.nbytes()));
+    s.stream = backend->NewStream(v.device.index);
+  }
+}
+
 size_t PieceLimit(const TensorView& v, size_t piece_bytes) {
   const size_t es = ElementSize(v.dtype);
   return std::max(es, piece_bytes / es * es);
@@ -400,13 +410,9 @@ void StreamToHost(const TensorView& src, size_t piece_bytes,
     }
     return;
   }
-  auto backend = DeviceBackendFor(src.device, "tensor " + src.ToString());
   const std::vector<TensorView> pieces = SplitRowMajor(src, limit);
   Slot slots[2];
-  for (auto& s : slots) {
-    s.buffer = PinnedBuffer(backend, std::min(limit, src.nbytes()));
-    s.stream = backend->NewStream(src.device.index);
-  }
+  InitSlots(slots, src, limit);
   auto issue = [&](size_t i) {
     Slot& s = slots[i % 2];
     const TensorView& piece = pieces[i];
@@ -443,13 +449,9 @@ void StreamFromHost(const TensorView& dst, size_t piece_bytes,
     }
     return;
   }
-  auto backend = DeviceBackendFor(dst.device, "tensor " + dst.ToString());
   const std::vector<TensorView> pieces = SplitRowMajor(dst, limit);
   Slot slots[2];
-  for (auto& s : slots) {
-    s.buffer = PinnedBuffer(backend, std::min(limit, dst.nbytes()));
-    s.stream = backend->NewStream(dst.device.index);
-  }
+  InitSlots(slots, dst, limit);
   for (size_t i = 0; i < pieces.size(); ++i) {
     Slot& s = slots[i % 2];
     if (s.bytes) s.stream->Synchronize();  // piece i-2 has left this buffer

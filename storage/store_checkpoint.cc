@@ -24,6 +24,7 @@
 #include "proto/codec.h"
 #include "proto/device.h"
 #include "proto/error.h"
+#include "storage/slab_copy.h"
 #include "storage/zstd_transform.h"
 
 namespace dcp {
@@ -143,26 +144,26 @@ class StoreWriter : public StorageWriter {
     }
     return std::async(std::launch::async, [this, &plan, &planner, buckets = std::move(buckets)] {
       // Writers run concurrently as far as the memory budget allows, each taking the next file.
-      std::vector<size_t> todo;
+      std::vector<size_t> to_write;
       for (size_t b = 0; b < buckets.size(); ++b) {
-        if (!buckets[b].empty()) todo.push_back(b);
+        if (!buckets[b].empty()) to_write.push_back(b);
       }
       const size_t writers = std::clamp<size_t>(options_.memory_budget_bytes / kWriterStagingBytes,
-                                                1, std::max<size_t>(todo.size(), 1));
+                                                1, std::max<size_t>(to_write.size(), 1));
       std::vector<std::vector<WriteResult>> results(buckets.size());
       std::atomic<size_t> next{0};
       std::mutex mu;
       std::exception_ptr first_error;
       auto worker = [&] {
-        for (size_t i; (i = next.fetch_add(1)) < todo.size();) {
-          const size_t b = todo[i];
+        for (size_t i; (i = next.fetch_add(1)) < to_write.size();) {
+          const size_t b = to_write[i];
           try {
             results[b] = WriteBucket(
                 plan, planner, plan.storage_data + "-b" + std::to_string(b) + ".data", buckets[b]);
           } catch (...) {
             std::lock_guard<std::mutex> lock(mu);
             if (!first_error) first_error = std::current_exception();
-            next = todo.size();  // start no more files; running writers finish theirs
+            next = to_write.size();  // start no more files; running writers finish theirs
           }
         }
       };
@@ -426,7 +427,7 @@ class StoreReader : public StorageReader {
   }
 
   const ChunkMeta& StoredChunk(const ReadItem& item) const {
-    const auto& t = std::get<TensorMetadata>(metadata_->entries.at(item.storage_index.fqn));
+    const auto& t = Entry(item);
     if (item.storage_index.index && *item.storage_index.index >= 0 &&
         static_cast<size_t>(*item.storage_index.index) < t.chunks.size() &&
         t.chunks[*item.storage_index.index].offsets == item.storage_index.offset) {
@@ -441,14 +442,22 @@ class StoreReader : public StorageReader {
 
   void Verify(const ReadItem& item, const StorageInfo& info, const void* data, size_t n) const {
     if (!options_.verify_checksums || !info.crc32c) return;
-    const uint32_t actual = Crc32c(0, data, n);
-    if (actual != *info.crc32c) {
-      throw CorruptionError("checksum mismatch for " + item.storage_index.ToString() + " in '" +
-                            store_->uri() + "/" + info.relative_path + "' at offset " +
-                            std::to_string(info.offset) + " (" + std::to_string(info.length) +
-                            " bytes): stored crc32c " + std::to_string(*info.crc32c) +
-                            ", computed " + std::to_string(actual));
+    VerifyCrc(item, info, Crc32c(0, data, n));
+  }
+
+  const TensorMetadata& Entry(const ReadItem& item) const {
+    return std::get<TensorMetadata>(metadata_->entries.at(item.storage_index.fqn));
+  }
+
+  // The planner's destination for a tensor item, checked against the stored entry.
+  TensorView Destination(LoadPlanner& planner, const ReadItem& item,
+                         const TensorMetadata& entry) const {
+    TensorView dst = planner.ResolveTensor(item);
+    if (dst.dtype != entry.dtype || dst.shape != item.lengths) {
+      throw InternalError("destination for " + item.dest_index.ToString() + " is " +
+                          dst.ToString() + ", expected " + ShapeToString(item.lengths));
     }
+    return dst;
   }
 
   size_t ScratchLimit() const { return std::max<size_t>(options_.max_scratch_bytes, 64); }
@@ -503,7 +512,6 @@ class StoreReader : public StorageReader {
                   const Shape& box_off, const Shape& box_len, const TensorView& dst,
                   std::vector<char>& scratch, uint32_t* crc, Shape& prefix) const {
     const size_t d = prefix.size();
-    const size_t rank = sizes.size();
     // Byte offset of the sub-block selected by `prefix`, and bytes per index along dim d.
     const Shape strides = ContiguousStrides(sizes);
     uint64_t off = 0;
@@ -520,20 +528,7 @@ class StoreReader : public StorageReader {
         in.ReadAt(base + (off + static_cast<uint64_t>(box_off[d] + i) * strides[d]) * esize,
                   scratch.data(), bytes);
         if (crc) *crc = Crc32c(*crc, scratch.data(), bytes);
-        // The slab as a full-rank view: 1 along the fixed dims, n along d, whole below.
-        Shape slab_shape(rank, 1), src_off(rank, 0), len(rank, 1), dst_off(rank, 0);
-        for (size_t j = 0; j < d; ++j) dst_off[j] = prefix[j];
-        slab_shape[d] = n;
-        len[d] = n;
-        dst_off[d] = i;
-        for (size_t j = d + 1; j < rank; ++j) {
-          slab_shape[j] = sizes[j];
-          src_off[j] = box_off[j];
-          len[j] = box_len[j];
-        }
-        const TensorView src =
-            TensorView::FromContiguous(scratch.data(), dtype, slab_shape).Narrow(src_off, len);
-        CopyTensor(dst.Narrow(dst_off, len), src);
+        CopySlabIntoBox(dst, scratch.data(), dtype, sizes, box_off, box_len, prefix, d, i, n);
       }
       return;
     }
@@ -564,12 +559,8 @@ class StoreReader : public StorageReader {
         continue;
       }
       const ChunkMeta& chunk = StoredChunk(item);
-      const auto& entry = std::get<TensorMetadata>(metadata_->entries.at(item.storage_index.fqn));
-      TensorView dst = planner.ResolveTensor(item);
-      if (dst.dtype != entry.dtype || dst.shape != item.lengths) {
-        throw InternalError("destination for " + item.dest_index.ToString() + " is " +
-                            dst.ToString() + ", expected " + ShapeToString(item.lengths));
-      }
+      const auto& entry = Entry(item);
+      TensorView dst = Destination(planner, item, entry);
       const size_t esize = ElementSize(entry.dtype);
       const bool whole = item.lengths == chunk.sizes;
       if (whole && dst.is_contiguous() && dst.device.is_cpu() && info.length == dst.nbytes()) {
@@ -639,12 +630,8 @@ class StoreReader : public StorageReader {
       return;
     }
     const ChunkMeta& chunk = StoredChunk(item);
-    const auto& entry = std::get<TensorMetadata>(metadata_->entries.at(item.storage_index.fqn));
-    TensorView dst = planner.ResolveTensor(item);
-    if (dst.dtype != entry.dtype || dst.shape != item.lengths) {
-      throw InternalError("destination for " + item.dest_index.ToString() + " is " +
-                          dst.ToString() + ", expected " + ShapeToString(item.lengths));
-    }
+    const auto& entry = Entry(item);
+    TensorView dst = Destination(planner, item, entry);
     const bool whole = item.lengths == chunk.sizes;
     // A device destination takes the scratch path: each decompressed piece is copied host to
     // device by CopyTensor (proto/device.h).

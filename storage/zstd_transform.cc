@@ -11,6 +11,7 @@
 
 #include "proto/checksum.h"
 #include "proto/error.h"
+#include "storage/slab_copy.h"
 
 namespace dcp {
 
@@ -402,7 +403,6 @@ struct BoxWalk {
         prefix.pop_back();
       }
     } else {
-      const size_t rank = sizes.size();
       for (int64_t i = 0; i < len[d]; i += per_piece) {
         const int64_t n = std::min(per_piece, len[d] - i);
         reader.Skip(pending_skip, scratch, limit);
@@ -410,20 +410,7 @@ struct BoxWalk {
         const size_t bytes = static_cast<size_t>(Bytes(d, n));
         if (scratch.size() < bytes) scratch.resize(bytes);
         reader.Read(scratch.data(), bytes);
-        // The piece as a full-rank view: 1 along the fixed dims, n along d, whole below.
-        Shape piece_shape(rank, 1), src_off(rank, 0), box(rank, 1), dst_off(rank, 0);
-        for (size_t j = 0; j < d; ++j) dst_off[j] = prefix[j];
-        piece_shape[d] = n;
-        box[d] = n;
-        dst_off[d] = i;
-        for (size_t j = d + 1; j < rank; ++j) {
-          piece_shape[j] = sizes[j];
-          src_off[j] = off[j];
-          box[j] = len[j];
-        }
-        CopyTensor(
-            dst.Narrow(dst_off, box),
-            TensorView::FromContiguous(scratch.data(), dtype, piece_shape).Narrow(src_off, box));
+        CopySlabIntoBox(dst, scratch.data(), dtype, sizes, off, len, prefix, d, i, n);
       }
     }
     pending_skip += Bytes(d, sizes[d] - off[d] - len[d]);
