@@ -21,13 +21,15 @@ namespace dcp::cli {
 std::string ExitCodeHelp() {
   return "Exit codes:\n"
          "  0  success (verify: complete and valid; diff: no differences)\n"
-         "  1  verify found damage, diff found differences, or diff/convert read damaged data\n"
+         "  1  verify found damage, diff found differences, or diff/convert met damaged data\n"
+         "     (a missing or truncated data file, a checksum mismatch: the same damage gives the\n"
+         "     same code in every command)\n"
          "  2  bad command line, or a scheme with no Store-based backend (see --plugin)\n"
          "  3  not a checkpoint (no metadata.dcp and no data files, or not a dcp metadata file)\n"
          "  4  incomplete checkpoint (data files but no metadata.dcp: the save did not finish)\n"
          "  5  corrupt metadata (checksum, truncation, inconsistent contents)\n"
          "  6  unsupported (newer format version, unknown transform, feature not in this build)\n"
-         "  7  I/O or other error\n";
+         "  7  I/O error, out of memory (naming the entry, file and size), or other error\n";
 }
 
 int ExitCodeFor(ErrorCode code) {

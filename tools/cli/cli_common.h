@@ -29,7 +29,7 @@ enum Exit : int {
   kIncomplete = 4,       // data files but no metadata (an unfinished save)
   kCorruptMetadata = 5,  // metadata damaged or inconsistent
   kUnsupported = 6,      // newer format version, unknown transform, or a feature not built
-  kIoError = 7,          // storage failed, or any other error
+  kIoError = 7,          // storage failed, out of memory, or any other error
 };
 
 /// The text for `dcp --help`.
