@@ -105,14 +105,12 @@ class IoError : public Error {
 /// the same call can reasonably succeed.
 IoError MakeIoError(const std::string& operation, const std::string& path, int errno_value);
 
-/// Run `allocate` (which allocates `bytes` for `what`, e.g. "entry 'x' from file 'f'"),
-/// turning std::bad_alloc into a ResourceError naming `what` and the size. Other exceptions pass.
-template <typename F>
-auto AllocateOrThrow(F&& allocate, const std::string& what, unsigned long long bytes)
-    -> decltype(allocate());
-/// The message of the ResourceError AllocateOrThrow throws.
+/// "out of memory: cannot allocate N bytes for WHAT": the message of a ResourceError.
 std::string OutOfMemoryMessage(const std::string& what, unsigned long long bytes);
 
+/// Return `allocate()` (which allocates `bytes` for `what`, e.g. "entry 'x' from 'file'"),
+/// turning std::bad_alloc into a ResourceError naming `what` and the size; other exceptions
+/// pass through unchanged.
 template <typename F>
 auto AllocateOrThrow(F&& allocate, const std::string& what, unsigned long long bytes)
     -> decltype(allocate()) {
