@@ -273,6 +273,12 @@ SavePlan DefaultSavePlanner::CreateLocalPlan() {
                                      ShapeToString(shard.offsets) + " with shape " +
                                      ShapeToString(shard.view.shape) + " has the wrong rank");
         }
+        if (shard.view.numel() == 0) {
+          // An empty shard holds nothing to store, and another rank's non-empty shard may start
+          // at the same offsets (1-D [1000] split 1, 0, 499, ...): writing it would give two
+          // different items one identity. Only its dtype and shape are checked (declared below).
+          continue;
+        }
         if (!seen.insert(shard.offsets).second) {
           throw InvalidArgumentError("sharded tensor '" + fqn + "' has two local shards at " +
                                      ShapeToString(shard.offsets));
@@ -286,10 +292,10 @@ SavePlan DefaultSavePlanner::CreateLocalPlan() {
         item.size_bytes = shard.view.nbytes();
         plan.items.push_back(std::move(item));
       }
-      if (st->local_shards.empty()) {
-        // This rank holds none of the tensor: declare it so that its dtype and shape are still
-        // checked, and so that a tensor nobody holds any part of (legal only when it has no
-        // elements) still appears in the checkpoint.
+      if (seen.empty()) {
+        // This rank holds none of the tensor (or only empty shards): declare it so that its dtype
+        // and shape are still checked, and so that a tensor nobody holds any part of (legal only
+        // when it has no elements) still appears in the checkpoint.
         plan.planner_data += EncodeDeclaration(fqn, st->dtype, st->global_shape);
       }
     } else if (const auto* b = std::get_if<Blob>(&value)) {
@@ -630,7 +636,18 @@ StateDict StateDictFromMetadata(const Metadata& metadata) {
       }
     }
     if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
-      InsertAtPath(sd, path, TensorView::Allocate(t->dtype, t->shape));
+      // The data files were checked to hold what the metadata claims (StorageReader::
+      // ReadMetadata), so this allocates only what the checkpoint backs; it may still exceed
+      // this machine's memory, which is reported naming the entry, not as a bare bad_alloc.
+      const uint64_t bytes = static_cast<uint64_t>(NumElements(t->shape)) * ElementSize(t->dtype);
+      std::string where = "entry '" + fqn + "'";
+      if (auto it = metadata.storage.lower_bound(MetadataIndex{fqn, {}, {}});
+          it != metadata.storage.end() && it->first.fqn == fqn) {
+        where += " (stored in '" + it->second.relative_path + "')";
+      }
+      InsertAtPath(
+          sd, path,
+          AllocateOrThrow([&] { return TensorView::Allocate(t->dtype, t->shape); }, where, bytes));
     } else {
       InsertAtPath(sd, path, Blob{});
     }

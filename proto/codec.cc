@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <optional>
+#include <queue>
 #include <set>
 #include <utility>
 
@@ -90,33 +92,182 @@ uint64_t GetLe(const char* p, int n) {
   return v;
 }
 
-// Two chunks of a tensor of rank `rank` that overlap, if any (indices into `chunks`, which lie
-// inside the shape). Sort-and-sweep along the dimension with the most distinct chunk starts.
+// Two chunks of a tensor that overlap, if any (indices into `chunks`, which lie inside
+// `shape`). Metadata is untrusted, so this must stay near O(n log n) in the number of chunks
+// (a million-chunk tensor validates in seconds): only the dimensions along which some chunk is
+// not whole matter, since every pair of non-empty chunks overlaps along the others.
+// - 0 or 1 such dimension: sort by start, compare each start with the largest end before it.
+// - 2: sweep along the first; the chunks alive at the sweep point all contain it, so the
+//   disjoint ones among them are disjoint along the second dimension too, and an ordered map
+//   by their start there finds a new chunk's only possible overlaps (its neighbours).
+// - 3 or more: mark the cells of the grid formed by every chunk boundary (each cell is marked
+//   at most once before an overlap stops the scan), when that grid has at most 2^24 cells;
+//   beyond, a sweep along the dimension with the most distinct starts (quadratic only for
+//   absurdly irregular layouts of 3-D or larger tensors).
 std::optional<std::pair<size_t, size_t>> FindOverlap(const std::vector<ChunkMeta>& chunks,
-                                                     size_t rank) {
+                                                     const Shape& shape) {
   std::vector<size_t> order;
   for (size_t i = 0; i < chunks.size(); ++i) {
     if (chunks[i].numel() > 0) order.push_back(i);
   }
   if (order.size() < 2) return std::nullopt;
-  size_t dim = 0, best = 0;
-  for (size_t d = 0; d < rank; ++d) {
-    std::set<int64_t> starts;
-    for (size_t i : order) starts.insert(chunks[i].offsets[d]);
-    if (starts.size() > best) best = starts.size(), dim = d;
+  std::vector<size_t> dims;
+  for (size_t d = 0; d < shape.size(); ++d) {
+    for (size_t i : order) {
+      if (chunks[i].offsets[d] != 0 || chunks[i].sizes[d] != shape[d]) {
+        dims.push_back(d);
+        break;
+      }
+    }
   }
-  auto start = [&](size_t i) { return rank == 0 ? 0 : chunks[i].offsets[dim]; };
-  auto end = [&](size_t i) { return rank == 0 ? 1 : start(i) + chunks[i].sizes[dim]; };
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return start(a) < start(b); });
+  auto start = [&](size_t i, size_t d) { return chunks[i].offsets[d]; };
+  auto end = [&](size_t i, size_t d) { return chunks[i].offsets[d] + chunks[i].sizes[d]; };
+  if (dims.empty()) return std::make_pair(order[0], order[1]);
+  if (dims.size() == 1) {
+    const size_t d = dims[0];
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return start(a, d) < start(b, d); });
+    size_t reach = order[0];  // the chunk reaching furthest so far
+    for (size_t k = 1; k < order.size(); ++k) {
+      const size_t i = order[k];
+      if (start(i, d) < end(reach, d)) return std::make_pair(reach, i);
+      if (end(i, d) > end(reach, d)) reach = i;
+    }
+    return std::nullopt;
+  }
+  if (dims.size() == 2) {
+    const size_t d0 = dims[0], d1 = dims[1];
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return start(a, d0) < start(b, d0); });
+    using Alive = std::pair<int64_t, size_t>;  // (end along d0, chunk)
+    std::priority_queue<Alive, std::vector<Alive>, std::greater<Alive>> by_end;
+    std::map<int64_t, size_t> by_start;  // alive chunks by start along d1 (pairwise disjoint)
+    for (size_t i : order) {
+      while (!by_end.empty() && by_end.top().first <= start(i, d0)) {
+        by_start.erase(start(by_end.top().second, d1));
+        by_end.pop();
+      }
+      auto next = by_start.lower_bound(start(i, d1));
+      if (next != by_start.end() && next->first < end(i, d1)) {
+        return std::make_pair(next->second, i);
+      }
+      if (next != by_start.begin() && end(std::prev(next)->second, d1) > start(i, d1)) {
+        return std::make_pair(std::prev(next)->second, i);
+      }
+      by_start.emplace(start(i, d1), i);
+      by_end.emplace(end(i, d0), i);
+    }
+    return std::nullopt;
+  }
+  // Three or more dimensions: the grid of all boundaries, if small enough.
+  constexpr uint64_t kMaxCells = uint64_t{1} << 24;
+  std::vector<std::vector<int64_t>> bounds(dims.size());
+  uint64_t cells = 1;
+  for (size_t k = 0; k < dims.size() && cells <= kMaxCells; ++k) {
+    auto& b = bounds[k];
+    b.reserve(2 * order.size());
+    for (size_t i : order) b.push_back(start(i, dims[k])), b.push_back(end(i, dims[k]));
+    std::sort(b.begin(), b.end());
+    b.erase(std::unique(b.begin(), b.end()), b.end());
+    cells *= b.size() - 1;
+  }
+  if (cells <= kMaxCells) {
+    std::vector<bool> covered(cells, false);
+    std::vector<size_t> lo(dims.size()), hi(dims.size()), at(dims.size());
+    for (size_t i : order) {
+      for (size_t k = 0; k < dims.size(); ++k) {
+        const auto& b = bounds[k];
+        lo[k] = std::lower_bound(b.begin(), b.end(), start(i, dims[k])) - b.begin();
+        hi[k] = std::lower_bound(b.begin(), b.end(), end(i, dims[k])) - b.begin();
+        at[k] = lo[k];
+      }
+      for (;;) {  // every cell of chunk i, odometer order
+        uint64_t cell = 0;
+        for (size_t k = 0; k < dims.size(); ++k) cell = cell * (bounds[k].size() - 1) + at[k];
+        if (covered[cell]) {
+          for (size_t j : order) {
+            if (j != i && Intersect(chunks[i], chunks[j])) return std::make_pair(j, i);
+          }
+        }
+        covered[cell] = true;
+        size_t k = dims.size();
+        while (k > 0 && ++at[k - 1] == hi[k - 1]) at[k - 1] = lo[k - 1], --k;
+        if (k == 0) break;
+      }
+    }
+    return std::nullopt;
+  }
+  size_t dim = dims[0], best = 0;
+  for (size_t d : dims) {
+    std::vector<int64_t> starts;
+    for (size_t i : order) starts.push_back(start(i, d));
+    std::sort(starts.begin(), starts.end());
+    const size_t distinct = std::unique(starts.begin(), starts.end()) - starts.begin();
+    if (distinct > best) best = distinct, dim = d;
+  }
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return start(a, dim) < start(b, dim); });
   std::vector<size_t> active;
   for (size_t i : order) {
-    std::erase_if(active, [&](size_t a) { return end(a) <= start(i); });
+    std::erase_if(active, [&](size_t a) { return end(a, dim) <= start(i, dim); });
     for (size_t a : active) {
       if (Intersect(chunks[a], chunks[i])) return std::make_pair(a, i);
     }
     active.push_back(i);
   }
   return std::nullopt;
+}
+
+std::string JoinKeys(const KeyPath& path) {
+  std::string s;
+  for (size_t i = 0; i < path.size(); ++i) s += (i ? "." : "") + path[i];
+  return s;
+}
+
+// Key paths rebuild the nesting of a loaded state dict, so they must agree with the fqns and
+// form a tree: no empty path or key, no two entries at one path, no entry below another.
+void ValidateKeyPaths(const Metadata& md, const std::string& src) {
+  auto fail = [&](const std::string& what) { throw CorruptionError(src + ": " + what); };
+  for (const auto& [fqn, path] : md.key_paths) {
+    if (!md.entries.count(fqn)) fail("key path of '" + fqn + "' names no entry");
+    if (path.empty()) fail("entry '" + fqn + "' has an empty key path");
+    for (const auto& k : path) {
+      if (k.empty()) fail("entry '" + fqn + "' has an empty key in its key path");
+    }
+    if (JoinKeys(path) != fqn) {
+      fail("entry '" + fqn + "' has key path [" + JoinKeys(path) +
+           "] that does not join to its fqn");
+    }
+  }
+  // The path each entry is loaded at: its key path, or its fqn split at dots.
+  std::vector<std::pair<KeyPath, const std::string*>> paths;
+  paths.reserve(md.entries.size());
+  for (const auto& [fqn, entry] : md.entries) {
+    if (auto it = md.key_paths.find(fqn); it != md.key_paths.end()) {
+      paths.emplace_back(it->second, &fqn);
+      continue;
+    }
+    KeyPath path;
+    for (size_t pos = 0;;) {
+      const size_t dot = fqn.find('.', pos);
+      path.push_back(fqn.substr(pos, dot == std::string::npos ? dot : dot - pos));
+      if (dot == std::string::npos) break;
+      pos = dot + 1;
+    }
+    paths.emplace_back(std::move(path), &fqn);
+  }
+  // Sorted, an entry nested below another follows it directly or after others below it.
+  std::sort(paths.begin(), paths.end());
+  for (size_t i = 1; i < paths.size(); ++i) {
+    const KeyPath& a = paths[i - 1].first;
+    const KeyPath& b = paths[i].first;
+    if (a.size() <= b.size() && std::equal(a.begin(), a.end(), b.begin())) {
+      fail(a.size() == b.size() ? "entries '" + *paths[i - 1].second + "' and '" +
+                                      *paths[i].second + "' have the same key path"
+                                : "entry '" + *paths[i].second + "' is nested under entry '" +
+                                      *paths[i - 1].second + "', which is not a dict");
+    }
+  }
 }
 
 }  // namespace
@@ -414,7 +565,7 @@ void ValidateMetadata(const Metadata& md, std::string_view source) {
     }
     // Disjoint chunks whose sizes add up to the volume cover it exactly; overlapping ones may
     // add up to it too while leaving a gap.
-    if (auto overlap = FindOverlap(t->chunks, t->shape.size())) {
+    if (auto overlap = FindOverlap(t->chunks, t->shape)) {
       fail("tensor '" + fqn + "' chunks " + t->chunks[overlap->first].ToString() + " and " +
            t->chunks[overlap->second].ToString() + " overlap");
     }
@@ -423,36 +574,56 @@ void ValidateMetadata(const Metadata& md, std::string_view source) {
            std::to_string(volume) + " elements");
     }
   }
+  // Each stored item must belong to a chunk: the chunk offsets of each tensor, sorted once
+  // (a scan of every chunk per item would be quadratic in the chunks of a tensor).
+  std::map<std::string_view, std::vector<const Shape*>> chunk_offsets;
   for (const auto& [index, info] : md.storage) {
     auto entry = md.entries.find(index.fqn);
     if (entry == md.entries.end()) fail("stored item " + index.ToString() + " has no entry");
     if (const auto* t = std::get_if<TensorMetadata>(&entry->second)) {
-      const Shape& offset = index.offset;  // (clang 14 cannot capture structured bindings)
-      const bool matches = std::any_of(t->chunks.begin(), t->chunks.end(),
-                                       [&](const ChunkMeta& c) { return c.offsets == offset; });
+      auto [it, fresh] = chunk_offsets.try_emplace(entry->first);
+      auto& sorted = it->second;
+      if (fresh) {
+        sorted.reserve(t->chunks.size());
+        for (const auto& c : t->chunks) sorted.push_back(&c.offsets);
+        std::sort(sorted.begin(), sorted.end(),
+                  [](const Shape* a, const Shape* b) { return *a < *b; });
+      }
+      const bool matches =
+          std::binary_search(sorted.begin(), sorted.end(), &index.offset,
+                             [](const Shape* a, const Shape* b) { return *a < *b; });
       if (!matches) fail("stored item " + index.ToString() + " matches no chunk of its tensor");
     } else if (!index.offset.empty()) {
       fail("stored item " + index.ToString() + " of a byte entry has chunk offsets");
     }
+    // The format is flat (docs/FORMAT.md): a data object is a plain name in the root.
     const std::string& p = info.relative_path;
-    if (p.empty() || p[0] == '/' || p.find('\0') != std::string::npos) {
-      fail("stored item " + index.ToString() + " has an invalid path '" + p + "'");
-    }
-    size_t start = 0;
-    while (start <= p.size()) {
-      size_t end = p.find('/', start);
-      if (end == std::string::npos) end = p.size();
-      const std::string part = p.substr(start, end - start);
-      if (part == ".." || part == "." || part.empty()) {
-        fail("stored item " + index.ToString() + " path '" + p + "' leaves the checkpoint");
-      }
-      start = end + 1;
+    if (p.empty() || p == "." || p == ".." || p.find('/') != std::string::npos ||
+        p.find('\\') != std::string::npos || p.find('\0') != std::string::npos) {
+      fail("stored item " + index.ToString() + " has an invalid path '" + p +
+           "' (a data file is a plain name in the checkpoint's root)");
     }
     if (info.offset > std::numeric_limits<uint64_t>::max() - info.length ||
         info.offset + info.length > (uint64_t{1} << 62)) {
       fail("stored item " + index.ToString() + " has an overflowing offset/length");
     }
+    // What a reader may be asked to allocate must be backed by stored bytes: a raw item is its
+    // stored bytes; a zstd frame cannot expand by more than kMaxZstdExpansion (one 4-byte RLE
+    // block per 128 KiB of output), so a claim beyond that is a lie, refused before any
+    // allocation.
+    if (info.transforms.empty() && info.raw_length != info.length) {
+      fail("stored item " + index.ToString() + " is raw but records " +
+           std::to_string(info.raw_length) + " raw bytes for " + std::to_string(info.length) +
+           " stored");
+    }
+    if (info.transforms.size() == 1 && info.transforms[0] == "zstd" &&
+        info.raw_length / kMaxZstdExpansion > info.length) {
+      fail("stored item " + index.ToString() + " claims " + std::to_string(info.raw_length) +
+           " raw bytes from a " + std::to_string(info.length) +
+           "-byte zstd frame (more than zstd can expand)");
+    }
   }
+  ValidateKeyPaths(md, src);
 }
 
 std::string EncodeFailures(const std::vector<RankFailure>& failures) {

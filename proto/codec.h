@@ -34,9 +34,19 @@ Metadata DecodeMetadataFile(std::string_view bytes, std::string_view source);
 /// Bytes of the envelope header (what a reader needs before the payload length is known).
 inline constexpr size_t kMetadataHeaderSize = 24;
 
-/// Check a decoded Metadata for internal consistency: paths stay inside the checkpoint, offsets
-/// and lengths do not overflow, chunks lie inside their tensors, every tensor chunk has exactly
-/// one stored item of the right length, dtypes are known, element counts are sane.
+/// The most raw bytes one stored byte of a zstd frame can decompress to (a 4-byte RLE block
+/// per 128 KiB of output); a zstd item claiming more raw bytes is refused by validation.
+inline constexpr uint64_t kMaxZstdExpansion = 32768;
+
+/// Check a decoded Metadata for internal consistency: paths are plain names in the root (the
+/// format is flat), offsets and lengths do not overflow, chunks lie inside their tensors and do
+/// not overlap, every tensor chunk has exactly one stored item of the right length, raw items
+/// have raw_length = length and zstd items at most kMaxZstdExpansion x length, dtypes are
+/// known, element counts are sane, key paths join to their fqns and form a tree (no empty,
+/// colliding or nested-under-a-leaf path). Unknown transforms are left to readers
+/// (UnsupportedError when an item is read). O(n log n) in the chunks of a tensor for tensors
+/// split along at most two dimensions (and for grids of at most 2^24 cells beyond).
+/// Throws CorruptionError naming `source` and the entry; thread-safe (reads `md` only).
 void ValidateMetadata(const Metadata& md, std::string_view source);
 
 /// Error messages shared by ranks travel as protobuf too.

@@ -32,6 +32,8 @@ const char* ErrorCodeName(ErrorCode code) {
       return "Internal";
     case ErrorCode::kDevice:
       return "Device";
+    case ErrorCode::kResourceExhausted:
+      return "ResourceExhausted";
   }
   return "Unknown";
 }
@@ -103,9 +105,15 @@ void ThrowError(ErrorCode code, const std::string& message, bool retryable) {
       throw InternalError(message);
     case ErrorCode::kDevice:
       throw DeviceError(message);
+    case ErrorCode::kResourceExhausted:
+      throw ResourceError(message);
     default:
       throw Error(code, message, retryable);
   }
+}
+
+std::string OutOfMemoryMessage(const std::string& what, unsigned long long bytes) {
+  return "out of memory: cannot allocate " + std::to_string(bytes) + " bytes for " + what;
 }
 
 RankFailure CurrentExceptionAsFailure(int rank) {
@@ -118,7 +126,9 @@ RankFailure CurrentExceptionAsFailure(int rank) {
     f.message = e.what();
     f.retryable = e.retryable();
   } catch (const std::bad_alloc& e) {
-    f.code = ErrorCode::kInternal;
+    // Library paths that allocate what a checkpoint asks for throw ResourceError naming it;
+    // a bare bad_alloc reaching here came from elsewhere (the caller, a small allocation).
+    f.code = ErrorCode::kResourceExhausted;
     f.message = std::string("out of memory: ") + e.what();
   } catch (const std::exception& e) {
     f.code = ErrorCode::kInternal;

@@ -12,10 +12,13 @@
 // - kInternal: a broken invariant inside dcp (a bug); please report it.
 // - kDevice: the accelerator runtime failed (a CUDA error, out of device or pinned memory);
 //   the message carries the runtime's own error text.
+// - kResourceExhausted: host memory for what a checkpoint (or the caller) asked for could not be
+//   allocated; the message names the entry, the file and the size. Not retryable as is.
 // Errors cross threads inside std::future and cross ranks as ErrorReport messages; both keep the
 // code, the message and the retryable bit.
 #pragma once
 
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -33,6 +36,7 @@ enum class ErrorCode : int {
   kTimeout = 8,  // used inside RankFailure: the rank did not answer in time
   kInternal = 9,
   kDevice = 10,
+  kResourceExhausted = 11,
 };
 
 /// Return the stable name of a code ("InvalidArgument", "Io", ...).
@@ -75,6 +79,11 @@ class DeviceError : public Error {
  public:
   explicit DeviceError(const std::string& m) : Error(ErrorCode::kDevice, m) {}
 };
+/// An allocation failed (std::bad_alloc) for something of a known size: never a bare bad_alloc.
+class ResourceError : public Error {
+ public:
+  explicit ResourceError(const std::string& m) : Error(ErrorCode::kResourceExhausted, m) {}
+};
 class InternalError : public Error {
  public:
   explicit InternalError(const std::string& m) : Error(ErrorCode::kInternal, m) {}
@@ -95,6 +104,22 @@ class IoError : public Error {
 /// EINTR, EAGAIN, EBUSY, ETIMEDOUT and ENOSPC... are classified as retryable where a retry of
 /// the same call can reasonably succeed.
 IoError MakeIoError(const std::string& operation, const std::string& path, int errno_value);
+
+/// "out of memory: cannot allocate N bytes for WHAT": the message of a ResourceError.
+std::string OutOfMemoryMessage(const std::string& what, unsigned long long bytes);
+
+/// Return `allocate()` (which allocates `bytes` for `what`, e.g. "entry 'x' from 'file'"),
+/// turning std::bad_alloc into a ResourceError naming `what` and the size; other exceptions
+/// pass through unchanged.
+template <typename F>
+auto AllocateOrThrow(F&& allocate, const std::string& what, unsigned long long bytes)
+    -> decltype(allocate()) {
+  try {
+    return allocate();
+  } catch (const std::bad_alloc&) {
+    throw ResourceError(OutOfMemoryMessage(what, bytes));
+  }
+}
 
 /// One rank's failure as seen by every rank after a collective phase.
 struct RankFailure {

@@ -249,6 +249,22 @@ ZstdItemReader::ZstdItemReader(ReadableObject& in, const StorageInfo& info, bool
   ctx_->in_pos = ctx_->in_size = 0;
 }
 
+void ZstdItemReader::CheckFrameHeader() {
+  // A hostile raw_length would otherwise size the caller's buffer; the frame header says what
+  // the frame really holds (dcp always records it).
+  char head[ZSTD_FRAMEHEADERSIZE_MAX];
+  const size_t n = static_cast<size_t>(std::min<uint64_t>(sizeof head, info_.length));
+  in_.ReadAt(info_.offset, head, n);
+  const unsigned long long declared = ZSTD_getFrameContentSize(head, n);
+  if (declared == ZSTD_CONTENTSIZE_ERROR) Fail("not a zstd frame");
+  if (declared != ZSTD_CONTENTSIZE_UNKNOWN && declared != info_.raw_length) {
+    Fail("the frame declares " + std::to_string(declared) + " raw bytes: it " +
+         (declared < info_.raw_length ? "decompresses to only " + std::to_string(declared)
+                                      : "holds more than the recorded") +
+         " of raw_length " + std::to_string(info_.raw_length));
+  }
+}
+
 ZstdItemReader::~ZstdItemReader() {
   auto& pool = Pool();
   if (pool.size() < kPooledContexts) pool.push_back(std::move(ctx_));

@@ -90,6 +90,10 @@ class ZstdItemReader {
   ZstdItemReader(const ZstdItemReader&) = delete;
   ZstdItemReader& operator=(const ZstdItemReader&) = delete;
 
+  /// Check the frame header before anything is allocated for the item: it must be a zstd
+  /// frame, and a content size it declares must equal raw_length (CorruptionError otherwise).
+  /// Reads at most 18 bytes; does not move the stream. Idempotent.
+  void CheckFrameHeader();
   /// The whole item, decompressed straight into `dst` (raw_length bytes), and every check of
   /// Finish. Must be the first call.
   void ReadAll(void* dst);

@@ -10,10 +10,12 @@ backend through --plugin). Exits 77 (skipped) when numpy, torch or the plugin ar
 import argparse
 import json
 import os
+import resource
 import shutil
 import struct
 import subprocess
 import sys
+import time
 
 SKIP = 77
 args = None
@@ -202,6 +204,91 @@ def test_basic():
     _, out = dcp("--help")
     contains(out, "Exit codes", "incomplete checkpoint")
     dcp("frobnicate", expect=2)
+
+    test_hostile(a)
+
+
+def bounded(*a, expect, limit_as=None):
+    """Run dcp with `a`; check the exit code, that it took < 2 s and peaked below 200 MiB RSS."""
+    def limit():
+        if limit_as:
+            resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
+    t0 = time.monotonic()
+    p = subprocess.Popen([str(args.dcp), *map(str, a)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, preexec_fn=limit)
+    out = p.stdout.read()
+    p.stdout.close()
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.monotonic() - t0
+    peak_mib = usage.ru_maxrss / 1024
+    what = f"dcp {' '.join(map(str, a))}"
+    check(p.returncode == expect, f"{what}: exit {p.returncode}, expected {expect}\n{out}")
+    check(seconds < 2.0, f"{what}: took {seconds:.2f} s")
+    check(peak_mib < 200, f"{what}: peak RSS {peak_mib:.0f} MiB")
+    return out
+
+
+def test_hostile(good):
+    """Hostile checkpoints (dcp_cli_fixture --hostile): every command refuses them fast and
+    small, with the same exit code for the same damage."""
+    def hostile(kind, zstd=False):
+        path = os.path.join(args.workdir, "hostile-" + kind)
+        shutil.rmtree(path, ignore_errors=True)
+        run(args.fixture, path, "--hostile", kind, *(["--zstd"] if zstd else []), expect=0)
+        return path
+
+    def convert(d, expect):
+        out_file = os.path.join(args.workdir, "hostile.safetensors")
+        return bounded("convert", d, out_file, "--overwrite", expect=expect)
+
+    # A blob claiming 8 GiB in a small file: damaged data (1) everywhere, nothing allocated.
+    d = hostile("blob-8g")
+    for out in (bounded("verify", d, expect=1), convert(d, 1),
+                bounded("diff", d, good, "--values", expect=1)):
+        contains(out, "truncated file", "'rng'")
+    # A zstd blob with raw_length 8 GiB: more than its frame can hold, so corrupt metadata (5).
+    d = hostile("zstd-8g")
+    for out in (bounded("inspect", d, expect=5), bounded("verify", d, expect=5), convert(d, 5)):
+        contains(out, "'rng'", "zstd")
+    # Load's rules in verify: an unknown transform or an undefined chain is unsupported (6).
+    for kind, t in (("rot13", "rot13"), ("zstd-zstd", "zstd,zstd")):
+        d = hostile(kind)
+        contains(bounded("verify", d, expect=6), f"uses transform '{t}'", "'rng'")
+        contains(convert(d, 6), "'rng'")
+    # Every checksum stripped: not "checksums verified", and the count is reported.
+    d = hostile("no-crc")
+    out = bounded("verify", d, expect=0)
+    contains(out, "12 of 12 items carried no checksum", "NO item carried a checksum")
+    check("checksums, sizes" not in out, out)
+    # Inconsistent key paths and a nested relative_path: invalid metadata (5), naming the entry.
+    for kind, entry in (("key-path", "'model.w'"), ("nested", "'rng.state'"), ("slash", "'rng'")):
+        d = hostile(kind)
+        for out in (bounded("inspect", d, expect=5), bounded("verify", d, expect=5),
+                    convert(d, 5)):
+            contains(out, entry)
+            check("state dict" not in out, out)
+    # A leftover temporary metadata file: a warning.
+    d = hostile("tmp")
+    contains(bounded("verify", d, expect=0), "leftover temporary metadata file "
+             "'metadata.dcp.tmp.0123abcd'", "OK:")
+    # Same damage, same exit code: a missing and a truncated data file are 1 in verify and convert.
+    for damage in ("missing", "truncated"):
+        d = fresh("hostile-" + damage)
+        w0 = w_chunk(d)
+        path = os.path.join(d, w0["file"])
+        if damage == "missing":
+            os.remove(path)
+        else:
+            os.truncate(path, w0["offset"] + 4)
+        contains(bounded("verify", d, expect=1), damage if damage == "missing" else "truncated")
+        contains(convert(d, 1), w0["file"])
+    # A blob the data backs (a sparse 2 GiB file) but memory cannot: a resource error naming the
+    # entry, the file and the size (7), not a bare std::bad_alloc.
+    d = hostile("alloc-2g")
+    out = bounded("convert", d, os.path.join(args.workdir, "x.safetensors"), "--overwrite",
+                  expect=7, limit_as=1 << 30)
+    contains(out, "out of memory", "'rng'", "data-ffffffffffffffff-r0-b0.data", "2147483648")
 
 
 def read_safetensors(path):

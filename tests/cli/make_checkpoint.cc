@@ -3,13 +3,24 @@
 // dtypes, a scalar, a blob. Values follow simple formulas that tests/cli/cli_test.py recomputes
 // independently.
 //
-//   dcp_cli_fixture DIR [--changed] [--zstd]
+//   dcp_cli_fixture DIR [--changed] [--zstd] [--hostile KIND]
 //   --changed: model.w[1][2] += 0.5; --zstd: compress every item that gets smaller (a mix)
+//   --hostile KIND: then rewrite the metadata (or add files) as an attacker could; KIND is
+//     blob-8g (the blob claims 8 GiB), zstd-8g (a zstd blob with raw_length 8 GiB),
+//     alloc-2g (the blob claims 2 GiB, backed by a sparse data file), rot13, zstd-zstd,
+//     no-crc (every checksum stripped), key-path (model.w's key path disagrees with it),
+//     nested (an entry under the blob), slash (a relative_path with a '/'), tmp (a leftover
+//     metadata.dcp.tmp.* file)
+#include <unistd.h>
+
 #include <cstring>
 #include <iostream>
 #include <thread>
 
 #include "dcp/dcp.h"
+#include "proto/codec.h"
+#include "storage/registry.h"
+#include "storage/store_checkpoint.h"
 
 using namespace dcp;
 
@@ -80,6 +91,51 @@ StateDict RankState(Globals& g, int rank) {
   return sd;
 }
 
+// Rewrite the checkpoint at `dir` as `kind` says (see the header). False for an unknown kind.
+bool MakeHostile(const std::string& dir, const std::string& kind) {
+  auto store = OpenStore(dir);
+  Metadata md = DecodeMetadataFile(store->ReadAll(kMetadataName), dir);
+  StorageInfo& rng = md.storage.at(MetadataIndex{"rng", {}, {}});
+  constexpr uint64_t kGiB = uint64_t{1} << 30;
+  if (kind == "blob-8g") {
+    rng.length = rng.raw_length = 8 * kGiB;
+  } else if (kind == "zstd-8g") {
+    rng.transforms = {"zstd"};
+    rng.raw_length = 8 * kGiB;
+  } else if (kind == "alloc-2g") {
+    // A new data file, sparse, that really is long enough: only memory can refuse it.
+    rng.relative_path = "data-ffffffffffffffff-r0-b0.data";
+    rng.offset = 0;
+    rng.length = rng.raw_length = 2 * kGiB;
+    rng.crc32c.reset();
+    const std::string file = dir + "/" + rng.relative_path;
+    auto out = store->Create(rng.relative_path);
+    out->Close();
+    if (::truncate(file.c_str(), static_cast<off_t>(2 * kGiB)) != 0) return false;
+  } else if (kind == "rot13") {
+    rng.transforms = {"rot13"};
+  } else if (kind == "zstd-zstd") {
+    rng.transforms = {"zstd", "zstd"};
+  } else if (kind == "no-crc") {
+    for (auto& [index, info] : md.storage) info.crc32c.reset();
+  } else if (kind == "key-path") {
+    md.key_paths["model.w"] = {"model", "v"};
+  } else if (kind == "nested") {
+    md.entries["rng.state"] = BytesMetadata{};
+    md.storage[MetadataIndex{"rng.state", {}, {}}] = rng;
+    md.key_paths["rng.state"] = {"rng", "state"};
+  } else if (kind == "slash") {
+    rng.relative_path = "sub/" + rng.relative_path;
+  } else if (kind == "tmp") {
+    store->Create(std::string(kMetadataName) + ".tmp.0123abcd")->Close();
+    return true;
+  } else {
+    return false;
+  }
+  store->PublishAtomically(kMetadataName, EncodeMetadataFile(md));
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -89,6 +145,7 @@ int main(int argc, char** argv) {
   }
   const std::string dir = argv[1];
   bool changed = false;
+  std::string hostile;
   SaveOptions so;
   for (int i = 2; i < argc; ++i) {
     if (std::strcmp(argv[i], "--changed") == 0) {
@@ -97,6 +154,8 @@ int main(int argc, char** argv) {
       so.storage.compression = Compression::kZstd;
       so.storage.compression_min_bytes = 0;  // the items are tiny: compress whatever shrinks
       so.storage.compression_max_ratio = 1;
+    } else if (std::strcmp(argv[i], "--hostile") == 0 && i + 1 < argc) {
+      hostile = argv[++i];
     } else {
       std::cerr << "unknown option " << argv[i] << "\n";
       return 2;
@@ -127,6 +186,10 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
+  }
+  if (!hostile.empty() && !MakeHostile(dir, hostile)) {
+    std::cerr << "cannot make hostile checkpoint '" << hostile << "'\n";
+    return 2;
   }
   return 0;
 }

@@ -764,3 +764,34 @@ TEST_CASE("planner: ResolveTensor returns a narrowed view at the right address",
   bogus.dest_index.fqn = "nope";
   CHECK_THROWS_AS(planner.ResolveTensor(bogus), InternalError);
 }
+
+TEST_CASE("planner: an empty shard at another rank's offset is a legal layout",
+          "[planner][empty]") {
+  // 1-D [1000] saved 5-way as 1, 0, 499, 250, 250: rank 1's empty shard starts at offset 1,
+  // where rank 2's non-empty one does.
+  const int64_t sizes[] = {1, 0, 499, 250, 250};
+  std::vector<StateDict> sds(5);
+  int64_t at = 0;
+  for (int r = 0; r < 5; ++r) {
+    ShardedTensor st;
+    st.dtype = DType::kFloat32;
+    st.global_shape = {1000};
+    st.local_shards.push_back(
+        {dcp::testing::RandomTensor(DType::kFloat32, {sizes[r]}, 100 + r), {at}});
+    sds[r].Set("w", st);
+    at += sizes[r];
+  }
+  SaveRun run;
+  REQUIRE_NOTHROW(run = RunSave(sds));
+  CHECK(
+      ChunkSet(TensorEntry(run.md, "w").chunks) ==
+      std::set<std::pair<Shape, Shape>>{{{0}, {1}}, {{1}, {499}}, {{500}, {250}}, {{750}, {250}}});
+  CHECK(run.global[1].items.empty());  // nothing to write for the empty shard
+  // Still checked: an empty shard of the wrong dtype or global shape is refused.
+  ShardedTensor bad;
+  bad.dtype = DType::kFloat64;
+  bad.global_shape = {1000};
+  bad.local_shards.push_back({dcp::testing::RandomTensor(DType::kFloat64, {0}, 1), {1}});
+  sds[1].Set("w", bad);
+  CHECK_THROWS_WITH(RunSave(sds), Contains("'w'"));
+}

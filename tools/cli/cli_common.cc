@@ -21,13 +21,30 @@ namespace dcp::cli {
 std::string ExitCodeHelp() {
   return "Exit codes:\n"
          "  0  success (verify: complete and valid; diff: no differences)\n"
-         "  1  verify found damage, diff found differences, or diff/convert read damaged data\n"
+         "  1  verify found damage, diff found differences, or diff/convert met damaged data\n"
+         "     (a missing or truncated data file, a checksum mismatch: the same damage gives the\n"
+         "     same code in every command)\n"
          "  2  bad command line, or a scheme with no Store-based backend (see --plugin)\n"
          "  3  not a checkpoint (no metadata.dcp and no data files, or not a dcp metadata file)\n"
          "  4  incomplete checkpoint (data files but no metadata.dcp: the save did not finish)\n"
          "  5  corrupt metadata (checksum, truncation, inconsistent contents)\n"
          "  6  unsupported (newer format version, unknown transform, feature not in this build)\n"
-         "  7  I/O or other error\n";
+         "  7  I/O error, out of memory (naming the entry, file and size), or other error\n";
+}
+
+int ExitCodeFor(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kCorruption:
+    case ErrorCode::kNotFound:
+      return kFailed;
+    case ErrorCode::kUnsupported:
+      return kUnsupported;
+    case ErrorCode::kAlreadyExists:
+    case ErrorCode::kInvalidArgument:
+      return kUsage;
+    default:
+      return kIoError;
+  }
 }
 
 CliError ClassifyCurrentException() {
@@ -38,19 +55,15 @@ CliError ClassifyCurrentException() {
   } catch (const CollectiveError& e) {
     // A single-process save or load: report the failure's own kind.
     const ErrorCode code = e.failures().empty() ? ErrorCode::kIo : e.failures()[0].code;
-    const int exit = code == ErrorCode::kUnsupported       ? kUnsupported
-                     : code == ErrorCode::kCorruption      ? kFailed
-                     : code == ErrorCode::kAlreadyExists   ? kUsage
-                     : code == ErrorCode::kInvalidArgument ? kUsage
-                                                           : kIoError;
-    return {exit, e.what()};
-  } catch (const UnsupportedError& e) {
-    return {kUnsupported, e.what()};
-  } catch (const CorruptionError& e) {
-    // Metadata damage is diagnosed by OpenCheckpoint; what reaches here is damaged data.
-    return {kFailed, std::string("damaged data: ") + e.what()};
-  } catch (const InvalidArgumentError& e) {
-    return {kUsage, e.what()};
+    return {ExitCodeFor(code), e.what()};
+  } catch (const Error& e) {
+    // Metadata damage is diagnosed by OpenCheckpoint; what reaches here is damaged or missing
+    // data, an unknown transform, or an error of the storage or the machine.
+    const int exit = ExitCodeFor(e.code());
+    const bool damage = e.code() == ErrorCode::kCorruption || e.code() == ErrorCode::kNotFound;
+    return {exit, std::string(damage ? "damaged data: " : "") + e.what()};
+  } catch (const std::bad_alloc& e) {
+    return {kIoError, std::string("out of memory: ") + e.what()};
   } catch (const std::exception& e) {
     return {kIoError, e.what()};
   }
@@ -102,6 +115,29 @@ Checkpoint OpenCheckpoint(const std::string& path) {
     throw CliError{kUnsupported, std::string("unsupported checkpoint: ") + e.what()};
   }
   return c;
+}
+
+void CheckDataFiles(const Checkpoint& c) {
+  // The furthest byte each file must hold, and an item that needs it (to name in errors).
+  std::map<std::string, std::pair<uint64_t, const MetadataIndex*>> need;
+  for (const auto& [index, info] : c.md.storage) {
+    auto& n = need.try_emplace(info.relative_path, 0, &index).first->second;
+    if (info.offset + info.length > n.first) n = {info.offset + info.length, &index};
+  }
+  for (const auto& [file, n] : need) {
+    const std::optional<uint64_t> size = c.store->Size(file);
+    if (!size) {
+      throw CliError{ExitCodeFor(ErrorCode::kNotFound),
+                     "damaged data: missing file '" + file + "': " + n.second->ToString() +
+                         " and the other items it holds cannot be read"};
+    }
+    if (*size < n.first) {
+      throw CliError{ExitCodeFor(ErrorCode::kCorruption),
+                     "damaged data: truncated file '" + file + "' (" + std::to_string(*size) +
+                         " bytes): " + n.second->ToString() + " needs bytes up to " +
+                         std::to_string(n.first)};
+    }
+  }
 }
 
 uint64_t StoredBytesOf(const Metadata& md, const std::string& fqn) {
@@ -297,13 +333,19 @@ bool TensorStream::Next(const char*& data, size_t& nbytes) {
 std::string ReadBlob(Store& store, const Metadata& md, const std::string& fqn) {
   const StorageInfo& info = ItemInfo(md, fqn, {});
   CheckTransforms(fqn, info);
+  const std::string what =
+      "entry '" + fqn + "' from '" + store.uri() + "/" + info.relative_path + "'";
   if (IsZstdItem(info)) {
-    std::string bytes(info.raw_length, '\0');
     auto obj = store.Open(info.relative_path);
-    OpenZstd(store, *obj, fqn, info)->ReadAll(bytes.data());  // checks the CRC32C too
+    auto z = OpenZstd(store, *obj, fqn, info);
+    z->CheckFrameHeader();  // before raw_length sizes the buffer
+    std::string bytes =
+        AllocateOrThrow([&] { return std::string(info.raw_length, '\0'); }, what, info.raw_length);
+    z->ReadAll(bytes.data());  // checks the CRC32C too
     return bytes;
   }
-  std::string bytes(info.length, '\0');
+  std::string bytes =
+      AllocateOrThrow([&] { return std::string(info.length, '\0'); }, what, info.length);
   store.Open(info.relative_path)->ReadAt(info.offset, bytes.data(), bytes.size());
   const uint32_t crc = Crc32c(0, bytes.data(), bytes.size());
   if (info.crc32c && crc != *info.crc32c) ChecksumMismatch(fqn, store.uri(), info, crc);

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "proto/error.h"
 #include "proto/plan.h"
 #include "proto/state_dict.h"
 #include "storage/store.h"
@@ -28,7 +29,7 @@ enum Exit : int {
   kIncomplete = 4,       // data files but no metadata (an unfinished save)
   kCorruptMetadata = 5,  // metadata damaged or inconsistent
   kUnsupported = 6,      // newer format version, unknown transform, or a feature not built
-  kIoError = 7,          // storage failed, or any other error
+  kIoError = 7,          // storage failed, out of memory, or any other error
 };
 
 /// The text for `dcp --help`.
@@ -40,7 +41,15 @@ struct CliError {
   std::string message;
 };
 
-/// Map the exception being handled (call inside a catch block) to a CliError.
+/// The exit code for damage of kind `code` found in a checkpoint whose metadata opened fine
+/// (the one mapping every command uses, so the same damage gives the same exit code in verify,
+/// diff and convert): a missing (kNotFound) or truncated/damaged (kCorruption) data file or
+/// item -> kFailed; an unknown transform (kUnsupported) -> kUnsupported; a bad request
+/// (kInvalidArgument, kAlreadyExists) -> kUsage; anything else, out of memory included -> kIoError.
+int ExitCodeFor(ErrorCode code);
+
+/// Map the exception being handled (call inside a catch block) to a CliError (via ExitCodeFor
+/// for dcp errors; a bare std::bad_alloc is kIoError, "out of memory").
 CliError ClassifyCurrentException();
 
 /// An opened checkpoint: its store and its validated metadata.
@@ -53,6 +62,10 @@ struct Checkpoint {
 /// Open `path` (a directory, file://, mem:// or a registered Store-based URI) and read its
 /// metadata. Throws CliError with kNotCheckpoint / kIncomplete / kCorruptMetadata / kUnsupported.
 Checkpoint OpenCheckpoint(const std::string& path);
+/// Check that every data file the metadata references exists and holds the bytes placed in it,
+/// before anything is allocated or read from it (what load does too). CliError naming the file
+/// and an item otherwise: missing -> ExitCodeFor(kNotFound), truncated -> ExitCodeFor(kCorruption).
+void CheckDataFiles(const Checkpoint& c);
 
 /// Sum of the stored lengths of the items of `fqn`.
 uint64_t StoredBytesOf(const Metadata& md, const std::string& fqn);
@@ -101,7 +114,9 @@ class TensorStream {
   std::vector<char> piece_, scratch_;
 };
 
-/// Read a byte entry (blob) whole, decompressed, checking its CRC32C.
+/// Read a byte entry (blob) whole, decompressed, checking its CRC32C. A zstd frame header must
+/// declare raw_length before the blob is allocated; an allocation failure is a ResourceError
+/// naming the entry, the file and the size.
 std::string ReadBlob(Store& store, const Metadata& md, const std::string& fqn);
 
 /// Element `i` of `data` (of `dtype`) as a double, for floating and integer dtypes; for complex

@@ -75,7 +75,17 @@ void ExportTorch(const Checkpoint& src, const std::string& out, const ConvertOpt
     Progress progress("read", md.TotalStoredBytes());
     for (const auto& [fqn, entry] : md.entries) {
       if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
-        torch::Tensor tensor = torch::empty(t->shape, torch::dtype(ToTorchDType(t->dtype)));
+        // CheckDataFiles (run on open) made sure the data backs this size; the machine may
+        // still lack the memory, which is reported naming the entry, not as a bare failure.
+        const uint64_t nbytes =
+            static_cast<uint64_t>(NumElements(t->shape)) * ElementSize(t->dtype);
+        torch::Tensor tensor;
+        try {
+          tensor = torch::empty(t->shape, torch::dtype(ToTorchDType(t->dtype)));
+        } catch (const std::exception& e) {  // c10's allocation failure, or std::bad_alloc
+          throw ResourceError(OutOfMemoryMessage("entry '" + fqn + "'", nbytes) + " (" + e.what() +
+                              ")");
+        }
         auto* dst = static_cast<char*>(tensor.data_ptr());
         TensorStream stream(*src.store, md, fqn, o.budget_bytes);
         const char* data;
@@ -159,7 +169,9 @@ extern "C" int dcp_cli_torch_convert(int to_torch, const char* src, const char* 
     o.overwrite = overwrite != 0;
     o.budget_bytes = static_cast<size_t>(budget_bytes);
     if (to_torch) {
-      ExportTorch(OpenCheckpoint(src), dst, o);
+      const Checkpoint c = OpenCheckpoint(src);
+      CheckDataFiles(c);
+      ExportTorch(c, dst, o);
     } else {
       ImportTorch(src, dst, o);
     }

@@ -162,6 +162,11 @@ int Inspect(const std::string& path, const std::string& filter, bool json) {
 
 // ---- verify ----
 
+// Verify applies load's rules without decompressing: sizes before reads, the CRC32C of every
+// item that has one, transforms this build can read, a zstd frame header that declares the
+// item's raw_length. Each problem carries the ErrorCode load would raise for it, so the exit
+// code (ExitCodeFor, shared with convert and diff) is the same for the same damage: an
+// unreadable transform (6) outranks damage (1).
 int Verify(const std::string& path) {
   const Checkpoint c = OpenCheckpoint(path);
   const Metadata& md = c.md;
@@ -177,9 +182,16 @@ int Verify(const std::string& path) {
               [](const Item& a, const Item& b) { return a.info->offset < b.info->offset; });
   }
   std::vector<std::string> problems, warnings;
+  int exit = kOk;
+  auto problem = [&](ErrorCode code, const std::string& what) {
+    problems.push_back(what);
+    const int e = ExitCodeFor(code);
+    if (exit == kOk || e == kUnsupported) exit = e;
+  };
   auto name = [](const MetadataIndex& i) {
     return "'" + i.fqn + "'" + (i.offset.empty() ? "" : " chunk " + ShapeToString(i.offset));
   };
+  size_t unchecked = 0, checked = 0;
   constexpr size_t kPiece = size_t{8} << 20;
   std::vector<char> buf;
   {
@@ -189,14 +201,14 @@ int Verify(const std::string& path) {
       try {
         size = store.Size(file);
       } catch (const Error& e) {
-        problems.push_back("cannot stat file '" + file + "': " + e.what());
+        problem(e.code(), "cannot stat file '" + file + "': " + e.what());
         continue;
       }
       if (!size) {
         for (const Item& it : items) {
-          problems.push_back("missing file '" + file + "': " + name(*it.index) + " (" +
-                             std::to_string(it.info->length) + " bytes at offset " +
-                             std::to_string(it.info->offset) + ") cannot be read");
+          problem(ErrorCode::kNotFound, "missing file '" + file + "': " + name(*it.index) + " (" +
+                                            std::to_string(it.info->length) + " bytes at offset " +
+                                            std::to_string(it.info->offset) + ") cannot be read");
           progress.Add(it.info->length);
         }
         continue;
@@ -205,15 +217,27 @@ int Verify(const std::string& path) {
       for (const Item& it : items) {
         const StorageInfo& info = *it.info;
         if (info.offset > *size || info.length > *size - info.offset) {
-          problems.push_back("truncated file '" + file + "' (" + std::to_string(*size) +
-                             " bytes): " + name(*it.index) + " needs bytes [" +
-                             std::to_string(info.offset) + ", " +
-                             std::to_string(info.offset + info.length) + ")");
+          problem(ErrorCode::kCorruption,
+                  "truncated file '" + file + "' (" + std::to_string(*size) + " bytes): " +
+                      name(*it.index) + " needs bytes [" + std::to_string(info.offset) + ", " +
+                      std::to_string(info.offset + info.length) + ")");
+          progress.Add(info.length);
+          continue;
+        }
+        if (!info.transforms.empty() && !IsZstdItem(info)) {
+          std::string t;
+          for (const auto& x : info.transforms) t += (t.empty() ? "" : ",") + x;
+          problem(ErrorCode::kUnsupported, name(*it.index) + " in '" + file + "' uses transform '" +
+                                               t + "', which this build cannot read");
           progress.Add(info.length);
           continue;
         }
         try {
           if (!obj) obj = store.Open(file);
+          if (IsZstdItem(info)) {
+            ZstdItemReader(*obj, info, false, 64, name(*it.index) + " in '" + file + "'")
+                .CheckFrameHeader();
+          }
           uint32_t crc = 0;
           for (uint64_t done = 0; done < info.length;) {
             const size_t n = static_cast<size_t>(std::min<uint64_t>(kPiece, info.length - done));
@@ -224,7 +248,7 @@ int Verify(const std::string& path) {
             progress.Add(n);
           }
           if (!info.crc32c) {
-            warnings.push_back(name(*it.index) + " in '" + file + "' has no checksum");
+            ++unchecked;
           } else if (crc != *info.crc32c) {
             char line[160];
             std::snprintf(line, sizeof line,
@@ -232,14 +256,20 @@ int Verify(const std::string& path) {
                           "computed %08x",
                           file.c_str(), static_cast<unsigned long long>(info.offset),
                           static_cast<unsigned long long>(info.length), *info.crc32c, crc);
-            problems.push_back("checksum mismatch: " + name(*it.index) + line);
+            problem(ErrorCode::kCorruption, "checksum mismatch: " + name(*it.index) + line);
+          } else {
+            ++checked;
           }
         } catch (const Error& e) {
-          problems.push_back("cannot read " + name(*it.index) + " from '" + file + "' at offset " +
-                             std::to_string(info.offset) + ": " + e.what());
+          problem(e.code(), "cannot read " + name(*it.index) + " from '" + file + "' at offset " +
+                                std::to_string(info.offset) + ": " + e.what());
         }
       }
     }
+  }
+  if (unchecked) {
+    warnings.push_back(std::to_string(unchecked) + " of " + std::to_string(md.storage.size()) +
+                       " items carried no checksum: their contents were not verified");
   }
   try {
     for (const auto& n : store.List()) {
@@ -248,6 +278,13 @@ int Verify(const std::string& path) {
         warnings.push_back("unreferenced data file '" + n + "' (" +
                            std::to_string(size.value_or(0)) +
                            " bytes; left by an interrupted or replaced save, safe to delete)");
+      } else if (n.rfind(std::string(kMetadataName) + ".tmp.", 0) == 0) {
+        // A commit's temporary metadata that never became metadata.dcp (the save died between
+        // writing and renaming it): not part of the checkpoint, so a warning, not damage.
+        const auto size = store.Size(n);
+        warnings.push_back("leftover temporary metadata file '" + n + "' (" +
+                           std::to_string(size.value_or(0)) +
+                           " bytes; left by an interrupted commit, safe to delete)");
       }
     }
   } catch (const Error& e) {
@@ -258,13 +295,18 @@ int Verify(const std::string& path) {
     for (const auto& p : problems) std::printf("error: %s\n", p.c_str());
     std::printf("FAILED: %s: %zu problem(s) in %zu stored items\n", c.store->uri().c_str(),
                 problems.size(), md.storage.size());
-    return kFailed;
+    return exit;
   }
-  std::printf(
-      "OK: %s: %zu entries, %zu stored items, %s in %zu files; checksums, sizes and "
-      "chunk tiling verified\n",
-      c.store->uri().c_str(), md.entries.size(), md.storage.size(),
-      FormatBytes(md.TotalStoredBytes()).c_str(), by_file.size());
+  const std::string checksums =
+      unchecked == 0 ? "checksums, sizes and chunk tiling verified"
+      : checked == 0
+          ? "sizes and chunk tiling verified; NO item carried a checksum, so no "
+            "contents were verified"
+          : "sizes and chunk tiling verified; checksums verified for " + std::to_string(checked) +
+                " items, " + std::to_string(unchecked) + " carried none";
+  std::printf("OK: %s: %zu entries, %zu stored items, %s in %zu files; %s\n",
+              c.store->uri().c_str(), md.entries.size(), md.storage.size(),
+              FormatBytes(md.TotalStoredBytes()).c_str(), by_file.size(), checksums.c_str());
   return kOk;
 }
 
@@ -339,6 +381,7 @@ int Diff(const std::string& pa, const std::string& pb, bool values, double atol,
     }
     if (!ta) {  // blobs
       if (values) {
+        if (compared == 0) CheckDataFiles(a), CheckDataFiles(b);  // before the first value read
         ++compared;
         if (ReadBlob(*a.store, a.md, fqn) != ReadBlob(*b.store, b.md, fqn)) {
           report("bytes differ: " + fqn);
@@ -376,6 +419,7 @@ int Diff(const std::string& pa, const std::string& pb, bool values, double atol,
       }
     }
     if (!values || !comparable) continue;
+    if (compared == 0) CheckDataFiles(a), CheckDataFiles(b);  // before the first value read
     ++compared;
     TensorStream sa(*a.store, a.md, fqn), sb(*b.store, b.md, fqn);
     ValueDiff d;
@@ -429,7 +473,9 @@ int Convert(const std::string& src, const std::string& dst, std::string from, st
     throw CliError{kUsage, "--compress applies to conversions from safetensors to dcp"};
   }
   if (from == "dcp" && to == "safetensors") {
-    ExportSafetensors(OpenCheckpoint(src), dst, o);
+    const Checkpoint c = OpenCheckpoint(src);
+    CheckDataFiles(c);  // before anything the metadata claims is allocated or read
+    ExportSafetensors(c, dst, o);
   } else if (from == "safetensors" && to == "dcp") {
     ImportSafetensors(src, dst, o);
   } else if (from == "dcp" && to == "torch") {
