@@ -47,6 +47,8 @@ void ReadHot(ReadableObject& in, uint64_t offset, void* dst, size_t n, uint32_t*
     in.ReadAt(offset, dst, n);
     return;
   }
+  // Small steps keep the CRC cache-hot; the hint keeps a cold read's requests large.
+  if (n > kHotReadBytes) in.Prefetch(offset, n);
   char* p = static_cast<char*>(dst);
   for (size_t pos = 0; pos < n; pos += kHotReadBytes) {
     const size_t k = std::min(kHotReadBytes, n - pos);
