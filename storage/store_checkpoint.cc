@@ -388,6 +388,7 @@ class StoreReader : public StorageReader {
       std::vector<Task> tasks;
       for (size_t f = 0; f < files.size(); ++f) {
         std::vector<size_t> run;
+        uint64_t run_bytes = 0;
         for (size_t i : files[f].second) {
           const ReadItem& item = plan.items[i];
           const StorageInfo& info = Info(item);
@@ -401,11 +402,20 @@ class StoreReader : public StorageReader {
             split = dst.is_contiguous() && dst.nbytes() == info.length && info.length > piece_bytes;
           }
           if (!split) {
+            // Runs of smaller items are cut every kReadPieceBytes too, so that every read
+            // thread has work even when a rank's items sit in one file.
             run.push_back(i);
+            run_bytes += info.length;
+            if (run_bytes >= kReadPieceBytes) {
+              tasks.push_back({f, std::move(run)});
+              run.clear();
+              run_bytes = 0;
+            }
             continue;
           }
           if (!run.empty()) tasks.push_back({f, std::move(run)});
           run.clear();
+          run_bytes = 0;
           auto& sp = splits.emplace_back(std::make_unique<Split>());
           sp->item = i;
           sp->dst = dst;
