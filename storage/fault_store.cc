@@ -69,6 +69,7 @@ class FaultReadable : public ReadableObject {
   FaultReadable(std::shared_ptr<FaultInjectionStore> store, std::string name,
                 std::unique_ptr<ReadableObject> inner)
       : store_(std::move(store)), name_(std::move(name)), inner_(std::move(inner)) {}
+  void Prefetch(uint64_t offset, uint64_t n) noexcept override { inner_->Prefetch(offset, n); }
   void ReadAt(uint64_t offset, void* dst, size_t n) override {
     store_->Before(FaultOp::kRead, name_);
     inner_->ReadAt(offset, dst, n);

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -31,8 +32,57 @@ namespace dcp {
 
 namespace {
 
-// Large whole items are read in pieces of this size by all read threads at once.
+// Large whole items are read in pieces of this size by all read threads at once (device
+// destinations in pieces of kDevicePieceBytes, the size of a reader's pinned buffer).
 constexpr uint64_t kReadPieceBytes = uint64_t{32} << 20;
+
+// A verified read lands in steps of this size, each CRC'd at once while its bytes are still in
+// the CPU cache: a second pass over a large piece would stream it from memory again, which is
+// what held warm (page-cache) loads below the speed of a plain read.
+constexpr size_t kHotReadBytes = size_t{1} << 20;
+
+// Read n bytes at `offset` of `in` into dst; with `crc`, fold each step into *crc as it lands.
+void ReadHot(ReadableObject& in, uint64_t offset, void* dst, size_t n, uint32_t* crc) {
+  if (crc == nullptr) {
+    in.ReadAt(offset, dst, n);
+    return;
+  }
+  // Small steps keep the CRC cache-hot; the hint keeps a cold read's requests large.
+  if (n > kHotReadBytes) in.Prefetch(offset, n);
+  char* p = static_cast<char*>(dst);
+  for (size_t pos = 0; pos < n; pos += kHotReadBytes) {
+    const size_t k = std::min(kHotReadBytes, n - pos);
+    in.ReadAt(offset + pos, p + pos, k);
+    *crc = Crc32c(*crc, p + pos, k);
+  }
+}
+
+// A reader thread's way into device memory: one pinned piece and a stream on the device.
+struct DeviceStaging {
+  Device device;
+  PinnedBuffer buffer;
+  std::unique_ptr<DeviceStream> stream;
+};
+
+// Read [offset, offset + n) of `in` into the contiguous device tensor `dst` at byte `at`,
+// through the thread's pinned piece (n <= kDevicePieceBytes); the copy is complete on return.
+void ReadIntoDevice(ReadableObject& in, uint64_t offset, const TensorView& dst, uint64_t at,
+                    size_t n, std::optional<DeviceStaging>& staging, uint32_t* crc,
+                    const std::string& what) {
+  if (!staging || staging->device != dst.device) {
+    auto backend = DeviceBackendFor(dst.device, what);
+    staging.emplace(DeviceStaging{dst.device, PinnedBuffer(backend, kDevicePieceBytes),
+                                  backend->NewStream(dst.device.index)});
+  }
+  ReadHot(in, offset, staging->buffer.data(), n, crc);
+  const TensorView to = TensorView::FromContiguous(static_cast<char*>(dst.data) + at, DType::kUInt8,
+                                                   {static_cast<int64_t>(n)}, dst.device);
+  CopyTensorAsync(
+      to,
+      TensorView::FromContiguous(staging->buffer.data(), DType::kUInt8, {static_cast<int64_t>(n)}),
+      *staging->stream);
+  staging->stream->Synchronize();
+}
 
 // Read scratch buffers outlive a load: reused by the next one instead of re-faulting pages.
 std::mutex scratch_pool_mu;
@@ -318,12 +368,14 @@ class StoreReader : public StorageReader {
       });
     }
     return std::async(std::launch::async, [this, &plan, &planner, files = std::move(files)] {
-      // Work units: large whole items bound for contiguous host memory are split into pieces
-      // that any reader reads straight into place, each CRC'd on its own (the CRCs combine), so
-      // both threads stream one big file; everything else is read file run by file run.
+      // Work units: large whole items bound for contiguous memory are split into pieces that
+      // any reader reads into place (host) or through its pinned piece (device), each CRC'd on
+      // its own (the CRCs combine), so every read thread streams one big file; everything else
+      // is read file run by file run.
       struct Split {
         size_t item;
         TensorView dst;
+        uint64_t piece_bytes;
         std::vector<uint32_t> crcs;
         std::atomic<size_t> remaining{0};
       };
@@ -338,32 +390,45 @@ class StoreReader : public StorageReader {
       std::vector<Task> tasks;
       for (size_t f = 0; f < files.size(); ++f) {
         std::vector<size_t> run;
+        uint64_t run_bytes = 0;
         for (size_t i : files[f].second) {
           const ReadItem& item = plan.items[i];
           const StorageInfo& info = Info(item);
           bool split = item.type != ReadItemType::kBytes && info.transforms.empty() &&
-                       info.length > kReadPieceBytes && item.lengths == StoredChunk(item).sizes;
+                       info.length > kDevicePieceBytes && item.lengths == StoredChunk(item).sizes;
           TensorView dst;
+          uint64_t piece_bytes = kReadPieceBytes;
           if (split) {
             dst = planner.ResolveTensor(item);
-            split = dst.device.is_cpu() && dst.is_contiguous() && dst.nbytes() == info.length;
+            if (!dst.device.is_cpu()) piece_bytes = kDevicePieceBytes;
+            split = dst.is_contiguous() && dst.nbytes() == info.length && info.length > piece_bytes;
           }
           if (!split) {
+            // Runs of smaller items are cut every kReadPieceBytes too, so that every read
+            // thread has work even when a rank's items sit in one file.
             run.push_back(i);
+            run_bytes += info.length;
+            if (run_bytes >= kReadPieceBytes) {
+              tasks.push_back({f, std::move(run)});
+              run.clear();
+              run_bytes = 0;
+            }
             continue;
           }
           if (!run.empty()) tasks.push_back({f, std::move(run)});
           run.clear();
+          run_bytes = 0;
           auto& sp = splits.emplace_back(std::make_unique<Split>());
           sp->item = i;
           sp->dst = dst;
-          const size_t pieces = (info.length + kReadPieceBytes - 1) / kReadPieceBytes;
+          sp->piece_bytes = piece_bytes;
+          const size_t pieces = (info.length + piece_bytes - 1) / piece_bytes;
           sp->crcs.assign(pieces, 0);
           sp->remaining = pieces;
           for (size_t k = 0; k < pieces; ++k) {
-            const uint64_t b = k * kReadPieceBytes;
+            const uint64_t b = k * piece_bytes;
             tasks.push_back(
-                {f, {}, sp.get(), b, std::min<uint64_t>(kReadPieceBytes, info.length - b), k});
+                {f, {}, sp.get(), b, std::min<uint64_t>(piece_bytes, info.length - b), k});
           }
         }
         if (!run.empty()) tasks.push_back({f, std::move(run)});
@@ -378,6 +443,7 @@ class StoreReader : public StorageReader {
       std::exception_ptr first_error;
       auto worker = [&] {
         std::vector<char> scratch = TakeScratch();
+        std::optional<DeviceStaging> staging;  // made at this thread's first device piece
         for (size_t t; (t = next.fetch_add(1)) < tasks.size();) {
           const Task& task = tasks[t];
           try {
@@ -388,16 +454,21 @@ class StoreReader : public StorageReader {
             Split& sp = *task.split;
             const ReadItem& item = plan.items[sp.item];
             const StorageInfo& info = Info(item);
-            char* into = static_cast<char*>(sp.dst.data) + task.begin;
-            store_->Open(files[task.file].first)
-                ->ReadAt(info.offset + task.begin, into, task.length);
-            if (options_.verify_checksums) sp.crcs[task.piece] = Crc32c(0, into, task.length);
+            auto in = store_->Open(files[task.file].first);
+            uint32_t* crc = options_.verify_checksums ? &sp.crcs[task.piece] : nullptr;
+            if (sp.dst.device.is_cpu()) {
+              ReadHot(*in, info.offset + task.begin, static_cast<char*>(sp.dst.data) + task.begin,
+                      task.length, crc);
+            } else {
+              ReadIntoDevice(*in, info.offset + task.begin, sp.dst, task.begin, task.length,
+                             staging, crc, "tensor " + item.dest_index.ToString());
+            }
             if (--sp.remaining == 0) {  // the last piece: combine, verify, hand over
               uint32_t crc = sp.crcs[0];
               for (size_t k = 1; k < sp.crcs.size(); ++k) {
                 crc = Crc32cCombine(
                     crc, sp.crcs[k],
-                    std::min<uint64_t>(kReadPieceBytes, info.length - k * kReadPieceBytes));
+                    std::min<uint64_t>(sp.piece_bytes, info.length - k * sp.piece_bytes));
               }
               VerifyCrc(item, info, crc);
               planner.CommitTensor(item, sp.dst);
@@ -593,16 +664,17 @@ class StoreReader : public StorageReader {
       const bool whole = item.lengths == chunk.sizes;
       if (whole && dst.is_contiguous() && dst.device.is_cpu() && info.length == dst.nbytes()) {
         // The common case: the stored chunk lands directly in its destination.
-        in->ReadAt(info.offset, dst.data, info.length);
-        Verify(item, info, dst.data, info.length);
+        const bool check = options_.verify_checksums && info.crc32c.has_value();
+        uint32_t crc = 0;
+        ReadHot(*in, info.offset, dst.data, info.length, check ? &crc : nullptr);
+        if (check) VerifyCrc(item, info, crc);
       } else if (whole && !dst.device.is_cpu() && info.length == dst.nbytes()) {
         // A device destination: read piece by piece into pinned buffers, each piece's
         // host-to-device copy overlapping the next read (proto/device.h).
         uint32_t crc = 0;
         uint64_t pos = info.offset;
         StreamFromHost(dst, kDevicePieceBytes, [&](void* buf, size_t n) {
-          in->ReadAt(pos, buf, n);
-          crc = Crc32c(crc, buf, n);
+          ReadHot(*in, pos, buf, n, &crc);
           pos += n;
         });
         VerifyCrc(item, info, crc);

@@ -342,3 +342,44 @@ TEST_CASE("device: compressed items save from and load into device tensors", "[d
   CHECK(SameElements(dev->Download(std::get<ShardedTensor>(*back2.Find("w")).local_shards[0].view),
                      host.Narrow({600, 0}, {300, 3000})));
 }
+
+TEST_CASE("device: a large item loads into a device tensor in pieces on every read thread",
+          "[device]") {
+  ScopedFakeDevice dev;
+  TempDir dir("devsplit");
+  // 40 MiB: three device pieces, read by the two read threads through their pinned pieces.
+  const TensorView w = RandomTensor(DType::kFloat32, {10, 1 << 20}, 31);
+  LocalCommunicator comm;
+  StateDict sd;
+  sd.Set("layer.w", w);
+  Save(sd, dir / "c", comm);
+  {
+    StateDict into;
+    into.Set("layer.w", dev->Empty(DType::kFloat32, w.shape));
+    const uint64_t h2d_before = dev->h2d_bytes_;
+    LoadOptions lo;
+    lo.storage.read_threads = 2;
+    Load(into, dir / "c", comm, lo);
+    CHECK(SameElements(dev->Download(std::get<TensorView>(*into.Find("layer.w"))), w));
+    CHECK(dev->h2d_bytes_ - h2d_before == w.nbytes());
+  }
+  // A flipped byte in the last piece is found and named.
+  std::string data;
+  for (const auto& e : std::filesystem::directory_iterator(dir / "c")) {
+    if (e.path().extension() == ".data") data = e.path();
+  }
+  REQUIRE(!data.empty());
+  {
+    std::FILE* f = std::fopen(data.c_str(), "r+b");
+    REQUIRE(f);
+    std::fseek(f, 37 << 20, SEEK_SET);
+    const int c = std::fgetc(f);
+    std::fseek(f, 37 << 20, SEEK_SET);
+    std::fputc(c ^ 0x01, f);
+    std::fclose(f);
+  }
+  StateDict into;
+  into.Set("layer.w", dev->Empty(DType::kFloat32, w.shape));
+  const std::string msg = MessageOf<CollectiveError>([&] { Load(into, dir / "c", comm); });
+  CHECK_THAT(msg, Contains("checksum mismatch") && Contains("layer.w"));
+}
