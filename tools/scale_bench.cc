@@ -1,0 +1,330 @@
+// dcp-scale-bench: what the save/load protocol costs the coordinator and a follower as the
+// world grows, simulated in one process (no I/O, no transport). For each world size N it runs
+// the work of the protocol's phases exactly as dcp::Save / dcp::Load do today:
+//
+//   save/plan:  every rank builds its state dict, plans it (DefaultSavePlanner) and encodes its
+//               local plan (the gathered payload); the coordinator decodes the N plans, merges
+//               them (dedup, metadata, validation), names files and encodes N global plans.
+//   save/write: every rank encodes its write results; the coordinator decodes them, fills the
+//               metadata's storage map, encodes the metadata and replicates it as the reply to
+//               every rank (one copy per rank, as RunPhase's Replicate does).
+//   load/metadata: the coordinator encodes the metadata and replicates it N times; every
+//               follower decodes all of it.
+//   load/plan:  the worst-case all-to-all reshard (saved row-sharded, loaded column-sharded: each
+//               local chunk overlaps every saved chunk of its tensor). A follower's local plan is
+//               timed; the coordinator's gather of N such plans is simulated in full only up to
+//               --full-load-max ranks (it grows as N^2), and otherwise estimated as N x one plan.
+//
+// The layout is FSDP/TP-like: --params parameters of mixed sizes (attention and MLP matrices,
+// norms, biases) row-sharded over all ranks, Adam's exp_avg and exp_avg_sq sharded the same way,
+// and --replicated small entries every rank holds (deduplicated by the coordinator).
+//
+// Reported per N: coordinator time (thread CPU) and peak extra resident memory per phase, the
+// bytes each phase moves, the encoded metadata size, a follower's time, and how each grows
+// from the previous N (the exponent k in cost ~ N^k). Planning never touches tensor bytes: every
+// view points into one small dummy buffer.
+//
+//   dcp-scale-bench [--ranks 64,256,1024,4096] [--params 1000] [--replicated 50]
+#include <time.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "planner/default_planner.h"
+#include "proto/codec.h"
+
+using namespace dcp;
+
+namespace {
+
+double CpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+long StatusKiB(const char* key) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const std::string k = std::string(key) + ":";
+  while (std::getline(f, line)) {
+    if (line.rfind(k, 0) == 0) return std::stol(line.substr(k.size()));
+  }
+  return 0;
+}
+
+// Peak resident memory since the last call, in MiB above the resident size at that call. The
+// kernel's high-water mark is reset through /proc/self/clear_refs where that is allowed.
+class PeakMeter {
+ public:
+  PeakMeter() { Reset(); }
+  void Reset() {
+    if (std::FILE* c = std::fopen("/proc/self/clear_refs", "w")) {
+      std::fputs("5", c);
+      std::fclose(c);
+    }
+    base_kib_ = StatusKiB("VmRSS");
+  }
+  double PeakMiB() const { return std::max(0L, StatusKiB("VmHWM") - base_kib_) / 1024.0; }
+
+ private:
+  long base_kib_ = 0;
+};
+
+std::vector<char>& Buffer() {
+  static std::vector<char> b(1 << 16);
+  return b;
+}
+
+TensorView View(const Shape& sizes) {
+  return TensorView::FromContiguous(Buffer().data(), DType::kBFloat16, sizes);
+}
+
+std::pair<int64_t, int64_t> Range(int64_t n, int r, int w) {
+  const int64_t base = n / w, extra = n % w;
+  const int64_t b = r * base + std::min<int64_t>(r, extra);
+  return {b, b + base + (r < extra ? 1 : 0)};
+}
+
+// The shapes of the model's parameters: a transformer of d_model 4096, ten tensors a layer.
+std::vector<std::pair<std::string, Shape>> Parameters(int count) {
+  const int64_t d = 4096;
+  const std::vector<std::pair<std::string, Shape>> layer = {
+      {"attn.q.weight", {d, d}},       {"attn.k.weight", {d / 4, d}},
+      {"attn.v.weight", {d / 4, d}},   {"attn.o.weight", {d, d}},
+      {"mlp.up.weight", {4 * d, d}},   {"mlp.gate.weight", {4 * d, d}},
+      {"mlp.down.weight", {d, 4 * d}}, {"norm1.weight", {d}},
+      {"norm2.weight", {d}},           {"mlp.up.bias", {4 * d}}};
+  std::vector<std::pair<std::string, Shape>> out;
+  for (int i = 0; static_cast<int>(out.size()) < count; ++i) {
+    const auto& [name, shape] = layer[i % layer.size()];
+    out.push_back({"layers." + std::to_string(i / layer.size()) + "." + name, shape});
+  }
+  return out;
+}
+
+// Rank r's state dict: every parameter and its two Adam moments row-sharded (rows_sharded) or
+// column-sharded (the reshard target; 1-D tensors stay row-sharded), plus replicated entries.
+StateDict RankState(const std::vector<std::pair<std::string, Shape>>& params, int replicated, int r,
+                    int n, bool rows_sharded) {
+  StateDict sd;
+  for (const auto& [name, shape] : params) {
+    for (const char* prefix : {"model.", "optim.exp_avg.", "optim.exp_avg_sq."}) {
+      ShardedTensor st{DType::kBFloat16, shape, {}};
+      const bool by_cols = !rows_sharded && shape.size() == 2;
+      const int dim = by_cols ? 1 : 0;
+      auto [b, e] = Range(shape[dim], r, n);
+      if (e > b) {
+        Shape local = shape, off(shape.size(), 0);
+        local[dim] = e - b;
+        off[dim] = b;
+        st.local_shards.push_back({View(local), off});
+      }
+      sd.Set(prefix + name, st);
+    }
+  }
+  for (int i = 0; i < replicated; ++i) {
+    sd.Set("replicated.buffer" + std::to_string(i), View({64}));
+  }
+  return sd;
+}
+
+struct Row {
+  int n = 0;
+  double plan_s = 0, write_s = 0, load_md_s = 0;  // coordinator CPU per phase
+  double plan_mib = 0, write_mib = 0, load_md_mib = 0;
+  double gathered_mib = 0, scattered_mib = 0, md_mib = 0, md_out_mib = 0;
+  double follower_plan_s = 0, follower_md_s = 0, follower_load_s = 0;
+  double load_plan_mib_est = 0;
+  bool load_full = false;
+  double load_gather_s = -1;
+};
+
+double MiB(double bytes) { return bytes / (1024.0 * 1024.0); }
+
+Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int replicated,
+           int full_load_max) {
+  Row row;
+  row.n = n;
+  // save/plan, follower side: every rank plans and encodes; the coordinator will hold them all.
+  std::vector<std::string> gathered(n);
+  double follower_total = 0;
+  for (int r = 0; r < n; ++r) {
+    StateDict sd = RankState(params, replicated, r, n, true);
+    const double t0 = CpuSeconds();
+    DefaultSavePlanner p;
+    p.SetUp(sd, {r, n, r == 0});
+    gathered[r] = EncodeSavePlan(p.CreateLocalPlan());
+    const double dt = CpuSeconds() - t0;
+    follower_total += dt;
+    if (r == std::min(1, n - 1)) row.follower_plan_s = dt;
+    row.gathered_mib += MiB(gathered[r].size());
+  }
+  (void)follower_total;
+
+  // save/plan, coordinator side.
+  PeakMeter meter;
+  double t0 = CpuSeconds();
+  StateDict sd0 = RankState(params, replicated, 0, n, true);
+  DefaultSavePlanner coordinator;
+  coordinator.SetUp(sd0, {0, n, true});
+  std::vector<SavePlan> locals;
+  locals.reserve(n);
+  for (auto& g : gathered) {
+    locals.push_back(DecodeSavePlan(g));
+    std::string().swap(g);
+  }
+  auto [globals, md] = coordinator.CreateGlobalPlan(std::move(locals));
+  std::vector<std::string> scattered(n);
+  for (int r = 0; r < n; ++r) {
+    globals[r].storage_data = "data-0123456789abcdef-r" + std::to_string(r);
+    scattered[r] = EncodeSavePlan(globals[r]);
+    row.scattered_mib += MiB(scattered[r].size());
+  }
+  row.plan_s = CpuSeconds() - t0;
+  row.plan_mib = meter.PeakMiB();
+
+  // save/write: write results from every rank, metadata filled and replicated.
+  std::vector<std::string> results(n);
+  for (int r = 0; r < n; ++r) {
+    SavePlan mine = DecodeSavePlan(scattered[r]);
+    std::vector<WriteResult> wr;
+    uint64_t offset = 0;
+    for (const auto& item : mine.items) {
+      WriteResult w;
+      w.index = item.index;
+      w.storage.relative_path = mine.storage_data + "-b0.data";
+      w.storage.offset = offset;
+      w.storage.length = item.size_bytes;
+      w.storage.raw_length = item.size_bytes;
+      w.storage.crc32c = static_cast<uint32_t>(offset * 2654435761u);
+      offset += item.size_bytes;
+      w.size_in_bytes = item.size_bytes;
+      wr.push_back(std::move(w));
+    }
+    results[r] = EncodeWriteResults(wr);
+  }
+  scattered.clear();
+  meter.Reset();
+  t0 = CpuSeconds();
+  for (auto& r : results) {
+    for (auto& w : DecodeWriteResults(r)) md.storage.emplace(w.index, w.storage);
+    std::string().swap(r);
+  }
+  md.world_size = n;
+  std::string md_bytes = EncodeMetadata(md);
+  std::vector<std::string> replies(n, md_bytes);  // today's reply: one copy per rank
+  row.write_s = CpuSeconds() - t0;
+  row.write_mib = meter.PeakMiB();
+  row.md_mib = MiB(md_bytes.size());
+  row.md_out_mib = row.md_mib * n;
+  replies.clear();
+
+  // load/metadata: read (already in memory here), encode, replicate; a follower decodes it.
+  meter.Reset();
+  t0 = CpuSeconds();
+  std::string enc = EncodeMetadata(md);
+  std::vector<std::string> bcast(n, enc);
+  row.load_md_s = CpuSeconds() - t0;
+  row.load_md_mib = meter.PeakMiB();
+  bcast.clear();
+  t0 = CpuSeconds();
+  Metadata follower_md = DecodeMetadata(enc, "scale-bench");
+  row.follower_md_s = CpuSeconds() - t0;
+
+  // load/plan: the all-to-all reshard.
+  auto load_plan = [&](int r) {
+    StateDict sd = RankState(params, replicated, r, n, false);
+    DefaultLoadPlanner lp;
+    lp.SetUp(sd, follower_md, {r, n, r == 0});
+    return EncodeLoadPlan(lp.CreateLocalPlan());
+  };
+  t0 = CpuSeconds();
+  const std::string one = load_plan(std::min(1, n - 1));
+  row.follower_load_s = CpuSeconds() - t0;
+  row.load_plan_mib_est = MiB(one.size()) * n;
+  if (n <= full_load_max) {
+    std::vector<std::string> plans(n);
+    for (int r = 0; r < n; ++r) plans[r] = load_plan(r);
+    meter.Reset();
+    t0 = CpuSeconds();
+    std::vector<LoadPlan> decoded;
+    for (auto& p : plans) decoded.push_back(DecodeLoadPlan(p));
+    DefaultLoadPlanner lp;
+    StateDict sd = RankState(params, replicated, 0, n, false);
+    lp.SetUp(sd, follower_md, {0, n, true});
+    auto out = lp.CreateGlobalPlan(std::move(decoded));
+    double scattered_bytes = 0;
+    for (const auto& p : out) scattered_bytes += EncodeLoadPlan(p).size();
+    row.load_gather_s = CpuSeconds() - t0;
+    row.load_full = true;
+    (void)scattered_bytes;
+  }
+  return row;
+}
+
+double Growth(double prev, double cur, int prev_n, int cur_n) {
+  if (prev <= 0 || cur <= 0) return 0;
+  return std::log(cur / prev) / std::log(static_cast<double>(cur_n) / prev_n);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"dcp-scale-bench: coordinator and follower cost of the protocol vs world size"};
+  std::vector<int> ranks = {64, 256, 1024};
+  int params = 1000, replicated = 50, full_load_max = 256;
+  app.add_option("--ranks", ranks, "world sizes to simulate")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--params", params, "model parameters (x3 entries with Adam)")
+      ->capture_default_str();
+  app.add_option("--replicated", replicated, "replicated entries")->capture_default_str();
+  app.add_option("--full-load-max", full_load_max,
+                 "largest N whose all-to-all load gather is simulated in full")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  const auto shapes = Parameters(params);
+  std::printf(
+      "dcp-scale-bench: %d parameters x3 (model, exp_avg, exp_avg_sq) sharded over all "
+      "ranks + %d replicated entries; CPU seconds of one thread, peak extra MiB\n",
+      params, replicated);
+  std::printf("%6s | %8s %8s %8s | %8s %8s %9s %9s | %8s %9s | %9s %9s %9s | %8s %10s\n", "N",
+              "plan s", "write s", "ldmeta s", "plan MiB", "wr MiB", "gather", "scatter", "md MiB",
+              "md out", "f.plan s", "f.md s", "f.load s", "ld gat s", "ld plans");
+  std::vector<Row> rows;
+  for (int n : ranks) {
+    Row r = RunOne(n, shapes, replicated, full_load_max);
+    std::printf(
+        "%6d | %8.2f %8.2f %8.2f | %8.0f %8.0f %8.1fM %8.1fM | %8.2f %8.0fM | %9.4f "
+        "%9.4f %9.4f | %8s %9.0fM%s\n",
+        r.n, r.plan_s, r.write_s, r.load_md_s, r.plan_mib, r.write_mib, r.gathered_mib,
+        r.scattered_mib, r.md_mib, r.md_out_mib, r.follower_plan_s, r.follower_md_s,
+        r.follower_load_s, r.load_full ? std::to_string(r.load_gather_s).substr(0, 6).c_str() : "-",
+        r.load_plan_mib_est, r.load_full ? "" : " (est.)");
+    std::fflush(stdout);
+    rows.push_back(r);
+  }
+  std::printf("\ngrowth exponent k (cost ~ N^k) between consecutive N:\n");
+  std::printf("%6s %6s | %7s %7s %8s %8s %7s %9s\n", "from", "to", "plan s", "write s", "plan MiB",
+              "md out", "md MiB", "f.load s");
+  for (size_t i = 1; i < rows.size(); ++i) {
+    const Row &a = rows[i - 1], &b = rows[i];
+    std::printf("%6d %6d | %7.2f %7.2f %8.2f %8.2f %7.2f %9.2f\n", a.n, b.n,
+                Growth(a.plan_s, b.plan_s, a.n, b.n), Growth(a.write_s, b.write_s, a.n, b.n),
+                Growth(a.plan_mib, b.plan_mib, a.n, b.n),
+                Growth(a.md_out_mib, b.md_out_mib, a.n, b.n), Growth(a.md_mib, b.md_mib, a.n, b.n),
+                Growth(a.follower_load_s, b.follower_load_s, a.n, b.n));
+  }
+  std::printf(
+      "\nCoordinator peak extra memory vs one encoded metadata (target < 4x): %.1fx at N=%d\n",
+      std::max(rows.back().plan_mib, rows.back().write_mib) / std::max(rows.back().md_mib, 1e-9),
+      rows.back().n);
+  return 0;
+}
