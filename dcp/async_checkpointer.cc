@@ -2,8 +2,12 @@
 // - Staging buffers are keyed by (fqn, shard offsets) and kept across saves, so after the first
 //   save no memory is allocated and every copy lands in warm, already-faulted pages (first-touch
 //   page faults cost ~25x a warm memcpy on this class of machine).
-// - One persistent background thread runs the saves. It owns a shared_ptr to the state it needs,
-//   so if a shutdown gives up on a stuck save, the thread can be detached safely.
+// - One persistent background thread runs the saves. A shutdown that gives up on a stuck save
+//   first poisons the background communicator, so a save waiting on a peer fails within a poll
+//   interval and the thread is joined: it must never go on polling MPI after the application
+//   finalises it. Only a thread stuck inside storage (not the communicator) is detached after a
+//   bounded wait; it owns a shared_ptr to everything it uses, and a poisoned communicator makes
+//   no further MPI call that receives.
 // - A snapshot failure (say, a tensor that cannot be copied) still enters the protocol (the
 //   background save fails in its first phase), so every rank sees the same outcome.
 #include "dcp/async_checkpointer.h"
@@ -343,6 +347,9 @@ AsyncCheckpointer::AsyncCheckpointer(std::unique_ptr<Communicator> background_co
                                      AsyncOptions options)
     : impl_(std::make_shared<Impl>()) {
   if (!background_comm) throw InvalidArgumentError("AsyncCheckpointer needs a communicator");
+  if (std::string problem = background_comm->ConcurrentUseProblem(); !problem.empty()) {
+    throw UnsupportedError("AsyncCheckpointer cannot save in the background: " + problem);
+  }
   impl_->comm = std::move(background_comm);
   impl_->options = std::move(options);
   // The thread holds its own reference, so giving up on it at shutdown is safe.
@@ -407,9 +414,20 @@ void AsyncCheckpointer::Close(std::chrono::milliseconds timeout) {
   }
   impl_->cv.notify_all();
   if (!finished) {
-    // The save is stuck (a peer or the storage hangs). Leave the thread to finish or fail on its
-    // own; it keeps everything it uses alive. The checkpoint is reported as unfinished.
-    impl_->worker.detach();
+    // The save is stuck (a peer or the storage hangs). Stop its collectives, then join the
+    // thread if it ends within a grace period (it does unless it hangs inside storage).
+    impl_->comm->Stop("the AsyncCheckpointer was closed while a save to " + s->metrics.uri +
+                      " was still running");
+    // A collective notices within a poll interval; a thread inside storage does not end here.
+    std::unique_lock<std::mutex> lock(s->mu);
+    const bool ended =
+        s->cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return s->done; });
+    lock.unlock();
+    if (ended) {
+      impl_->worker.join();
+    } else {
+      impl_->worker.detach();  // stuck in storage; its communicator makes no further call
+    }
     throw Error(
         ErrorCode::kIo,
         "checkpoint " + s->metrics.uri + " is unfinished: the background save did not end within " +

@@ -40,12 +40,26 @@ RankFailure FromReport(const pb::ErrorReport& e) {
 using LocalStep = std::function<std::string()>;
 using GlobalStep = std::function<std::vector<std::string>(std::vector<std::string>)>;
 
+// A phase's failure on every rank: poisons the communicator when any rank timed out, since the
+// ranks' collective sequences may now differ (docs/PROTOCOL.md, "Failure semantics").
+[[noreturn]] void FailPhase(Communicator& comm, const std::string& phase,
+                            std::vector<RankFailure> failures, Outcome outcome) {
+  CollectiveError error(phase, std::move(failures), outcome);
+  if (error.timed_out()) comm.Poison(error.what());
+  throw error;
+}
+
 // One phase of the protocol: every rank runs `local`; the coordinator gathers the outcomes and,
 // if all succeeded, runs `global` to produce one reply per rank; the replies (or the complete
 // list of failures) are scattered back. Returns this rank's reply, or throws the same
 // CollectiveError on every rank.
+//
+// `decides_commit` marks the phase whose global step commits a save (save/write). Its verdict
+// defines the save's outcome: a rank that reported success and then cannot receive the verdict
+// throws with Outcome::kUnknown (it must keep its data), and a global step that failed after
+// the commit (CommitError) makes every rank throw with that outcome.
 std::string RunPhase(Communicator& comm, const std::string& phase, const LocalStep& local,
-                     const GlobalStep& global) {
+                     const GlobalStep& global, bool decides_commit = false) {
   const int rank = comm.rank(), size = comm.size();
   pb::PhaseMessage mine;
   try {
@@ -53,13 +67,19 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
   } catch (...) {
     *mine.mutable_error() = ToReport(CurrentExceptionAsFailure(rank));
   }
+  const bool reported_success = !mine.has_error();
 
   std::vector<std::string> replies;
   if (rank != 0) {
-    comm.Gather(mine.SerializeAsString(), 0, phase);  // a send: never blocks
+    try {
+      comm.Gather(mine.SerializeAsString(), 0, phase);  // a send: never blocks
+    } catch (const CollectiveError& e) {
+      throw CollectiveError(e.phase(), e.failures());  // e.g. poisoned: nothing was reported
+    }
   } else {
     std::vector<RankFailure> failures;
     std::vector<std::string> payloads(size);
+    Outcome outcome = Outcome::kFailed;
     try {
       auto gathered = comm.Gather(mine.SerializeAsString(), 0, phase);
       for (int r = 0; r < size; ++r) {
@@ -72,7 +92,7 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
           payloads[r] = std::move(*m.mutable_payload());
         }
       }
-    } catch (const CollectiveError& e) {  // some rank did not answer in time
+    } catch (const CollectiveError& e) {  // some rank did not answer in time, or a mismatch
       failures = e.failures();
     }
     if (failures.empty()) {
@@ -83,6 +103,9 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
                               std::to_string(payloads.size()) + " replies for " +
                               std::to_string(size) + " ranks");
         }
+      } catch (const CommitError& e) {
+        failures.push_back(CurrentExceptionAsFailure(0));
+        outcome = e.outcome();
       } catch (...) {
         failures.push_back(CurrentExceptionAsFailure(0));
       }
@@ -95,6 +118,7 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
         out.set_payload(std::move(payloads[r]));
       } else {
         for (const auto& f : failures) *out.add_failures() = ToReport(f);
+        out.set_outcome(static_cast<int>(outcome));
       }
       replies[r] = out.SerializeAsString();
     }
@@ -102,6 +126,7 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
 
   std::string reply;
   if (rank == 0) {
+    // Sends only: a communicator poisoned by this phase's gather still tells the peers.
     reply = comm.Scatter(std::move(replies), 0, phase);
   } else {
     // Rank 0 may itself wait up to one timeout for a slow peer before answering, so wait for
@@ -110,6 +135,11 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
     comm.set_timeout(saved * 2 + std::chrono::seconds(5));
     try {
       reply = comm.Scatter({}, 0, phase);
+    } catch (const CollectiveError& e) {
+      comm.set_timeout(saved);
+      // Having reported its writes, this rank cannot tell whether rank 0 committed them.
+      FailPhase(comm, e.phase(), e.failures(),
+                decides_commit && reported_success ? Outcome::kUnknown : Outcome::kFailed);
     } catch (...) {
       comm.set_timeout(saved);
       throw;
@@ -118,13 +148,13 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
   }
   pb::PhaseOutcome out;
   if (!out.ParseFromString(reply)) {
-    throw CollectiveError(phase,
-                          {{0, ErrorCode::kInternal, "unreadable reply from rank 0", false}});
+    FailPhase(comm, phase, {{0, ErrorCode::kInternal, "unreadable reply from rank 0", false}},
+              decides_commit && reported_success ? Outcome::kUnknown : Outcome::kFailed);
   }
   if (out.failures_size() > 0) {
     std::vector<RankFailure> failures;
     for (const auto& f : out.failures()) failures.push_back(FromReport(f));
-    throw CollectiveError(phase, std::move(failures));
+    FailPhase(comm, phase, std::move(failures), static_cast<Outcome>(out.outcome()));
   }
   return std::move(*out.mutable_payload());
 }
@@ -132,6 +162,21 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
 std::vector<std::string> Replicate(std::string payload, int size) {
   return std::vector<std::string>(size, std::move(payload));
 }
+
+// Opens an operation on the communicator for the scope of one Save or Load; the id tags every
+// message (see Communicator::OpenOperation).
+class OperationScope {
+ public:
+  OperationScope(Communicator& comm, std::string_view name, std::string_view target) : comm_(comm) {
+    comm.OpenOperation(name, target);
+  }
+  ~OperationScope() { comm_.EndOperation(); }
+  OperationScope(const OperationScope&) = delete;
+  OperationScope& operator=(const OperationScope&) = delete;
+
+ private:
+  Communicator& comm_;
+};
 
 }  // namespace
 
@@ -145,8 +190,12 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
   const PlannerContext pctx{rank, size, rank == 0};
   StorageContext sctx{rank, size, rank == 0, rank == 0 ? NewSaveId() : std::string()};
   Metadata global_md;  // built on the coordinator
+  std::string md_bytes;
 
+  // The state machine of docs/PROTOCOL.md: every local step runs inside a phase, so an error on
+  // one rank is everyone's; only a verdict of kFailed lets a rank remove what it wrote.
   try {
+    OperationScope op(comm, "save", writer.uri());
     const std::string my_plan = RunPhase(
         comm, "save/plan",
         [&] {
@@ -164,11 +213,14 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
           for (const auto& p : global_plans) out.push_back(EncodeSavePlan(p));
           return out;
         });
-    const SavePlan plan = planner.FinishPlan(DecodeSavePlan(my_plan));
 
-    const std::string md_bytes = RunPhase(
+    SavePlan plan;
+    md_bytes = RunPhase(
         comm, "save/write",
-        [&] { return EncodeWriteResults(writer.WriteData(plan, planner).get()); },
+        [&] {
+          plan = planner.FinishPlan(DecodeSavePlan(my_plan));
+          return EncodeWriteResults(writer.WriteData(plan, planner).get());
+        },
         [&](std::vector<std::string> locals) {
           std::vector<std::vector<WriteResult>> results;
           for (const auto& r : locals) results.push_back(DecodeWriteResults(r));
@@ -183,12 +235,18 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
           global_md.library_version = DCP_VERSION_STRING;
           writer.Finish(global_md, results);
           return Replicate(EncodeMetadata(global_md), size);
-        });
-    return DecodeMetadata(md_bytes, writer.uri());
+        },
+        /*decides_commit=*/true);
+  } catch (const CollectiveError& e) {
+    // Only a save known not to be committed may remove data (docs/PROTOCOL.md).
+    if (e.outcome() == Outcome::kFailed) writer.Abort();
+    throw;
   } catch (...) {
     writer.Abort();
     throw;
   }
+  // Committed: whatever fails from here on removes nothing.
+  return DecodeMetadata(md_bytes, writer.uri());
 }
 
 Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
@@ -202,34 +260,37 @@ Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
   const PlannerContext pctx{rank, size, rank == 0};
   const StorageContext sctx{rank, size, rank == 0, {}};
 
+  OperationScope op(comm, "load", reader.uri());
   // The coordinator alone reads (and validates) the metadata; everyone else receives it.
-  const std::string md_bytes = RunPhase(
-      comm, "load/metadata", [] { return std::string(); },
-      [&](std::vector<std::string>) {
-        return Replicate(EncodeMetadata(reader.ReadMetadata()), size);
-      });
-  const Metadata md = DecodeMetadata(md_bytes, reader.uri());
-
-  const std::string my_plan = RunPhase(
-      comm, "load/plan",
-      [&] {
-        reader.SetUp(md, sctx);
-        planner.SetUp(state_dict, md, pctx);
-        return EncodeLoadPlan(reader.PrepareLocalPlan(planner.CreateLocalPlan()));
-      },
-      [&](std::vector<std::string> locals) {
-        std::vector<LoadPlan> plans;
-        for (const auto& p : locals) plans.push_back(DecodeLoadPlan(p));
-        plans = reader.PrepareGlobalPlan(planner.CreateGlobalPlan(std::move(plans)));
-        std::vector<std::string> out;
-        for (const auto& p : plans) out.push_back(EncodeLoadPlan(p));
-        return out;
-      });
-  const LoadPlan plan = planner.FinishPlan(DecodeLoadPlan(my_plan));
+  Metadata md;
+  const std::string my_plan = [&] {
+    const std::string md_bytes = RunPhase(
+        comm, "load/metadata", [] { return std::string(); },
+        [&](std::vector<std::string>) {
+          return Replicate(EncodeMetadata(reader.ReadMetadata()), size);
+        });
+    return RunPhase(
+        comm, "load/plan",
+        [&] {
+          md = DecodeMetadata(md_bytes, reader.uri());
+          reader.SetUp(md, sctx);
+          planner.SetUp(state_dict, md, pctx);
+          return EncodeLoadPlan(reader.PrepareLocalPlan(planner.CreateLocalPlan()));
+        },
+        [&](std::vector<std::string> locals) {
+          std::vector<LoadPlan> plans;
+          for (const auto& p : locals) plans.push_back(DecodeLoadPlan(p));
+          plans = reader.PrepareGlobalPlan(planner.CreateGlobalPlan(std::move(plans)));
+          std::vector<std::string> out;
+          for (const auto& p : plans) out.push_back(EncodeLoadPlan(p));
+          return out;
+        });
+  }();
 
   RunPhase(
       comm, "load/read",
       [&] {
+        const LoadPlan plan = planner.FinishPlan(DecodeLoadPlan(my_plan));
         reader.ReadData(plan, planner).get();
         return std::string();
       },

@@ -5,6 +5,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <random>
 #include <thread>
 
 #include "proto/error.h"
@@ -13,22 +14,15 @@ namespace dcp {
 
 namespace {
 
-// Wire frame: 8-byte little-endian sequence number, then the payload.
-std::string Frame(uint64_t seq, std::string payload) {
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((seq >> (8 * i)) & 0xff);
-  out += payload;
-  return out;
+void PutU64(std::string& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
 
-bool Unframe(const std::string& frame, uint64_t* seq, std::string* payload) {
-  if (frame.size() < 8) return false;
-  uint64_t s = 0;
+uint64_t GetU64(const char* p) {
+  uint64_t v = 0;
   for (int i = 0; i < 8; ++i)
-    s |= static_cast<uint64_t>(static_cast<unsigned char>(frame[i])) << (8 * i);
-  *seq = s;
-  *payload = frame.substr(8);
-  return true;
+    v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  return v;
 }
 
 std::string PackVector(const std::vector<std::string>& v) {
@@ -56,19 +50,6 @@ std::vector<std::string> UnpackVector(const std::string& data, size_t count) {
   return out;
 }
 
-[[noreturn]] void ThrowTimeout(std::string_view what, const std::vector<int>& ranks,
-                               std::chrono::milliseconds timeout, int observer) {
-  std::vector<RankFailure> failures;
-  for (int r : ranks) {
-    failures.push_back({r, ErrorCode::kTimeout,
-                        "rank " + std::to_string(r) + " did not answer within " +
-                            std::to_string(timeout.count()) + " ms (seen by rank " +
-                            std::to_string(observer) + ")",
-                        true});
-  }
-  throw CollectiveError(std::string(what), std::move(failures));
-}
-
 // Poll with a short spin, then back off to 1 ms sleeps: control messages are latency-sensitive
 // only at the start of a wait.
 void Backoff(int& round) {
@@ -80,32 +61,216 @@ void Backoff(int& round) {
   ++round;
 }
 
+uint64_t NewOperationId() {
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  const uint64_t r = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  // Never 0 (0 means "no operation"); the counter keeps ids of one process distinct.
+  return (r ^ (++counter * 0x9e3779b97f4a7c15ull)) | 1;
+}
+
+std::string OpName(uint64_t op) {
+  if (op == 0) return "no operation";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "operation %016llx", static_cast<unsigned long long>(op));
+  return buf;
+}
+
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Communicator: operations and poisoning.
+
+uint64_t Communicator::OpenOperation(std::string_view name, std::string_view target) {
+  const std::string what = std::string(name) + "/open";
+  std::string msg;
+  if (rank() == 0) {
+    PutU64(msg, NewOperationId());
+    msg.append(target);
+  }
+  msg = Broadcast(std::move(msg), 0, what);
+  if (msg.size() < 8) throw InternalError("malformed operation id");
+  CheckTarget(what, msg.substr(8), target);
+  return GetU64(msg.data());
+}
+
+void Communicator::CheckTarget(std::string_view what, std::string_view roots,
+                               std::string_view mine) {
+  if (roots == mine) return;
+  const std::string reason = "rank 0 opened '" + std::string(what) + "' on " + std::string(roots) +
+                             " while rank " + std::to_string(rank()) + " opened it on " +
+                             std::string(mine) +
+                             ": the ranks are not running the same operation (did a rank skip "
+                             "or repeat one?)";
+  Poison(reason);
+  throw CollectiveError(std::string(what), {{rank(), ErrorCode::kCollective, reason, false}});
+}
+
+void Communicator::Poison(const std::string& reason) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(poison_mu_);
+    if (poisoned_.load(std::memory_order_relaxed)) return;
+    poison_reason_ = reason;
+    poisoned_.store(true, std::memory_order_release);
+  } catch (...) {
+    poisoned_.store(true, std::memory_order_release);  // the reason is lost, not the poison
+  }
+}
+
+void Communicator::Stop(const std::string& reason) noexcept {
+  Poison(reason);
+  stopped_.store(true, std::memory_order_release);
+}
+
+std::string Communicator::poison_reason() const {
+  std::lock_guard<std::mutex> lock(poison_mu_);
+  return poison_reason_;
+}
+
+void Communicator::ThrowIfPoisoned(std::string_view what) const {
+  if (!poisoned()) return;
+  throw CollectiveError(
+      std::string(what),
+      {{rank(), ErrorCode::kCollective,
+        "this communicator is unusable since an earlier failure (" + poison_reason() +
+            "); messages of that operation may still be in flight, so no later collective can "
+            "be trusted on it: create a new communicator (e.g. a new MpiCommunicator, "
+            "collectively)",
+        false}});
+}
+
+// ---------------------------------------------------------------------------------------------
+// PointToPointCommunicator.
+//
+// Wire frame: sequence number (u64 LE), operation id (u64 LE), phase name length (u16 LE), the
+// phase name, then the payload. The checks in Accept are what turn a rank that skipped or added
+// a collective into an immediate, named error instead of a silent pairing of different saves.
+
+struct PointToPointCommunicator::Frame {
+  uint64_t seq = 0, op = 0;
+  std::string what, payload;
+  static bool Parse(const std::string& bytes, Frame* f) {
+    if (bytes.size() < 18) return false;
+    f->seq = GetU64(bytes.data());
+    f->op = GetU64(bytes.data() + 8);
+    const size_t n = static_cast<unsigned char>(bytes[16]) |
+                     (static_cast<size_t>(static_cast<unsigned char>(bytes[17])) << 8);
+    if (bytes.size() - 18 < n) return false;
+    f->what = bytes.substr(18, n);
+    f->payload = bytes.substr(18 + n);
+    return true;
+  }
+};
+
+void PointToPointCommunicator::SendFrame(int dest, uint64_t seq, std::string_view what,
+                                         std::string payload) {
+  if (stopped()) ThrowIfPoisoned(what);  // a shutdown forbade any further transport call
+  std::string out;
+  const size_t n = std::min<size_t>(what.size(), 0xffff);
+  out.reserve(18 + n + payload.size());
+  PutU64(out, seq);
+  PutU64(out, op_);
+  out.push_back(static_cast<char>(n & 0xff));
+  out.push_back(static_cast<char>(n >> 8));
+  out.append(what.data(), n);
+  out += payload;
+  Send(dest, kTag, std::move(out));
+}
+
+void PointToPointCommunicator::FailMismatch(int source, std::string_view what,
+                                            const std::string& detail) {
+  const std::string reason = "rank " + std::to_string(rank()) + " waited for '" +
+                             std::string(what) + "' (" + OpName(op_) + ") from rank " +
+                             std::to_string(source) + " but received " + detail +
+                             ": the ranks are not running the same collective";
+  Poison(reason);
+  throw CollectiveError(std::string(what), {{source, ErrorCode::kCollective, reason, false}});
+}
+
+void PointToPointCommunicator::FailTimeout(std::string_view what, const std::vector<int>& ranks) {
+  std::vector<RankFailure> failures;
+  std::string names;
+  for (int r : ranks) {
+    failures.push_back({r, ErrorCode::kTimeout,
+                        "rank " + std::to_string(r) + " did not answer within " +
+                            std::to_string(timeout().count()) + " ms (seen by rank " +
+                            std::to_string(rank()) + ")",
+                        true});
+    names += (names.empty() ? "" : ", ") + std::to_string(r);
+  }
+  Poison("rank(s) " + names + " did not answer '" + std::string(what) + "' within " +
+         std::to_string(timeout().count()) + " ms");
+  throw CollectiveError(std::string(what), std::move(failures));
+}
+
+std::optional<std::string> PointToPointCommunicator::Accept(const std::string& bytes, int source,
+                                                            uint64_t seq, std::string_view what) {
+  Frame f;
+  if (!Frame::Parse(bytes, &f)) FailMismatch(source, what, "an unreadable message");
+  if (f.seq < seq) return std::nullopt;  // a late message of an abandoned collective: drop it
+  const std::string got =
+      "'" + f.what + "' (" + OpName(f.op) + ", collective #" + std::to_string(f.seq) + ")";
+  if (f.seq > seq) {
+    FailMismatch(source, what, got + " while expecting collective #" + std::to_string(seq));
+  }
+  if (f.what != what) FailMismatch(source, what, got);
+  if (adopting_op_) {
+    op_ = f.op;
+    adopting_op_ = false;
+  } else if (f.op != op_) {
+    FailMismatch(source, what, got);
+  }
+  return std::move(f.payload);
+}
 
 std::string PointToPointCommunicator::Receive(int source, uint64_t seq,
                                               std::chrono::steady_clock::time_point deadline,
                                               std::string_view what) {
   int round = 0;
   while (true) {
-    if (auto frame = TryReceive(source, TagFor(seq))) {
-      uint64_t got;
-      std::string payload;
-      if (Unframe(*frame, &got, &payload) && got == seq) return payload;
-      continue;  // a stale message of an abandoned collective: drop it
+    ThrowIfPoisoned(what);  // e.g. a shutdown stopping this collective from another thread
+    if (auto frame = TryReceive(source, kTag)) {
+      if (auto payload = Accept(*frame, source, seq, what)) return std::move(*payload);
+      continue;
     }
-    if (std::chrono::steady_clock::now() >= deadline)
-      ThrowTimeout(what, {source}, timeout(), rank());
+    if (std::chrono::steady_clock::now() >= deadline) FailTimeout(what, {source});
     Backoff(round);
   }
+}
+
+uint64_t PointToPointCommunicator::OpenOperation(std::string_view name, std::string_view target) {
+  const std::string what = std::string(name) + "/open";
+  ThrowIfPoisoned(what);
+  if (rank() == 0) {
+    op_ = NewOperationId();
+    std::string msg;
+    PutU64(msg, op_);
+    msg.append(target);
+    Broadcast(std::move(msg), 0, what);
+    return op_;
+  }
+  op_ = 0;
+  adopting_op_ = true;  // the open message carries the id this rank adopts
+  std::string msg;
+  try {
+    msg = Broadcast({}, 0, what);
+  } catch (...) {
+    adopting_op_ = false;
+    throw;
+  }
+  if (msg.size() < 8) FailMismatch(0, what, "a malformed operation id");
+  CheckTarget(what, std::string_view(msg).substr(8), target);
+  return op_;
 }
 
 std::vector<std::string> PointToPointCommunicator::Gather(std::string message, int root,
                                                           std::string_view what) {
   const uint64_t seq = NextSeq();
   if (rank() != root) {
-    Send(root, TagFor(seq), Frame(seq, std::move(message)));
+    SendFrame(root, seq, what, std::move(message));
     return {};
   }
+  ThrowIfPoisoned(what);
   std::vector<std::string> out(size());
   std::vector<bool> have(size(), false);
   out[root] = std::move(message);
@@ -113,14 +278,13 @@ std::vector<std::string> PointToPointCommunicator::Gather(std::string message, i
   const auto deadline = std::chrono::steady_clock::now() + timeout();
   int missing = size() - 1, round = 0;
   while (missing > 0) {
+    ThrowIfPoisoned(what);
     bool progress = false;
     for (int r = 0; r < size(); ++r) {
       if (have[r]) continue;
-      if (auto frame = TryReceive(r, TagFor(seq))) {
-        uint64_t got;
-        std::string payload;
-        if (Unframe(*frame, &got, &payload) && got == seq) {
-          out[r] = std::move(payload);
+      if (auto frame = TryReceive(r, kTag)) {
+        if (auto payload = Accept(*frame, r, seq, what)) {
+          out[r] = std::move(*payload);
           have[r] = true;
           --missing;
         }
@@ -133,7 +297,7 @@ std::vector<std::string> PointToPointCommunicator::Gather(std::string message, i
       for (int r = 0; r < size(); ++r) {
         if (!have[r]) late.push_back(r);
       }
-      ThrowTimeout(what, late, timeout(), rank());
+      FailTimeout(what, late);
     }
     if (!progress) Backoff(round);
   }
@@ -148,7 +312,7 @@ std::string PointToPointCommunicator::Scatter(std::vector<std::string> messages,
       throw InvalidArgumentError("scatter needs one message per rank");
     }
     for (int r = 0; r < size(); ++r) {
-      if (r != root) Send(r, TagFor(seq), Frame(seq, std::move(messages[r])));
+      if (r != root) SendFrame(r, seq, what, std::move(messages[r]));
     }
     return std::move(messages[root]);
   }
@@ -160,7 +324,7 @@ std::string PointToPointCommunicator::Broadcast(std::string message, int root,
   const uint64_t seq = NextSeq();
   if (rank() == root) {
     for (int r = 0; r < size(); ++r) {
-      if (r != root) Send(r, TagFor(seq), Frame(seq, message));
+      if (r != root) SendFrame(r, seq, what, message);
     }
     return message;
   }

@@ -8,13 +8,26 @@
 // process: tests and single-node tools), MpiCommunicator (dcp/mpi_communicator.h) on a private
 // duplicate of the job's MPI communicator, so dcp traffic never mixes with the application's.
 //
-// Thread safety: one thread at a time per Communicator object. Different Communicator objects
-// (e.g. one per background saver) may be used concurrently.
+// Operations and poisoning: dcp::Save and dcp::Load run as *operations*. Rank 0 opens each with
+// an id (OpenOperation) that every message of the operation carries together with its phase
+// name; a rank that receives a message of another operation or phase (a rank that skipped a
+// save, a save paired with a load) fails at once with an error naming both, and the
+// communicator is *poisoned*. A timeout poisons it too. A poisoned communicator fails every
+// collective in which this rank must receive, at once, with an error naming the original failure
+// (sends of a rank that coordinates still go out, so that it can tell its peers the verdict of
+// the operation that failed): no stale message can ever be paired with a later operation. The
+// remedy is a new communicator (e.g. a new MpiCommunicator; collective over the job).
+//
+// Thread safety: one thread at a time per Communicator object, except Poison()/poisoned(), which
+// any thread may call (e.g. a shutdown stopping a background saver). Different Communicator
+// objects (e.g. one per background saver) may be used concurrently.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -44,13 +57,55 @@ class Communicator {
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
 
+  /// Start an operation named `name` ("save", "load") on `target` (e.g. the checkpoint's URI):
+  /// collective. Rank 0 chooses a fresh id and broadcasts it with its target (phase
+  /// "<name>/open"); until EndOperation every message carries the id. A rank that opened another
+  /// operation, or the same one on another target (a rank that skipped a save is saving the
+  /// next checkpoint while rank 0 saves this one), fails here with a CollectiveError naming both,
+  /// and the communicator is poisoned.
+  virtual uint64_t OpenOperation(std::string_view name, std::string_view target);
+  /// The operation opened last has ended (either way). Never throws.
+  virtual void EndOperation() noexcept {}
+
+  /// Make this communicator unusable (see the header comment); the first reason is kept.
+  /// Thread-safe, idempotent, never throws. A collective waiting on another thread fails soon
+  /// after (within a poll interval) with the poison error.
+  void Poison(const std::string& reason) noexcept;
+  bool poisoned() const noexcept { return poisoned_.load(std::memory_order_acquire); }
+  /// Poison and also refuse every send: for a shutdown that must know this communicator makes no
+  /// further call into its transport (e.g. before MPI_Finalize). Same thread-safety as Poison.
+  void Stop(const std::string& reason) noexcept;
+  bool stopped() const noexcept { return stopped_.load(std::memory_order_acquire); }
+  /// Why it was poisoned ("" when it is not).
+  std::string poison_reason() const;
+
+  /// Why this communicator must not be used from a background thread while the application
+  /// uses the same library on its own thread (e.g. MPI without MPI_THREAD_MULTIPLE), or "" when
+  /// it may. AsyncCheckpointer refuses a communicator that reports a problem.
+  virtual std::string ConcurrentUseProblem() const { return {}; }
+
+ protected:
+  /// Throw the poison error (a CollectiveError for `what`, naming this rank and the original
+  /// failure) if this communicator is poisoned.
+  void ThrowIfPoisoned(std::string_view what) const;
+  /// OpenOperation's check of rank 0's target against this rank's (poisons and throws).
+  void CheckTarget(std::string_view what, std::string_view roots, std::string_view mine);
+
  private:
   std::chrono::milliseconds timeout_{std::chrono::minutes(30)};
+  std::atomic<bool> poisoned_{false};
+  std::atomic<bool> stopped_{false};
+  mutable std::mutex poison_mu_;
+  std::string poison_reason_;
 };
 
 /// Collectives built from non-blocking point-to-point messages with polling and deadlines.
-/// A backend implements Send and TryReceive only. Each collective call is numbered; messages
-/// carry the number, so a late message from an abandoned collective is recognised and dropped.
+/// A backend implements Send and TryReceive only; messages between two ranks must arrive in the
+/// order they were sent (MPI's non-overtaking rule on one tag). Each collective call is numbered,
+/// and every message carries its number, the operation id and the phase name: a message with an
+/// older number is a late one of an abandoned collective and is dropped; one with a newer number,
+/// another operation or another phase means the ranks no longer run the same collective, which
+/// fails at once and poisons the communicator.
 class PointToPointCommunicator : public Communicator {
  public:
   std::vector<std::string> Gather(std::string message, int root, std::string_view what) override;
@@ -58,23 +113,34 @@ class PointToPointCommunicator : public Communicator {
   std::string Broadcast(std::string message, int root, std::string_view what) override;
   std::vector<std::string> AllGather(std::string message, std::string_view what) override;
   void Barrier(std::string_view what) override;
+  uint64_t OpenOperation(std::string_view name, std::string_view target) override;
+  void EndOperation() noexcept override { op_ = 0; }
 
  protected:
+  /// The one tag dcp's messages use.
+  static constexpr int kTag = 0;
   /// Queue `payload` for `dest`; must not block until the receiver reads it.
   virtual void Send(int dest, int tag, std::string payload) = 0;
   /// A message from `source` with `tag` if one has arrived, without blocking.
   virtual std::optional<std::string> TryReceive(int source, int tag) = 0;
-  /// Largest tag value the backend accepts (tags cycle below it).
-  virtual int max_tag() const { return 1 << 20; }
 
  private:
+  struct Frame;
+  // The next message from `source` of collective `seq`, or CollectiveError on timeout, poison or
+  // a mismatch (which poisons).
   std::string Receive(int source, uint64_t seq, std::chrono::steady_clock::time_point deadline,
                       std::string_view what);
+  // Checks a frame received from `source` while this rank waits for collective `seq` / `what`:
+  // the payload, nullopt for a stale frame, or throws (poisoning) on a mismatch.
+  std::optional<std::string> Accept(const std::string& frame, int source, uint64_t seq,
+                                    std::string_view what);
+  [[noreturn]] void FailMismatch(int source, std::string_view what, const std::string& detail);
+  [[noreturn]] void FailTimeout(std::string_view what, const std::vector<int>& ranks);
+  void SendFrame(int dest, uint64_t seq, std::string_view what, std::string payload);
   uint64_t NextSeq() { return ++seq_; }
-  int TagFor(uint64_t seq) const {
-    return static_cast<int>(seq % static_cast<uint64_t>(max_tag()));
-  }
   uint64_t seq_ = 0;
+  uint64_t op_ = 0;           // the operation in progress (0: none)
+  bool adopting_op_ = false;  // this rank is receiving the id of an operation being opened
 };
 
 /// The trivial group of one rank.

@@ -26,16 +26,48 @@ struct MpiCommunicator::PendingSend {
   MPI_Request request = MPI_REQUEST_NULL;
 };
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
-  Check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::chrono::milliseconds timeout) {
+  // MPI_Comm_dup blocks until every rank joins; the non-blocking form lets a rank that never
+  // joins become an error instead of a hang.
+  MPI_Request request = MPI_REQUEST_NULL;
+  Check(MPI_Comm_idup(comm, &comm_, &request), "MPI_Comm_idup");
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (int done = 0;;) {
+    Check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test (MPI_Comm_idup)");
+    if (done) break;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      // The request cannot be cancelled; it is left to MPI (the job is broken anyway).
+      int me = -1;
+      MPI_Comm_rank(comm, &me);
+      throw CollectiveError(
+          "MPI_Comm_idup",
+          {{me, ErrorCode::kTimeout,
+            "not every rank joined the creation of dcp's communicator (MPI_Comm_idup) within " +
+                std::to_string(timeout.count()) + " ms (seen by rank " + std::to_string(me) +
+                "): every rank must construct an MpiCommunicator at the same point",
+            true}});
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
   // Errors must come back as codes, not abort the job.
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
-  int* ub = nullptr;
-  int flag = 0;
-  MPI_Comm_get_attr(comm_, MPI_TAG_UB, &ub, &flag);
-  if (flag && ub) max_tag_ = *ub;
+  MPI_Query_thread(&thread_level_);
+}
+
+std::string MpiCommunicator::ConcurrentUseProblem() const {
+  if (thread_level_ >= MPI_THREAD_MULTIPLE) return {};
+  const char* names[] = {"MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED"};
+  const int i = thread_level_ == MPI_THREAD_SINGLE       ? 0
+                : thread_level_ == MPI_THREAD_FUNNELED   ? 1
+                : thread_level_ == MPI_THREAD_SERIALIZED ? 2
+                                                         : -1;
+  return std::string("MPI provides only ") + (i >= 0 ? names[i] : "an unknown thread level") +
+         ", but a background saver calls MPI from its own thread while the training thread may "
+         "too, which needs MPI_THREAD_MULTIPLE: initialise MPI with dcp::InitMpi (or "
+         "MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)) and use an MPI library built with "
+         "thread support";
 }
 
 MpiCommunicator::~MpiCommunicator() {

@@ -11,8 +11,10 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <list>
 #include <memory>
+#include <string>
 
 #include "dcp/communicator.h"
 
@@ -20,8 +22,10 @@ namespace dcp {
 
 class MpiCommunicator : public PointToPointCommunicator {
  public:
-  /// Duplicate `comm` (collective over `comm`).
-  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD);
+  /// Duplicate `comm` (collective over `comm`, non-blocking: a rank that does not join within
+  /// `timeout` makes the constructor throw CollectiveError instead of hanging).
+  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD,
+                           std::chrono::milliseconds timeout = std::chrono::minutes(5));
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;
@@ -29,17 +33,19 @@ class MpiCommunicator : public PointToPointCommunicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   MPI_Comm comm() const { return comm_; }
+  /// Non-empty when MPI was initialised below MPI_THREAD_MULTIPLE (see Communicator).
+  std::string ConcurrentUseProblem() const override;
 
  protected:
   void Send(int dest, int tag, std::string payload) override;
   std::optional<std::string> TryReceive(int source, int tag) override;
-  int max_tag() const override { return max_tag_; }
 
  private:
   void ReapCompletedSends();
   struct PendingSend;
   MPI_Comm comm_ = MPI_COMM_NULL;
-  int rank_ = 0, size_ = 1, max_tag_ = 32767;
+  int rank_ = 0, size_ = 1;
+  int thread_level_ = 0;  // what MPI provides (MPI_Query_thread)
   std::list<std::unique_ptr<PendingSend>> pending_;
 };
 

@@ -72,13 +72,27 @@ struct NcclCommunicator::Impl {
     if (comm && !aborted) (void)ncclCommAbort(comm);
     aborted = true;
     abort_reason = std::string(what) + ": " + message;
+    if (self) self->Poison(abort_reason);  // the base contract: later collectives fail at once
     Fail(what, code, message + " (the NCCL communicator was aborted)", code == ErrorCode::kTimeout);
   }
 
   void CheckUsable(std::string_view what) {
+    if (!aborted && self && self->poisoned()) {
+      // Poisoned from outside (e.g. a shutdown stopping a background saver): release NCCL too.
+      if (comm) (void)ncclCommAbort(comm);
+      aborted = true;
+      abort_reason = self->poison_reason();
+    }
     if (aborted) {
       Fail(what, ErrorCode::kCollective,
            "the NCCL communicator was aborted earlier (" + abort_reason + ")", false);
+    }
+  }
+
+  // Another thread poisoned the communicator (e.g. a shutdown): stop waiting at once.
+  void StopIfPoisoned(std::string_view what) {
+    if (self && self->poisoned()) {
+      Abort(what, ErrorCode::kCollective, "stopped: " + self->poison_reason());
     }
   }
 
@@ -99,6 +113,7 @@ struct NcclCommunicator::Impl {
                   ")");
       }
       if (Clock::now() > deadline) Abort(what, ErrorCode::kTimeout, TimeoutMessage(what));
+      StopIfPoisoned(what);
       std::this_thread::sleep_for(std::chrono::microseconds(50));
       if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) r = ncclInternalError;
     }
@@ -119,6 +134,7 @@ struct NcclCommunicator::Impl {
         Settle(async, what, deadline);  // throws
       }
       if (Clock::now() > deadline) Abort(what, ErrorCode::kTimeout, TimeoutMessage(what));
+      StopIfPoisoned(what);
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }

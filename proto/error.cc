@@ -69,12 +69,41 @@ std::string DescribeFailures(const std::string& phase, const std::vector<RankFai
 }
 }  // namespace
 
-CollectiveError::CollectiveError(std::string phase, std::vector<RankFailure> failures)
-    : Error(ErrorCode::kCollective, DescribeFailures(phase, failures),
+const char* OutcomeName(Outcome outcome) {
+  switch (outcome) {
+    case Outcome::kFailed:
+      return "failed";
+    case Outcome::kUnknown:
+      return "unknown";
+    case Outcome::kCommitted:
+      return "committed";
+  }
+  return "?";
+}
+
+namespace {
+std::string DescribeOutcome(Outcome outcome) {
+  switch (outcome) {
+    case Outcome::kFailed:
+      return "";
+    case Outcome::kUnknown:
+      return " [outcome unknown to this rank: the checkpoint exists exactly when its metadata "
+             "does; this rank's data files were kept]";
+    case Outcome::kCommitted:
+      return " [the checkpoint WAS committed and is loadable; a step after the commit failed]";
+  }
+  return "";
+}
+}  // namespace
+
+CollectiveError::CollectiveError(std::string phase, std::vector<RankFailure> failures,
+                                 Outcome outcome)
+    : Error(ErrorCode::kCollective, DescribeFailures(phase, failures) + DescribeOutcome(outcome),
             !failures.empty() && std::all_of(failures.begin(), failures.end(),
                                              [](const RankFailure& f) { return f.retryable; })),
       phase_(std::move(phase)),
-      failures_(std::move(failures)) {}
+      failures_(std::move(failures)),
+      outcome_(outcome) {}
 
 std::vector<int> CollectiveError::failed_ranks() const {
   std::set<int> ranks;

@@ -129,11 +129,43 @@ struct RankFailure {
   bool retryable = false;
 };
 
+/// What a failed save left behind at its location, as far as this rank knows.
+enum class Outcome : int {
+  /// Nothing was committed: the location keeps what it had before, and this rank removed the
+  /// data files it wrote in this save.
+  kFailed = 0,
+  /// This rank reported its writes but could not learn rank 0's verdict (rank 0 did not answer
+  /// in time): the checkpoint exists exactly when its metadata does. This rank kept its data
+  /// files; a later save to the location removes them if they were not committed.
+  kUnknown = 1,
+  /// The checkpoint was committed (its metadata is in place and loadable), then a later step
+  /// failed, e.g. making the commit durable (the directory fsync). Nothing was removed.
+  kCommitted = 2,
+};
+const char* OutcomeName(Outcome outcome);
+
+/// A storage writer's commit failed after (or perhaps after) the metadata became visible:
+/// `outcome()` says whether the checkpoint is committed (kCommitted) or cannot be told
+/// (kUnknown). Carries the code of the underlying failure. Never kFailed.
+class CommitError : public Error {
+ public:
+  CommitError(Outcome outcome, ErrorCode code, const std::string& message)
+      : Error(code, message), outcome_(outcome) {}
+  Outcome outcome() const noexcept { return outcome_; }
+
+ private:
+  Outcome outcome_;
+};
+
 /// One or more ranks failed (threw, or did not answer within the timeout) during `phase`.
-/// Every rank of the job throws an equal CollectiveError for the same failure.
+/// Every rank of the job throws an equal CollectiveError for the same failure, except that
+/// outcome() may be kUnknown on a rank that could not learn the verdict (see Outcome).
 class CollectiveError : public Error {
  public:
-  CollectiveError(std::string phase, std::vector<RankFailure> failures);
+  CollectiveError(std::string phase, std::vector<RankFailure> failures,
+                  Outcome outcome = Outcome::kFailed);
+  /// For a save: what the failure left at the location (kFailed for every other operation).
+  Outcome outcome() const noexcept { return outcome_; }
   const std::string& phase() const noexcept { return phase_; }
   const std::vector<RankFailure>& failures() const noexcept { return failures_; }
   /// Ranks named in failures(), ascending, without duplicates.
@@ -144,6 +176,7 @@ class CollectiveError : public Error {
  private:
   std::string phase_;
   std::vector<RankFailure> failures_;
+  Outcome outcome_;
 };
 
 /// Throw the typed Error matching `code` (used to re-raise errors received from other ranks).

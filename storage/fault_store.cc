@@ -20,6 +20,8 @@ const char* FaultOpName(FaultOp op) {
       return "close";
     case FaultOp::kPublish:
       return "publish";
+    case FaultOp::kPublishSync:
+      return "publish-sync";
     case FaultOp::kOpen:
       return "open";
     case FaultOp::kRead:
@@ -206,8 +208,11 @@ std::optional<uint64_t> FaultInjectionStore::Size(const std::string& name) {
 void FaultInjectionStore::PublishAtomically(const std::string& name, std::string_view bytes) {
   Before(FaultOp::kPublish, name);
   inner_->PublishAtomically(name, bytes);
-  std::lock_guard<std::mutex> lock(mu_);
-  written_.erase(name);  // durable once published
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    written_.erase(name);  // durable once published
+  }
+  Before(FaultOp::kPublishSync, name);  // visible now; a failure here is one after the rename
 }
 
 std::vector<std::string> FaultInjectionStore::List() { return inner_->List(); }

@@ -24,7 +24,19 @@
 
 namespace dcp {
 
-enum class FaultOp { kCreate, kAppend, kSync, kClose, kPublish, kOpen, kRead, kRemove };
+/// kPublishSync fails PublishAtomically *after* the object became visible (as a failed
+/// directory fsync after the rename would).
+enum class FaultOp {
+  kCreate,
+  kAppend,
+  kSync,
+  kClose,
+  kPublish,
+  kOpen,
+  kRead,
+  kRemove,
+  kPublishSync
+};
 enum class FaultKind {
   kIoError,     // EIO
   kNoSpace,     // ENOSPC

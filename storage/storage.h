@@ -2,8 +2,9 @@
 //
 // Save (C = coordinator, rank 0): every rank SetUp -> PrepareLocalPlan; C PrepareGlobalPlan;
 // every rank WriteData (returns a future); C Finish writes the Metadata, whose atomic appearance
-// is what makes the checkpoint exist. After a failure anywhere, every rank calls Abort and no
-// metadata is written.
+// is what makes the checkpoint exist. After a failure that is known to have committed nothing,
+// every rank calls Abort; a rank whose outcome is unknown, or a save that failed after its
+// commit, removes nothing (docs/PROTOCOL.md).
 // Load: C ReadMetadata (broadcast by the orchestrator); every rank SetUp -> PrepareLocalPlan;
 // C PrepareGlobalPlan; every rank ReadData.
 //
@@ -110,9 +111,12 @@ class StorageWriter {
   virtual std::future<std::vector<WriteResult>> WriteData(const SavePlan& plan,
                                                           const SavePlanner& planner) = 0;
   /// Coordinator only, after every rank's writes succeeded: record where each item lives in
-  /// `metadata` and commit it durably and atomically.
+  /// `metadata` and commit it durably and atomically. A failure once the metadata may be
+  /// visible must be a CommitError (kCommitted, or kUnknown when it cannot be told): the
+  /// protocol then removes nothing; any other exception means nothing was committed.
   virtual void Finish(Metadata& metadata, const std::vector<std::vector<WriteResult>>& results) = 0;
-  /// Discard what this rank wrote in the current save. Never throws; idempotent.
+  /// Discard what this rank wrote in the current save. Called only when the save is known not to
+  /// be committed. Never throws; idempotent.
   virtual void Abort() noexcept = 0;
 };
 

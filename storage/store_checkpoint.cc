@@ -243,7 +243,19 @@ class StoreWriter : public StorageWriter {
     }
     // Every entry must have been written; checking here keeps a bad plan from committing.
     ValidateMetadata(md, store_->uri());
-    store_->PublishAtomically(kMetadataName, EncodeMetadataFile(md));
+    try {
+      store_->PublishAtomically(kMetadataName, EncodeMetadataFile(md));
+    } catch (const Error& e) {
+      // The rename may have happened before the failure (e.g. the directory fsync failed): then
+      // the checkpoint is committed and every rank must keep its data (docs/PROTOCOL.md).
+      const Outcome outcome = CommitOutcome(md.save_id);
+      if (outcome == Outcome::kFailed) throw;
+      throw CommitError(outcome, e.code(),
+                        std::string(outcome == Outcome::kCommitted
+                                        ? "the checkpoint was committed, then: "
+                                        : "the commit may or may not have happened: ") +
+                            e.what());
+    }
     // The new checkpoint is committed; data files of the one it replaced are garbage now.
     for (const auto& name : store_->List()) {
       if (IsDataObjectName(name) && !referenced.count(name)) {
@@ -254,6 +266,19 @@ class StoreWriter : public StorageWriter {
           // unreferenced files.
         }
       }
+    }
+  }
+
+  // After a failed publish: kCommitted when the metadata in place is this save's, kFailed when
+  // it is absent or another save's, kUnknown when it cannot be read.
+  Outcome CommitOutcome(const std::string& save_id) const noexcept {
+    try {
+      if (!store_->Size(kMetadataName)) return Outcome::kFailed;
+      const Metadata in_place =
+          DecodeMetadataFile(store_->ReadAll(kMetadataName), store_->uri() + "/" + kMetadataName);
+      return in_place.save_id == save_id ? Outcome::kCommitted : Outcome::kFailed;
+    } catch (...) {
+      return Outcome::kUnknown;
     }
   }
 
