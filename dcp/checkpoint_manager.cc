@@ -17,7 +17,17 @@ namespace {
 
 constexpr char kStepPrefix[] = "step-";
 
-std::optional<int64_t> ParseStep(const std::string& name) {
+// Suffix of a step's index entry in the root store (see checkpoint_manager.h).
+constexpr char kMarkerSuffix[] = ".step";
+
+// The step of "step-<n>" (a step's location, seen as a directory entry on file://) or of
+// "step-<n>.step" (its index entry, on every backend).
+std::optional<int64_t> ParseStep(std::string name) {
+  const std::string suffix = kMarkerSuffix;
+  if (name.size() > suffix.size() &&
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    name.resize(name.size() - suffix.size());
+  }
   if (name.rfind(kStepPrefix, 0) != 0 || name.size() == sizeof(kStepPrefix) - 1)
     return std::nullopt;
   int64_t v = 0;
@@ -38,6 +48,13 @@ void RemoveCheckpointFiles(const std::string& uri) {
     std::error_code ec;
     std::filesystem::remove(location, ec);  // the now-empty directory; absent is fine
   }
+  // Other backends have no containers to remove (an empty mem:// bucket, kv:// shard folders).
+}
+
+std::string StepName(int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "%s%010lld", kStepPrefix, static_cast<long long>(step));
+  return name;
 }
 
 std::string Encode(const std::vector<int64_t>& v) {
@@ -180,47 +197,47 @@ CheckpointManager::CheckpointManager(std::string root, Communicator& comm,
                                      std::unique_ptr<Communicator> background_comm,
                                      ManagerOptions options)
     : root_(std::move(root)), comm_(comm), options_(std::move(options)) {
-  if (SplitUri(root_).first != "file") {
-    throw InvalidArgumentError("CheckpointManager needs a directory root, got '" + root_ + "'");
-  }
+  // Any Store backend (file://, mem://, registered ones); OpenStore names the registered
+  // schemes when this one is unknown or is not Store based.
+  OpenStore(root_);
   if (options_.keep_last < 1) throw InvalidArgumentError("keep_last must be at least 1");
   if (background_comm) {
     saver_ = std::make_unique<AsyncCheckpointer>(std::move(background_comm), options_.async);
   }
 }
 
-CheckpointManager::~CheckpointManager() {
-  try {
-    Close();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "dcp: CheckpointManager closed with a failed or unfinished save: %s\n",
-                 e.what());
-  }
-}
+CheckpointManager::~CheckpointManager() { Close(); }  // reports on stderr, never throws
 
 std::string CheckpointManager::PathFor(int64_t step) const {
-  char name[32];
-  std::snprintf(name, sizeof(name), "%s%010lld", kStepPrefix, static_cast<long long>(step));
-  return SplitUri(root_).second + "/" + name;
+  const auto [scheme, location] = SplitUri(root_);
+  const std::string path = location + "/" + StepName(step);
+  return scheme == "file" ? path : scheme + "://" + path;
+}
+
+std::vector<int64_t> CheckpointManager::KnownSteps() const {
+  std::set<int64_t> steps;
+  for (const auto& name : OpenStore(root_)->List()) {  // an absent root lists nothing
+    if (auto step = ParseStep(name)) steps.insert(*step);
+  }
+  return {steps.begin(), steps.end()};
 }
 
 std::vector<int64_t> CheckpointManager::ScanCompleteSteps() const {
   std::vector<int64_t> steps;
-  std::error_code ec;
-  const std::string dir = SplitUri(root_).second;
-  if (!std::filesystem::is_directory(dir, ec)) return steps;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    auto step = ParseStep(e.path().filename().string());
-    if (!step || !e.is_directory()) continue;
+  for (int64_t step : KnownSteps()) {
     try {
-      ReadMetadata(PathFor(*step));  // present and valid: complete
-      steps.push_back(*step);
+      ReadMetadata(PathFor(step));  // present and valid: complete
+      steps.push_back(step);
     } catch (const Error&) {
       // No metadata (a save that never finished) or a damaged one: not a checkpoint.
     }
   }
-  std::sort(steps.begin(), steps.end());
   return steps;
+}
+
+void CheckpointManager::RemoveStep(int64_t step) {
+  RemoveCheckpointFiles(PathFor(step));
+  OpenStore(root_)->Remove(StepName(step) + kMarkerSuffix);  // last: the step stays findable
 }
 
 std::vector<int64_t> CheckpointManager::CompleteSteps() {
@@ -234,6 +251,20 @@ std::optional<int64_t> CheckpointManager::LatestStep() {
 }
 
 void CheckpointManager::AfterSaveEnded() {
+  try {
+    Retain();
+  } catch (const Error& e) {
+    // Bookkeeping failed, the save did not: report it on its own and carry on (the next
+    // retention retries; an over-kept step costs space, never data).
+    ++retention_failures_;
+    last_retention_error_ = e.what();
+    std::fprintf(stderr,
+                 "dcp: CheckpointManager retention failed (the checkpoints are intact): %s\n",
+                 e.what());
+  }
+}
+
+void CheckpointManager::Retain() {
   OnCoordinator(comm_, "manager/retention", [&] {
     const auto complete = ScanCompleteSteps();
     if (complete.empty()) return std::string();
@@ -247,17 +278,26 @@ void CheckpointManager::AfterSaveEnded() {
       if (options_.keep_every > 0 && s % options_.keep_every == 0) keep.insert(s);
     }
     for (int64_t s : complete) {
-      if (!keep.count(s) && s != in_flight_step_) RemoveCheckpointFiles(PathFor(s));
+      if (!keep.count(s) && s != in_flight_step_) RemoveStep(s);
     }
     // Leftovers of crashed saves (no metadata), older than the newest complete step.
-    std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator(SplitUri(root_).second, ec)) {
-      auto step = ParseStep(e.path().filename().string());
-      if (step && *step < newest && *step != in_flight_step_ &&
-          !std::binary_search(complete.begin(), complete.end(), *step)) {
-        RemoveCheckpointFiles(PathFor(*step));
+    for (int64_t step : KnownSteps()) {
+      if (step < newest && step != in_flight_step_ &&
+          !std::binary_search(complete.begin(), complete.end(), step)) {
+        RemoveStep(step);
       }
     }
+    return std::string();
+  });
+}
+
+void CheckpointManager::BeginStep(int64_t step) {
+  // The step's index entry goes in before any of its data, so that a crash leaves a step the
+  // next retention can find and remove on every backend (a Store cannot list "folders").
+  OnCoordinator(comm_, "manager/begin", [&] {
+    std::shared_ptr<Store> root = OpenStore(root_);
+    root->CreateRoot();
+    root->PublishAtomically(StepName(step) + kMarkerSuffix, PathFor(step) + "\n");
     return std::string();
   });
 }
@@ -269,6 +309,7 @@ std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict
                                " after " + std::to_string(last_step_));
   }
   Wait();
+  BeginStep(step);
   last_step_ = step;
   SaveOptions so = options_.save;
   so.storage.overwrite = true;  // a step directory without metadata is a crashed attempt
@@ -314,7 +355,7 @@ std::optional<int64_t> CheckpointManager::Restore(StateDict& state, const LoadOp
   return step;
 }
 
-void CheckpointManager::Close() {
+void CheckpointManager::CloseOrThrow() {
   if (closed_) return;
   closed_ = true;
   std::exception_ptr error;
@@ -323,8 +364,28 @@ void CheckpointManager::Close() {
   } catch (...) {
     error = std::current_exception();
   }
-  if (saver_) saver_->Close();
+  if (saver_) {
+    try {
+      saver_->Close();
+    } catch (...) {
+      if (!error) error = std::current_exception();  // the save's own error comes first
+    }
+  }
   if (error) std::rethrow_exception(error);
+}
+
+bool CheckpointManager::Close() noexcept {
+  try {
+    CloseOrThrow();
+    return close_error_.empty();
+  } catch (const std::exception& e) {
+    close_error_ = e.what();
+  } catch (...) {
+    close_error_ = "unknown error";
+  }
+  std::fprintf(stderr, "dcp: CheckpointManager closed with a failed or unfinished save: %s\n",
+               close_error_.c_str());
+  return false;
 }
 
 }  // namespace dcp
