@@ -1,5 +1,7 @@
 #include "dcp/checkpoint_manager.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -39,11 +41,26 @@ std::optional<int64_t> ParseStep(std::string name) {
 }
 
 // Remove a checkpoint's files: metadata first (it stops being a checkpoint), then the rest.
+// Under the location's writer lock, so a checkpoint another job is writing right now (a step
+// without metadata yet, e.g. a requeued job overlapping its predecessor) is never taken for
+// dead: LockedError instead.
 void RemoveCheckpointFiles(const std::string& uri) {
   std::shared_ptr<Store> store = OpenStore(uri);
-  store->Remove(kMetadataName);
-  for (const auto& name : store->List()) store->Remove(name);
   auto [scheme, location] = SplitUri(uri);
+  if (!store->Size(kMetadataName) && store->List().empty()) {
+    if (scheme == "file") {
+      std::error_code ec;
+      std::filesystem::remove(location, ec);  // an empty directory at most; absent is fine
+    }
+    return;  // nothing to remove
+  }
+  std::unique_ptr<StoreLock> lock =
+      store->TryLock("checkpoint removal pid=" + std::to_string(::getpid()));
+  store->Remove(kMetadataName);
+  for (const auto& name : store->List()) {
+    if (name != kLockObjectName) store->Remove(name);
+  }
+  if (lock) lock->Release();
   if (scheme == "file") {
     std::error_code ec;
     std::filesystem::remove(location, ec);  // the now-empty directory; absent is fine
@@ -277,15 +294,32 @@ void CheckpointManager::Retain() {
     for (int64_t s : complete) {
       if (options_.keep_every > 0 && s % options_.keep_every == 0) keep.insert(s);
     }
+    // One step that cannot be removed does not keep the others: the first error is reported
+    // after trying them all. A step another writer holds locked is live, not an error.
+    std::string first_error;
+    int failed = 0;
+    auto remove = [&](int64_t step) {
+      try {
+        RemoveStep(step);
+      } catch (const LockedError&) {
+      } catch (const Error& e) {
+        if (failed++ == 0) first_error = e.what();
+      }
+    };
     for (int64_t s : complete) {
-      if (!keep.count(s) && s != in_flight_step_) RemoveStep(s);
+      if (!keep.count(s) && s != in_flight_step_) remove(s);
     }
     // Leftovers of crashed saves (no metadata), older than the newest complete step.
     for (int64_t step : KnownSteps()) {
       if (step < newest && step != in_flight_step_ &&
           !std::binary_search(complete.begin(), complete.end(), step)) {
-        RemoveStep(step);
+        remove(step);
       }
+    }
+    if (failed > 0) {
+      throw IoError("could not remove " + std::to_string(failed) + " old step(s) under " + root_ +
+                        "; first: " + first_error,
+                    /*retryable=*/true);
     }
     return std::string();
   });

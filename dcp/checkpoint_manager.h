@@ -15,7 +15,8 @@
 // A step counts as complete exactly when its metadata exists and validates; a crash mid-save
 // leaves a step directory without metadata, which is never chosen and is removed by the next
 // clean-up. Retention keeps the newest `keep_last` complete steps and every step divisible by
-// `keep_every`; it never removes the newest complete step or a step being written.
+// `keep_every`; it never removes the newest complete step or a step being written (by this
+// manager, or by anyone holding the step's writer lock, see Store::TryLock).
 //
 // Retention is bookkeeping: when it fails (a file that cannot be removed, "latest" that cannot be
 // written) the failure is counted, logged on stderr and kept for retention_failures() and
@@ -63,7 +64,9 @@ class CheckpointIO {
   /// gets every entry; with weights_only, blobs are left out).
   StateDict LoadCheckpoint(const std::string& path, const LoadCheckpointOptions& options = {});
   /// Remove a checkpoint (metadata first, so it stops being a checkpoint at once). Collective;
-  /// rank 0 removes. Removing an absent checkpoint is not an error.
+  /// rank 0 removes, holding the location's writer lock (a CollectiveError carrying the
+  /// LockedError's message when another job is writing there). Removing an absent checkpoint
+  /// is not an error.
   virtual void RemoveCheckpoint(const std::string& path);
   virtual void Teardown() {}
 

@@ -232,3 +232,47 @@ TEST_CASE("manager: keep N, latest and resume over every Store backend", "[async
   }
   ClearMemStore(mem_name);
 }
+
+TEST_CASE("manager: retention never removes a step another writer holds",
+          "[async][manager][lock]") {
+  TempDir dir("mgr-live");
+  static int counter = 0;
+  const std::string mem_root = "mem://manager-live-" + std::to_string(counter++);
+  for (const std::string scheme : {"file", "mem"}) {
+    // Section names must not change between Catch's re-runs of the test case (no temp paths).
+    DYNAMIC_SECTION(scheme) {
+      const std::string root = scheme == "file" ? "file://" + dir.path() + "/root" : mem_root;
+      LocalCommunicator comm;
+      ManagerOptions o;
+      o.keep_last = 1;
+      CheckpointManager m(root, comm, nullptr, o);
+      StepState s;
+      s.Fill(1);
+      m.Save(1, s.sd);
+      // Another job (e.g. a requeued one overlapping its predecessor) is writing step 2: its
+      // lock is held and a data object is there, but no metadata yet.
+      auto live = OpenStore(m.PathFor(2));
+      live->CreateRoot();
+      auto lock = live->TryLock("other-job");
+      REQUIRE(lock);
+      {
+        auto w = live->Create("data-0123456789abcdef-r0-b0.data");
+        w->Append("in progress", 11);
+        w->Close();
+      }
+      OpenStore(root)->PublishAtomically("step-0000000002.step", m.PathFor(2));
+      s.Fill(3);
+      m.Save(3, s.sd);  // step 2 is older than the newest and has no metadata, but is live
+      CHECK(live->Size("data-0123456789abcdef-r0-b0.data"));
+      CHECK(m.retention_failures() == 0);
+      CHECK(m.CompleteSteps() == std::vector<int64_t>{3});
+      // Once its writer is gone it is a dead leftover, removed by the next retention.
+      lock->Release();
+      s.Fill(4);
+      m.Save(4, s.sd);
+      CHECK_FALSE(live->Size("data-0123456789abcdef-r0-b0.data"));
+      CHECK(m.CompleteSteps() == std::vector<int64_t>{4});
+      CHECK(m.Close());
+    }
+  }
+}
