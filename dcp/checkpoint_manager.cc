@@ -1,5 +1,7 @@
 #include "dcp/checkpoint_manager.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -17,7 +19,17 @@ namespace {
 
 constexpr char kStepPrefix[] = "step-";
 
-std::optional<int64_t> ParseStep(const std::string& name) {
+// Suffix of a step's index entry in the root store (see checkpoint_manager.h).
+constexpr char kMarkerSuffix[] = ".step";
+
+// The step of "step-<n>" (a step's location, seen as a directory entry on file://) or of
+// "step-<n>.step" (its index entry, on every backend).
+std::optional<int64_t> ParseStep(std::string name) {
+  const std::string suffix = kMarkerSuffix;
+  if (name.size() > suffix.size() &&
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    name.resize(name.size() - suffix.size());
+  }
   if (name.rfind(kStepPrefix, 0) != 0 || name.size() == sizeof(kStepPrefix) - 1)
     return std::nullopt;
   int64_t v = 0;
@@ -29,15 +41,37 @@ std::optional<int64_t> ParseStep(const std::string& name) {
 }
 
 // Remove a checkpoint's files: metadata first (it stops being a checkpoint), then the rest.
+// Under the location's writer lock, so a checkpoint another job is writing right now (a step
+// without metadata yet, e.g. a requeued job overlapping its predecessor) is never taken for
+// dead: LockedError instead.
 void RemoveCheckpointFiles(const std::string& uri) {
   std::shared_ptr<Store> store = OpenStore(uri);
-  store->Remove(kMetadataName);
-  for (const auto& name : store->List()) store->Remove(name);
   auto [scheme, location] = SplitUri(uri);
+  if (!store->Size(kMetadataName) && store->List().empty()) {
+    if (scheme == "file") {
+      std::error_code ec;
+      std::filesystem::remove(location, ec);  // an empty directory at most; absent is fine
+    }
+    return;  // nothing to remove
+  }
+  std::unique_ptr<StoreLock> lock =
+      store->TryLock("checkpoint removal pid=" + std::to_string(::getpid()));
+  store->Remove(kMetadataName);
+  for (const auto& name : store->List()) {
+    if (name != kLockObjectName) store->Remove(name);
+  }
+  if (lock) lock->Release();
   if (scheme == "file") {
     std::error_code ec;
     std::filesystem::remove(location, ec);  // the now-empty directory; absent is fine
   }
+  // Other backends have no containers to remove (an empty mem:// bucket, kv:// shard folders).
+}
+
+std::string StepName(int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "%s%010lld", kStepPrefix, static_cast<long long>(step));
+  return name;
 }
 
 std::string Encode(const std::vector<int64_t>& v) {
@@ -180,47 +214,47 @@ CheckpointManager::CheckpointManager(std::string root, Communicator& comm,
                                      std::unique_ptr<Communicator> background_comm,
                                      ManagerOptions options)
     : root_(std::move(root)), comm_(comm), options_(std::move(options)) {
-  if (SplitUri(root_).first != "file") {
-    throw InvalidArgumentError("CheckpointManager needs a directory root, got '" + root_ + "'");
-  }
+  // Any Store backend (file://, mem://, registered ones); OpenStore names the registered
+  // schemes when this one is unknown or is not Store based.
+  OpenStore(root_);
   if (options_.keep_last < 1) throw InvalidArgumentError("keep_last must be at least 1");
   if (background_comm) {
     saver_ = std::make_unique<AsyncCheckpointer>(std::move(background_comm), options_.async);
   }
 }
 
-CheckpointManager::~CheckpointManager() {
-  try {
-    Close();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "dcp: CheckpointManager closed with a failed or unfinished save: %s\n",
-                 e.what());
-  }
-}
+CheckpointManager::~CheckpointManager() { Close(); }  // reports on stderr, never throws
 
 std::string CheckpointManager::PathFor(int64_t step) const {
-  char name[32];
-  std::snprintf(name, sizeof(name), "%s%010lld", kStepPrefix, static_cast<long long>(step));
-  return SplitUri(root_).second + "/" + name;
+  const auto [scheme, location] = SplitUri(root_);
+  const std::string path = location + "/" + StepName(step);
+  return scheme == "file" ? path : scheme + "://" + path;
+}
+
+std::vector<int64_t> CheckpointManager::KnownSteps() const {
+  std::set<int64_t> steps;
+  for (const auto& name : OpenStore(root_)->List()) {  // an absent root lists nothing
+    if (auto step = ParseStep(name)) steps.insert(*step);
+  }
+  return {steps.begin(), steps.end()};
 }
 
 std::vector<int64_t> CheckpointManager::ScanCompleteSteps() const {
   std::vector<int64_t> steps;
-  std::error_code ec;
-  const std::string dir = SplitUri(root_).second;
-  if (!std::filesystem::is_directory(dir, ec)) return steps;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    auto step = ParseStep(e.path().filename().string());
-    if (!step || !e.is_directory()) continue;
+  for (int64_t step : KnownSteps()) {
     try {
-      ReadMetadata(PathFor(*step));  // present and valid: complete
-      steps.push_back(*step);
+      ReadMetadata(PathFor(step));  // present and valid: complete
+      steps.push_back(step);
     } catch (const Error&) {
       // No metadata (a save that never finished) or a damaged one: not a checkpoint.
     }
   }
-  std::sort(steps.begin(), steps.end());
   return steps;
+}
+
+void CheckpointManager::RemoveStep(int64_t step) {
+  RemoveCheckpointFiles(PathFor(step));
+  OpenStore(root_)->Remove(StepName(step) + kMarkerSuffix);  // last: the step stays findable
 }
 
 std::vector<int64_t> CheckpointManager::CompleteSteps() {
@@ -234,6 +268,20 @@ std::optional<int64_t> CheckpointManager::LatestStep() {
 }
 
 void CheckpointManager::AfterSaveEnded() {
+  try {
+    Retain();
+  } catch (const Error& e) {
+    // Bookkeeping failed, the save did not: report it on its own and carry on (the next
+    // retention retries; an over-kept step costs space, never data).
+    ++retention_failures_;
+    last_retention_error_ = e.what();
+    std::fprintf(stderr,
+                 "dcp: CheckpointManager retention failed (the checkpoints are intact): %s\n",
+                 e.what());
+  }
+}
+
+void CheckpointManager::Retain() {
   OnCoordinator(comm_, "manager/retention", [&] {
     const auto complete = ScanCompleteSteps();
     if (complete.empty()) return std::string();
@@ -246,18 +294,44 @@ void CheckpointManager::AfterSaveEnded() {
     for (int64_t s : complete) {
       if (options_.keep_every > 0 && s % options_.keep_every == 0) keep.insert(s);
     }
+    // One step that cannot be removed does not keep the others: the first error is reported
+    // after trying them all. A step another writer holds locked is live, not an error.
+    std::string first_error;
+    int failed = 0;
+    auto remove = [&](int64_t step) {
+      try {
+        RemoveStep(step);
+      } catch (const LockedError&) {
+      } catch (const Error& e) {
+        if (failed++ == 0) first_error = e.what();
+      }
+    };
     for (int64_t s : complete) {
-      if (!keep.count(s) && s != in_flight_step_) RemoveCheckpointFiles(PathFor(s));
+      if (!keep.count(s) && s != in_flight_step_) remove(s);
     }
     // Leftovers of crashed saves (no metadata), older than the newest complete step.
-    std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator(SplitUri(root_).second, ec)) {
-      auto step = ParseStep(e.path().filename().string());
-      if (step && *step < newest && *step != in_flight_step_ &&
-          !std::binary_search(complete.begin(), complete.end(), *step)) {
-        RemoveCheckpointFiles(PathFor(*step));
+    for (int64_t step : KnownSteps()) {
+      if (step < newest && step != in_flight_step_ &&
+          !std::binary_search(complete.begin(), complete.end(), step)) {
+        remove(step);
       }
     }
+    if (failed > 0) {
+      throw IoError("could not remove " + std::to_string(failed) + " old step(s) under " + root_ +
+                        "; first: " + first_error,
+                    /*retryable=*/true);
+    }
+    return std::string();
+  });
+}
+
+void CheckpointManager::BeginStep(int64_t step) {
+  // The step's index entry goes in before any of its data, so that a crash leaves a step the
+  // next retention can find and remove on every backend (a Store cannot list "folders").
+  OnCoordinator(comm_, "manager/begin", [&] {
+    std::shared_ptr<Store> root = OpenStore(root_);
+    root->CreateRoot();
+    root->PublishAtomically(StepName(step) + kMarkerSuffix, PathFor(step) + "\n");
     return std::string();
   });
 }
@@ -269,6 +343,7 @@ std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict
                                " after " + std::to_string(last_step_));
   }
   Wait();
+  BeginStep(step);
   last_step_ = step;
   SaveOptions so = options_.save;
   so.storage.overwrite = true;  // a step directory without metadata is a crashed attempt
@@ -314,7 +389,7 @@ std::optional<int64_t> CheckpointManager::Restore(StateDict& state, const LoadOp
   return step;
 }
 
-void CheckpointManager::Close() {
+void CheckpointManager::CloseOrThrow() {
   if (closed_) return;
   closed_ = true;
   std::exception_ptr error;
@@ -323,8 +398,28 @@ void CheckpointManager::Close() {
   } catch (...) {
     error = std::current_exception();
   }
-  if (saver_) saver_->Close();
+  if (saver_) {
+    try {
+      saver_->Close();
+    } catch (...) {
+      if (!error) error = std::current_exception();  // the save's own error comes first
+    }
+  }
   if (error) std::rethrow_exception(error);
+}
+
+bool CheckpointManager::Close() noexcept {
+  try {
+    CloseOrThrow();
+    return close_error_.empty();
+  } catch (const std::exception& e) {
+    close_error_ = e.what();
+  } catch (...) {
+    close_error_ = "unknown error";
+  }
+  std::fprintf(stderr, "dcp: CheckpointManager closed with a failed or unfinished save: %s\n",
+               close_error_.c_str());
+  return false;
 }
 
 }  // namespace dcp

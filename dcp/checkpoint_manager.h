@@ -1,15 +1,27 @@
 // The checkpoint lifecycle: Lightning-style CheckpointIO, and a CheckpointManager for
 // step-numbered checkpoints under one root directory.
 //
-// CheckpointManager layout (root is a directory, file:// or a plain path):
-//   <root>/step-0000000100/   one checkpoint per step (metadata.dcp + data files)
+// CheckpointManager layout (root is any Store location: a directory, file:// or a plain path,
+// mem://name, or a registered scheme such as the example kv://DIR):
+//   <root>/step-0000000100/   one checkpoint per step (metadata.dcp + data files), itself a
+//                             location of the same backend ("mem://name/step-0000000100")
+//   <root>/step-0000000100.step  the step's index entry in the root store, written before the
+//                             save starts: how the manager finds steps on backends that cannot
+//                             list sub-locations (file:// roots also count step directories,
+//                             so roots written before the index entries existed still work)
 //   <root>/latest             the newest *complete* step, as text; written atomically, and only
 //                             after that step's metadata is committed. A convenience for tools:
 //                             the manager itself trusts only the metadata it finds.
 // A step counts as complete exactly when its metadata exists and validates; a crash mid-save
 // leaves a step directory without metadata, which is never chosen and is removed by the next
 // clean-up. Retention keeps the newest `keep_last` complete steps and every step divisible by
-// `keep_every`; it never removes the newest complete step or a step being written.
+// `keep_every`; it never removes the newest complete step or a step being written (by this
+// manager, or by anyone holding the step's writer lock, see Store::TryLock).
+//
+// Retention is bookkeeping: when it fails (a file that cannot be removed, "latest" that cannot be
+// written) the failure is counted, logged on stderr and kept for retention_failures() and
+// last_retention_error(); it never fails, replaces or skips a save, and the next retention
+// retries.
 //
 // All ranks construct the manager and call its methods in the same order (SPMD); decisions
 // (which step is latest) are made by rank 0 and broadcast; files are removed by rank 0 only.
@@ -52,7 +64,9 @@ class CheckpointIO {
   /// gets every entry; with weights_only, blobs are left out).
   StateDict LoadCheckpoint(const std::string& path, const LoadCheckpointOptions& options = {});
   /// Remove a checkpoint (metadata first, so it stops being a checkpoint at once). Collective;
-  /// rank 0 removes. Removing an absent checkpoint is not an error.
+  /// rank 0 removes, holding the location's writer lock (a CollectiveError carrying the
+  /// LockedError's message when another job is writing there). Removing an absent checkpoint
+  /// is not an error.
   virtual void RemoveCheckpoint(const std::string& path);
   virtual void Teardown() {}
 
@@ -91,17 +105,22 @@ struct ManagerOptions {
 class CheckpointManager {
  public:
   /// `comm`: the job's communicator. `background_comm`: when given, saves are asynchronous and
-  /// run on it; when null, saves are synchronous.
+  /// run on it; when null, saves are synchronous. InvalidArgumentError for a root whose scheme
+  /// is not a registered Store backend.
   CheckpointManager(std::string root, Communicator& comm,
                     std::unique_ptr<Communicator> background_comm = nullptr,
                     ManagerOptions options = {});
   ~CheckpointManager();
 
   /// Save `state` as `step` (asynchronously if configured). Steps must increase. Before
-  /// starting, waits for the previous save, records it as latest, applies retention.
-  /// Returns the handle of the save (already done when synchronous).
+  /// starting, waits for the previous save (raising its error, if it failed, before this one
+  /// starts), records it as latest, applies retention (whose failures are only reported, see
+  /// above), and records the step's index entry (a failure to write it fails this call on
+  /// every rank before anything is written). Returns the handle of the save (already done when
+  /// synchronous).
   std::shared_ptr<AsyncSave> Save(int64_t step, const StateDict& state);
-  /// Wait for the save in flight (if any), record it, apply retention; raises its error.
+  /// Wait for the save in flight (if any), record it, apply retention; raises the save's error
+  /// (never a retention error).
   void Wait();
   /// Newest complete step, agreed by all ranks; nullopt when there is none.
   std::optional<int64_t> LatestStep();
@@ -111,12 +130,29 @@ class CheckpointManager {
   std::optional<int64_t> Restore(StateDict& state, const LoadOptions& options = {});
   /// Directory of a step.
   std::string PathFor(int64_t step) const;
-  /// Wait for the last save and stop; raises its error. Idempotent.
-  void Close();
+  /// Wait for the last save and stop, for the exit path: never throws. Returns true when
+  /// everything ended cleanly; otherwise prints the error on stderr, keeps it in close_error()
+  /// and returns false. Idempotent (later calls return the first outcome). The destructor
+  /// calls it.
+  bool Close() noexcept;
+  /// Close() that raises the last save's error (or the background thread's) instead.
+  /// Idempotent: only the first call can raise.
+  void CloseOrThrow();
+  /// Why Close() returned false; empty otherwise.
+  const std::string& close_error() const { return close_error_; }
+
+  /// Retention passes that failed since construction (same count on every rank).
+  int retention_failures() const { return retention_failures_; }
+  /// The message of the latest failed retention pass; empty when none failed.
+  const std::string& last_retention_error() const { return last_retention_error_; }
 
  private:
+  std::vector<int64_t> KnownSteps() const;         // rank 0 only: index entries and step dirs
   std::vector<int64_t> ScanCompleteSteps() const;  // rank 0 only
-  void AfterSaveEnded();                           // latest + retention, rank 0 acting
+  void RemoveStep(int64_t step);                   // rank 0 only
+  void BeginStep(int64_t step);                    // collective: writes the index entry
+  void AfterSaveEnded();  // latest + retention, rank 0 acting; reports, never throws an Error
+  void Retain();
   std::string root_;
   Communicator& comm_;
   ManagerOptions options_;
@@ -125,6 +161,9 @@ class CheckpointManager {
   int64_t in_flight_step_ = -1;
   int64_t last_step_ = -1;
   bool closed_ = false;
+  std::string close_error_;
+  int retention_failures_ = 0;
+  std::string last_retention_error_;
 };
 
 }  // namespace dcp

@@ -222,6 +222,12 @@ void FaultInjectionStore::Remove(const std::string& name) {
   inner_->Remove(name);
 }
 
+// The lock is the inner store's: faults model data-path failures, and a crashed process's lock
+// is the inner backend's to recover.
+std::unique_ptr<StoreLock> FaultInjectionStore::TryLock(const std::string& holder) {
+  return inner_->TryLock(holder);
+}
+
 void RegisterFaultScheme(const std::string& scheme, std::shared_ptr<FaultInjectionStore> store) {
   RegisterStoreBackend(
       scheme, [store](const std::string&) -> std::shared_ptr<Store> { return store; },

@@ -70,6 +70,8 @@ class FaultInjectionStore : public Store, public std::enable_shared_from_this<Fa
   void PublishAtomically(const std::string& name, std::string_view bytes) override;
   std::vector<std::string> List() override;
   void Remove(const std::string& name) override;
+  /// Forwarded to the wrapped store (no faults are injected into locking).
+  std::unique_ptr<StoreLock> TryLock(const std::string& holder) override;
 
   // Used by the wrapped objects. Throws the injected error; returns true when an append must
   // be cut short (write half, then fail).

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -311,6 +312,40 @@ class FileReadable : public ReadableObject {
   uint64_t size_ = 0;
 };
 
+// The writer lock of a directory: flock(LOCK_EX) on <dir>/.dcp.lock. flock, not fcntl: fcntl
+// locks belong to the process, so two jobs (or two test "jobs") in one process would not
+// exclude each other, and closing any descriptor of the file would drop them. The kernel
+// releases the lock when the holder dies, so a crash can never leave the location stuck.
+// Release unlinks the file while still holding the lock, so a clean directory keeps no lock
+// file; a contender that opened the unlinked inode notices (the path no longer names the inode it
+// locked) and retries on the current file.
+class FileLock : public StoreLock {
+ public:
+  FileLock(std::string path, int fd, std::string holder)
+      : path_(std::move(path)), fd_(fd), holder_(std::move(holder)) {}
+  ~FileLock() override {
+    try {
+      Release();
+    } catch (const Error&) {
+      // Only the unlink can fail; the flock itself is released by close() regardless.
+    }
+  }
+  void Release() override {
+    if (fd_ < 0) return;
+    int e = 0;
+    if (::unlink(path_.c_str()) != 0 && errno != ENOENT) e = errno;
+    ::close(fd_);  // drops the flock
+    fd_ = -1;
+    if (e != 0) throw MakeIoError("remove lock file", path_, e);
+  }
+  std::string holder() const override { return holder_; }
+
+ private:
+  std::string path_;
+  int fd_;
+  std::string holder_;
+};
+
 class FileStore : public Store {
  public:
   FileStore(std::string dir, FileStoreOptions options) : dir_(std::move(dir)), options_(options) {
@@ -378,6 +413,47 @@ class FileStore : public Store {
     if (::unlink(Path(name).c_str()) != 0 && errno != ENOENT) {
       throw MakeIoError("remove", Path(name), errno);
     }
+  }
+  std::unique_ptr<StoreLock> TryLock(const std::string& holder) override {
+    CreateRoot();
+    const std::string path = Path(kLockObjectName);
+    // Each retry means a holder released (and unlinked) the file between our open and flock;
+    // a bounded number of them keeps a pathological churn from spinning forever.
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      Fd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+      if (fd.fd < 0) throw MakeIoError("open lock file", path, errno);
+      if (::flock(fd.fd, LOCK_EX | LOCK_NB) != 0) {
+        const int e = errno;
+        if (e == EINTR) continue;
+        if (e == EWOULDBLOCK) {
+          char buf[512];
+          const ssize_t n = ::pread(fd.fd, buf, sizeof(buf), 0);
+          std::string who = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+          while (!who.empty() && (who.back() == '\n' || who.back() == '\0')) who.pop_back();
+          throw LockedError(uri(), who);
+        }
+        if (e == ENOLCK || e == EOPNOTSUPP || e == ENOSYS || e == EINVAL) {
+          return nullptr;  // a filesystem without flock (e.g. Lustre without -o flock)
+        }
+        throw MakeIoError("lock", path, e);
+      }
+      struct stat held, named;
+      if (::fstat(fd.fd, &held) != 0) throw MakeIoError("stat lock file", path, errno);
+      if (::stat(path.c_str(), &named) != 0) {
+        if (errno == ENOENT) continue;
+        throw MakeIoError("stat lock file", path, errno);
+      }
+      if (named.st_ino != held.st_ino || named.st_dev != held.st_dev) continue;
+      // Who holds it, for contenders' messages: informational, so neither fsynced nor checked
+      // beyond the write itself.
+      if (::ftruncate(fd.fd, 0) != 0) throw MakeIoError("truncate lock file", path, errno);
+      WriteFully(fd.fd, holder.data(), holder.size(), 0, path);
+      const int kept = fd.fd;
+      fd.fd = -1;
+      return std::make_unique<FileLock>(path, kept, holder);
+    }
+    throw IoError("could not take the lock " + path + ": it was released and re-created 64 times",
+                  /*retryable=*/true, EAGAIN);
   }
 
  private:

@@ -4,6 +4,8 @@
 // map shared by every Store opened with the same mem:// name, so ranks running as threads of one
 // process see one another's writes, as ranks on a shared filesystem do.
 //
+// Optional, an eighth: TryLock, the one-writer-per-location lock (here a flag in the bucket).
+//
 // Three rules every Store must keep, and how this one keeps them:
 //  1. A written object is invisible until Close(): MemWritable appends to a private buffer and
 //     inserts it into the map at Close(); destroying it earlier discards the buffer.
@@ -27,6 +29,28 @@ namespace {
 struct Bucket {
   std::mutex mu;
   std::map<std::string, std::shared_ptr<const std::string>> objects;
+  // The writer lock (Store::TryLock): in-process, so it dies with the process that holds it.
+  bool locked = false;
+  std::string holder;
+};
+
+class MemLock : public StoreLock {
+ public:
+  MemLock(std::shared_ptr<Bucket> bucket, std::string holder)
+      : bucket_(std::move(bucket)), holder_(std::move(holder)) {}
+  ~MemLock() override { Release(); }
+  void Release() override {
+    if (!bucket_) return;
+    std::lock_guard<std::mutex> lock(bucket_->mu);
+    bucket_->locked = false;
+    bucket_->holder.clear();
+    bucket_.reset();
+  }
+  std::string holder() const override { return holder_; }
+
+ private:
+  std::shared_ptr<Bucket> bucket_;
+  std::string holder_;
 };
 
 std::mutex g_buckets_mu;
@@ -112,6 +136,13 @@ class MemStore : public Store {
   void Remove(const std::string& name) override {
     std::lock_guard<std::mutex> lock(bucket_->mu);
     bucket_->objects.erase(name);
+  }
+  std::unique_ptr<StoreLock> TryLock(const std::string& holder) override {
+    std::lock_guard<std::mutex> lock(bucket_->mu);
+    if (bucket_->locked) throw LockedError(uri(), bucket_->holder);
+    bucket_->locked = true;
+    bucket_->holder = holder;
+    return std::make_unique<MemLock>(bucket_, holder);
   }
 
  private:

@@ -16,7 +16,32 @@
 #include <string_view>
 #include <vector>
 
+#include "proto/error.h"
+
 namespace dcp {
+
+/// Name of the lock object a Store may keep in its root for TryLock (file://, kv://). It is not
+/// a checkpoint object: readers and tools ignore it.
+inline constexpr char kLockObjectName[] = ".dcp.lock";
+
+/// Another writer holds a location's lock (Store::TryLock). An AlreadyExistsError, so callers
+/// that handle "a checkpoint is already there" handle this too; the message names the location
+/// and, when known, the holder.
+class LockedError : public AlreadyExistsError {
+ public:
+  LockedError(const std::string& location, const std::string& holder)
+      : AlreadyExistsError("checkpoint location " + location +
+                           " is locked by another save in progress (" +
+                           (holder.empty() ? std::string("holder unknown") : "held by " + holder) +
+                           "); two jobs must not write one location at once"),
+        location_(location),
+        holder_(holder) {}
+  const std::string& location() const { return location_; }
+  const std::string& holder() const { return holder_; }
+
+ private:
+  std::string location_, holder_;
+};
 
 /// An object being written. It becomes visible under its name at Close() at the latest;
 /// destroying it without Close() discards it (nothing partial remains under the name).
@@ -43,6 +68,21 @@ class ReadableObject {
   virtual void Prefetch(uint64_t /*offset*/, uint64_t /*n*/) noexcept {}
 };
 
+/// Exclusive ownership of a store location (one writer per checkpoint location), held until the
+/// object is destroyed or Release() is called. See Store::TryLock.
+class StoreLock {
+ public:
+  /// Releases the lock (errors are swallowed here: a lock that cannot be released cleanly is
+  /// released by the backend's own recovery, e.g. the kernel or a lease; call Release() to see
+  /// them).
+  virtual ~StoreLock() = default;
+  /// Give the lock up now. Idempotent. IoError when the backend failed to record the release
+  /// (the lock is then freed by the backend's recovery rule, never kept forever).
+  virtual void Release() = 0;
+  /// Who holds it, as written for other contenders (e.g. "host=n1 pid=42 save=ab12").
+  virtual std::string holder() const = 0;
+};
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -64,6 +104,20 @@ class Store {
   virtual std::vector<std::string> List() = 0;
   /// Remove an object; removing an absent one is not an error.
   virtual void Remove(const std::string& name) = 0;
+
+  /// Take the location's writer lock without waiting, recording `holder` (a short description
+  /// of the job: host, pid, save id) for contenders' error messages.
+  ///  * Returns the held lock; it must be held from the "already exists" decision of a save to
+  ///    its commit and clean-up, and guarantees that no other holder exists meanwhile.
+  ///  * LockedError (a dcp::AlreadyExistsError) naming the location and, where known, the
+  ///    holder, when someone else holds it. Never blocks.
+  ///  * nullptr when the backend has no locking primitive (the default). Writers then run
+  ///    without mutual exclusion: see docs/STORAGE_BACKENDS.md for what they give up.
+  /// A lock must not outlive its holder forever: a crashed process's lock is freed by the
+  /// kernel (file://), by the process's death (mem://) or by a lease expiring (object stores).
+  /// The lock is advisory: it excludes other writers that take it, not plain object writes.
+  /// Thread-safe; two TryLock calls on one location from one process also exclude each other.
+  virtual std::unique_ptr<StoreLock> TryLock(const std::string& holder);
 
   /// Read a whole object.
   std::string ReadAll(const std::string& name);

@@ -1,19 +1,25 @@
 // The checkpoint protocol over a Store.
 //
 // Save, per rank:
-//   1. The coordinator refuses to proceed if metadata exists and overwrite is off.
+//   1. The coordinator takes the location's writer lock (Store::TryLock; LockedError when
+//      another job holds it) and, under it, refuses to proceed if metadata exists and
+//      overwrite is off. It holds the lock until Finish or Abort ends.
 //   2. The coordinator names each rank's files "data-<save_id>-r<rank>" (the plan's
 //      storage_data); a rank appends "-b<bucket>.data".
 //   3. Each rank spreads its items over `files_per_rank` buckets (largest first onto the
 //      lightest), writes the buckets on as many threads as the memory budget allows, CRC32C-ing
 //      every item as it goes, and fsyncs each file.
 //   4. The coordinator, once every rank succeeded, publishes metadata.dcp atomically
-//      (temp + fsync + rename + directory fsync), then removes data files of replaced saves.
+//      (temp + fsync + rename + directory fsync), then, still under the lock, removes the
+//      files of dead saves (unreferenced data files, metadata temporaries).
 // A failed save calls Abort on every rank, which removes that rank's files of this save.
 #include "storage/store_checkpoint.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <future>
 #include <mutex>
 #include <optional>
@@ -149,10 +155,32 @@ class StoreWriter : public StorageWriter {
   void SetUp(const StorageContext& ctx) override {
     ctx_ = ctx;
     created_.clear();
+    replaced_.clear();
+    lock_.reset();
     store_->CreateRoot();
-    if (ctx.is_coordinator && !options_.overwrite && store_->Size(kMetadataName)) {
+    if (!ctx.is_coordinator) return;
+    // One writer per location: the coordinator holds the store's lock from here (before any
+    // rank writes) to the end of Finish or Abort, so the "already exists" decision below, the
+    // commit and the clean-up cannot interleave with another job's. A loser fails here, in
+    // the plan phase, so none of its ranks writes anything.
+    lock_ = store_->TryLock(LockHolder(ctx));
+    if (!lock_) WarnNoLock();
+    const bool exists = store_->Size(kMetadataName).has_value();
+    if (exists && !options_.overwrite) {
+      lock_.reset();
       throw AlreadyExistsError("a checkpoint already exists at " + store_->uri() + " (it has " +
                                kMetadataName + "); pass overwrite to replace it");
+    }
+    if (exists && !lock_) {
+      // Unlocked, the clean-up may only remove what the replaced checkpoint listed: nothing
+      // proves any other unreferenced file dead (it may be a concurrent save's).
+      try {
+        const Metadata old =
+            DecodeMetadataFile(store_->ReadAll(kMetadataName), store_->uri() + "/" + kMetadataName);
+        for (const auto& [index, info] : old.storage) replaced_.insert(info.relative_path);
+      } catch (const Error&) {
+        // A damaged old checkpoint: its files stay behind (dcp verify lists them).
+      }
     }
   }
 
@@ -249,24 +277,16 @@ class StoreWriter : public StorageWriter {
       // The rename may have happened before the failure (e.g. the directory fsync failed): then
       // the checkpoint is committed and every rank must keep its data (docs/PROTOCOL.md).
       const Outcome outcome = CommitOutcome(md.save_id);
-      if (outcome == Outcome::kFailed) throw;
+      if (outcome == Outcome::kFailed) throw;  // nothing committed: Abort follows
+      ReleaseLock();  // the outcome is decided; no Abort follows
       throw CommitError(outcome, e.code(),
                         std::string(outcome == Outcome::kCommitted
                                         ? "the checkpoint was committed, then: "
                                         : "the commit may or may not have happened: ") +
                             e.what());
     }
-    // The new checkpoint is committed; data files of the one it replaced are garbage now.
-    for (const auto& name : store_->List()) {
-      if (IsDataObjectName(name) && !referenced.count(name)) {
-        try {
-          store_->Remove(name);
-        } catch (const Error&) {
-          // Leftover garbage does not make the committed checkpoint wrong; `dcp verify` lists
-          // unreferenced files.
-        }
-      }
-    }
+    RemoveDeadFiles(referenced);
+    ReleaseLock();
   }
 
   // After a failed publish: kCommitted when the metadata in place is this save's, kFailed when
@@ -291,9 +311,63 @@ class StoreWriter : public StorageWriter {
       }
     }
     created_.clear();
+    ReleaseLock();
   }
 
  private:
+  // The new checkpoint is committed. Under the lock, every data file it does not reference is
+  // provably dead: the checkpoint it replaced, saves that failed or crashed, and saves whose
+  // outcome their ranks never learned (their coordinator released the lock, so their commit
+  // decision is final and the metadata in place is the only one that counts). So are
+  // metadata temporaries: no other publisher can be running. Without a lock only the replaced
+  // checkpoint's files (read at SetUp) are known dead.
+  void RemoveDeadFiles(const std::set<std::string>& referenced) {
+    const std::string tmp_prefix = std::string(kMetadataName) + ".tmp.";
+    try {
+      for (const auto& name : store_->List()) {
+        const bool dead = referenced.count(name) == 0 &&
+                          (lock_ ? IsDataObjectName(name) || name.rfind(tmp_prefix, 0) == 0
+                                 : replaced_.count(name) > 0 && IsDataObjectName(name));
+        if (!dead) continue;
+        try {
+          store_->Remove(name);
+        } catch (const Error&) {
+          // Leftover garbage does not make the committed checkpoint wrong; `dcp verify` lists
+          // unreferenced files, and the next locked save removes them.
+        }
+      }
+    } catch (const Error&) {
+      // Listing failed after the commit: same as above, the garbage waits for the next save.
+    }
+  }
+
+  void ReleaseLock() noexcept {
+    if (!lock_) return;
+    try {
+      lock_->Release();
+    } catch (const Error&) {
+      // The backend frees it by its own rule (kernel, lease); the save's outcome stands.
+    }
+    lock_.reset();
+  }
+
+  static std::string LockHolder(const StorageContext& ctx) {
+    char host[256] = {};
+    if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+    return std::string("host=") + host + " pid=" + std::to_string(::getpid()) +
+           " save=" + (ctx.save_id.empty() ? std::string("?") : ctx.save_id);
+  }
+
+  void WarnNoLock() const {
+    static std::once_flag once;
+    std::call_once(once, [&] {
+      std::fprintf(stderr,
+                   "dcp: warning: storage %s has no writer lock; concurrent saves to one "
+                   "location are not excluded (see docs/STORAGE_BACKENDS.md)\n",
+                   store_->uri().c_str());
+    });
+  }
+
   std::vector<WriteResult> WriteBucket(const SavePlan& plan, const SavePlanner& planner,
                                        const std::string& name, const std::vector<size_t>& items) {
     auto out = store_->Create(name);
@@ -345,6 +419,8 @@ class StoreWriter : public StorageWriter {
   StorageOptions options_;
   StorageContext ctx_;
   std::vector<std::string> created_;
+  std::unique_ptr<StoreLock> lock_;  // coordinator: held from SetUp to Finish/Abort
+  std::set<std::string> replaced_;   // unlocked overwrite: files of the replaced checkpoint
 };
 
 class StoreReader : public StorageReader {

@@ -2,13 +2,17 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <random>
 
 #include "proto/error.h"
@@ -135,6 +139,119 @@ class KvReadable : public dcp::ReadableObject {
   uint64_t size_;
 };
 
+// The writer lock, mapped the way an object store maps it: a lock object created only if absent
+// (S3: PUT with If-None-Match: *) that carries a lease; a contender may replace it once the
+// lease has expired (S3: PUT with If-Match: <etag of the expired lock>), and the holder deletes
+// it on release only if it is still its own (If-Match again). A crashed holder's lock therefore
+// blocks others for at most one lease. The service's atomic conditional write is emulated here
+// by an flock on <root>/.dcp.lock.cas around read-compare-write; nothing else uses flock.
+// The lease (DCP_KV_LOCK_LEASE_MS, default one day) must exceed the longest save, as the lock
+// is not renewed while held.
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+int64_t LeaseMs() {
+  const char* env = std::getenv("DCP_KV_LOCK_LEASE_MS");
+  if (env != nullptr && *env != '\0') return std::strtoll(env, nullptr, 10);
+  return int64_t{24} * 3600 * 1000;
+}
+
+// Read a whole small file; nullopt when absent.
+std::optional<std::string> ReadSmall(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return std::nullopt;
+    throw MakeIoError("open", path, errno);
+  }
+  std::string out;
+  char buf[512];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  const int e = errno;
+  ::close(fd);
+  if (n < 0) throw MakeIoError("read", path, e);
+  return out;
+}
+
+// Run fn while holding the emulated service's conditional-write atomicity.
+template <typename Fn>
+auto Conditionally(const std::string& root, Fn fn) {
+  const std::string cas = root + "/.dcp.lock.cas";
+  const int fd = ::open(cas.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) throw MakeIoError("open", cas, errno);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }  // also drops the flock
+  } closer{fd};
+  while (::flock(fd, LOCK_EX) != 0) {
+    if (errno != EINTR) throw MakeIoError("flock", cas, errno);
+  }
+  return fn();
+}
+
+// "<expiry ms>\n<holder>" of a lock object.
+struct LockRecord {
+  int64_t expires_ms = 0;
+  std::string holder;
+  static LockRecord Parse(const std::string& s) {
+    LockRecord r;
+    const size_t nl = s.find('\n');
+    r.expires_ms = std::strtoll(s.substr(0, nl).c_str(), nullptr, 10);
+    if (nl != std::string::npos) r.holder = s.substr(nl + 1);
+    return r;
+  }
+};
+
+void WriteDurably(const std::string& dir, const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp." + UniqueSuffix();
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw MakeIoError("create", tmp, errno);
+  const bool ok = ::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size()) &&
+                  ::fsync(fd) == 0;
+  const int e = errno;
+  ::close(fd);
+  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e2 = ok ? errno : e;
+    ::unlink(tmp.c_str());
+    throw MakeIoError("write", path, e2);
+  }
+  SyncDir(dir);
+}
+
+class KvLock : public dcp::StoreLock {
+ public:
+  KvLock(std::string root, std::string record, std::string holder)
+      : root_(std::move(root)), record_(std::move(record)), holder_(std::move(holder)) {}
+  ~KvLock() override {
+    try {
+      Release();
+    } catch (const dcp::Error&) {
+      // The lease frees it.
+    }
+  }
+  void Release() override {
+    if (released_) return;
+    released_ = true;
+    const std::string path = root_ + "/" + dcp::kLockObjectName;
+    Conditionally(root_, [&] {
+      const auto current = ReadSmall(path);
+      // Delete only our own lock: after our lease expired someone else may hold it.
+      if (current && *current == record_ && ::unlink(path.c_str()) != 0 && errno != ENOENT) {
+        throw MakeIoError("unlink", path, errno);
+      }
+      return 0;
+    });
+  }
+  std::string holder() const override { return holder_; }
+
+ private:
+  std::string root_, record_, holder_;
+  bool released_ = false;
+};
+
 class KvStore : public dcp::Store {
  public:
   explicit KvStore(std::string root) : root_(std::move(root)) {
@@ -202,6 +319,22 @@ class KvStore : public dcp::Store {
     if (::unlink(Path(key).c_str()) != 0 && errno != ENOENT) {
       throw MakeIoError("unlink", Path(key), errno);
     }
+  }
+  std::unique_ptr<dcp::StoreLock> TryLock(const std::string& holder) override {
+    CreateRoot();
+    const std::string path = root_ + "/" + dcp::kLockObjectName;
+    // A unique record (the suffix) so that Release recognises its own lock.
+    const std::string record =
+        std::to_string(NowMs() + LeaseMs()) + "\n" + holder + " lock=" + UniqueSuffix();
+    Conditionally(root_, [&] {
+      if (const auto current = ReadSmall(path)) {
+        const LockRecord r = LockRecord::Parse(*current);
+        if (r.expires_ms > NowMs()) throw dcp::LockedError(uri(), r.holder);
+      }
+      WriteDurably(root_, path, record);  // absent or expired: ours now
+      return 0;
+    });
+    return std::make_unique<KvLock>(root_, record, holder);
   }
 
  private:

@@ -31,6 +31,12 @@ std::string SharedDir(const std::string& tag) {
   return Comm().Broadcast(path, 0, "test/shared-dir");
 }
 
+void ResetComm() {
+  const auto timeout = g_comm->timeout();
+  g_comm = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD);
+  g_comm->set_timeout(timeout);
+}
+
 void RemoveSharedDir(const std::string& path) {
   Comm().Barrier("test/remove-dir");
   if (Comm().rank() == 0 && std::getenv("DCP_KEEP_TEST_DIRS") == nullptr) {

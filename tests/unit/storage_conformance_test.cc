@@ -234,6 +234,76 @@ TEST_CASE("conformance: overwrite is refused unless asked, and replaces atomical
   }
 }
 
+TEST_CASE("conformance: the writer lock excludes a second writer and is released",
+          "[storage][conformance][lock]") {
+  for (const auto& scheme : Backends()) {
+    DYNAMIC_SECTION(scheme) {
+      Location loc = FreshLocation(scheme);
+      auto store = OpenStore(loc.uri);
+      store->CreateRoot();
+      // Every backend of this suite has the primitive (nullptr would mean "none").
+      std::unique_ptr<StoreLock> held = store->TryLock("job-a host=h pid=1");
+      REQUIRE(held);
+      CHECK_THAT(held->holder(), Contains("job-a"));
+      // A second contender, through another Store of the same location, is refused at once,
+      // with the location and the holder named.
+      try {
+        OpenStore(loc.uri)->TryLock("job-b");
+        FAIL("the lock was granted twice");
+      } catch (const LockedError& e) {
+        CHECK(e.code() == ErrorCode::kAlreadyExists);
+        CHECK_THAT(e.what(), Contains(store->uri()));
+        CHECK_THAT(e.what(), Contains("job-a"));
+      }
+      // A save meanwhile is refused in its plan phase and writes nothing.
+      std::vector<TensorView> a;
+      StateDict sd = MakeState(a);
+      try {
+        Save(sd, loc.uri);
+        FAIL("a save under someone else's lock succeeded");
+      } catch (const CollectiveError& e) {
+        CHECK_THAT(e.what(), Contains("locked"));
+        CHECK_THAT(e.what(), Contains("job-a"));
+      }
+      CHECK(FirstDataObject(*store).empty());
+      CHECK_FALSE(store->Size(kMetadataName));
+
+      held->Release();
+      held->Release();  // idempotent
+      {
+        auto again = OpenStore(loc.uri)->TryLock("job-b");
+        REQUIRE(again);
+      }  // destroying a lock releases it
+      Save(sd, loc.uri);
+      // The save released its lock, and no lock object is left among the checkpoint's objects.
+      CHECK(store->TryLock("job-c"));
+      for (const auto& n : store->List()) CHECK(n != kLockObjectName);
+    }
+  }
+}
+
+#ifdef DCP_KV_PLUGIN
+TEST_CASE("conformance: kv:// lock lease lets a crashed holder's lock expire",
+          "[storage][conformance][lock]") {
+  Location loc = FreshLocation("kv");
+  auto store = OpenStore(loc.uri);
+  store->CreateRoot();
+  ::setenv("DCP_KV_LOCK_LEASE_MS", "50", 1);
+  auto crashed = store->TryLock("crashed-job");  // never released in time: a crashed holder
+  CHECK_THROWS_AS(store->TryLock("next-job"), LockedError);
+  std::this_thread::sleep_for(std::chrono::milliseconds(120));
+  ::setenv("DCP_KV_LOCK_LEASE_MS", "600000", 1);
+  auto next = store->TryLock("next-job");  // the lease expired: taken over
+  REQUIRE(next);
+  // The old holder's late release must not free the new holder's lock.
+  crashed->Release();
+  CHECK_THROWS_AS(store->TryLock("third-job"), LockedError);
+  next->Release();
+  CHECK(store->TryLock("third-job"));
+  ::unsetenv("DCP_KV_LOCK_LEASE_MS");
+}
+#endif
+
 TEST_CASE("conformance: missing, incomplete and garbage checkpoints", "[storage][conformance]") {
   for (const auto& scheme : Backends()) {
     DYNAMIC_SECTION(scheme) {

@@ -1,0 +1,300 @@
+// One writer per checkpoint location (issue 12, case 4): two jobs saving into one location at
+// once, a lock left by a killed process, and the post-commit clean-up that may remove only the
+// files of saves it can prove dead. The lock primitive itself is checked on every backend by
+// the conformance suite (storage_conformance_test.cc).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+#include "dcp/dcp.h"
+#include "storage/fault_store.h"
+#include "storage/file_store.h"
+#include "storage/store_checkpoint.h"
+#include "support/test_support.h"
+
+using namespace dcp;
+using namespace dcp::testing;
+using Catch::Matchers::Contains;
+
+namespace {
+
+constexpr int kWorld = 2;
+
+struct Versioned {
+  std::vector<TensorView> tensors;
+  StateDict sd;
+};
+
+// The state of `rank` at `version`: values depend on both, so a mix of two saves is detected.
+Versioned MakeVersion(int version, int rank, bool fill) {
+  Versioned v;
+  const Shape shapes[] = {{64, 33}, {1000}};
+  const DType dtypes[] = {DType::kFloat32, DType::kInt64};
+  for (int i = 0; i < 2; ++i) {
+    TensorView t = TensorView::Allocate(dtypes[i], shapes[i]);
+    if (fill) FillRandom(t.data, t.nbytes(), version * 1000 + rank * 10 + i);
+    v.tensors.push_back(t);
+    v.sd.Nested("rank" + std::to_string(rank)).Set("t" + std::to_string(i), t);
+  }
+  v.sd.Nested("rank" + std::to_string(rank))
+      .Set("blob", Blob{fill ? "v" + std::to_string(version) : ""});
+  return v;
+}
+
+// The version a location holds, checked value by value on every rank's entries; -1 when there
+// is no checkpoint. Throws when the checkpoint does not load or mixes versions.
+int CheckpointVersion(const std::string& uri) {
+  try {
+    ReadMetadata(uri);
+  } catch (const NotFoundError&) {
+    return -1;
+  }
+  int version = -2;
+  for (int r = 0; r < kWorld; ++r) {
+    Versioned back = MakeVersion(0, r, false);
+    Load(back.sd, uri);  // every data file present, checksums verified
+    const std::string blob =
+        std::get<Blob>(*back.sd.Nested("rank" + std::to_string(r)).Find("blob")).bytes;
+    const int v = std::stoi(blob.substr(1));
+    Versioned expect = MakeVersion(v, r, true);
+    for (size_t i = 0; i < back.tensors.size(); ++i) {
+      if (!SameElements(back.tensors[i], expect.tensors[i])) {
+        throw std::runtime_error("values of rank " + std::to_string(r) + " differ");
+      }
+    }
+    if (version != -2 && version != v) throw std::runtime_error("ranks of different versions");
+    version = v;
+  }
+  return version;
+}
+
+// One 2-rank job saving `version` into `dir`, its writes slowed down so that two jobs overlap.
+std::vector<std::exception_ptr> SlowJob(const std::string& dir, int version, bool overwrite,
+                                        std::chrono::milliseconds delay) {
+  return RunRanks(
+      kWorld,
+      [&](int r, Communicator& comm) {
+        auto store = std::make_shared<FaultInjectionStore>(MakeFileStore(dir));
+        store->Delay(FaultOp::kAppend, delay);
+        store->Delay(FaultOp::kClose, delay);
+        StorageOptions so;
+        so.overwrite = overwrite;
+        so.files_per_rank = 2;
+        auto writer = MakeStoreWriter(store, so);
+        Versioned v = MakeVersion(version, r, true);
+        Save(v.sd, *writer, comm);
+      },
+      std::chrono::seconds(60));
+}
+
+bool AllOk(const std::vector<std::exception_ptr>& errors) {
+  for (const auto& e : errors) {
+    if (e) return false;
+  }
+  return true;
+}
+
+std::string FirstMessage(const std::vector<std::exception_ptr>& errors) {
+  for (const auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      return x.what();
+    }
+  }
+  return {};
+}
+
+int CountDataFiles(const std::string& dir) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    n += IsDataObjectName(e.path().filename().string());
+  }
+  return n;
+}
+
+// A Store without the lock primitive (TryLock's default), to check the documented fallback.
+class UnlockedStore : public Store {
+ public:
+  explicit UnlockedStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
+  std::string uri() const override { return inner_->uri(); }
+  void CreateRoot() override { inner_->CreateRoot(); }
+  std::unique_ptr<WritableObject> Create(const std::string& n) override {
+    return inner_->Create(n);
+  }
+  std::unique_ptr<ReadableObject> Open(const std::string& n) override { return inner_->Open(n); }
+  std::optional<uint64_t> Size(const std::string& n) override { return inner_->Size(n); }
+  void PublishAtomically(const std::string& n, std::string_view b) override {
+    inner_->PublishAtomically(n, b);
+  }
+  std::vector<std::string> List() override { return inner_->List(); }
+  void Remove(const std::string& n) override { inner_->Remove(n); }
+
+ private:
+  std::shared_ptr<Store> inner_;
+};
+
+void PutObject(Store& store, const std::string& name, const std::string& bytes) {
+  auto w = store.Create(name);
+  w->Append(bytes.data(), bytes.size());
+  w->Close();
+}
+
+}  // namespace
+
+TEST_CASE("lock: two concurrent jobs on one location: one wins, the other is refused by name",
+          "[fault][lock]") {
+  int rounds = 0, refused_by_lock = 0;
+  for (bool overwrite : {false, true}) {
+    for (int offset_ms : {0, 10, 30, 60}) {
+      for (int rep = 0; rep < 2; ++rep) {
+        TempDir tmp("lock");
+        const std::string dir = tmp.path() + "/ckpt";
+        if (overwrite) {
+          RequireNoErrors(SlowJob(dir, 1, false, std::chrono::milliseconds(0)));
+        }
+        INFO("overwrite " << overwrite << ", second job " << offset_ms << " ms later");
+        // Each save takes well over 100 ms (two files per rank, each append and close delayed),
+        // so the second job starts while the first one is still writing.
+        std::vector<std::exception_ptr> a, b;
+        std::thread ta([&] { a = SlowJob(dir, 2, overwrite, std::chrono::milliseconds(100)); });
+        std::thread tb([&] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(offset_ms));
+          b = SlowJob(dir, 3, overwrite, std::chrono::milliseconds(100));
+        });
+        ta.join();
+        tb.join();
+        ++rounds;
+        const int successes = AllOk(a) + AllOk(b);
+        CHECK(successes == 1);  // never two "ok"s for overlapping saves
+        const int version = CheckpointVersion("file://" + dir);  // throws if it fails to verify
+        if (successes == 1) {
+          CHECK(version == (AllOk(a) ? 2 : 3));
+          const std::string loser = FirstMessage(AllOk(a) ? b : a);
+          CHECK_THAT(loser, Contains(dir));  // names the location
+          refused_by_lock += loser.find("locked") != std::string::npos;
+        }
+        // Only the committed checkpoint's files remain: 2 ranks x 2 files.
+        CHECK(CountDataFiles(dir) == 4);
+        CHECK_FALSE(std::filesystem::exists(dir + "/" + kLockObjectName));  // released
+      }
+    }
+  }
+  WARN("concurrent-job rounds: " << rounds << ", loser refused by the lock: " << refused_by_lock);
+  CHECK(refused_by_lock == rounds);
+}
+
+TEST_CASE("lock: a lock left by a SIGKILLed process does not block the next save",
+          "[fault][lock]") {
+  TempDir tmp("lockkill");
+  const std::string dir = tmp.path() + "/ckpt";
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    // The "stale job": takes the lock, says so, then hangs until killed.
+    try {
+      auto lock = MakeFileStore(dir)->TryLock("stale-job");
+      if (::write(ready[1], "x", 1) != 1) ::_exit(3);
+      for (;;) ::pause();
+    } catch (...) {
+      ::_exit(4);
+    }
+  }
+  ::close(ready[1]);
+  // Whatever fails below, the child must not outlive the test (it holds the test's stdout).
+  struct KillOnExit {
+    pid_t pid;
+    ~KillOnExit() {
+      if (pid > 0) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, nullptr, 0);
+      }
+    }
+  } guard{pid};
+  char c = 0;
+  REQUIRE(::read(ready[0], &c, 1) == 1);
+  ::close(ready[0]);
+
+  // While it lives, saves are refused with the location and the holder named.
+  auto store = MakeFileStore(dir);
+  try {
+    store->TryLock("me");
+    FAIL("the lock was taken twice");
+  } catch (const LockedError& e) {
+    CHECK_THAT(e.what(), Contains(dir));
+    CHECK_THAT(e.what(), Contains("stale-job"));
+    CHECK(e.code() == ErrorCode::kAlreadyExists);
+  }
+  Versioned v = MakeVersion(7, 0, true);
+  const std::string msg = MessageOf<Error>([&] { Save(v.sd, dir); });
+  CHECK_THAT(msg, Contains("locked"));
+  CHECK_THAT(msg, Contains(dir));
+  CHECK(CheckpointVersion("file://" + dir) == -1);  // the refused save wrote nothing
+
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  guard.pid = -1;
+  REQUIRE(WIFSIGNALED(status));
+
+  // The kernel released the dead process's lock: the next save goes through at once.
+  SaveOptions so;
+  so.storage.overwrite = true;
+  Save(v.sd, dir, so);
+  CHECK(ReadMetadata(dir).storage.size() > 0);
+  CHECK_FALSE(std::filesystem::exists(dir + "/" + kLockObjectName));
+}
+
+TEST_CASE("lock: clean-up after a commit removes only the files of dead saves", "[fault][lock]") {
+  TempDir tmp("lockgc");
+  const std::string dir = tmp.path() + "/ckpt";
+  SaveOptions so;
+  so.storage.overwrite = true;
+
+  SECTION("with the lock: every unreferenced data file and metadata temporary is dead") {
+    Versioned v1 = MakeVersion(1, 0, true);
+    Save(v1.sd, dir, so);
+    auto store = MakeFileStore(dir);
+    // Leftovers of a crashed save and of a crashed metadata publish.
+    PutObject(*store, "data-deadbeef00000000-r1-b0.data", "orphan");
+    PutObject(*store, std::string(kMetadataName) + ".tmp.0123456789abcdef", "torn");
+    Versioned v2 = MakeVersion(2, 0, true);
+    const Metadata md = Save(v2.sd, dir, so);
+    for (const auto& name : store->List()) {
+      INFO(name);
+      CHECK(name != "data-deadbeef00000000-r1-b0.data");
+      CHECK(name.rfind(std::string(kMetadataName) + ".tmp.", 0) != 0);
+      if (IsDataObjectName(name)) CHECK_THAT(name, Contains(md.save_id));
+    }
+  }
+
+  SECTION("without a lock primitive: only the replaced checkpoint's files are removed") {
+    auto unlocked = std::make_shared<UnlockedStore>(MakeFileStore(dir));
+    LocalCommunicator comm;
+    auto save = [&](int version) {
+      auto writer = MakeStoreWriter(unlocked, so.storage);
+      Versioned v = MakeVersion(version, 0, true);
+      return Save(v.sd, *writer, comm);
+    };
+    const Metadata md1 = save(1);
+    // Unreferenced, but nothing proves it dead without a lock: it could be a concurrent save's.
+    PutObject(*unlocked, "data-0000000000000000-r1-b0.data", "maybe live");
+    const Metadata md2 = save(2);
+    int old_files = 0, foreign = 0;
+    for (const auto& name : unlocked->List()) {
+      old_files += name.find(md1.save_id) != std::string::npos;
+      foreign += name == "data-0000000000000000-r1-b0.data";
+    }
+    CHECK(old_files == 0);
+    CHECK(foreign == 1);
+    CHECK(ReadMetadata(dir).save_id == md2.save_id);
+  }
+}
