@@ -58,8 +58,11 @@ using GlobalStep = std::function<std::vector<std::string>(std::vector<std::strin
 // defines the save's outcome: a rank that reported success and then cannot receive the verdict
 // throws with Outcome::kUnknown (it must keep its data), and a global step that failed after
 // the commit (CommitError) makes every rank throw with that outcome.
+// `same_reply`: the global step returns one reply for every rank, which is broadcast from one
+// buffer instead of scattered as one copy per rank (the metadata of a large job is big).
 std::string RunPhase(Communicator& comm, const std::string& phase, const LocalStep& local,
-                     const GlobalStep& global, bool decides_commit = false) {
+                     const GlobalStep& global, bool decides_commit = false,
+                     bool same_reply = false) {
   const int rank = comm.rank(), size = comm.size();
   pb::PhaseMessage mine;
   try {
@@ -98,10 +101,11 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
     if (failures.empty()) {
       try {
         payloads = global(std::move(payloads));
-        if (static_cast<int>(payloads.size()) != size) {
+        const size_t expected = same_reply ? 1 : static_cast<size_t>(size);
+        if (payloads.size() != expected) {
           throw InternalError("global step of " + phase + " returned " +
-                              std::to_string(payloads.size()) + " replies for " +
-                              std::to_string(size) + " ranks");
+                              std::to_string(payloads.size()) + " replies, expected " +
+                              std::to_string(expected));
         }
       } catch (const CommitError& e) {
         failures.push_back(CurrentExceptionAsFailure(0));
@@ -110,8 +114,8 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
         failures.push_back(CurrentExceptionAsFailure(0));
       }
     }
-    replies.resize(size);
-    for (int r = 0; r < size; ++r) {
+    replies.resize(same_reply ? 1 : size);
+    for (size_t r = 0; r < replies.size(); ++r) {
       pb::PhaseOutcome out;
       out.set_phase(phase);
       if (failures.empty()) {
@@ -124,17 +128,21 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
     }
   }
 
+  auto deliver = [&](std::vector<std::string> r) {
+    return same_reply ? comm.Broadcast(r.empty() ? std::string() : std::move(r[0]), 0, phase)
+                      : comm.Scatter(std::move(r), 0, phase);
+  };
   std::string reply;
   if (rank == 0) {
     // Sends only: a communicator poisoned by this phase's gather still tells the peers.
-    reply = comm.Scatter(std::move(replies), 0, phase);
+    reply = deliver(std::move(replies));
   } else {
     // Rank 0 may itself wait up to one timeout for a slow peer before answering, so wait for
     // it longer than that: then a stalled peer is reported as such, not as rank 0.
     const auto saved = comm.timeout();
     comm.set_timeout(saved * 2 + std::chrono::seconds(5));
     try {
-      reply = comm.Scatter({}, 0, phase);
+      reply = deliver({});
     } catch (const CollectiveError& e) {
       comm.set_timeout(saved);
       // Having reported its writes, this rank cannot tell whether rank 0 committed them.
@@ -157,10 +165,6 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
     FailPhase(comm, phase, std::move(failures), static_cast<Outcome>(out.outcome()));
   }
   return std::move(*out.mutable_payload());
-}
-
-std::vector<std::string> Replicate(std::string payload, int size) {
-  return std::vector<std::string>(size, std::move(payload));
 }
 
 // Opens an operation on the communicator for the scope of one Save or Load; the id tags every
@@ -234,9 +238,9 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
                                           .count();
           global_md.library_version = DCP_VERSION_STRING;
           writer.Finish(global_md, results);
-          return Replicate(EncodeMetadata(global_md), size);
+          return std::vector<std::string>{EncodeMetadata(global_md)};
         },
-        /*decides_commit=*/true);
+        /*decides_commit=*/true, /*same_reply=*/true);
   } catch (const CollectiveError& e) {
     // Only a save known not to be committed may remove data (docs/PROTOCOL.md).
     if (e.outcome() == Outcome::kFailed) writer.Abort();
@@ -267,8 +271,9 @@ Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
     const std::string md_bytes = RunPhase(
         comm, "load/metadata", [] { return std::string(); },
         [&](std::vector<std::string>) {
-          return Replicate(EncodeMetadata(reader.ReadMetadata()), size);
-        });
+          return std::vector<std::string>{EncodeMetadata(reader.ReadMetadata())};
+        },
+        /*decides_commit=*/false, /*same_reply=*/true);
     return RunPhase(
         comm, "load/plan",
         [&] {
@@ -294,7 +299,8 @@ Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
         reader.ReadData(plan, planner).get();
         return std::string();
       },
-      [&](std::vector<std::string>) { return Replicate({}, size); });
+      [&](std::vector<std::string>) { return std::vector<std::string>(1); },
+      /*decides_commit=*/false, /*same_reply=*/true);
   if (options.extra_keys && !options.planner) *options.extra_keys = default_planner.extra_keys();
   return md;
 }

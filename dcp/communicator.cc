@@ -162,9 +162,8 @@ struct PointToPointCommunicator::Frame {
   }
 };
 
-void PointToPointCommunicator::SendFrame(int dest, uint64_t seq, std::string_view what,
-                                         std::string payload) {
-  if (stopped()) ThrowIfPoisoned(what);  // a shutdown forbade any further transport call
+std::string PointToPointCommunicator::MakeFrame(uint64_t seq, std::string_view what,
+                                                std::string_view payload) const {
   std::string out;
   const size_t n = std::min<size_t>(what.size(), 0xffff);
   out.reserve(18 + n + payload.size());
@@ -173,8 +172,14 @@ void PointToPointCommunicator::SendFrame(int dest, uint64_t seq, std::string_vie
   out.push_back(static_cast<char>(n & 0xff));
   out.push_back(static_cast<char>(n >> 8));
   out.append(what.data(), n);
-  out += payload;
-  Send(dest, kTag, std::move(out));
+  out.append(payload.data(), payload.size());
+  return out;
+}
+
+void PointToPointCommunicator::SendFrame(int dest, uint64_t seq, std::string_view what,
+                                         std::string payload) {
+  if (stopped()) ThrowIfPoisoned(what);  // a shutdown forbade any further transport call
+  Send(dest, kTag, MakeFrame(seq, what, payload));
 }
 
 void PointToPointCommunicator::FailMismatch(int source, std::string_view what,
@@ -323,8 +328,12 @@ std::string PointToPointCommunicator::Broadcast(std::string message, int root,
                                                 std::string_view what) {
   const uint64_t seq = NextSeq();
   if (rank() == root) {
+    if (stopped()) ThrowIfPoisoned(what);
+    // One frame for every destination: the frame has nothing rank-specific, and a large
+    // broadcast (the metadata) must not cost the root one copy per rank.
+    auto frame = std::make_shared<const std::string>(MakeFrame(seq, what, message));
     for (int r = 0; r < size(); ++r) {
-      if (r != root) SendFrame(r, seq, what, message);
+      if (r != root) SendShared(r, kTag, frame);
     }
     return message;
   }

@@ -121,6 +121,12 @@ class PointToPointCommunicator : public Communicator {
   static constexpr int kTag = 0;
   /// Queue `payload` for `dest`; must not block until the receiver reads it.
   virtual void Send(int dest, int tag, std::string payload) = 0;
+  /// The same, for a payload sent to several ranks: a backend that can send from one shared
+  /// buffer overrides this, so a broadcast holds one copy of its message, not one per rank (the
+  /// default copies).
+  virtual void SendShared(int dest, int tag, std::shared_ptr<const std::string> payload) {
+    Send(dest, tag, *payload);
+  }
   /// A message from `source` with `tag` if one has arrived, without blocking.
   virtual std::optional<std::string> TryReceive(int source, int tag) = 0;
 
@@ -136,6 +142,7 @@ class PointToPointCommunicator : public Communicator {
                                     std::string_view what);
   [[noreturn]] void FailMismatch(int source, std::string_view what, const std::string& detail);
   [[noreturn]] void FailTimeout(std::string_view what, const std::vector<int>& ranks);
+  std::string MakeFrame(uint64_t seq, std::string_view what, std::string_view payload) const;
   void SendFrame(int dest, uint64_t seq, std::string_view what, std::string payload);
   uint64_t NextSeq() { return ++seq_; }
   uint64_t seq_ = 0;

@@ -23,6 +23,7 @@ void Check(int rc, const char* what) {
 
 struct MpiCommunicator::PendingSend {
   std::string buffer;
+  std::shared_ptr<const std::string> shared;  // or a buffer shared by several sends
   MPI_Request request = MPI_REQUEST_NULL;
 };
 
@@ -105,6 +106,21 @@ void MpiCommunicator::Send(int dest, int tag, std::string payload) {
   p->buffer = std::move(payload);
   Check(MPI_Isend(p->buffer.data(), static_cast<int>(p->buffer.size()), MPI_BYTE, dest, tag, comm_,
                   &p->request),
+        "MPI_Isend");
+  pending_.push_back(std::move(p));
+}
+
+void MpiCommunicator::SendShared(int dest, int tag, std::shared_ptr<const std::string> payload) {
+  ReapCompletedSends();
+  if (payload->size() > static_cast<size_t>(INT_MAX)) {
+    throw InvalidArgumentError("control message of " + std::to_string(payload->size()) +
+                               " bytes exceeds MPI's 2 GiB message limit");
+  }
+  // MPI allows several pending sends from one buffer; it lives until the last one completes.
+  auto p = std::make_unique<PendingSend>();
+  p->shared = std::move(payload);
+  Check(MPI_Isend(p->shared->data(), static_cast<int>(p->shared->size()), MPI_BYTE, dest, tag,
+                  comm_, &p->request),
         "MPI_Isend");
   pending_.push_back(std::move(p));
 }

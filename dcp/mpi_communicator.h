@@ -38,6 +38,7 @@ class MpiCommunicator : public PointToPointCommunicator {
 
  protected:
   void Send(int dest, int tag, std::string payload) override;
+  void SendShared(int dest, int tag, std::shared_ptr<const std::string> payload) override;
   std::optional<std::string> TryReceive(int source, int tag) override;
 
  private:

@@ -6,10 +6,13 @@
 //               local plan (the gathered payload); the coordinator decodes the N plans, merges
 //               them (dedup, metadata, validation), names files and encodes N global plans.
 //   save/write: every rank encodes its write results; the coordinator decodes them, fills the
-//               metadata's storage map, encodes the metadata and replicates it as the reply to
-//               every rank (one copy per rank, as RunPhase's Replicate does).
-//   load/metadata: the coordinator encodes the metadata and replicates it N times; every
-//               follower decodes all of it.
+//               metadata's storage map, encodes the metadata and sends it to every rank. With
+//               --replicate, as one copy per rank (what RunPhase did before replies of one
+//               payload for all were broadcast); by default as today: the encoded metadata, its
+//               serialized phase reply and one frame shared by every send (MpiCommunicator
+//               sends all N messages from that one buffer).
+//   load/metadata: the coordinator encodes the metadata and distributes it the same way;
+//               every follower decodes all of it.
 //   load/plan:  the worst-case all-to-all reshard (saved row-sharded, loaded column-sharded: each
 //               local chunk overlaps every saved chunk of its tensor). A follower's local plan is
 //               timed; the coordinator's gather of N such plans is simulated in full only up to
@@ -25,7 +28,7 @@
 // view points into one small dummy buffer.
 //
 //   dcp-scale-bench [--ranks 64,256,1024] [--params 1000] [--replicated 50] [--full-load-max 64]
-//                   [--max-copies-mib 2048]
+//                   [--max-copies-mib 2048] [--replicate]
 #include <time.h>
 
 #include <CLI/CLI.hpp>
@@ -151,7 +154,7 @@ struct Row {
 double MiB(double bytes) { return bytes / (1024.0 * 1024.0); }
 
 Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int replicated,
-           int full_load_max, double max_copies_mib) {
+           int full_load_max, double max_copies_mib, bool replicate) {
   Row row;
   row.n = n;
   // save/plan, follower side: every rank plans and encodes; the coordinator will hold them all.
@@ -223,11 +226,17 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
   std::string md_bytes = EncodeMetadata(md);
   row.md_mib = MiB(md_bytes.size());
   row.md_out_mib = row.md_mib * n;
-  // Today's reply is one copy of the metadata per rank. Past --max-copies-mib the copies are
-  // counted, not made (256 ranks of a 3,000-entry model would need ~22 GiB).
-  const bool materialize = row.md_out_mib <= max_copies_mib;
+  // --replicate: one copy of the metadata per rank; past --max-copies-mib the copies are
+  // counted, not made (256 ranks of a 3,000-entry model would need ~22 GiB). Otherwise the
+  // reply and one shared frame, as RunPhase and PointToPointCommunicator::Broadcast hold them.
+  if (!replicate) row.md_out_mib = row.md_mib * 2;
+  const bool materialize = !replicate || row.md_out_mib <= max_copies_mib;
   std::vector<std::string> replies;
-  if (materialize) replies.assign(n, md_bytes);
+  if (replicate && materialize) replies.assign(n, md_bytes);
+  if (!replicate) {
+    replies.push_back(md_bytes);                                // the serialized reply
+    replies.push_back(std::string(18 + 10, 'h') + replies[0]);  // the frame, sent N times
+  }
   row.write_s = CpuSeconds() - t0;
   row.write_mib = meter.PeakMiB() + (materialize ? 0 : row.md_mib * (n - 1));
   row.copies_counted = !materialize;
@@ -238,7 +247,11 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
   t0 = CpuSeconds();
   std::string enc = EncodeMetadata(md);
   std::vector<std::string> bcast;
-  if (materialize) bcast.assign(n, enc);
+  if (replicate && materialize) bcast.assign(n, enc);
+  if (!replicate) {
+    bcast.push_back(enc);
+    bcast.push_back(std::string(18 + 13, 'h') + bcast[0]);
+  }
   row.load_md_s = CpuSeconds() - t0;
   row.load_md_mib = meter.PeakMiB() + (materialize ? 0 : row.md_mib * (n - 1));
   bcast.clear();
@@ -289,6 +302,7 @@ int main(int argc, char** argv) {
   std::vector<int> ranks = {64, 256, 1024};
   int params = 1000, replicated = 50, full_load_max = 64;
   double max_copies_mib = 2048;
+  bool replicate = false;
   app.add_option("--ranks", ranks, "world sizes to simulate")
       ->delimiter(',')
       ->capture_default_str();
@@ -301,6 +315,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-copies-mib", max_copies_mib,
                  "largest total of metadata copies actually allocated (beyond: counted)")
       ->capture_default_str();
+  app.add_flag("--replicate", replicate,
+               "model the old metadata distribution: one copy per rank (the 'before')");
   CLI11_PARSE(app, argc, argv);
   const auto shapes = Parameters(params);
   std::printf(
@@ -312,7 +328,7 @@ int main(int argc, char** argv) {
               "md out", "f.plan s", "f.md s", "f.load s", "ld gat s", "ld plans");
   std::vector<Row> rows;
   for (int n : ranks) {
-    Row r = RunOne(n, shapes, replicated, full_load_max, max_copies_mib);
+    Row r = RunOne(n, shapes, replicated, full_load_max, max_copies_mib, replicate);
     std::printf(
         "%6d | %8.2f %8.2f %8.2f | %8.0f %8.0f %8.1fM %8.1fM | %8.2f %8.0fM | %9.4f "
         "%9.4f %9.4f | %8s %9.0fM%s\n",
