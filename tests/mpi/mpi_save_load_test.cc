@@ -349,3 +349,28 @@ TEST_CASE("mpi: a stalled rank is reported as timed out on every rank", "[mpi][f
   CHECK_FALSE(Exists(dir + "/ckpt/" + kMetadataName));
   RemoveSharedDir(dir);
 }
+
+TEST_CASE("mpi: closing an async saver whose peer never joins stops it cleanly before finalize",
+          "[mpi][fault]") {
+  // Before, Close detached the background thread while it still polled MPI, and MPI_Finalize at
+  // exit crashed it (SIGSEGV). Now Close stops the background communicator and joins the thread;
+  // this binary finalising MPI and exiting 0 afterwards is part of the check.
+  if (Comm().size() < 2) return;
+  const std::string dir = SharedDir("async-stall");
+  std::vector<TensorView> keep;
+  StateDict sd = SmallState(keep);
+  {
+    auto background = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD);  // collective
+    background->set_timeout(std::chrono::minutes(5));
+    AsyncCheckpointer saver(std::move(background));
+    if (Comm().rank() == 0) {
+      saver.Save(sd, dir + "/ckpt");  // the other ranks never join this save
+      const auto t0 = std::chrono::steady_clock::now();
+      CHECK_THROWS_WITH(saver.Close(std::chrono::milliseconds(200)), Contains("unfinished"));
+      CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+    }
+    Comm().Barrier("test/async-stall-closed");
+  }
+  CHECK_FALSE(Exists(dir + "/ckpt/" + kMetadataName));
+  RemoveSharedDir(dir);
+}
