@@ -29,6 +29,7 @@
 //
 //   dcp-scale-bench [--ranks 64,256,1024] [--params 1000] [--replicated 50] [--full-load-max 64]
 //                   [--max-copies-mib 2048] [--replicate]
+#include <malloc.h>
 #include <time.h>
 
 #include <CLI/CLI.hpp>
@@ -69,6 +70,7 @@ class PeakMeter {
  public:
   PeakMeter() { Reset(); }
   void Reset() {
+    malloc_trim(0);  // freed heap memory would otherwise hide new allocations from the RSS
     if (std::FILE* c = std::fopen("/proc/self/clear_refs", "w")) {
       std::fputs("5", c);
       std::fclose(c);
@@ -318,6 +320,8 @@ int main(int argc, char** argv) {
   app.add_flag("--replicate", replicate,
                "model the old metadata distribution: one copy per rank (the 'before')");
   CLI11_PARSE(app, argc, argv);
+  // Large buffers come from mmap and go back to the OS when freed, so the peak meter sees them.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   const auto shapes = Parameters(params);
   std::printf(
       "dcp-scale-bench: %d parameters x3 (model, exp_avg, exp_avg_sq) sharded over all "

@@ -247,3 +247,18 @@ TEST_CASE("async: closing a saver whose peer stalls stops its save and reports i
   CHECK(raw->stopped());
   CHECK_FALSE(HasMetadata("stalled-peer"));
 }
+
+TEST_CASE("async: a communicator that cannot be used from a background thread is refused",
+          "[async][integrity]") {
+  // E.g. MPI initialised without MPI_THREAD_MULTIPLE (MpiCommunicator reports it): the saver
+  // says what is missing instead of corrupting MPI's state from two threads.
+  class SingleThreadedComm : public LocalCommunicator {
+   public:
+    std::string ConcurrentUseProblem() const override {
+      return "MPI provides only MPI_THREAD_SERIALIZED";
+    }
+  };
+  const std::string msg = MessageOf<UnsupportedError>(
+      [] { AsyncCheckpointer saver(std::make_unique<SingleThreadedComm>()); });
+  CHECK_THAT(msg, Contains("background") && Contains("MPI_THREAD_SERIALIZED"));
+}
