@@ -304,7 +304,7 @@ TEST_CASE("alignment: items past 4 GiB round-trip, corruption there names fqn, f
   sd.Set("m_after_blob", Blob{blob});
   const Metadata md = Save(sd, root);
 
-  const StorageInfo& big_info = InfoOf(md, "a_big");
+  const StorageInfo big_info = InfoOf(md, "a_big");
   CHECK(big_info.length == kBig);
   const std::string file = big_info.relative_path;
   for (const char* n : {"m_after_byte", "m_after_f32", "m_after_f16", "m_after_blob"}) {
@@ -348,7 +348,7 @@ TEST_CASE("alignment: items past 4 GiB round-trip, corruption there names fqn, f
   load_windows();
 
   // A flipped byte of an item past 4 GiB: the error names the item, the file and its offset.
-  const StorageInfo& f32 = InfoOf(md, "m_after_f32");
+  const StorageInfo f32 = InfoOf(md, "m_after_f32");
   FlipByte(root + "/" + file, f32.offset + 1000);
   std::string msg = CorruptionMessage(load_after);
   CHECK_THAT(msg, Catch::Contains("'m_after_f32'") && Catch::Contains(file) &&

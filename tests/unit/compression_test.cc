@@ -170,7 +170,7 @@ TEST_CASE("compression: a checkpoint holds a mix, and every item loads back", "[
         CHECK_FALSE(IsZstd(md, "rng"));
         CHECK_FALSE(IsZstd(md, "noise_blob"));
         IsZstd(md, "model.bf16", {0, 0});  // either way; its checks hold
-        const StorageInfo& w = Item(md, "model.w", {0, 0});
+        const StorageInfo w = Item(md, "model.w", {0, 0});
         CHECK(w.raw_length == 256u * 300 * 4);
         CHECK(w.length < w.raw_length * 6 / 10);
         uint64_t raw_total = 0;
@@ -428,8 +428,8 @@ TEST_CASE("compression: damaged compressed data is detected and named", "[compre
       StateDict sd;
       sd.Set("model.w", w).Set("config", Blob{text});
       const Metadata md = Save(sd, loc.uri, Zstd());
-      const StorageInfo& wi = Item(md, "model.w", {0, 0});
-      const StorageInfo& ci = Item(md, "config");
+      const StorageInfo wi = Item(md, "model.w", {0, 0});
+      const StorageInfo ci = Item(md, "config");
       REQUIRE(IsZstd(md, "model.w", {0, 0}));
       REQUIRE(IsZstd(md, "config"));
       auto store = OpenStore(loc.uri);

@@ -189,7 +189,7 @@ TEST_CASE("planner: a replicated tensor is written by exactly one rank", "[plann
   CHECK(Writers(run, "model.w").size() == 1);
   CHECK(Writers(run, "rng").size() == 1);
 
-  const TensorMetadata& t = TensorEntry(run.md, "model.w");
+  const TensorMetadata t = TensorEntry(run.md, "model.w");
   CHECK(t.dtype == DType::kFloat32);
   CHECK(t.shape == Shape{3, 5});
   REQUIRE(t.chunks.size() == 1);
@@ -271,14 +271,14 @@ TEST_CASE("planner: sharded layouts become one entry with every chunk", "[planne
     global = {8, 6};
     for (int r = 0; r < 4; ++r) {
       sds[r].Nested("m").Set("w", RowShard(global, 2 * r, 2 * r + 2, r));
-      expected.insert({{2 * r, 0}, {2, 6}});
+      expected.insert({Shape{2 * r, 0}, Shape{2, 6}});
     }
   }
   SECTION("columns") {
     global = {5, 8};
     for (int r = 0; r < 4; ++r) {
       sds[r].Nested("m").Set("w", ColShard(global, 2 * r, 2 * r + 2, r));
-      expected.insert({{0, 2 * r}, {5, 2}});
+      expected.insert({Shape{0, 2 * r}, Shape{5, 2}});
     }
   }
   SECTION("uneven rows") {
@@ -286,7 +286,7 @@ TEST_CASE("planner: sharded layouts become one entry with every chunk", "[planne
     for (int r = 0; r < 4; ++r) {
       const auto [b, e] = RowRange(10, r, 4);
       sds[r].Nested("m").Set("w", RowShard(global, b, e, r));
-      expected.insert({{b, 0}, {e - b, 3}});
+      expected.insert({Shape{b, 0}, Shape{e - b, 3}});
     }
     CHECK(expected.count({{0, 0}, {3, 3}}) == 1);
     CHECK(expected.count({{8, 0}, {2, 3}}) == 1);
@@ -300,13 +300,13 @@ TEST_CASE("planner: sharded layouts become one entry with every chunk", "[planne
       for (int c = 0; c < 2; ++c) {
         const Shape off = {2 * r, 3 * c};
         st.local_shards.push_back({Filled(DType::kFloat32, {2, 3}, r * 2 + c), off});
-        expected.insert({off, {2, 3}});
+        expected.insert({off, Shape{2, 3}});
       }
       sds[r].Nested("m").Set("w", st);
     }
   }
   const SaveRun run = RunSave(sds);
-  const TensorMetadata& t = TensorEntry(run.md, "m.w");
+  const TensorMetadata t = TensorEntry(run.md, "m.w");
   CHECK(t.dtype == DType::kFloat32);
   CHECK(t.shape == global);
   CHECK(ChunkSet(t.chunks) == expected);
@@ -336,7 +336,7 @@ TEST_CASE("planner: a rank with no shards still yields the entry", "[planner][sa
     sds[2].Set("w", RowShard(global, 0, 0, 2));  // declares, holds nothing
     const SaveRun run = RunSave(sds);
     CHECK(run.local[2].items.empty());
-    const TensorMetadata& t = TensorEntry(run.md, "w");
+    const TensorMetadata t = TensorEntry(run.md, "w");
     CHECK(t.shape == global);
     CHECK(t.chunks.size() == 2);
     CHECK(run.md.key_paths.at("w") == KeyPath{"w"});
@@ -346,7 +346,7 @@ TEST_CASE("planner: a rank with no shards still yields the entry", "[planner][sa
     std::vector<StateDict> sds(2);
     for (auto& sd : sds) sd.Nested("opt").Set("empty", RowShard({0, 4}, 0, 0, 0));
     const SaveRun run = RunSave(sds);
-    const TensorMetadata& t = TensorEntry(run.md, "opt.empty");
+    const TensorMetadata t = TensorEntry(run.md, "opt.empty");
     CHECK(t.shape == Shape{0, 4});
     CHECK(t.chunks.empty());
     CHECK(run.md.key_paths.at("opt.empty") == KeyPath{"opt", "empty"});
@@ -560,7 +560,7 @@ LoadPlan LocalLoadPlan(StateDict& sd, const Metadata& md, LoadPlannerOptions opt
 
 TEST_CASE("planner: load plans reshard row shards into column shards", "[planner][load]") {
   const Metadata md = SavedMetadata();
-  const TensorMetadata& saved = TensorEntry(md, "m.w");
+  const TensorMetadata saved = TensorEntry(md, "m.w");
   for (int64_t col : {0, 3}) {
     INFO("column shard at " << col);
     StateDict sd;

@@ -353,7 +353,7 @@ TEST_CASE("conformance: damaged data is detected and named", "[storage][conforma
       auto store = OpenStore(loc.uri);
       const std::string data = FirstDataObject(*store);
       REQUIRE_FALSE(data.empty());
-      const StorageInfo& w = md.storage.at(MetadataIndex{"model.w", {0, 0}, {}});
+      const StorageInfo w = md.storage.at(MetadataIndex{"model.w", {0, 0}, {}});
 
       std::string original = store->ReadAll(data);
       Patch(*store, data, w.offset + 100,

@@ -331,7 +331,7 @@ bool TensorStream::Next(const char*& data, size_t& nbytes) {
 }
 
 std::string ReadBlob(Store& store, const Metadata& md, const std::string& fqn) {
-  const StorageInfo& info = ItemInfo(md, fqn, {});
+  const StorageInfo info = ItemInfo(md, fqn, {});  // a copy: {} is a temporary
   CheckTransforms(fqn, info);
   const std::string what =
       "entry '" + fqn + "' from '" + store.uri() + "/" + info.relative_path + "'";

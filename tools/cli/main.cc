@@ -97,7 +97,7 @@ int Inspect(const std::string& path, const std::string& filter, bool json) {
         }
       } else {
         je["kind"] = "bytes";
-        const StorageInfo& info = ItemInfo(md, fqn, {});
+        const StorageInfo info = ItemInfo(md, fqn, {});  // a copy: {} is a temporary
         items.push_back({{"file", info.relative_path},
                          {"offset", info.offset},
                          {"length", info.length},
