@@ -185,6 +185,7 @@ struct AsyncCheckpointer::Impl {
   StateDict Snapshot(const StateDict& state, SaveMetrics& m) {
     struct Copy {
       TensorView dst, src;
+      std::string name;  // the entry, for messages
     };
     std::vector<Copy> copies, device_copies;
     StateDict staged;
@@ -195,9 +196,9 @@ struct AsyncCheckpointer::Impl {
             src.numel() ? Buffer(key, src.nbytes(), &m.staging_allocations, src.device) : nullptr,
             src.dtype, src.shape);
         if (src.device.is_cpu()) {
-          copies.push_back({dst, src});
+          copies.push_back({dst, src, key});
         } else {
-          device_copies.push_back({dst, src});
+          device_copies.push_back({dst, src, key});
           m.device_bytes += src.nbytes();
         }
         m.staged_bytes += src.nbytes();
@@ -226,7 +227,11 @@ struct AsyncCheckpointer::Impl {
         stream = DeviceBackendFor(c.src.device, "tensor " + c.src.ToString())
                      ->NewStream(c.src.device.index);
       }
-      CopyTensorAsync(c.dst, c.src, *stream);
+      try {
+        CopyTensorAsync(c.dst, c.src, *stream);
+      } catch (const DeviceError& e) {
+        throw DeviceError("snapshot of '" + c.name + "': " + e.what());
+      }
     }
     // Copy: big tensors are split by rows across threads so both cores stream memory.
     const int threads = std::max(1, options.copy_threads);
@@ -244,7 +249,7 @@ struct AsyncCheckpointer::Impl {
         Shape off(c.src.shape.size(), 0), size = c.src.shape;
         off[0] = r;
         size[0] = std::min(per, rows - r);
-        pieces.push_back({c.dst.Narrow(off, size), c.src.Narrow(off, size)});
+        pieces.push_back({c.dst.Narrow(off, size), c.src.Narrow(off, size), c.name});
       }
     }
     std::atomic<size_t> next{0};

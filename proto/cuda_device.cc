@@ -121,6 +121,25 @@ class CudaBackend : public DeviceBackend {
     return std::make_unique<CudaStream>(device);
   }
 
+  void CheckDevicePointer(const void* p, int device, const std::string& what) override {
+    cudaPointerAttributes a{};
+    const cudaError_t e = cudaPointerGetAttributes(&a, p);
+    const std::string tag = what + " is tagged cuda:" + std::to_string(device);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw DeviceError(tag + " but CUDA does not know its address (" + Describe(e) + ")");
+    }
+    if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) {
+      if (a.device != device) {
+        throw DeviceError(tag + " but its memory is on cuda:" + std::to_string(a.device));
+      }
+      return;
+    }
+    throw DeviceError(tag + " but its memory is " +
+                      (a.type == cudaMemoryTypeHost ? "page-locked host memory"
+                                                    : "host memory, not device memory"));
+  }
+
   void* AllocPinned(size_t bytes) override {
     void* p = nullptr;
     Check(cudaHostAlloc(&p, bytes, cudaHostAllocDefault), "cudaHostAlloc (pinned host memory)",

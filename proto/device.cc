@@ -133,6 +133,13 @@ void CopyTensorAsync(const TensorView& dst, const TensorView& src, DeviceStream&
   const CopyKind kind = src_host   ? CopyKind::kHostToDevice
                         : dst_host ? CopyKind::kDeviceToHost
                                    : CopyKind::kDeviceToDevice;
+  // A view tagged as device memory must be device memory: the runtime would otherwise copy a
+  // host buffer without complaint (or fail with an opaque error).
+  for (const TensorView* v : {&src, &dst}) {
+    if (v->device.is_cpu()) continue;
+    DeviceBackendFor(v->device, "tensor " + v->ToString())
+        ->CheckDevicePointer(v->data, v->device.index, "tensor " + v->ToString());
+  }
   const Shape ds = dst.effective_strides(), ss = src.effective_strides();
   for (size_t i = 0; i < ds.size(); ++i) {
     if (ds[i] < 0 || ss[i] < 0) {

@@ -73,6 +73,10 @@ class DeviceBackend {
   /// error) when the runtime refuses; copies then still work, more slowly.
   virtual bool RegisterHost(void* p, size_t bytes) = 0;
   virtual void UnregisterHost(void* p) noexcept = 0;
+  /// DeviceError unless `p` is memory of device `device` (a host buffer tagged as device memory,
+  /// or memory of another device, would otherwise be copied as if it were). `what` names the
+  /// tensor in the message. The default trusts the tag (backends that cannot tell).
+  virtual void CheckDevicePointer(const void* /*p*/, int /*device*/, const std::string& /*what*/) {}
   /// Device memory, for tests and benchmarks (the product copies only to/from the caller's).
   virtual void* AllocDevice(int device, size_t bytes) = 0;
   virtual void FreeDevice(int device, void* p) noexcept = 0;

@@ -278,7 +278,7 @@ class StoreWriter : public StorageWriter {
       // the checkpoint is committed and every rank must keep its data (docs/PROTOCOL.md).
       const Outcome outcome = CommitOutcome(md.save_id);
       if (outcome == Outcome::kFailed) throw;  // nothing committed: Abort follows
-      ReleaseLock();  // the outcome is decided; no Abort follows
+      ReleaseLock();                           // the outcome is decided; no Abort follows
       throw CommitError(outcome, e.code(),
                         std::string(outcome == Outcome::kCommitted
                                         ? "the checkpoint was committed, then: "
@@ -392,7 +392,13 @@ class StoreWriter : public StorageWriter {
       }
       // The item's raw bytes into `sink` (the data file, or the compressor feeding it).
       auto append = [&](WritableObject& sink) {
-        if (item.is_tensor()) return AppendTensor(sink, data.tensor);
+        if (item.is_tensor()) {
+          try {
+            return AppendTensor(sink, data.tensor);
+          } catch (const DeviceError& e) {
+            throw DeviceError("tensor '" + item.index.fqn + "': " + e.what());
+          }
+        }
         sink.Append(data.bytes.data(), data.bytes.size());
         return Crc32c(0, data.bytes.data(), data.bytes.size());
       };

@@ -119,3 +119,24 @@ TEST_CASE("gpu: a device index the process does not have is refused by name", "[
   CHECK_THAT(MessageOf<CollectiveError>([&] { Save(sd, "mem://gpu-bad", comm); }),
              Contains("head.bias") && Contains("cuda:"));
 }
+
+TEST_CASE("gpu: host memory tagged as device memory is refused by name, not copied", "[gpu]") {
+  // Before, cudaMemcpy2DAsync copied a host buffer tagged cuda:0 without complaint.
+  TensorView host = RandomTensor(DType::kFloat32, {64}, 8);
+  TensorView lying = host;
+  lying.device = Device{Device::Type::kCUDA, 0};
+  StateDict sd;
+  sd.Set("layer.lying", lying);
+  LocalCommunicator comm;
+  const std::string msg = MessageOf<CollectiveError>([&] { Save(sd, "mem://gpu-lying", comm); });
+  CHECK_THAT(msg, Contains("layer.lying") && Contains("not device memory"));
+  // Loading into it is refused the same way.
+  TensorView back = RandomTensor(DType::kFloat32, {64}, 8);
+  StateDict ok;
+  ok.Set("layer.lying", back);
+  Save(ok, "mem://gpu-lying-ok", comm);
+  StateDict into;
+  into.Set("layer.lying", lying);
+  CHECK_THAT(MessageOf<CollectiveError>([&] { Load(into, "mem://gpu-lying-ok", comm); }),
+             Contains("not device memory"));
+}
