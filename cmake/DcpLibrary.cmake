@@ -1,19 +1,37 @@
 # dcp_add_library(name SOURCES ... HEADERS ... [PUBLIC_DEPS ...] [PRIVATE_DEPS ...])
-# One shared library per folder; headers install under include/dcp/<folder>/ and are included as
-# "<folder>/<header>.h" both in the tree and by users (the installed include dir is include/dcp).
+# One shared library per folder. Every header of ours is included under the dcp/ prefix, in the
+# tree and by users: "dcp/<file>.h" for the dcp/ folder, "dcp/<folder>/<file>.h" for proto/,
+# planner/ and storage/. They install to include/dcp/ and include/dcp/<folder>/, and the exported
+# include dir is include/, so an application's own "proto/error.h" can never be mistaken for ours.
+# In the build tree, include/dcp/<folder> links to the source folder (see dcp_include_root).
+function(dcp_include_root)
+  set(root ${PROJECT_BINARY_DIR}/include/dcp)
+  file(MAKE_DIRECTORY ${root})
+  foreach(folder proto planner storage)
+    if(NOT EXISTS ${root}/${folder})
+      file(CREATE_LINK ${PROJECT_SOURCE_DIR}/${folder} ${root}/${folder} SYMBOLIC)
+    endif()
+  endforeach()
+endfunction()
+
 function(dcp_add_library name)
   cmake_parse_arguments(ARG "" "" "SOURCES;HEADERS;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
   add_library(${name} SHARED ${ARG_SOURCES})
   target_compile_options(${name} PRIVATE ${DCP_WARNINGS})
   target_include_directories(${name} PUBLIC
     $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
+    $<BUILD_INTERFACE:${PROJECT_BINARY_DIR}/include>
     $<BUILD_INTERFACE:${PROJECT_BINARY_DIR}/generated>
-    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/dcp>)
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
   target_link_libraries(${name} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
   install(TARGETS ${name} EXPORT dcpTargets
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
     ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
     RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
   file(RELATIVE_PATH folder ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_SOURCE_DIR})
-  install(FILES ${ARG_HEADERS} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/dcp/${folder})
+  if(folder STREQUAL "dcp")
+    install(FILES ${ARG_HEADERS} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/dcp)
+  else()
+    install(FILES ${ARG_HEADERS} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/dcp/${folder})
+  endif()
 endfunction()

@@ -24,9 +24,9 @@
 #include <sstream>
 #include <thread>
 
-#include "planner/flatten.h"
-#include "proto/device.h"
-#include "proto/error.h"
+#include "dcp/planner/flatten.h"
+#include "dcp/proto/device.h"
+#include "dcp/proto/error.h"
 
 namespace dcp {
 

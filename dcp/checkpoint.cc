@@ -6,9 +6,9 @@
 
 #include "dcp.pb.h"  // generated from proto/dcp.proto
 #include "dcp_version.h"
-#include "proto/codec.h"
-#include "proto/error.h"
-#include "storage/registry.h"
+#include "dcp/proto/codec.h"
+#include "dcp/proto/error.h"
+#include "dcp/storage/registry.h"
 
 namespace dcp {
 

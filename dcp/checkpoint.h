@@ -22,11 +22,11 @@
 #include <vector>
 
 #include "dcp/communicator.h"
-#include "planner/default_planner.h"
-#include "planner/planner.h"
-#include "proto/plan.h"
-#include "proto/state_dict.h"
-#include "storage/storage.h"
+#include "dcp/planner/default_planner.h"
+#include "dcp/planner/planner.h"
+#include "dcp/proto/plan.h"
+#include "dcp/proto/state_dict.h"
+#include "dcp/storage/storage.h"
 
 namespace dcp {
 

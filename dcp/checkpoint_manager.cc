@@ -9,9 +9,9 @@
 #include <functional>
 #include <set>
 
-#include "proto/error.h"
-#include "storage/registry.h"
-#include "storage/store_checkpoint.h"
+#include "dcp/proto/error.h"
+#include "dcp/storage/registry.h"
+#include "dcp/storage/store_checkpoint.h"
 
 namespace dcp {
 

@@ -8,7 +8,7 @@
 #include <random>
 #include <thread>
 
-#include "proto/error.h"
+#include "dcp/proto/error.h"
 
 namespace dcp {
 

@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <thread>
 
-#include "proto/error.h"
+#include "dcp/proto/error.h"
 
 namespace dcp {
 

@@ -17,9 +17,9 @@
 #include <numeric>
 #include <thread>
 
-#include "proto/cuda_util.h"
-#include "proto/device.h"
-#include "proto/error.h"
+#include "dcp/proto/cuda_util.h"
+#include "dcp/proto/device.h"
+#include "dcp/proto/error.h"
 
 namespace dcp {
 

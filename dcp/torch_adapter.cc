@@ -6,8 +6,8 @@
 #include <type_traits>
 #include <unordered_map>
 
-#include "planner/flatten.h"
-#include "proto/error.h"
+#include "dcp/planner/flatten.h"
+#include "dcp/proto/error.h"
 
 namespace dcp {
 

@@ -27,7 +27,7 @@
 
 #include "dcp/checkpoint.h"
 #include "dcp/communicator.h"
-#include "proto/state_dict.h"
+#include "dcp/proto/state_dict.h"
 
 namespace dcp {
 

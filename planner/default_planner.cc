@@ -1,4 +1,4 @@
-#include "planner/default_planner.h"
+#include "dcp/planner/default_planner.h"
 
 #include <algorithm>
 #include <limits>
@@ -7,8 +7,8 @@
 #include <set>
 #include <sstream>
 
-#include "proto/device.h"
-#include "proto/error.h"
+#include "dcp/proto/device.h"
+#include "dcp/proto/error.h"
 
 namespace dcp {
 

@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "planner/flatten.h"
-#include "planner/planner.h"
+#include "dcp/planner/flatten.h"
+#include "dcp/planner/planner.h"
 
 namespace dcp {
 

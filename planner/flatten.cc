@@ -1,6 +1,6 @@
-#include "planner/flatten.h"
+#include "dcp/planner/flatten.h"
 
-#include "proto/error.h"
+#include "dcp/proto/error.h"
 
 namespace dcp {
 

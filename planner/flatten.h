@@ -4,8 +4,8 @@
 #include <map>
 #include <string>
 
-#include "proto/plan.h"
-#include "proto/state_dict.h"
+#include "dcp/proto/plan.h"
+#include "dcp/proto/state_dict.h"
 
 namespace dcp {
 

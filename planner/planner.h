@@ -17,8 +17,8 @@
 #include <utility>
 #include <vector>
 
-#include "proto/plan.h"
-#include "proto/state_dict.h"
+#include "dcp/proto/plan.h"
+#include "dcp/proto/state_dict.h"
 
 namespace dcp {
 

@@ -1,4 +1,4 @@
-#include "proto/checksum.h"
+#include "dcp/proto/checksum.h"
 
 #include <isa-l/crc.h>
 

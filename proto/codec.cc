@@ -1,4 +1,4 @@
-#include "proto/codec.h"
+#include "dcp/proto/codec.h"
 
 #include <algorithm>
 #include <cstring>
@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "dcp.pb.h"  // generated from proto/dcp.proto
-#include "proto/checksum.h"
+#include "dcp/proto/checksum.h"
 
 namespace dcp {
 

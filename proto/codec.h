@@ -10,8 +10,8 @@
 #include <string_view>
 #include <vector>
 
-#include "proto/error.h"
-#include "proto/plan.h"
+#include "dcp/proto/error.h"
+#include "dcp/proto/plan.h"
 
 namespace dcp {
 

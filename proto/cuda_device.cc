@@ -11,9 +11,9 @@
 #include <mutex>
 #include <string>
 
-#include "proto/cuda_util.h"
-#include "proto/device.h"
-#include "proto/error.h"
+#include "dcp/proto/cuda_util.h"
+#include "dcp/proto/device.h"
+#include "dcp/proto/error.h"
 
 namespace dcp {
 

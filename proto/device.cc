@@ -4,7 +4,7 @@
 // and the disk should be busy while the next piece crosses PCIe. Two pinned buffers, each with
 // its own stream, give that overlap with the simplest possible ordering: a buffer is refilled
 // only after its previous contents were consumed, and consumed only after its stream finished.
-#include "proto/device.h"
+#include "dcp/proto/device.h"
 
 #include <algorithm>
 #include <cstring>
@@ -12,9 +12,9 @@
 #include <mutex>
 #include <vector>
 
-#include "proto/error.h"
-#include "proto/staging.h"
-#include "proto/tensor_layout.h"
+#include "dcp/proto/error.h"
+#include "dcp/proto/staging.h"
+#include "dcp/proto/tensor_layout.h"
 
 namespace dcp {
 

@@ -23,7 +23,7 @@
 #include <memory>
 #include <string>
 
-#include "proto/tensor.h"
+#include "dcp/proto/tensor.h"
 
 namespace dcp {
 

@@ -1,4 +1,4 @@
-#include "proto/error.h"
+#include "dcp/proto/error.h"
 
 #include <algorithm>
 #include <cerrno>

@@ -1,4 +1,4 @@
-#include "proto/plan.h"
+#include "dcp/proto/plan.h"
 
 namespace dcp {
 

@@ -1,4 +1,4 @@
-#include "proto/staging.h"
+#include "dcp/proto/staging.h"
 
 #include <algorithm>
 #include <cstdlib>

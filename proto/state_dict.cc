@@ -1,6 +1,6 @@
-#include "proto/state_dict.h"
+#include "dcp/proto/state_dict.h"
 
-#include "proto/error.h"
+#include "dcp/proto/error.h"
 
 namespace dcp {
 

@@ -12,7 +12,7 @@
 #include <variant>
 #include <vector>
 
-#include "proto/tensor.h"
+#include "dcp/proto/tensor.h"
 
 namespace dcp {
 

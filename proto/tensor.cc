@@ -1,4 +1,4 @@
-#include "proto/tensor.h"
+#include "dcp/proto/tensor.h"
 
 #include <algorithm>
 #include <array>
@@ -6,9 +6,9 @@
 #include <cstring>
 #include <sstream>
 
-#include "proto/device.h"
-#include "proto/error.h"
-#include "proto/tensor_layout.h"
+#include "dcp/proto/device.h"
+#include "dcp/proto/error.h"
+#include "dcp/proto/tensor_layout.h"
 
 namespace dcp {
 

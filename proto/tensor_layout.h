@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "proto/tensor.h"
+#include "dcp/proto/tensor.h"
 
 namespace dcp::internal {
 

@@ -1,10 +1,10 @@
-#include "storage/fault_store.h"
+#include "dcp/storage/fault_store.h"
 
 #include <cerrno>
 #include <thread>
 
-#include "proto/error.h"
-#include "storage/registry.h"
+#include "dcp/proto/error.h"
+#include "dcp/storage/registry.h"
 
 namespace dcp {
 

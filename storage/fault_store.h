@@ -20,7 +20,7 @@
 #include <mutex>
 #include <string>
 
-#include "storage/store.h"
+#include "dcp/storage/store.h"
 
 namespace dcp {
 

@@ -1,4 +1,4 @@
-#include "storage/file_store.h"
+#include "dcp/storage/file_store.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -15,7 +15,7 @@
 #include <mutex>
 #include <random>
 
-#include "proto/error.h"
+#include "dcp/proto/error.h"
 
 namespace dcp {
 

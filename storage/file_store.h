@@ -11,7 +11,7 @@
 #include <memory>
 #include <string>
 
-#include "storage/store.h"
+#include "dcp/storage/store.h"
 
 namespace dcp {
 

@@ -14,13 +14,13 @@
 //  3. Errors are typed: a missing object is NotFoundError, a short object CorruptionError.
 // Registering the scheme takes one call (see storage/registry.cc):
 //   RegisterStoreBackend("mem", [](const std::string& name) { return MakeMemStore(name); });
-#include "storage/mem_store.h"
+#include "dcp/storage/mem_store.h"
 
 #include <cstring>
 #include <map>
 #include <mutex>
 
-#include "proto/error.h"
+#include "dcp/proto/error.h"
 
 namespace dcp {
 

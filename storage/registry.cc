@@ -1,4 +1,4 @@
-#include "storage/registry.h"
+#include "dcp/storage/registry.h"
 
 #include <dlfcn.h>
 
@@ -6,10 +6,10 @@
 #include <map>
 #include <mutex>
 
-#include "proto/error.h"
-#include "storage/file_store.h"
-#include "storage/mem_store.h"
-#include "storage/store_checkpoint.h"
+#include "dcp/proto/error.h"
+#include "dcp/storage/file_store.h"
+#include "dcp/storage/mem_store.h"
+#include "dcp/storage/store_checkpoint.h"
 
 namespace dcp {
 

@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "storage/storage.h"
-#include "storage/store.h"
+#include "dcp/storage/storage.h"
+#include "dcp/storage/store.h"
 
 namespace dcp {
 

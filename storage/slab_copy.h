@@ -2,7 +2,7 @@
 // the raw reader (store_checkpoint.cc) and the zstd reader (zstd_transform.cc).
 #pragma once
 
-#include "proto/tensor.h"
+#include "dcp/proto/tensor.h"
 
 namespace dcp {
 

@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "planner/planner.h"
-#include "proto/plan.h"
+#include "dcp/planner/planner.h"
+#include "dcp/proto/plan.h"
 
 namespace dcp {
 

@@ -16,7 +16,7 @@
 #include <string_view>
 #include <vector>
 
-#include "proto/error.h"
+#include "dcp/proto/error.h"
 
 namespace dcp {
 

@@ -13,7 +13,7 @@
 //      (temp + fsync + rename + directory fsync), then, still under the lock, removes the
 //      files of dead saves (unreferenced data files, metadata temporaries).
 // A failed save calls Abort on every rank, which removes that rank's files of this save.
-#include "storage/store_checkpoint.h"
+#include "dcp/storage/store_checkpoint.h"
 
 #include <unistd.h>
 
@@ -27,12 +27,12 @@
 #include <set>
 #include <thread>
 
-#include "proto/checksum.h"
-#include "proto/codec.h"
-#include "proto/device.h"
-#include "proto/error.h"
-#include "storage/slab_copy.h"
-#include "storage/zstd_transform.h"
+#include "dcp/proto/checksum.h"
+#include "dcp/proto/codec.h"
+#include "dcp/proto/device.h"
+#include "dcp/proto/error.h"
+#include "dcp/storage/slab_copy.h"
+#include "dcp/storage/zstd_transform.h"
 
 namespace dcp {
 

@@ -10,8 +10,8 @@
 
 #include <memory>
 
-#include "storage/storage.h"
-#include "storage/store.h"
+#include "dcp/storage/storage.h"
+#include "dcp/storage/store.h"
 
 namespace dcp {
 

@@ -1,4 +1,4 @@
-#include "storage/zstd_transform.h"
+#include "dcp/storage/zstd_transform.h"
 
 // For ZSTD_d_stableOutBuffer (zstd >= 1.4.4; its value has not changed since). When the library
 // refuses it, reading falls back to zstd's buffered mode.
@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "proto/checksum.h"
-#include "proto/error.h"
-#include "storage/slab_copy.h"
+#include "dcp/proto/checksum.h"
+#include "dcp/proto/error.h"
+#include "dcp/storage/slab_copy.h"
 
 namespace dcp {
 

@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "proto/plan.h"
-#include "proto/tensor.h"
-#include "storage/storage.h"
-#include "storage/store.h"
+#include "dcp/proto/plan.h"
+#include "dcp/proto/tensor.h"
+#include "dcp/storage/storage.h"
+#include "dcp/storage/store.h"
 
 namespace dcp {
 

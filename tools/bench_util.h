@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "proto/tensor.h"
+#include "dcp/proto/tensor.h"
 #include "tools/drop_caches.h"
 
 namespace dcp::bench {

@@ -27,8 +27,8 @@
 #include <string>
 #include <vector>
 
-#include "planner/default_planner.h"
-#include "proto/codec.h"
+#include "dcp/planner/default_planner.h"
+#include "dcp/proto/codec.h"
 
 using namespace dcp;
 // Thread CPU time: on a shared machine it is steadier than wall time (planning is

@@ -41,8 +41,8 @@
 #include <string>
 #include <vector>
 
-#include "planner/default_planner.h"
-#include "proto/codec.h"
+#include "dcp/planner/default_planner.h"
+#include "dcp/proto/codec.h"
 
 using namespace dcp;
 

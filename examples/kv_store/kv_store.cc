@@ -15,8 +15,8 @@
 #include <optional>
 #include <random>
 
-#include "proto/error.h"
-#include "storage/registry.h"
+#include "dcp/proto/error.h"
+#include "dcp/storage/registry.h"
 
 namespace dcp_kv {
 

@@ -17,7 +17,7 @@
 #include <memory>
 #include <string>
 
-#include "storage/store.h"
+#include "dcp/storage/store.h"
 
 namespace dcp_kv {
 

@@ -18,9 +18,9 @@
 #include <thread>
 
 #include "dcp/dcp.h"
-#include "proto/codec.h"
-#include "storage/registry.h"
-#include "storage/store_checkpoint.h"
+#include "dcp/proto/codec.h"
+#include "dcp/storage/registry.h"
+#include "dcp/storage/store_checkpoint.h"
 
 using namespace dcp;
 

@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <string_view>
 
-#include "proto/codec.h"
-#include "proto/error.h"
+#include "dcp/proto/codec.h"
+#include "dcp/proto/error.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const bool quiet = [] {

@@ -5,7 +5,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "proto/device.h"
+#include "dcp/proto/device.h"
 #include "support/fake_device.h"
 #include "support/test_support.h"
 

@@ -9,7 +9,7 @@
 
 #include "dcp/dcp.h"
 #include "mpi/mpi_support.h"
-#include "storage/store_checkpoint.h"
+#include "dcp/storage/store_checkpoint.h"
 #include "support/test_support.h"
 
 using namespace dcp;

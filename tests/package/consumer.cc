@@ -1,5 +1,7 @@
 // A downstream program built against the installed package: saves and loads through mem://.
 #include <dcp/dcp.h>
+#include <dcp/proto/error.h>  // every public header lives under the dcp/ prefix
+#include <dcp/storage/registry.h>
 
 #include <cstdio>
 #include <vector>

@@ -7,7 +7,7 @@
 #include <functional>
 #include <thread>
 
-#include "proto/error.h"
+#include "dcp/proto/error.h"
 
 namespace dcp::testing {
 

@@ -15,7 +15,7 @@
 #include <mutex>
 #include <set>
 
-#include "proto/device.h"
+#include "dcp/proto/device.h"
 
 namespace dcp::testing {
 

@@ -7,7 +7,7 @@
 
 #include "dcp/dcp.h"
 #include "dcp/torch_adapter.h"
-#include "storage/mem_store.h"
+#include "dcp/storage/mem_store.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -1,6 +1,6 @@
 // CRC32C, the wire encodings of plans and results, and the metadata file: its envelope, its
 // round trip, and the validation of untrusted metadata.
-#include "proto/codec.h"
+#include "dcp/proto/codec.h"
 
 #include <sys/mman.h>
 
@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "proto/checksum.h"
-#include "proto/error.h"
-#include "proto/plan.h"
+#include "dcp/proto/checksum.h"
+#include "dcp/proto/error.h"
+#include "dcp/proto/plan.h"
 #include "support/test_support.h"
 
 using namespace dcp;

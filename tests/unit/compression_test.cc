@@ -6,10 +6,10 @@
 #include <cstring>
 #include <random>
 
-#include "proto/codec.h"
-#include "storage/mem_store.h"
-#include "storage/store_checkpoint.h"
-#include "storage/zstd_transform.h"
+#include "dcp/proto/codec.h"
+#include "dcp/storage/mem_store.h"
+#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/zstd_transform.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -2,13 +2,13 @@
 // device memory behind poisoned addresses and runs copies asynchronously (support/fake_device.h),
 // so these run on machines without a GPU. The real CUDA backend is tested in tests/gpu.
 // Tagged [device]; CI also runs them under ThreadSanitizer.
-#include "proto/device.h"
+#include "dcp/proto/device.h"
 
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
 
-#include "storage/mem_store.h"
+#include "dcp/storage/mem_store.h"
 #include "support/fake_device.h"
 #include "support/test_support.h"
 

@@ -8,8 +8,8 @@
 #include <fstream>
 #include <iterator>
 
-#include "storage/file_store.h"
-#include "storage/registry.h"
+#include "dcp/storage/file_store.h"
+#include "dcp/storage/registry.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -14,10 +14,10 @@
 #include <thread>
 
 #include "dcp/dcp.h"
-#include "storage/fault_store.h"
-#include "storage/file_store.h"
-#include "storage/mem_store.h"
-#include "storage/store_checkpoint.h"
+#include "dcp/storage/fault_store.h"
+#include "dcp/storage/file_store.h"
+#include "dcp/storage/mem_store.h"
+#include "dcp/storage/store_checkpoint.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -9,10 +9,10 @@
 #include <fstream>
 #include <string>
 
-#include "proto/codec.h"
-#include "storage/mem_store.h"
-#include "storage/registry.h"
-#include "storage/store_checkpoint.h"
+#include "dcp/proto/codec.h"
+#include "dcp/storage/mem_store.h"
+#include "dcp/storage/registry.h"
+#include "dcp/storage/store_checkpoint.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -6,9 +6,9 @@
 #include <filesystem>
 
 #include "dcp/dcp.h"
-#include "storage/mem_store.h"
-#include "storage/registry.h"
-#include "storage/store_checkpoint.h"
+#include "dcp/storage/mem_store.h"
+#include "dcp/storage/registry.h"
+#include "dcp/storage/store_checkpoint.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -4,9 +4,9 @@
 #include <catch2/catch.hpp>
 #include <thread>
 
-#include "proto/staging.h"
-#include "storage/mem_store.h"
-#include "storage/store_checkpoint.h"
+#include "dcp/proto/staging.h"
+#include "dcp/storage/mem_store.h"
+#include "dcp/storage/store_checkpoint.h"
 #include "support/fake_device.h"
 #include "support/test_support.h"
 

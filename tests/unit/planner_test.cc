@@ -9,9 +9,9 @@
 #include <utility>
 #include <vector>
 
-#include "planner/default_planner.h"
-#include "planner/flatten.h"
-#include "proto/error.h"
+#include "dcp/planner/default_planner.h"
+#include "dcp/planner/flatten.h"
+#include "dcp/proto/error.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -7,8 +7,8 @@
 #include <random>
 #include <thread>
 
-#include "storage/mem_store.h"
-#include "storage/store_checkpoint.h"
+#include "dcp/storage/mem_store.h"
+#include "dcp/storage/store_checkpoint.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -8,9 +8,9 @@
 #include <functional>
 #include <thread>
 
-#include "storage/file_store.h"
-#include "storage/mem_store.h"
-#include "storage/store_checkpoint.h"
+#include "dcp/storage/file_store.h"
+#include "dcp/storage/mem_store.h"
+#include "dcp/storage/store_checkpoint.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -1,5 +1,5 @@
 // The tensor vocabulary: dtypes, shapes, strides, views, boxes and strided copies.
-#include "proto/tensor.h"
+#include "dcp/proto/tensor.h"
 
 #include <catch2/catch.hpp>
 #include <cstdint>
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "proto/error.h"
+#include "dcp/proto/error.h"
 #include "support/test_support.h"
 
 using namespace dcp;

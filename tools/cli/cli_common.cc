@@ -9,12 +9,12 @@
 #include <cstring>
 #include <ctime>
 
-#include "proto/checksum.h"
-#include "proto/codec.h"
-#include "proto/error.h"
-#include "storage/registry.h"
-#include "storage/store_checkpoint.h"
-#include "storage/zstd_transform.h"
+#include "dcp/proto/checksum.h"
+#include "dcp/proto/codec.h"
+#include "dcp/proto/error.h"
+#include "dcp/storage/registry.h"
+#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/zstd_transform.h"
 
 namespace dcp::cli {
 

@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "proto/error.h"
-#include "proto/plan.h"
-#include "proto/state_dict.h"
-#include "storage/store.h"
-#include "storage/zstd_transform.h"
+#include "dcp/proto/error.h"
+#include "dcp/proto/plan.h"
+#include "dcp/proto/state_dict.h"
+#include "dcp/storage/store.h"
+#include "dcp/storage/zstd_transform.h"
 
 namespace dcp::cli {
 

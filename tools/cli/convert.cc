@@ -16,8 +16,8 @@
 #include <set>
 
 #include "dcp/checkpoint.h"
-#include "proto/error.h"
-#include "proto/state_dict.h"
+#include "dcp/proto/error.h"
+#include "dcp/proto/state_dict.h"
 
 namespace dcp::cli {
 

@@ -18,7 +18,7 @@
 
 #include "dcp/checkpoint.h"
 #include "dcp/torch_adapter.h"
-#include "proto/error.h"
+#include "dcp/proto/error.h"
 #include "tools/cli/convert.h"
 
 namespace dcp::cli {

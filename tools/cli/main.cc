@@ -18,10 +18,10 @@
 #include <set>
 
 #include "dcp/checkpoint.h"
-#include "proto/checksum.h"
-#include "proto/error.h"
-#include "storage/registry.h"
-#include "storage/store_checkpoint.h"
+#include "dcp/proto/checksum.h"
+#include "dcp/proto/error.h"
+#include "dcp/storage/registry.h"
+#include "dcp/storage/store_checkpoint.h"
 #include "tools/cli/cli_common.h"
 #include "tools/cli/convert.h"
 
