@@ -5,10 +5,10 @@
 #include <random>
 
 #include "dcp.pb.h"  // generated from proto/dcp.proto
-#include "dcp_version.h"
 #include "dcp/proto/codec.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/registry.h"
+#include "dcp_version.h"
 
 namespace dcp {
 

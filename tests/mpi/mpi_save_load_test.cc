@@ -8,8 +8,8 @@
 #include <thread>
 
 #include "dcp/dcp.h"
-#include "mpi/mpi_support.h"
 #include "dcp/storage/store_checkpoint.h"
+#include "mpi/mpi_support.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -6,8 +6,8 @@
 #include <thread>
 
 #include "dcp/dcp.h"
-#include "dcp/torch_adapter.h"
 #include "dcp/storage/mem_store.h"
+#include "dcp/torch_adapter.h"
 #include "support/test_support.h"
 
 using namespace dcp;

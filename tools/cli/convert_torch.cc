@@ -17,8 +17,8 @@
 #include <set>
 
 #include "dcp/checkpoint.h"
-#include "dcp/torch_adapter.h"
 #include "dcp/proto/error.h"
+#include "dcp/torch_adapter.h"
 #include "tools/cli/convert.h"
 
 namespace dcp::cli {
