@@ -6,6 +6,17 @@ execute_process(COMMAND ${CMAKE_COMMAND} --install ${BINARY_DIR} --prefix ${WORK
 if(rc)
   message(FATAL_ERROR "install failed: ${rc}")
 endif()
+# The installed package is relocatable: its exported targets name dependencies by target (torch,
+# MPI::MPI_CXX, ...), never by a library path of the machine that built it.
+file(GLOB target_files ${WORK_DIR}/prefix/lib*/cmake/dcp/dcpTargets*.cmake)
+foreach(f IN LISTS target_files)
+  file(STRINGS ${f} links REGEX "INTERFACE_LINK_LIBRARIES")
+  foreach(line IN LISTS links)
+    if(line MATCHES "/[^\";]*\\.so")
+      message(FATAL_ERROR "${f} links a library by absolute path: ${line}")
+    endif()
+  endforeach()
+endforeach()
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/package -B ${WORK_DIR}/build
   -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix RESULT_VARIABLE rc)
 if(rc)
