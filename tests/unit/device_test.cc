@@ -33,6 +33,22 @@ std::vector<char> Bytes(const TensorView& v) {
   return std::vector<char>(p, p + c.nbytes());
 }
 
+// XOR `mask` into the byte at `offset` of the (single) data file of the checkpoint at `ckpt`.
+void FlipByteOfDataFile(const std::string& ckpt, long offset, int mask) {
+  std::string data;
+  for (const auto& e : std::filesystem::directory_iterator(ckpt)) {
+    if (e.path().extension() == ".data") data = e.path();
+  }
+  REQUIRE(!data.empty());
+  std::FILE* f = std::fopen(data.c_str(), "r+b");
+  REQUIRE(f);
+  std::fseek(f, offset, SEEK_SET);
+  const int c = std::fgetc(f);
+  std::fseek(f, offset, SEEK_SET);
+  std::fputc(c ^ mask, f);
+  std::fclose(f);
+}
+
 }  // namespace
 
 TEST_CASE("device: SplitRowMajor pieces are bounded and concatenate to row-major order",
@@ -183,20 +199,7 @@ TEST_CASE("device: a corrupted byte is reported when loading into a device tenso
   StateDict sd;
   sd.Set("layer.w", dev->Upload(w));
   Save(sd, dir / "c", comm);
-  std::string data;
-  for (const auto& e : std::filesystem::directory_iterator(dir / "c")) {
-    if (e.path().extension() == ".data") data = e.path();
-  }
-  REQUIRE(!data.empty());
-  {
-    std::FILE* f = std::fopen(data.c_str(), "r+b");
-    REQUIRE(f);
-    std::fseek(f, 5 << 20, SEEK_SET);
-    const int c = std::fgetc(f);
-    std::fseek(f, 5 << 20, SEEK_SET);
-    std::fputc(c ^ 0x10, f);
-    std::fclose(f);
-  }
+  FlipByteOfDataFile(dir / "c", 5 << 20, 0x10);
   StateDict into;
   into.Set("layer.w", dev->Empty(DType::kFloat32, w.shape));
   const std::string msg = MessageOf<CollectiveError>([&] { Load(into, dir / "c", comm); });
@@ -364,20 +367,7 @@ TEST_CASE("device: a large item loads into a device tensor in pieces on every re
     CHECK(dev->h2d_bytes_ - h2d_before == w.nbytes());
   }
   // A flipped byte in the last piece is found and named.
-  std::string data;
-  for (const auto& e : std::filesystem::directory_iterator(dir / "c")) {
-    if (e.path().extension() == ".data") data = e.path();
-  }
-  REQUIRE(!data.empty());
-  {
-    std::FILE* f = std::fopen(data.c_str(), "r+b");
-    REQUIRE(f);
-    std::fseek(f, 37 << 20, SEEK_SET);
-    const int c = std::fgetc(f);
-    std::fseek(f, 37 << 20, SEEK_SET);
-    std::fputc(c ^ 0x01, f);
-    std::fclose(f);
-  }
+  FlipByteOfDataFile(dir / "c", 37 << 20, 0x01);
   StateDict into;
   into.Set("layer.w", dev->Empty(DType::kFloat32, w.shape));
   const std::string msg = MessageOf<CollectiveError>([&] { Load(into, dir / "c", comm); });
