@@ -19,6 +19,11 @@ uint32_t Crc32c(uint32_t crc, const void* data, size_t len) {
   return ~r;
 }
 
+uint32_t Crc32(uint32_t crc, const void* data, size_t len) {
+  // ISA-L's gzip CRC takes and returns the standard (inverted) value, like zlib's crc32.
+  return crc32_gzip_refl(crc, static_cast<const unsigned char*>(data), len);
+}
+
 // Combination by polynomial arithmetic modulo the (reflected) Castagnoli polynomial: appending
 // len_b bytes multiplies A's CRC register by x^(8 len_b); the initial and final inversions of
 // the standard CRC cancel out in the XOR. (The method of zlib's crc32_combine; ISA-L has no

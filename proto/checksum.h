@@ -15,4 +15,8 @@ uint32_t Crc32c(uint32_t crc, const void* data, size_t len);
 /// in O(log len_b) without the data: lets pieces of one item be checksummed in parallel.
 uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
+/// CRC-32 (IEEE 802.3, the checksum of zip and gzip; zlib's crc32), chained the same way:
+/// Crc32(0, "123456789", 9) == 0xCBF43926. For PyTorch's torch.save archives.
+uint32_t Crc32(uint32_t crc, const void* data, size_t len);
+
 }  // namespace dcp

@@ -66,6 +66,22 @@ Registry& GetRegistry() {
         *r, "file", [](const std::string& loc) { return MakeFileStore(loc); }, false);
     RegisterStoreInto(
         *r, "mem", [](const std::string& loc) { return MakeMemStore(loc); }, false);
+    // PyTorch DCP directories: written in torch's layout (2.x, or 1.13 for old torch); read
+    // like any directory (file:// recognises them too).
+    for (const auto& [scheme, format] :
+         {std::pair{"torchdcp", CheckpointFormat::kTorchDcp},
+          std::pair{"torchdcp113", CheckpointFormat::kTorchDcp113}}) {
+      StorageBackend b;
+      b.scheme = scheme;
+      b.make_writer = [format = format](const std::string& loc, const StorageOptions& o) {
+        return MakeStoreWriter(MakeFileStore(loc), o, format);
+      };
+      b.make_reader = [](const std::string& loc, const StorageOptions& o) {
+        return MakeStoreReader(MakeFileStore(loc), o);
+      };
+      RegisterInto(*r, std::move(b), false);
+      r->stores[scheme] = [](const std::string& loc) { return MakeFileStore(loc); };
+    }
     return r;
   }();
   return *reg;

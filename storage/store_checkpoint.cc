@@ -32,6 +32,7 @@
 #include "dcp/proto/device.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/slab_copy.h"
+#include "dcp/storage/torch_dcp.h"
 #include "dcp/storage/zstd_transform.h"
 
 namespace dcp {
@@ -142,12 +143,17 @@ uint32_t AppendTensor(WritableObject& out, const TensorView& view) {
 
 class StoreWriter : public StorageWriter {
  public:
-  StoreWriter(std::shared_ptr<Store> store, StorageOptions options)
-      : store_(std::move(store)), options_(std::move(options)) {
+  StoreWriter(std::shared_ptr<Store> store, StorageOptions options, CheckpointFormat format)
+      : store_(std::move(store)), options_(std::move(options)), format_(format) {
     if (options_.files_per_rank < 1) {
       throw InvalidArgumentError("files_per_rank must be at least 1");
     }
     ValidateCompressionOptions(options_);
+    if (torch() && options_.compression != Compression::kNone) {
+      throw InvalidArgumentError("compression cannot be used for a PyTorch DCP checkpoint at " +
+                                 store_->uri() + " (torch cannot read dcp's zstd items)");
+    }
+    metadata_name_ = torch() ? kTorchDcpMetadataName : kMetadataName;
   }
 
   std::string uri() const override { return store_->uri(); }
@@ -165,18 +171,24 @@ class StoreWriter : public StorageWriter {
     // the plan phase, so none of its ranks writes anything.
     lock_ = store_->TryLock(LockHolder(ctx));
     if (!lock_) WarnNoLock();
-    const bool exists = store_->Size(kMetadataName).has_value();
+    const char* other = torch() ? kMetadataName : kTorchDcpMetadataName;
+    if (store_->Size(other)) {
+      lock_.reset();
+      throw AlreadyExistsError(store_->uri() + " holds a checkpoint of the other format (" + other +
+                               "); a " + (torch() ? "PyTorch DCP" : "dcp") +
+                               " checkpoint cannot replace it there: remove it or save elsewhere");
+    }
+    const bool exists = store_->Size(metadata_name_).has_value();
     if (exists && !options_.overwrite) {
       lock_.reset();
       throw AlreadyExistsError("a checkpoint already exists at " + store_->uri() + " (it has " +
-                               kMetadataName + "); pass overwrite to replace it");
+                               metadata_name_ + "); pass overwrite to replace it");
     }
     if (exists && !lock_) {
       // Unlocked, the clean-up may only remove what the replaced checkpoint listed: nothing
       // proves any other unreferenced file dead (it may be a concurrent save's).
       try {
-        const Metadata old =
-            DecodeMetadataFile(store_->ReadAll(kMetadataName), store_->uri() + "/" + kMetadataName);
+        const Metadata old = ReadOwnMetadata();
         for (const auto& [index, info] : old.storage) replaced_.insert(info.relative_path);
       } catch (const Error&) {
         // A damaged old checkpoint: its files stay behind (dcp verify lists them).
@@ -189,9 +201,17 @@ class StoreWriter : public StorageWriter {
   std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan> plans) override {
     const std::string save = ctx_.save_id.empty() ? RandomHex(8) : ctx_.save_id;
     for (size_t r = 0; r < plans.size(); ++r) {
-      plans[r].storage_data = "data-" + save + "-r" + std::to_string(r);
+      plans[r].storage_data = torch() ? "__" + std::to_string(r) + "_." + save
+                                      : "data-" + save + "-r" + std::to_string(r);
     }
     return plans;
+  }
+
+  // Data file `bucket` of a rank whose plan's storage_data is `prefix`.
+  std::string DataFileName(const std::string& prefix, size_t bucket) const {
+    if (!torch()) return prefix + "-b" + std::to_string(bucket) + ".data";
+    const size_t dot = prefix.find('.');  // "__<rank>_" "." "<save>"
+    return prefix.substr(0, dot) + std::to_string(bucket) + prefix.substr(dot) + ".distcp";
   }
 
   std::future<std::vector<WriteResult>> WriteData(const SavePlan& plan,
@@ -217,7 +237,7 @@ class StoreWriter : public StorageWriter {
     for (auto& b : buckets) std::sort(b.begin(), b.end());  // plan order within a file
     for (size_t b = 0; b < nb; ++b) {
       if (!buckets[b].empty()) {
-        created_.push_back(plan.storage_data + "-b" + std::to_string(b) + ".data");
+        created_.push_back(DataFileName(plan.storage_data, b));
       }
     }
     return std::async(std::launch::async, [this, &plan, &planner, buckets = std::move(buckets)] {
@@ -236,8 +256,7 @@ class StoreWriter : public StorageWriter {
         for (size_t i; (i = next.fetch_add(1)) < to_write.size();) {
           const size_t b = to_write[i];
           try {
-            results[b] = WriteBucket(
-                plan, planner, plan.storage_data + "-b" + std::to_string(b) + ".data", buckets[b]);
+            results[b] = WriteBucket(plan, planner, DataFileName(plan.storage_data, b), buckets[b]);
           } catch (...) {
             std::lock_guard<std::mutex> lock(mu);
             if (!first_error) first_error = std::current_exception();
@@ -271,12 +290,19 @@ class StoreWriter : public StorageWriter {
     }
     // Every entry must have been written; checking here keeps a bad plan from committing.
     ValidateMetadata(md, store_->uri());
+    const std::string encoded = torch()
+                                    ? EncodeTorchDcpMetadata(md,
+                                                             format_ == CheckpointFormat::kTorchDcp
+                                                                 ? TorchDcpFlavor::kTorch2
+                                                                 : TorchDcpFlavor::kTorch113,
+                                                             store_->uri())
+                                    : EncodeMetadataFile(md);
     try {
-      store_->PublishAtomically(kMetadataName, EncodeMetadataFile(md));
+      store_->PublishAtomically(metadata_name_, encoded);
     } catch (const Error& e) {
       // The rename may have happened before the failure (e.g. the directory fsync failed): then
       // the checkpoint is committed and every rank must keep its data (docs/PROTOCOL.md).
-      const Outcome outcome = CommitOutcome(md.save_id);
+      const Outcome outcome = CommitOutcome(encoded);
       if (outcome == Outcome::kFailed) throw;  // nothing committed: Abort follows
       ReleaseLock();                           // the outcome is decided; no Abort follows
       throw CommitError(outcome, e.code(),
@@ -289,14 +315,13 @@ class StoreWriter : public StorageWriter {
     ReleaseLock();
   }
 
-  // After a failed publish: kCommitted when the metadata in place is this save's, kFailed when
-  // it is absent or another save's, kUnknown when it cannot be read.
-  Outcome CommitOutcome(const std::string& save_id) const noexcept {
+  // After a failed publish: kCommitted when the metadata in place is this save's (byte for
+  // byte: it names this save's files), kFailed when it is absent or another's, kUnknown when it
+  // cannot be read.
+  Outcome CommitOutcome(const std::string& encoded) const noexcept {
     try {
-      if (!store_->Size(kMetadataName)) return Outcome::kFailed;
-      const Metadata in_place =
-          DecodeMetadataFile(store_->ReadAll(kMetadataName), store_->uri() + "/" + kMetadataName);
-      return in_place.save_id == save_id ? Outcome::kCommitted : Outcome::kFailed;
+      if (!store_->Size(metadata_name_)) return Outcome::kFailed;
+      return store_->ReadAll(metadata_name_) == encoded ? Outcome::kCommitted : Outcome::kFailed;
     } catch (...) {
       return Outcome::kUnknown;
     }
@@ -322,12 +347,15 @@ class StoreWriter : public StorageWriter {
   // metadata temporaries: no other publisher can be running. Without a lock only the replaced
   // checkpoint's files (read at SetUp) are known dead.
   void RemoveDeadFiles(const std::set<std::string>& referenced) {
-    const std::string tmp_prefix = std::string(kMetadataName) + ".tmp.";
+    const std::string tmp_prefix = metadata_name_ + ".tmp.";
+    auto is_data = [&](const std::string& name) {
+      return torch() ? IsTorchDcpDataName(name) : IsDataObjectName(name);
+    };
     try {
       for (const auto& name : store_->List()) {
-        const bool dead = referenced.count(name) == 0 &&
-                          (lock_ ? IsDataObjectName(name) || name.rfind(tmp_prefix, 0) == 0
-                                 : replaced_.count(name) > 0 && IsDataObjectName(name));
+        const bool dead =
+            referenced.count(name) == 0 && (lock_ ? is_data(name) || name.rfind(tmp_prefix, 0) == 0
+                                                  : replaced_.count(name) > 0 && is_data(name));
         if (!dead) continue;
         try {
           store_->Remove(name);
@@ -339,6 +367,14 @@ class StoreWriter : public StorageWriter {
     } catch (const Error&) {
       // Listing failed after the commit: same as above, the garbage waits for the next save.
     }
+  }
+
+  bool torch() const { return format_ != CheckpointFormat::kDcp; }
+
+  Metadata ReadOwnMetadata() const {
+    const std::string where = store_->uri() + "/" + metadata_name_;
+    return torch() ? DecodeTorchDcpMetadata(store_->ReadAll(metadata_name_), where)
+                   : DecodeMetadataFile(store_->ReadAll(metadata_name_), where);
   }
 
   void ReleaseLock() noexcept {
@@ -381,6 +417,11 @@ class StoreWriter : public StorageWriter {
       r.index = item.index;
       r.storage.relative_path = name;
       r.storage.offset = out->size();
+      if (torch()) {
+        WriteTorchRecord(*out, item, data, r);
+        results.push_back(std::move(r));
+        continue;
+      }
       uint32_t crc;
       if (item.is_tensor()) {
         if (data.tensor.shape != item.chunk.sizes || data.tensor.dtype != item.dtype) {
@@ -421,8 +462,45 @@ class StoreWriter : public StorageWriter {
     return results;
   }
 
+  // One torch.save record: a tensor's archive, or a blob as it is when it is a torch.save
+  // archive (e.g. read from a PyTorch DCP checkpoint) and wrapped as a pickled Python bytes
+  // object otherwise (the reader unwraps it, so blobs round-trip exactly).
+  void WriteTorchRecord(WritableObject& out, const WriteItem& item, const ResolvedData& data,
+                        WriteResult& r) {
+    r.storage.transforms = {kTorchSaveTransform};
+    if (item.is_tensor()) {
+      if (data.tensor.shape != item.chunk.sizes || data.tensor.dtype != item.dtype) {
+        throw InvalidArgumentError(
+            "tensor " + item.index.ToString() + " changed during the save: plan has " +
+            std::string(DTypeName(item.dtype)) + ShapeToString(item.chunk.sizes) + ", data is " +
+            data.tensor.ToString());
+      }
+      try {
+        r.storage.length =
+            AppendTorchTensorRecord(out, data.tensor, format_ == CheckpointFormat::kTorchDcp);
+      } catch (const DeviceError& e) {
+        throw DeviceError("tensor '" + item.index.fqn + "': " + e.what());
+      } catch (const UnsupportedError& e) {
+        throw UnsupportedError("tensor '" + item.index.fqn + "': " + e.what());
+      }
+      r.storage.raw_length = data.tensor.nbytes();
+    } else {
+      std::string payload;
+      const bool as_is =
+          IsTorchSaveArchive(data.bytes) && !TorchSaveBytesPayload(data.bytes, &payload);
+      const std::string wrapped = as_is ? std::string() : TorchSaveOfBytes(data.bytes);
+      const std::string_view record = as_is ? data.bytes : std::string_view(wrapped);
+      out.Append(record.data(), record.size());
+      r.storage.length = record.size();
+      r.storage.raw_length = record.size();
+    }
+    r.size_in_bytes = r.storage.length;
+  }
+
   std::shared_ptr<Store> store_;
   StorageOptions options_;
+  CheckpointFormat format_;
+  std::string metadata_name_;
   StorageContext ctx_;
   std::vector<std::string> created_;
   std::unique_ptr<StoreLock> lock_;  // coordinator: held from SetUp to Finish/Abort
@@ -438,9 +516,18 @@ class StoreReader : public StorageReader {
 
   Metadata ReadMetadata() override {
     const std::string where = store_->uri() + "/" + kMetadataName;
+    if (!store_->Size(kMetadataName) && store_->Size(kTorchDcpMetadataName)) {
+      // A PyTorch DCP directory (storage/torch_dcp.h).
+      Metadata md = DecodeTorchDcpMetadata(store_->ReadAll(kTorchDcpMetadataName),
+                                           store_->uri() + "/" + kTorchDcpMetadataName);
+      CheckDataFiles(md);
+      return md;
+    }
     if (!store_->Size(kMetadataName)) {
       const auto names = store_->List();
-      const bool has_data = std::any_of(names.begin(), names.end(), IsDataObjectName);
+      const bool has_data = std::any_of(names.begin(), names.end(), [](const std::string& n) {
+        return IsDataObjectName(n) || IsTorchDcpDataName(n);
+      });
       if (has_data) {
         throw NotFoundError("incomplete checkpoint at " + store_->uri() +
                             ": data files are present but " + kMetadataName +
@@ -457,12 +544,15 @@ class StoreReader : public StorageReader {
   void SetUp(const Metadata& metadata, const StorageContext& ctx) override {
     metadata_ = &metadata;
     ctx_ = ctx;
+    resolved_.clear();
+    strided_.clear();
   }
 
   LoadPlan PrepareLocalPlan(LoadPlan plan) override { return plan; }
   std::vector<LoadPlan> PrepareGlobalPlan(std::vector<LoadPlan> plans) override { return plans; }
 
   std::future<void> ReadData(const LoadPlan& plan, LoadPlanner& planner) override {
+    ResolveTorchRecords(plan);
     // Group items by file and sort by offset, so each file is read front to back.
     std::map<std::string, std::vector<size_t>> by_file;
     for (size_t i = 0; i < plan.items.size(); ++i) {
@@ -597,7 +687,50 @@ class StoreReader : public StorageReader {
   }
 
  private:
+  // A PyTorch DCP tensor record is a torch.save archive: find where its values lie (minizip
+  // reads the archive's directories and its small pickle), once per record, before any read.
+  // Row-major values become a plain stored item, read like dcp's own; other layouts (a
+  // transposed tensor is saved with its strides) are copied by ReadTorchStrided.
+  void ResolveTorchRecords(const LoadPlan& plan) {
+    std::map<std::string, std::unique_ptr<ReadableObject>> open;
+    for (const ReadItem& item : plan.items) {
+      if (item.type != ReadItemType::kTensor || resolved_.count(item.storage_index) ||
+          strided_.count(item.storage_index)) {
+        continue;
+      }
+      const StorageInfo& info = Info(item);
+      if (info.transforms.size() != 1 || info.transforms[0] != kTorchSaveTransform) continue;
+      auto& in = open[info.relative_path];
+      if (!in) in = store_->Open(info.relative_path);
+      const std::string what = "record of " + item.storage_index.ToString() + " at offset " +
+                               std::to_string(info.offset) + " of '" + store_->uri() + "/" +
+                               info.relative_path + "'";
+      TorchTensorRecord rec = ResolveTorchTensorRecord(*in, info.offset, info.length, what);
+      const auto& entry = Entry(item);
+      const ChunkMeta& chunk = StoredChunk(item);
+      if (rec.dtype != entry.dtype || rec.sizes != chunk.sizes) {
+        throw CorruptionError(what + " holds " + std::string(DTypeName(rec.dtype)) +
+                              ShapeToString(rec.sizes) + " but the metadata says " +
+                              std::string(DTypeName(entry.dtype)) + ShapeToString(chunk.sizes));
+      }
+      if (!rec.row_major()) {
+        strided_.emplace(item.storage_index, std::move(rec));
+        continue;
+      }
+      StorageInfo plain;
+      plain.relative_path = info.relative_path;
+      plain.offset = rec.values_begin();
+      plain.length = static_cast<uint64_t>(chunk.numel()) * ElementSize(entry.dtype);
+      plain.raw_length = plain.length;
+      resolved_.emplace(item.storage_index, std::move(plain));
+    }
+  }
+
   const StorageInfo& Info(const ReadItem& item) const {
+    if (!resolved_.empty()) {
+      auto r = resolved_.find(item.storage_index);
+      if (r != resolved_.end()) return r->second;
+    }
     auto it = metadata_->storage.find(item.storage_index);
     if (it == metadata_->storage.end()) {
       throw CorruptionError(store_->uri() + ": metadata has no stored item " +
@@ -822,6 +955,10 @@ class StoreReader : public StorageReader {
   void ReadTransformed(LoadPlanner& planner, const ReadItem& item, const StorageInfo& info,
                        ReadableObject& in, const std::string& name, std::vector<char>& scratch,
                        std::set<MetadataIndex>& verified) {
+    if (info.transforms.size() == 1 && info.transforms[0] == kTorchSaveTransform) {
+      ReadTorchRecord(planner, item, info, in, name);
+      return;
+    }
     if (!IsZstdItem(info)) {
       std::string t;
       for (const auto& x : info.transforms) t += (t.empty() ? "" : "+") + x;
@@ -858,10 +995,56 @@ class StoreReader : public StorageReader {
     planner.CommitTensor(item, dst);
   }
 
+  // A PyTorch DCP byte entry (the record is torch.save bytes: a pickled Python bytes object
+  // is unwrapped to its payload, anything else is the blob) or a tensor record whose values
+  // are not row-major: the span of storage it views is read into memory (at most the record's
+  // length, which CheckDataFiles bounded by the file) and copied through its strides.
+  void ReadTorchRecord(LoadPlanner& planner, const ReadItem& item, const StorageInfo& info,
+                       ReadableObject& in, const std::string& name) {
+    const std::string what =
+        item.storage_index.ToString() + " from '" + store_->uri() + "/" + name + "'";
+    if (item.type == ReadItemType::kBytes) {
+      std::string bytes =
+          AllocateOrThrow([&] { return std::string(info.length, '\0'); }, what, info.length);
+      in.ReadAt(info.offset, bytes.data(), bytes.size());
+      std::string payload;
+      if (TorchSaveBytesPayload(bytes, &payload)) bytes = std::move(payload);
+      planner.LoadBytes(item, std::move(bytes));
+      return;
+    }
+    auto it = strided_.find(item.storage_index);
+    if (it == strided_.end()) throw InternalError("unresolved torch record " + what);
+    const TorchTensorRecord& rec = it->second;
+    const auto& entry = Entry(item);
+    TensorView dst = Destination(planner, item, entry);
+    const size_t esize = ElementSize(rec.dtype);
+    int64_t span = rec.sizes.empty() ? 1 : 0;
+    bool empty = false;
+    for (size_t d = 0; d < rec.sizes.size(); ++d) {
+      if (rec.sizes[d] == 0) empty = true;
+      span += (rec.sizes[d] - 1) * rec.strides[d];
+    }
+    if (!rec.sizes.empty()) span += 1;
+    if (!empty) {
+      const uint64_t n = static_cast<uint64_t>(span) * esize;
+      std::vector<char> buf = AllocateOrThrow([&] { return std::vector<char>(n); }, what, n);
+      in.ReadAt(rec.values_begin(), buf.data(), n);
+      TensorView src;
+      src.data = buf.data();
+      src.dtype = rec.dtype;
+      src.shape = rec.sizes;
+      src.strides = rec.strides;
+      CopyTensor(dst, src.Narrow(item.storage_offsets, item.lengths));
+    }
+    planner.CommitTensor(item, dst);
+  }
+
   std::shared_ptr<Store> store_;
   StorageOptions options_;
   const Metadata* metadata_ = nullptr;
   StorageContext ctx_;
+  std::map<MetadataIndex, StorageInfo> resolved_;       // torch records read as plain items
+  std::map<MetadataIndex, TorchTensorRecord> strided_;  // torch records read by ReadTorchRecord
 };
 
 }  // namespace
@@ -872,8 +1055,9 @@ bool IsDataObjectName(const std::string& name) {
 }
 
 std::unique_ptr<StorageWriter> MakeStoreWriter(std::shared_ptr<Store> store,
-                                               const StorageOptions& options) {
-  return std::make_unique<StoreWriter>(std::move(store), options);
+                                               const StorageOptions& options,
+                                               CheckpointFormat format) {
+  return std::make_unique<StoreWriter>(std::move(store), options, format);
 }
 
 std::unique_ptr<StorageReader> MakeStoreReader(std::shared_ptr<Store> store,

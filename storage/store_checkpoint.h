@@ -17,8 +17,21 @@ namespace dcp {
 
 inline constexpr char kMetadataName[] = "metadata.dcp";
 
+/// What a writer writes. Readers read every format (a PyTorch DCP directory is recognised by its
+/// `.metadata`, storage/torch_dcp.h).
+enum class CheckpointFormat : uint8_t {
+  kDcp,          // dcp's own (docs/FORMAT.md)
+  kTorchDcp,     // torch.distributed.checkpoint as torch 2.x writes it
+  kTorchDcp113,  // torch 1.13's torch.distributed._shard.checkpoint
+};
+
+/// The checkpoint protocol over `store`. A PyTorch DCP writer keeps the protocol (lock, atomic
+/// commit of `.metadata` last, clean-up) and writes torch's layout: `__<rank>_<n>.<save>.distcp`
+/// files of torch.save records; it refuses compression (torch cannot read it) and a location
+/// that holds a checkpoint of the other format (InvalidArgumentError, AlreadyExistsError).
 std::unique_ptr<StorageWriter> MakeStoreWriter(std::shared_ptr<Store> store,
-                                               const StorageOptions& options);
+                                               const StorageOptions& options,
+                                               CheckpointFormat format = CheckpointFormat::kDcp);
 std::unique_ptr<StorageReader> MakeStoreReader(std::shared_ptr<Store> store,
                                                const StorageOptions& options);
 

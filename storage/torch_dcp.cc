@@ -1,0 +1,930 @@
+// PyTorch DCP metadata and torch.save records (see torch_dcp.h).
+//
+// Reading a record goes through minizip (zlib's contrib, packaged by Debian): it parses the
+// archive's central directory and local headers and, for a stored entry, tells where the data
+// starts (unzGetCurrentFileZStreamPos64), so the values are then read with dcp's own reader
+// straight into their destination. Writing is done here: minizip's writer seeks back to patch
+// each local header, which would force a whole tensor through a memory buffer, whereas a
+// stored entry with a data descriptor streams front to back; the few structures involved
+// (local header, data descriptor, central directory, zip64 end records) are written below and
+// every archive we write is read back by minizip, Python's zipfile and torch.load in tests.
+#include "dcp/storage/torch_dcp.h"
+
+#include <unzip.h>  // minizip (pkg-config puts its directory on the include path)
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <set>
+
+#include "dcp/proto/checksum.h"
+#include "dcp/proto/codec.h"
+#include "dcp/proto/device.h"
+#include "dcp/proto/error.h"
+#include "dcp/storage/pickle.h"
+
+namespace dcp {
+namespace {
+
+using pickle::Kind;
+using pickle::Value;
+using pickle::ValuePtr;
+
+constexpr char kMeta2[] = "torch.distributed.checkpoint.metadata";
+constexpr char kMeta1[] = "torch.distributed._shard.checkpoint.metadata";
+constexpr char kFs2[] = "torch.distributed.checkpoint.filesystem";
+constexpr char kFs1[] = "torch.distributed._shard.checkpoint.filesystem";
+constexpr char kSharded1[] = "torch.distributed._shard.sharded_tensor.metadata";
+
+// Storage classes of torch.save's typed storages (_rebuild_tensor_v2).
+const std::map<std::string, DType, std::less<>>& StorageClasses() {
+  static const std::map<std::string, DType, std::less<>> m = {
+      {"FloatStorage", DType::kFloat32},
+      {"DoubleStorage", DType::kFloat64},
+      {"HalfStorage", DType::kFloat16},
+      {"BFloat16Storage", DType::kBFloat16},
+      {"LongStorage", DType::kInt64},
+      {"IntStorage", DType::kInt32},
+      {"ShortStorage", DType::kInt16},
+      {"CharStorage", DType::kInt8},
+      {"ByteStorage", DType::kUInt8},
+      {"BoolStorage", DType::kBool},
+      {"ComplexFloatStorage", DType::kComplex64},
+      {"ComplexDoubleStorage", DType::kComplex128},
+  };
+  return m;
+}
+
+std::optional<std::string> StorageClassOf(DType dtype) {
+  for (const auto& [name, d] : StorageClasses()) {
+    if (d == dtype) return name;
+  }
+  return std::nullopt;
+}
+
+bool IsTorchDType(std::string_view name) { return DTypeFromName(name).has_value(); }
+
+bool AllowMetadataGlobal(std::string_view module, std::string_view name) {
+  if (module == kMeta2 || module == kMeta1) {
+    static const std::set<std::string, std::less<>> names = {
+        "Metadata",      "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+        "MetadataIndex", "TensorProperties",      "_MEM_FORMAT_ENCODING", "MEM_FORMAT_ENCODING",
+        "StorageMeta"};
+    return names.count(name) > 0;
+  }
+  if (module == kSharded1) {
+    return name == "TensorProperties" || name == "MEM_FORMAT_ENCODING";
+  }
+  if (module == kFs2 || module == kFs1) return name == "_StorageInfo";
+  if (module == "torch") return name == "Size" || IsTorchDType(name);
+  if (module == "torch.serialization") return name == "_get_layout";
+  if (module == "builtins") return name == "getattr";
+  if (module == "pathlib") return name == "PosixPath" || name == "PurePosixPath";
+  if (module == "collections") return name == "OrderedDict";
+  return false;
+}
+
+bool AllowTensorGlobal(std::string_view module, std::string_view name) {
+  if (module == "torch._utils") return name == "_rebuild_tensor_v2" || name == "_rebuild_tensor_v3";
+  if (module == "torch") return StorageClasses().count(name) > 0 || IsTorchDType(name);
+  if (module == "torch.storage") return name == "UntypedStorage";
+  if (module == "collections") return name == "OrderedDict";
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Interpreting unpickled values
+
+class Reader {
+ public:
+  explicit Reader(std::string source) : source_(std::move(source)) {}
+  [[noreturn]] void Fail(const std::string& why) const {
+    throw CorruptionError(source_ + ": " + why);
+  }
+  const std::string& source() const { return source_; }
+
+  int64_t Int(const Value* v, const std::string& what) const {
+    if (!v || v->kind != Kind::kInt) Fail(what + " is not an integer");
+    return v->integer;
+  }
+  const std::string& Str(const Value* v, const std::string& what) const {
+    if (!v || v->kind != Kind::kStr) Fail(what + " is not a string");
+    return v->str;
+  }
+  // A torch.Size(...) or a plain tuple/list of integers.
+  Shape Ints(const Value* v, const std::string& what) const {
+    if (v && v->kind == Kind::kObject && v->global_name() == "torch.Size") {
+      if (v->args->items.size() != 1) Fail(what + ": torch.Size takes one tuple");
+      v = v->args->items[0].get();
+    }
+    if (!v || (v->kind != Kind::kTuple && v->kind != Kind::kList)) {
+      Fail(what + " is not a tuple of integers");
+    }
+    Shape s;
+    for (const auto& item : v->items) s.push_back(Int(item.get(), what));
+    return s;
+  }
+  // The object's dataclass state as a dict: BUILD with a dict, or (None, slots-dict).
+  const Value& State(const Value* obj, const std::string& cls, const std::string& what) const {
+    if (!obj || obj->kind != Kind::kObject || Leaf(obj->global_name()) != cls) {
+      Fail(what + " is a " + (obj ? obj->Describe() : std::string("nothing")) + ", expected " +
+           cls);
+    }
+    static const Value kEmpty = [] {
+      Value v;
+      v.kind = Kind::kDict;
+      return v;
+    }();
+    const Value* st = obj->state.get();
+    if (!st) return kEmpty;
+    if (st->kind == Kind::kTuple && st->items.size() == 2 && st->items[1]->kind == Kind::kDict) {
+      st = st->items[1].get();
+    }
+    if (st->kind != Kind::kDict) Fail(what + ": " + cls + " state is not a dict");
+    return *st;
+  }
+  static std::string Leaf(const std::string& dotted) {
+    return dotted.substr(dotted.rfind('.') + 1);
+  }
+  DType DTypeOf(const Value* v, const std::string& what) const {
+    if (!v || v->kind != Kind::kGlobal || v->module() != "torch") Fail(what + " is not a dtype");
+    auto d = DTypeFromName(v->name());
+    if (!d) Fail(what + ": unknown dtype torch." + v->name());
+    return *d;
+  }
+
+ private:
+  std::string source_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// minizip over a byte range of a ReadableObject
+
+struct Window {
+  ReadableObject* in;
+  uint64_t base, size, pos = 0;
+  std::exception_ptr error;
+};
+
+voidpf ZOpen(voidpf, const void* path, int) { return const_cast<void*>(path); }
+uLong ZRead(voidpf, voidpf stream, void* buf, uLong n) {
+  auto* w = static_cast<Window*>(stream);
+  const uint64_t k = std::min<uint64_t>(n, w->size - std::min(w->pos, w->size));
+  if (k == 0) return 0;
+  try {
+    w->in->ReadAt(w->base + w->pos, buf, k);
+  } catch (...) {
+    w->error = std::current_exception();
+    return 0;
+  }
+  w->pos += k;
+  return static_cast<uLong>(k);
+}
+uLong ZWrite(voidpf, voidpf, const void*, uLong) { return 0; }
+ZPOS64_T ZTell(voidpf, voidpf stream) { return static_cast<Window*>(stream)->pos; }
+long ZSeek(voidpf, voidpf stream, ZPOS64_T offset, int origin) {
+  auto* w = static_cast<Window*>(stream);
+  uint64_t base = origin == ZLIB_FILEFUNC_SEEK_SET   ? 0
+                  : origin == ZLIB_FILEFUNC_SEEK_CUR ? w->pos
+                                                     : w->size;
+  if (offset > w->size || base + offset > w->size) return -1;
+  w->pos = base + offset;
+  return 0;
+}
+int ZClose(voidpf, voidpf) { return 0; }
+int ZError(voidpf, voidpf stream) { return static_cast<Window*>(stream)->error ? 1 : 0; }
+
+constexpr size_t kMaxEntries = 1024;
+constexpr size_t kMaxPickleBytes = size_t{1} << 20;
+
+class Archive {
+ public:
+  Archive(ReadableObject& in, uint64_t offset, uint64_t length, std::string what)
+      : window_{&in, offset, length, 0, nullptr}, what_(std::move(what)) {
+    zlib_filefunc64_def ff{};
+    ff.zopen64_file = ZOpen;
+    ff.zread_file = ZRead;
+    ff.zwrite_file = ZWrite;
+    ff.ztell64_file = ZTell;
+    ff.zseek64_file = ZSeek;
+    ff.zclose_file = ZClose;
+    ff.zerror_file = ZError;
+    zip_ = unzOpen2_64(&window_, &ff);
+    if (!zip_) Fail("is not a zip archive (a torch.save record)");
+    int rc = unzGoToFirstFile(zip_);
+    while (rc == UNZ_OK) {
+      if (entries_.size() >= kMaxEntries) Fail("has more than 1024 entries");
+      unz_file_info64 info;
+      char name[512];
+      if (unzGetCurrentFileInfo64(zip_, &info, name, sizeof(name), nullptr, 0, nullptr, 0) !=
+          UNZ_OK) {
+        Fail("has an unreadable central directory entry");
+      }
+      entries_.emplace(std::string(name, strnlen(name, sizeof(name))), info);
+      rc = unzGoToNextFile(zip_);
+    }
+    if (rc != UNZ_END_OF_LIST_OF_FILE) Fail("has a damaged central directory");
+  }
+  ~Archive() {
+    if (zip_) unzClose(zip_);
+  }
+  Archive(const Archive&) = delete;
+  Archive& operator=(const Archive&) = delete;
+
+  [[noreturn]] void Fail(const std::string& why) const {
+    if (window_.error) std::rethrow_exception(window_.error);
+    throw CorruptionError(what_ + " " + why);
+  }
+  const std::map<std::string, unz_file_info64>& entries() const { return entries_; }
+  // The folder every torch.save entry lives in ("archive/"), from its data.pkl.
+  std::string Prefix() const {
+    std::string prefix;
+    int found = 0;
+    for (const auto& [name, info] : entries_) {
+      const size_t n = name.size();
+      if (n >= 8 && name.compare(n - 8, 8, "data.pkl") == 0 && name.find('/') == n - 9) {
+        prefix = name.substr(0, n - 8);
+        ++found;
+      }
+    }
+    if (found != 1) Fail("has no single <name>/data.pkl (not a torch.save archive)");
+    return prefix;
+  }
+  const unz_file_info64* Find(const std::string& name) const {
+    auto it = entries_.find(name);
+    return it == entries_.end() ? nullptr : &it->second;
+  }
+  void Open(const std::string& name) {
+    if (unzLocateFile(zip_, name.c_str(), 1) != UNZ_OK) Fail("has no entry " + name);
+    if (unzOpenCurrentFile(zip_) != UNZ_OK) Fail("entry " + name + " cannot be opened");
+  }
+  // A small entry, whole; minizip checks its CRC-32 when it reaches the end.
+  std::string ReadSmall(const std::string& name, size_t limit) {
+    const unz_file_info64* info = Find(name);
+    if (!info) Fail("has no entry " + name);
+    if (info->uncompressed_size > limit) {
+      Fail("entry " + name + " claims " + std::to_string(info->uncompressed_size) +
+           " bytes (limit " + std::to_string(limit) + ")");
+    }
+    Open(name);
+    std::string out(info->uncompressed_size, '\0');
+    const int n = out.empty() ? 0 : unzReadCurrentFile(zip_, out.data(), out.size());
+    char extra;
+    const int tail = unzReadCurrentFile(zip_, &extra, 1);
+    const int closed = unzCloseCurrentFile(zip_);
+    if (n != static_cast<int>(out.size()) || tail != 0) Fail("entry " + name + " is truncated");
+    if (closed == UNZ_CRCERROR) Fail("entry " + name + " fails its CRC-32");
+    if (closed != UNZ_OK) Fail("entry " + name + " cannot be read");
+    return out;
+  }
+  // Where a stored (uncompressed) entry's data starts, relative to the archive.
+  uint64_t DataOffset(const std::string& name) {
+    const unz_file_info64* info = Find(name);
+    if (!info) Fail("has no entry " + name);
+    if (info->compression_method != 0) {
+      throw UnsupportedError(what_ + " entry " + name + " is compressed (method " +
+                             std::to_string(info->compression_method) +
+                             "); torch.save stores tensor data uncompressed");
+    }
+    Open(name);
+    const uint64_t pos = unzGetCurrentFileZStreamPos64(zip_);
+    unzCloseCurrentFile(zip_);
+    if (pos > window_.size || info->uncompressed_size > window_.size - pos) {
+      Fail("entry " + name + " lies outside the record");
+    }
+    return pos;
+  }
+  // Read a whole entry of any size through minizip in pieces (CRC-checked at the end).
+  void CheckEntry(const std::string& name) {
+    Open(name);
+    std::vector<char> buf(1 << 20);
+    int n;
+    while ((n = unzReadCurrentFile(zip_, buf.data(), buf.size())) > 0) {
+    }
+    const int closed = unzCloseCurrentFile(zip_);
+    if (n < 0) Fail("entry " + name + " cannot be read (minizip error " + std::to_string(n) + ")");
+    if (closed == UNZ_CRCERROR) Fail("entry " + name + " fails its CRC-32");
+    if (closed != UNZ_OK) Fail("entry " + name + " cannot be read");
+  }
+
+ private:
+  Window window_;
+  std::string what_;
+  unzFile zip_ = nullptr;
+  std::map<std::string, unz_file_info64> entries_;
+};
+
+class StringObject : public ReadableObject {
+ public:
+  explicit StringObject(std::string_view s) : s_(s) {}
+  void ReadAt(uint64_t offset, void* dst, size_t n) override {
+    if (offset > s_.size() || n > s_.size() - offset) {
+      throw CorruptionError("read past the end of an in-memory record");
+    }
+    std::memcpy(dst, s_.data() + offset, n);
+  }
+  uint64_t size() const override { return s_.size(); }
+
+ private:
+  std::string_view s_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Writing zip archives (stored entries only)
+
+class ZipWriter {
+ public:
+  ZipWriter(WritableObject& out) : out_(out), base_(out.size()) {}
+
+  void AddSmall(const std::string& name, std::string_view content) {
+    Entry e{name, Crc32(0, content.data(), content.size()), content.size(), Pos(), false};
+    LocalHeader(e, 0);
+    out_.Append(content.data(), content.size());
+    entries_.push_back(e);
+  }
+  // An entry whose bytes `write` appends (`size` of them, CRC-32 returned); its data starts at
+  // a multiple of 64 from the archive's start, as torch aligns storages.
+  void AddStreamed(const std::string& name, uint64_t size, const std::function<uint32_t()>& write) {
+    Entry e{name, 0, size, Pos(), true};
+    const uint64_t data_at = Pos() + 30 + name.size();
+    uint64_t pad = (64 - (data_at + 4) % 64) % 64;
+    LocalHeader(e, pad + 4);
+    e.crc = write();
+    std::string d;
+    Put32(d, 0x08074b50);
+    Put32(d, e.crc);
+    if (size >= 0xffffffffu) {
+      Put64(d, size);
+      Put64(d, size);
+    } else {
+      Put32(d, static_cast<uint32_t>(size));
+      Put32(d, static_cast<uint32_t>(size));
+    }
+    out_.Append(d.data(), d.size());
+    entries_.push_back(e);
+  }
+  uint64_t Finish() {
+    const uint64_t cd_at = Pos();
+    std::string cd;
+    bool zip64 = false;
+    for (const Entry& e : entries_) {
+      const bool big_size = e.size >= 0xffffffffu;
+      const bool big_off = e.offset >= 0xffffffffu;
+      std::string extra;
+      if (big_size || big_off) {
+        zip64 = true;
+        std::string body;
+        if (big_size) {
+          Put64(body, e.size);
+          Put64(body, e.size);
+        }
+        if (big_off) Put64(body, e.offset);
+        Put16(extra, 0x0001);
+        Put16(extra, static_cast<uint16_t>(body.size()));
+        extra += body;
+      }
+      Put32(cd, 0x02014b50);
+      Put16(cd, big_size || big_off ? 45 : 20);  // made by
+      Put16(cd, big_size || big_off ? 45 : 20);  // needed
+      Put16(cd, e.descriptor ? 0x0008 : 0);
+      Put16(cd, 0);     // stored
+      Put16(cd, 0);     // time
+      Put16(cd, 0x21);  // date: 1980-01-01
+      Put32(cd, e.crc);
+      Put32(cd, big_size ? 0xffffffffu : static_cast<uint32_t>(e.size));
+      Put32(cd, big_size ? 0xffffffffu : static_cast<uint32_t>(e.size));
+      Put16(cd, static_cast<uint16_t>(e.name.size()));
+      Put16(cd, static_cast<uint16_t>(extra.size()));
+      Put16(cd, 0);  // comment
+      Put16(cd, 0);  // disk
+      Put16(cd, 0);  // internal attributes
+      Put32(cd, 0);  // external attributes
+      Put32(cd, big_off ? 0xffffffffu : static_cast<uint32_t>(e.offset));
+      cd += e.name;
+      cd += extra;
+    }
+    const uint64_t cd_size = cd.size();
+    if (cd_at >= 0xffffffffu) zip64 = true;
+    std::string end;
+    if (zip64) {
+      const uint64_t rec_at = cd_at + cd_size;
+      Put32(end, 0x06064b50);
+      Put64(end, 44);
+      Put16(end, 45);
+      Put16(end, 45);
+      Put32(end, 0);
+      Put32(end, 0);
+      Put64(end, entries_.size());
+      Put64(end, entries_.size());
+      Put64(end, cd_size);
+      Put64(end, cd_at);
+      Put32(end, 0x07064b50);  // locator
+      Put32(end, 0);
+      Put64(end, rec_at);
+      Put32(end, 1);
+    }
+    Put32(end, 0x06054b50);
+    Put16(end, 0);
+    Put16(end, 0);
+    Put16(end, static_cast<uint16_t>(entries_.size()));
+    Put16(end, static_cast<uint16_t>(entries_.size()));
+    Put32(end, cd_size >= 0xffffffffu ? 0xffffffffu : static_cast<uint32_t>(cd_size));
+    Put32(end, zip64 ? 0xffffffffu : static_cast<uint32_t>(cd_at));
+    Put16(end, 0);
+    cd += end;
+    out_.Append(cd.data(), cd.size());
+    return Pos();
+  }
+
+ private:
+  struct Entry {
+    std::string name;
+    uint32_t crc;
+    uint64_t size;
+    uint64_t offset;
+    bool descriptor;
+  };
+  static void Put16(std::string& s, uint16_t v) {
+    s += static_cast<char>(v & 0xff);
+    s += static_cast<char>(v >> 8);
+  }
+  static void Put32(std::string& s, uint32_t v) {
+    for (int i = 0; i < 4; ++i) s += static_cast<char>((v >> (8 * i)) & 0xff);
+  }
+  static void Put64(std::string& s, uint64_t v) {
+    for (int i = 0; i < 8; ++i) s += static_cast<char>((v >> (8 * i)) & 0xff);
+  }
+  uint64_t Pos() const { return out_.size() - base_; }
+  // `extra_len` bytes of padding extra field ("FB", as torch writes) when non-zero.
+  void LocalHeader(const Entry& e, uint64_t extra_len) {
+    std::string h;
+    Put32(h, 0x04034b50);
+    Put16(h, e.descriptor && e.size >= 0xffffffffu ? 45 : 20);
+    Put16(h, e.descriptor ? 0x0008 : 0);
+    Put16(h, 0);
+    Put16(h, 0);
+    Put16(h, 0x21);
+    // With a data descriptor the CRC and sizes follow the data (APPNOTE 4.4.4).
+    Put32(h, e.descriptor ? 0 : e.crc);
+    Put32(h, e.descriptor ? 0 : static_cast<uint32_t>(e.size));
+    Put32(h, e.descriptor ? 0 : static_cast<uint32_t>(e.size));
+    Put16(h, static_cast<uint16_t>(e.name.size()));
+    Put16(h, static_cast<uint16_t>(extra_len));
+    h += e.name;
+    if (extra_len) {
+      Put16(h, 0x4246);  // "FB"
+      Put16(h, static_cast<uint16_t>(extra_len - 4));
+      h.append(extra_len - 4, 'Z');
+    }
+    out_.Append(h.data(), h.size());
+  }
+
+  WritableObject& out_;
+  uint64_t base_;
+  std::vector<Entry> entries_;
+};
+
+class StringSink : public WritableObject {
+ public:
+  void Append(const void* data, size_t n) override { s.append(static_cast<const char*>(data), n); }
+  void Sync() override {}
+  void Close() override {}
+  uint64_t size() const override { return s.size(); }
+  std::string s;
+};
+
+// The small entries torch 2.x writes around the data ("version" 3: storages in data/<key>).
+void AddHeaderEntries(ZipWriter& zip, const std::string& data_pkl, bool torch2) {
+  zip.AddSmall("archive/data.pkl", data_pkl);
+  if (torch2) {
+    zip.AddSmall("archive/.format_version", "1");
+    zip.AddSmall("archive/.storage_alignment", "64");
+    zip.AddSmall("archive/byteorder", "little");
+  }
+}
+
+ValuePtr SizeValue(const Shape& s) {
+  std::vector<ValuePtr> items;
+  for (int64_t v : s) items.push_back(pickle::Int(v));
+  return pickle::Object(pickle::Global("torch", "Size"), {pickle::Tuple(std::move(items))});
+}
+
+ValuePtr IntTuple(const Shape& s) {
+  std::vector<ValuePtr> items;
+  for (int64_t v : s) items.push_back(pickle::Int(v));
+  return pickle::Tuple(std::move(items));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Metadata
+
+Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source) {
+  const Reader r{std::string(source)};
+  pickle::Limits limits;
+  limits.max_input_bytes = size_t{2} << 30;
+  const ValuePtr root = pickle::Load(bytes, AllowMetadataGlobal, source, limits);
+  const Value& st = r.State(root.get(), "Metadata", "the metadata");
+  Metadata md;
+  md.format_version = kFormatVersion;
+  const Value* sdm = st.Get("state_dict_metadata");
+  if (!sdm || sdm->kind != Kind::kDict) r.Fail("state_dict_metadata is missing or not a dict");
+  std::map<std::string, std::map<Shape, int64_t>> chunk_bytes;  // fqn -> chunk offsets -> bytes
+  for (size_t i = 0; i + 1 < sdm->items.size(); i += 2) {
+    const std::string& fqn = r.Str(sdm->items[i].get(), "a state_dict_metadata key");
+    const Value* v = sdm->items[i + 1].get();
+    const std::string what = "entry '" + fqn + "'";
+    if (v->kind == Kind::kObject && Reader::Leaf(v->global_name()) == "BytesStorageMetadata") {
+      md.entries[fqn] = BytesMetadata{};
+      continue;
+    }
+    const Value& ts = r.State(v, "TensorStorageMetadata", what);
+    TensorMetadata tm;
+    const Value* props = ts.Get("properties");
+    if (!props || props->kind != Kind::kObject ||
+        Reader::Leaf(props->global_name()) != "TensorProperties" || !props->state) {
+      r.Fail(what + " has no TensorProperties");
+    }
+    const Value* dtype = props->state->kind == Kind::kTuple && !props->state->items.empty()
+                             ? props->state->items[0].get()
+                             : props->state->Get("dtype");
+    tm.dtype = r.DTypeOf(dtype, what + " dtype");
+    tm.shape = r.Ints(ts.Get("size"), what + " size");
+    const Value* chunks = ts.Get("chunks");
+    if (!chunks || chunks->kind != Kind::kList) r.Fail(what + " has no chunk list");
+    for (const auto& c : chunks->items) {
+      const Value& cs = r.State(c.get(), "ChunkStorageMetadata", what + " chunk");
+      ChunkMeta chunk{r.Ints(cs.Get("offsets"), what + " chunk offsets"),
+                      r.Ints(cs.Get("sizes"), what + " chunk sizes")};
+      uint64_t n = ElementSize(tm.dtype);
+      for (int64_t s : chunk.sizes) {
+        if (s < 0 || (s > 0 && n > (uint64_t{1} << 62) / static_cast<uint64_t>(s))) {
+          r.Fail(what + " chunk " + chunk.ToString() + " has an absurd size");
+        }
+        n *= static_cast<uint64_t>(s);
+      }
+      chunk_bytes[fqn][chunk.offsets] = static_cast<int64_t>(n);
+      tm.chunks.push_back(std::move(chunk));
+    }
+    md.entries[fqn] = std::move(tm);
+  }
+  const Value* sd = st.Get("storage_data");
+  if (!sd || sd->kind != Kind::kDict) r.Fail("storage_data is missing or not a dict");
+  for (size_t i = 0; i + 1 < sd->items.size(); i += 2) {
+    const Value& is = r.State(sd->items[i].get(), "MetadataIndex", "a storage_data key");
+    MetadataIndex index;
+    index.fqn = r.Str(is.Get("fqn"), "a MetadataIndex fqn");
+    const Value* off = is.Get("offset");
+    if (off && off->kind != Kind::kNone) index.offset = r.Ints(off, "MetadataIndex offset");
+    const std::string what = "stored item " + index.ToString();
+    const Value& ss = r.State(sd->items[i + 1].get(), "_StorageInfo", what);
+    for (size_t k = 0; k + 1 < ss.items.size(); k += 2) {
+      const std::string& key = r.Str(ss.items[k].get(), what + " field");
+      const Value* val = ss.items[k + 1].get();
+      const bool empty =
+          val->kind == Kind::kNone ||
+          ((val->kind == Kind::kList || val->kind == Kind::kTuple) && val->items.empty());
+      if (key != "relative_path" && key != "offset" && key != "length" && !empty) {
+        throw UnsupportedError(std::string(source) + ": " + what + " has '" + key +
+                               "' (a storage transform such as compression), which dcp cannot "
+                               "read yet");
+      }
+    }
+    StorageInfo info;
+    info.relative_path = r.Str(ss.Get("relative_path"), what + " relative_path");
+    const int64_t offset = r.Int(ss.Get("offset"), what + " offset");
+    const int64_t length = r.Int(ss.Get("length"), what + " length");
+    if (offset < 0 || length < 0) r.Fail(what + " has a negative offset or length");
+    info.offset = static_cast<uint64_t>(offset);
+    info.length = static_cast<uint64_t>(length);
+    auto entry = md.entries.find(index.fqn);
+    if (entry == md.entries.end()) r.Fail(what + " belongs to no entry of state_dict_metadata");
+    info.transforms = {kTorchSaveTransform};
+    if (std::holds_alternative<TensorMetadata>(entry->second)) {
+      auto c = chunk_bytes[index.fqn].find(index.offset);
+      if (c == chunk_bytes[index.fqn].end()) r.Fail(what + " matches no chunk of its tensor");
+      info.raw_length = static_cast<uint64_t>(c->second);
+    } else {
+      info.raw_length = info.length;  // at most: the payload a record may unwrap to
+    }
+    if (!md.storage.emplace(index, std::move(info)).second) r.Fail(what + " is listed twice");
+  }
+  const Value* pd = st.Get("planner_data");
+  if (pd && pd->kind == Kind::kDict) {
+    for (size_t i = 0; i + 1 < pd->items.size(); i += 2) {
+      const Value* key = pd->items[i].get();
+      const Value* path = pd->items[i + 1].get();
+      if (key->kind != Kind::kStr || !md.entries.count(key->str) ||
+          (path->kind != Kind::kTuple && path->kind != Kind::kList)) {
+        continue;  // planner data of another planner: not ours to judge
+      }
+      KeyPath kp;
+      for (const auto& p : path->items) {
+        if (p->kind == Kind::kStr) {
+          kp.push_back(p->str);
+        } else if (p->kind == Kind::kInt) {
+          kp.push_back(std::to_string(p->integer));
+        } else {
+          r.Fail("planner_data of '" + key->str + "' holds a " + p->Describe());
+        }
+      }
+      if (kp.size() > 1) md.key_paths[key->str] = std::move(kp);
+    }
+  }
+  std::set<std::string> files;
+  for (const auto& [index, info] : md.storage) files.insert(info.relative_path);
+  md.world_size = static_cast<int32_t>(std::max<size_t>(files.size(), 1));
+  const Value* meta = st.Get("storage_meta");
+  if (meta && meta->kind == Kind::kObject) {
+    const Value& ms = r.State(meta, "StorageMeta", "storage_meta");
+    if (const Value* id = ms.Get("save_id"); id && id->kind == Kind::kStr) md.save_id = id->str;
+    if (const Value* id = ms.Get("checkpoint_id"); id && id->kind == Kind::kStr) {
+      md.checkpoint_id = id->str;
+    }
+  }
+  const Value* version = st.Get("version");
+  md.library_version =
+      root->global_name().rfind(kMeta1, 0) == 0
+          ? "torch.distributed._shard.checkpoint (torch 1.13)"
+          : "torch.distributed.checkpoint " +
+                (version && version->kind == Kind::kStr ? version->str : std::string("?"));
+  ValidateMetadata(md, source);
+  return md;
+}
+
+std::string EncodeTorchDcpMetadata(const Metadata& md, TorchDcpFlavor flavor,
+                                   const std::string& checkpoint_id) {
+  using namespace pickle;
+  const bool t2 = flavor == TorchDcpFlavor::kTorch2;
+  const std::string meta_mod = t2 ? kMeta2 : kMeta1;
+  const std::string props_mod = t2 ? kMeta2 : kSharded1;
+  auto dataclass = [&](const std::string& mod, const std::string& cls, ValuePtr state) {
+    return Object(Global(mod, cls), {}, std::move(state), /*newobj=*/true);
+  };
+  auto str = [](const std::string& s) { return Str(s); };
+  std::vector<std::pair<ValuePtr, ValuePtr>> sdm;
+  for (const auto& [fqn, entry] : md.entries) {
+    if (std::holds_alternative<BytesMetadata>(entry)) {
+      sdm.emplace_back(str(fqn), dataclass(meta_mod, "BytesStorageMetadata", nullptr));
+      continue;
+    }
+    const auto& tm = std::get<TensorMetadata>(entry);
+    ValuePtr mem_format =
+        t2 ? Object(Global(meta_mod, "_MEM_FORMAT_ENCODING"), {Int(0)})
+           : Object(Global("builtins", "getattr"),
+                    {Global(kSharded1, "MEM_FORMAT_ENCODING"), Str("TORCH_CONTIGUOUS_FORMAT")});
+    ValuePtr props = dataclass(
+        props_mod, "TensorProperties",
+        Tuple({Global("torch", std::string(DTypeName(tm.dtype))),
+               Object(Global("torch.serialization", "_get_layout"), {Str("torch.strided")}),
+               Bool(false), mem_format, Bool(false)}));
+    std::vector<ValuePtr> chunks;
+    for (const auto& c : tm.chunks) {
+      chunks.push_back(dataclass(
+          meta_mod, "ChunkStorageMetadata",
+          Dict({{str("offsets"), SizeValue(c.offsets)}, {str("sizes"), SizeValue(c.sizes)}})));
+    }
+    sdm.emplace_back(str(fqn), dataclass(meta_mod, "TensorStorageMetadata",
+                                         Dict({{str("properties"), props},
+                                               {str("size"), SizeValue(tm.shape)},
+                                               {str("chunks"), List(std::move(chunks))}})));
+  }
+  std::vector<std::pair<ValuePtr, ValuePtr>> storage;
+  for (const auto& [index, info] : md.storage) {
+    const bool tensor =
+        !index.offset.empty() || std::holds_alternative<TensorMetadata>(md.entries.at(index.fqn));
+    int64_t chunk_index = 0;
+    if (tensor) {
+      const auto& chunks = std::get<TensorMetadata>(md.entries.at(index.fqn)).chunks;
+      for (size_t k = 0; k < chunks.size(); ++k) {
+        if (chunks[k].offsets == index.offset) chunk_index = static_cast<int64_t>(k);
+      }
+    }
+    ValuePtr key = dataclass(meta_mod, "MetadataIndex",
+                             Dict({{str("fqn"), str(index.fqn)},
+                                   {str("offset"), tensor ? SizeValue(index.offset) : None()},
+                                   {str("index"), tensor ? Int(chunk_index) : None()}}));
+    ValuePtr value = dataclass(t2 ? kFs2 : kFs1, "_StorageInfo",
+                               Dict({{str("relative_path"), str(info.relative_path)},
+                                     {str("offset"), Int(static_cast<int64_t>(info.offset))},
+                                     {str("length"), Int(static_cast<int64_t>(info.length))}}));
+    storage.emplace_back(std::move(key), std::move(value));
+  }
+  std::vector<std::pair<ValuePtr, ValuePtr>> fields;
+  fields.emplace_back(str("state_dict_metadata"), Dict(std::move(sdm)));
+  if (t2) {
+    // DefaultSavePlanner's planner_data: every fqn's key path (its own name when flat).
+    std::vector<std::pair<ValuePtr, ValuePtr>> pd;
+    for (const auto& [fqn, entry] : md.entries) {
+      (void)entry;
+      std::vector<ValuePtr> path;
+      auto kp = md.key_paths.find(fqn);
+      if (kp != md.key_paths.end()) {
+        for (const auto& p : kp->second) path.push_back(str(p));
+      } else {
+        path.push_back(str(fqn));
+      }
+      pd.emplace_back(str(fqn), Tuple(std::move(path)));
+    }
+    fields.emplace_back(str("planner_data"), Dict(std::move(pd)));
+  } else {
+    fields.emplace_back(str("planner_data"), None());
+  }
+  fields.emplace_back(str("storage_data"), Dict(std::move(storage)));
+  if (t2) {
+    fields.emplace_back(str("storage_meta"),
+                        dataclass(meta_mod, "StorageMeta",
+                                  Dict({{str("checkpoint_id"), str(checkpoint_id)},
+                                        {str("save_id"), str(md.save_id)},
+                                        {str("load_id"), None()},
+                                        {str("modules"), List({})}})));
+    fields.emplace_back(str("version"), str("1.0.0"));
+  }
+  return Dump(*dataclass(meta_mod, "Metadata", Dict(std::move(fields))));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Records
+
+bool TorchTensorRecord::row_major() const {
+  const Shape want = ContiguousStrides(sizes);
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] > 1 && strides[d] != want[d]) return false;
+  }
+  return true;
+}
+
+uint64_t TorchTensorRecord::values_begin() const {
+  return storage_begin + static_cast<uint64_t>(storage_offset) * ElementSize(dtype);
+}
+
+TorchTensorRecord ResolveTorchTensorRecord(ReadableObject& in, uint64_t offset, uint64_t length,
+                                           const std::string& what) {
+  Archive zip(in, offset, length, what);
+  const std::string prefix = zip.Prefix();
+  if (zip.Find(prefix + "byteorder")) {
+    const std::string order = zip.ReadSmall(prefix + "byteorder", 16);
+    if (order != "little") {
+      throw UnsupportedError(what + " was written on a '" + order + "'-endian machine");
+    }
+  }
+  const std::string pkl = zip.ReadSmall(prefix + "data.pkl", kMaxPickleBytes);
+  pickle::Limits limits;
+  limits.max_input_bytes = kMaxPickleBytes;
+  limits.max_values = 1 << 16;
+  const ValuePtr root =
+      pickle::Load(pkl, AllowTensorGlobal, what + " " + prefix + "data.pkl", limits);
+  const Reader r{what};
+  const std::string fn = root->global_name();
+  if (root->kind != Kind::kObject ||
+      (fn != "torch._utils._rebuild_tensor_v2" && fn != "torch._utils._rebuild_tensor_v3")) {
+    r.Fail("does not hold a plain tensor (its pickle is a " + root->Describe() + ")");
+  }
+  const auto& args = root->args->items;
+  if (args.size() < 6) r.Fail("has a tensor pickle with too few arguments");
+  const Value* pid = args[0].get();
+  if (pid->kind != Kind::kPersistent || pid->items[0]->kind != Kind::kTuple ||
+      pid->items[0]->items.size() != 5) {
+    r.Fail("has a tensor pickle without a storage reference");
+  }
+  const auto& sref = pid->items[0]->items;  // ('storage', type, key, location, numel)
+  if (sref[0]->kind != Kind::kStr || sref[0]->str != "storage" || sref[1]->kind != Kind::kGlobal) {
+    r.Fail("has a malformed storage reference");
+  }
+  TorchTensorRecord rec;
+  const bool untyped = sref[1]->name() == "UntypedStorage";
+  if (fn == "torch._utils._rebuild_tensor_v3") {
+    rec.dtype = r.DTypeOf(args.back().get(), "its dtype");
+  } else {
+    auto it = StorageClasses().find(sref[1]->name());
+    if (untyped || it == StorageClasses().end()) r.Fail("has an untyped storage without dtype");
+    rec.dtype = it->second;
+  }
+  const std::string key = r.Str(sref[2].get(), "its storage key");
+  if (key.empty() || key.size() > 64 || key.find('/') != std::string::npos) {
+    r.Fail("has a bad storage key");
+  }
+  const int64_t numel = r.Int(sref[4].get(), "its storage size");
+  rec.storage_offset = r.Int(args[1].get(), "its storage offset");
+  rec.sizes = r.Ints(args[2].get(), "its size");
+  rec.strides = r.Ints(args[3].get(), "its stride");
+  const std::string entry = prefix + "data/" + key;
+  const unz_file_info64* info = zip.Find(entry);
+  if (!info) r.Fail("has no storage entry " + entry);
+  const uint64_t esize = ElementSize(rec.dtype);
+  rec.storage_bytes = info->uncompressed_size;
+  rec.zip_crc32 = static_cast<uint32_t>(info->crc);
+  if (numel < 0 || (untyped ? static_cast<uint64_t>(numel) != rec.storage_bytes
+                            : static_cast<uint64_t>(numel) > rec.storage_bytes / esize ||
+                                  static_cast<uint64_t>(numel) * esize != rec.storage_bytes)) {
+    r.Fail("storage entry " + entry + " has " + std::to_string(rec.storage_bytes) +
+           " bytes, its pickle claims " + std::to_string(numel) +
+           (untyped ? " bytes" : " elements"));
+  }
+  if (rec.sizes.size() != rec.strides.size() || rec.storage_offset < 0) {
+    r.Fail("has inconsistent sizes and strides");
+  }
+  // Every element must lie inside the storage.
+  uint64_t last = static_cast<uint64_t>(rec.storage_offset);
+  bool empty = false;
+  for (size_t d = 0; d < rec.sizes.size(); ++d) {
+    if (rec.sizes[d] < 0 || rec.strides[d] < 0) r.Fail("has a negative size or stride");
+    if (rec.sizes[d] == 0) empty = true;
+    const uint64_t step = static_cast<uint64_t>(rec.sizes[d] > 0 ? rec.sizes[d] - 1 : 0);
+    if (step && static_cast<uint64_t>(rec.strides[d]) > (uint64_t{1} << 62) / step) {
+      r.Fail("has an absurd stride");
+    }
+    last += step * static_cast<uint64_t>(rec.strides[d]);
+    if (last > (uint64_t{1} << 62)) r.Fail("has an absurd extent");
+  }
+  if (!empty && (last + 1) * esize > rec.storage_bytes) {
+    r.Fail("views elements beyond its storage (" + std::to_string(rec.storage_bytes) + " bytes)");
+  }
+  rec.storage_begin = offset + zip.DataOffset(entry);
+  return rec;
+}
+
+void CheckTorchArchiveCrcs(ReadableObject& in, uint64_t offset, uint64_t length,
+                           const std::string& what) {
+  Archive zip(in, offset, length, what);
+  for (const auto& [name, info] : zip.entries()) {
+    (void)info;
+    zip.CheckEntry(name);
+  }
+}
+
+bool IsTorchSaveArchive(std::string_view bytes) {
+  return bytes.size() >= 30 && bytes.compare(0, 4, "PK\x03\x04", 4) == 0;
+}
+
+std::string TorchSaveOfBytes(std::string_view payload) {
+  StringSink sink;
+  ZipWriter zip(sink);
+  AddHeaderEntries(zip, pickle::Dump(*pickle::Bytes(std::string(payload))), true);
+  zip.AddSmall("archive/version", "3\n");
+  zip.Finish();
+  return std::move(sink.s);
+}
+
+bool TorchSaveBytesPayload(std::string_view record, std::string* payload) {
+  if (!IsTorchSaveArchive(record)) return false;
+  try {
+    StringObject in(record);
+    Archive zip(in, 0, record.size(), "record");
+    const std::string pkl = zip.ReadSmall(zip.Prefix() + "data.pkl", record.size());
+    const ValuePtr v = pickle::Load(
+        pkl, [](std::string_view, std::string_view) { return false; }, "record");
+    if (v->kind != Kind::kBytes) return false;
+    *payload = v->str;
+    return true;
+  } catch (const Error&) {
+    return false;  // some other object: the record is the blob
+  }
+}
+
+uint64_t AppendTorchTensorRecord(WritableObject& out, const TensorView& view, bool torch2) {
+  using namespace pickle;
+  const uint64_t begin = out.size();
+  const uint64_t nbytes = view.nbytes();
+  const auto storage_class = StorageClassOf(view.dtype);
+  if (!storage_class && !torch2) {
+    throw UnsupportedError(std::string("dtype ") + std::string(DTypeName(view.dtype)) +
+                           " cannot be written for torch 1.13 (it has no such dtype)");
+  }
+  const bool v3 = !storage_class.has_value();
+  std::vector<ValuePtr> args = {
+      Persistent(
+          Tuple({Str("storage"),
+                 v3 ? Global("torch.storage", "UntypedStorage") : Global("torch", *storage_class),
+                 Str("0"), Str("cpu"), Int(v3 ? static_cast<int64_t>(nbytes) : view.numel())})),
+      Int(0),
+      IntTuple(view.shape),
+      IntTuple(ContiguousStrides(view.shape)),
+      Bool(false),
+      Object(Global("collections", "OrderedDict"), {})};
+  if (v3) args.push_back(Global("torch", std::string(DTypeName(view.dtype))));
+  const ValuePtr pkl = Object(
+      Global("torch._utils", v3 ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2"), std::move(args));
+  ZipWriter zip(out);
+  AddHeaderEntries(zip, Dump(*pkl), torch2);
+  zip.AddStreamed("archive/data/0", nbytes, [&] {
+    uint32_t crc = 0;
+    StreamToHost(view, kDevicePieceBytes, [&](const void* data, size_t n) {
+      out.Append(data, n);
+      crc = Crc32(crc, data, n);
+    });
+    return crc;
+  });
+  zip.AddSmall("archive/version", "3\n");
+  zip.Finish();
+  return out.size() - begin;
+}
+
+bool IsTorchDcpDataName(const std::string& name) {
+  return name.size() > 9 && name.rfind("__", 0) == 0 &&
+         name.compare(name.size() - 7, 7, ".distcp") == 0;
+}
+
+}  // namespace dcp

@@ -1,0 +1,91 @@
+// PyTorch DCP (torch.distributed.checkpoint) directories, read and written without Python.
+//
+// Layout of such a directory (what torch's FileSystemWriter writes):
+//   .metadata            the commit marker: a pickled torch...checkpoint.metadata.Metadata
+//   __<rank>_<n>.distcp  records, concatenated; `.metadata` places each (file, offset, length)
+// A tensor record is one torch.save archive of the tensor (a zip: archive/data.pkl, a small
+// pickle naming dtype, sizes, strides and storage offset, and archive/data/<key>, the stored
+// storage bytes); a byte entry's record is torch.save(obj) of a Python object.
+//
+// dcp reads both torch 2.x metadata (torch.distributed.checkpoint.*) and torch 1.13's
+// (torch.distributed._shard.checkpoint.*) through a restricted unpickler (storage/pickle.h)
+// with an explicit allow-list of the classes DCP metadata uses, and maps it onto dcp's Metadata:
+// tensor records get the transform "torch.save" (resolved into plain byte ranges when a load
+// reads them, storage/store_checkpoint.cc), byte entries are raw blobs holding the torch.save
+// bytes unchanged. Any Store-based backend (file://, mem://, plugins) loads such a directory,
+// detected by its `.metadata`; `torchdcp://` writes one (see MakeStoreWriter's format).
+//
+// Everything read is untrusted: bounded pickles, archives located inside their record's range,
+// sizes checked against the record before anything is allocated; failures are CorruptionError
+// or UnsupportedError naming the source (file and offset, or entry).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "dcp/proto/plan.h"
+#include "dcp/proto/tensor.h"
+#include "dcp/storage/store.h"
+
+namespace dcp {
+
+inline constexpr char kTorchDcpMetadataName[] = ".metadata";
+/// Transform name of a tensor record that is a torch.save archive.
+inline constexpr char kTorchSaveTransform[] = "torch.save";
+
+/// Which torch writes or reads a directory: 2.x (torch.distributed.checkpoint, the default) or
+/// 1.13 (torch.distributed._shard.checkpoint, no storage_meta/version/planner_data).
+enum class TorchDcpFlavor : uint8_t { kTorch2 = 2, kTorch113 = 1 };
+
+/// Decode and validate a `.metadata` pickle into dcp's Metadata. `source` names it in errors.
+Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source);
+/// Encode dcp Metadata whose items were written as torch records (MakeTorchDcpWriter) as a
+/// `.metadata` pickle of `flavor`. `checkpoint_id` is recorded in storage_meta (2.x).
+/// UnsupportedError for a dtype the flavor's torch lacks.
+std::string EncodeTorchDcpMetadata(const Metadata& md, TorchDcpFlavor flavor,
+                                   const std::string& checkpoint_id);
+
+/// Where the values of one tensor record lie, from its archive (read with minizip).
+struct TorchTensorRecord {
+  DType dtype = DType::kFloat32;
+  Shape sizes;
+  Shape strides;               // elements
+  int64_t storage_offset = 0;  // elements
+  uint64_t storage_begin = 0;  // absolute offset of the storage bytes in the file
+  uint64_t storage_bytes = 0;
+  uint32_t zip_crc32 = 0;  // of the storage bytes (zip CRC-32)
+  /// True when the values are the row-major bytes [storage_begin + storage_offset * esize,
+  /// + numel * esize).
+  bool row_major() const;
+  /// The absolute offset of element 0 when row_major().
+  uint64_t values_begin() const;
+};
+
+/// Locate the tensor in the torch.save archive at [offset, offset + length) of `in`. `what`
+/// names the record in errors. Reads the archive's directories and its small pickle only.
+TorchTensorRecord ResolveTorchTensorRecord(ReadableObject& in, uint64_t offset, uint64_t length,
+                                           const std::string& what);
+
+/// Read every entry of the archive at [offset, offset + length) through minizip, which checks
+/// each entry's CRC-32 (CorruptionError naming `what` and the entry on a mismatch). For verify.
+void CheckTorchArchiveCrcs(ReadableObject& in, uint64_t offset, uint64_t length,
+                           const std::string& what);
+
+/// True when `bytes` look like a torch.save archive (a zip starting with a local header).
+bool IsTorchSaveArchive(std::string_view bytes);
+/// The torch.save archive of the Python `bytes` object `payload` (what dcp writes for a blob
+/// that is not itself a torch.save archive, so torch.load returns the blob as bytes).
+std::string TorchSaveOfBytes(std::string_view payload);
+/// If `record` is a torch.save archive of a Python bytes object (TorchSaveOfBytes), its payload.
+bool TorchSaveBytesPayload(std::string_view record, std::string* payload);
+
+/// Append one torch.save archive of `view` (host or device, any strides; stored row-major) to
+/// `out`, computing the data's CRC-32 as it streams (a zip data descriptor carries it). Returns
+/// the record's length. `archive_name` is the zip's top folder ("archive", as torch writes).
+uint64_t AppendTorchTensorRecord(WritableObject& out, const TensorView& view, bool torch2);
+
+/// True for record file names the torchdcp writer creates ("__<rank>_<n>....distcp").
+bool IsTorchDcpDataName(const std::string& name);
+
+}  // namespace dcp

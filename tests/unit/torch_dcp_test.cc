@@ -1,0 +1,365 @@
+// PyTorch DCP interop: the restricted unpickler, the fixtures torch 2.11 wrote (bit-exact against
+// their expected safetensors), and dcp writing torch's layout and reading it back.
+#include "dcp/storage/torch_dcp.h"
+
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "dcp/checkpoint.h"
+#include "dcp/planner/flatten.h"
+#include "dcp/storage/mem_store.h"
+#include "dcp/storage/pickle.h"
+#include "dcp/storage/registry.h"
+#include "dcp/storage/store_checkpoint.h"
+#include "support/test_support.h"
+
+namespace dcp {
+namespace {
+
+namespace pk = pickle;
+using Json = nlohmann::json;
+using testing::TempDir;
+using namespace std::string_literals;
+
+const std::string kFixtures = DCP_TORCH_DCP_FIXTURES;
+
+std::string ReadFileBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  REQUIRE(in.good());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Every tensor of a safetensors file: name -> raw bytes.
+std::map<std::string, std::string> ReadSafetensors(const std::string& path) {
+  const std::string bytes = ReadFileBytes(path);
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  const Json header = Json::parse(bytes.substr(8, n));
+  std::map<std::string, std::string> out;
+  for (const auto& [name, v] : header.items()) {
+    if (name == "__metadata__") continue;
+    const uint64_t b = v["data_offsets"][0], e = v["data_offsets"][1];
+    out[name] = bytes.substr(8 + n + b, e - b);
+  }
+  return out;
+}
+
+pk::AllowGlobal AllowAll() {
+  return [](std::string_view, std::string_view) { return true; };
+}
+pk::AllowGlobal AllowNone() {
+  return [](std::string_view, std::string_view) { return false; };
+}
+
+std::string ErrorOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST_CASE("pickle: values round-trip through Dump and Load", "[torchdcp]") {
+  using namespace pk;
+  ValuePtr v = Object(Global("m", "C"),
+                      {Int(-5), Int(70000), Int(int64_t{1} << 40), Int(INT64_MIN), Float(0.25),
+                       Str("héllo"), Bytes(std::string(300, 'x')), None(), Bool(true),
+                       List({Int(1), Tuple({Str("a"), Str("a")})}), Dict({{Str("k"), Tuple({})}})},
+                      Dict({{Str("s"), Persistent(Str("id"))}}), true);
+  const std::string bytes = Dump(*v);
+  ValuePtr back = Load(bytes, AllowAll(), "test");
+  REQUIRE(back->kind == Kind::kObject);
+  CHECK(back->newobj);
+  CHECK(back->global_name() == "m.C");
+  const auto& a = back->args->items;
+  REQUIRE(a.size() == 11);
+  CHECK(a[0]->integer == -5);
+  CHECK(a[1]->integer == 70000);
+  CHECK(a[2]->integer == int64_t{1} << 40);
+  CHECK(a[3]->integer == INT64_MIN);
+  CHECK(a[4]->real == 0.25);
+  CHECK(a[5]->str == "héllo");
+  CHECK(a[6]->kind == Kind::kBytes);
+  CHECK(a[6]->str == std::string(300, 'x'));
+  CHECK(a[7]->kind == Kind::kNone);
+  CHECK(a[8]->boolean);
+  CHECK(a[9]->items[1]->items[1]->str == "a");
+  CHECK(back->state->Get("s")->kind == Kind::kPersistent);
+  CHECK(back->state->Get("s")->items[0]->str == "id");
+  // Deterministic output.
+  CHECK(Dump(*back) == bytes);
+}
+
+TEST_CASE("pickle: the reader refuses what is not data", "[torchdcp]") {
+  // A global off the allow-list is named (the classic os.system payload).
+  const std::string evil =
+      std::string("\x80\x02") + "cos\nsystem\n" + "X\x02\x00\x00\x00id" + "\x85R.";
+  const std::string err = ErrorOf([&] { pk::Load(evil, AllowNone(), "evil.pkl"); });
+  CHECK_THAT(err, Catch::Contains("os.system") && Catch::Contains("evil.pkl") &&
+                      Catch::Contains("allow-list"));
+  // Code-running opcodes are refused by name.
+  CHECK_THAT(ErrorOf([] { pk::Load("(cos\nsystem\nS'id'\ni.", AllowNone(), "x"); }),
+             Catch::Contains("pickle"));
+  CHECK_THAT(ErrorOf([] {
+               pk::Load(std::string("\x80\x02(\x8c\x01\x61\x8c\x01\x62\x92."), AllowAll(), "x");
+             }),
+             Catch::Contains("NEWOBJ_EX"));
+  // A list that contains itself.
+  CHECK_THAT(ErrorOf([] { pk::Load("\x80\x02]q\x00h\x00\x61."s, AllowAll(), "x"); }),
+             Catch::Contains("contains itself"));
+  // A container changed after nesting (the only way to build a cycle through two lists).
+  CHECK_THAT(ErrorOf([] {
+               pk::Load(
+                   "\x80\x02]q\x00]q\x01h\x00\x61"
+                   "0h\x01\x61."s,
+                   AllowAll(), "x");
+             }),
+             Catch::Contains("changed after being nested"));
+  // Deep nesting, truncation, memo abuse, trailing bytes, an oversized integer.
+  CHECK_THAT(ErrorOf([] {
+               pk::Load(
+                   std::string("\x80\x02") + std::string(200, ']') + std::string(199, 'a') + ".",
+                   AllowAll(), "x");
+             }),
+             Catch::Contains("nested deeper"));
+  CHECK_THAT(ErrorOf([] {
+               pk::Load(
+                   "\x80\x02X\xff\xff\xff\x00"
+                   "ab"s,
+                   AllowAll(), "x");
+             }),
+             Catch::Contains("truncated"));
+  CHECK_THAT(ErrorOf([] { pk::Load(std::string("\x80\x02Nr\xff\xff\xff\x7f."), AllowAll(), "x"); }),
+             Catch::Contains("memo index"));
+  CHECK_THAT(ErrorOf([] { pk::Load(std::string("\x80\x02h\x05."), AllowAll(), "x"); }),
+             Catch::Contains("never stored"));
+  CHECK_THAT(ErrorOf([] { pk::Load(std::string("\x80\x02N.N"), AllowAll(), "x"); }),
+             Catch::Contains("after STOP"));
+  CHECK_THAT(ErrorOf([] {
+               pk::Load(std::string("\x80\x02\x8a\x09") + std::string(9, '\1') + ".", AllowAll(),
+                        "x");
+             }),
+             Catch::Contains("64 bits"));
+  pk::Limits small;
+  small.max_values = 10;
+  CHECK_THAT(ErrorOf([&] {
+               pk::Load(std::string("\x80\x02(") + std::string(20, 'N') + "l.", AllowAll(), "x",
+                        small);
+             }),
+             Catch::Contains("more than 10 values"));
+}
+
+struct Fixture {
+  std::string name;
+  std::string dir;
+  Json json;
+  std::map<std::string, std::string> expected;
+};
+
+Fixture LoadFixture(const std::string& name) {
+  Fixture f;
+  f.name = name;
+  f.dir = kFixtures + "/" + name;
+  f.json = Json::parse(ReadFileBytes(kFixtures + "/" + name + ".json"));
+  f.expected = ReadSafetensors(kFixtures + "/" + name + ".expected.safetensors");
+  return f;
+}
+
+const char* kCases[] = {"single_dtypes", "model_adamw", "dist4_dtensor"};
+
+// The metadata of a torch checkpoint as the fixture's json describes it.
+void CheckMetadataAgainstJson(const Metadata& md, const Fixture& f) {
+  const Json& entries = f.json["entries"];
+  REQUIRE(md.entries.size() == entries.size());
+  for (const auto& [fqn, e] : entries.items()) {
+    INFO(f.name << ": " << fqn);
+    auto it = md.entries.find(fqn);
+    REQUIRE(it != md.entries.end());
+    if (e["kind"] == "bytes") {
+      CHECK(std::holds_alternative<BytesMetadata>(it->second));
+      continue;
+    }
+    const auto& tm = std::get<TensorMetadata>(it->second);
+    CHECK("torch." + std::string(DTypeName(tm.dtype)) == e["dtype"].get<std::string>());
+    CHECK(tm.shape == e["shape"].get<Shape>());
+    const Json& chunks = f.json["metadata"][fqn]["chunks"];
+    REQUIRE(tm.chunks.size() == chunks.size());
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      CHECK(tm.chunks[k].offsets == chunks[k][0].get<Shape>());
+      CHECK(tm.chunks[k].sizes == chunks[k][1].get<Shape>());
+    }
+  }
+}
+
+// Load every entry of `uri` (load_all) and compare with the fixture's expected values.
+void CheckLoadAll(const std::string& uri, const Fixture& f) {
+  StateDict sd;
+  LoadOptions lo;
+  lo.load_all = true;
+  Load(sd, uri, lo);
+  auto flat = FlattenStateDict(sd);
+  size_t tensors = 0;
+  for (const auto& [fqn, e] : f.json["entries"].items()) {
+    INFO(f.name << ": " << fqn);
+    auto it = flat.find(fqn);
+    REQUIRE(it != flat.end());
+    if (e["kind"] == "bytes") {
+      REQUIRE(std::holds_alternative<Blob>(*it->second.value));
+      continue;
+    }
+    ++tensors;
+    const auto* view = std::get_if<TensorView>(it->second.value);
+    REQUIRE(view);
+    REQUIRE(f.expected.count(fqn));
+    const std::string& want = f.expected.at(fqn);
+    REQUIRE(view->nbytes() == want.size());
+    CHECK(std::memcmp(view->data, want.data(), want.size()) == 0);
+  }
+  CHECK(tensors == f.expected.size());
+}
+
+TEST_CASE("torch DCP fixtures: metadata matches what torch 2.11 recorded", "[torchdcp]") {
+  for (const char* name : kCases) {
+    const Fixture f = LoadFixture(name);
+    const Metadata md = ReadMetadata(f.dir);
+    CheckMetadataAgainstJson(md, f);
+    CHECK_THAT(md.library_version, Catch::Contains("torch.distributed.checkpoint 1.0.0"));
+  }
+}
+
+TEST_CASE("torch DCP fixtures: every tensor loads bit-exact, from a plain path", "[torchdcp]") {
+  for (const char* name : kCases) CheckLoadAll(kFixtures + "/" + name, LoadFixture(name));
+}
+
+TEST_CASE("torch DCP fixtures: byte entries are torch.save pickles of their objects",
+          "[torchdcp]") {
+  const Fixture f = LoadFixture("single_dtypes");
+  StateDict sd;
+  sd.Set("step", Blob{});
+  sd.Nested("note").Set("lr", Blob{});
+  Load(sd, f.dir);
+  const auto& step = std::get<Blob>(*sd.Find("step")).bytes;
+  CHECK(IsTorchSaveArchive(step));
+  CHECK(f.json["entries"]["step"]["python_repr"] == "1234");
+  // Stored as dcp writes them into a torch checkpoint, they come back unchanged.
+  TempDir dir("tdcp");
+  Save(sd, "torchdcp://" + dir.path() + "/out");
+  StateDict back;
+  back.Set("step", Blob{});
+  back.Nested("note").Set("lr", Blob{});
+  Load(back, dir.path() + "/out");
+  CHECK(std::get<Blob>(*back.Find("step")).bytes == step);
+  CHECK(std::get<Blob>(*back.Nested("note").Find("lr")).bytes ==
+        std::get<Blob>(*sd.Nested("note").Find("lr")).bytes);
+}
+
+TEST_CASE("torch DCP: dcp writes torch's layout and reads it back exactly", "[torchdcp]") {
+  for (const char* name : kCases) {
+    const Fixture f = LoadFixture(name);
+    StateDict sd;
+    LoadOptions lo;
+    lo.load_all = true;
+    const Metadata src = Load(sd, f.dir, lo);
+    for (const char* scheme : {"torchdcp", "torchdcp113"}) {
+      if (std::string(scheme) == "torchdcp113" && std::string(name) == "single_dtypes") {
+        // fp8 and unsigned dtypes do not exist in torch 1.13: refused, naming the tensor.
+        TempDir dir("tdcp");
+        CHECK_THAT(ErrorOf([&] { Save(sd, std::string(scheme) + "://" + dir.path() + "/o"); }),
+                   Catch::Contains("1.13"));
+        continue;
+      }
+      INFO(name << " via " << scheme);
+      TempDir dir("tdcp");
+      const std::string out = dir.path() + "/out";
+      Save(sd, std::string(scheme) + "://" + out);
+      const std::string pickled = ReadFileBytes(out + "/.metadata");
+      CHECK(pickled.find(std::string(scheme) == "torchdcp"
+                             ? "torch.distributed.checkpoint.metadata"
+                             : "torch.distributed._shard.checkpoint.metadata") !=
+            std::string::npos);
+      const Metadata md = ReadMetadata(out);
+      CHECK(md.entries.size() == src.entries.size());
+      CheckLoadAll(out, f);
+      // Same classes and fields as torch's own metadata: every global of the fixture's
+      // .metadata is in ours (2.x).
+      if (std::string(scheme) == "torchdcp") {
+        auto globals = [](const std::string& bytes) {
+          std::set<std::string> g;
+          std::function<void(const pk::Value&)> walk = [&](const pk::Value& v) {
+            if (v.kind == pk::Kind::kGlobal) g.insert(v.global_name());
+            for (const auto& p : {v.callable, v.args, v.state}) {
+              if (p) walk(*p);
+            }
+            for (const auto& i : v.items) walk(*i);
+          };
+          walk(*pk::Load(bytes, AllowAll(), "x"));
+          return g;
+        };
+        std::set<std::string> want = globals(ReadFileBytes(f.dir + "/.metadata"));
+        want.erase("pathlib.PosixPath");  // torch records the checkpoint_id as a path object
+        std::set<std::string> have = globals(pickled);
+        for (const auto& g : want) CHECK(have.count(g) == 1);
+      }
+    }
+  }
+}
+
+TEST_CASE("torch DCP: a transposed tensor is stored with its strides and resharded", "[torchdcp]") {
+  // single_dtypes' "transposed" record keeps torch's strides: load it in pieces.
+  const Fixture f = LoadFixture("single_dtypes");
+  const std::string& want = f.expected.at("transposed");  // float32 [4, 6]
+  std::vector<float> top(2 * 6), bottom(2 * 6);
+  StateDict sd;
+  ShardedTensor st;
+  st.dtype = DType::kFloat32;
+  st.global_shape = {4, 6};
+  st.local_shards.push_back(
+      {TensorView::FromContiguous(top.data(), DType::kFloat32, {2, 6}), {0, 0}});
+  st.local_shards.push_back(
+      {TensorView::FromContiguous(bottom.data(), DType::kFloat32, {2, 6}), {2, 0}});
+  sd.Set("transposed", st);
+  LoadOptions lo;
+  lo.allow_partial_load = true;
+  Load(sd, f.dir, lo);
+  CHECK(std::memcmp(top.data(), want.data(), 48) == 0);
+  CHECK(std::memcmp(bottom.data(), want.data() + 48, 48) == 0);
+}
+
+TEST_CASE("torch DCP: damaged records fail naming the record", "[torchdcp]") {
+  TempDir dir("tdcp");
+  const std::string out = dir.path() + "/ck";
+  std::vector<float> w(64, 1.5f);
+  StateDict sd;
+  sd.Set("w", TensorView::FromContiguous(w.data(), DType::kFloat32, {8, 8}));
+  Save(sd, "torchdcp://" + out);
+  std::string data_file;
+  for (const auto& e : std::filesystem::directory_iterator(out)) {
+    if (e.path().extension() == ".distcp") data_file = e.path();
+  }
+  REQUIRE(!data_file.empty());
+  // Truncate the archive's end (central directory): minizip cannot open it.
+  std::string bytes = ReadFileBytes(data_file);
+  std::filesystem::permissions(data_file, std::filesystem::perms::owner_all);
+  {
+    std::ofstream o(data_file, std::ios::binary | std::ios::trunc);
+    std::string cut = bytes;
+    cut[cut.size() - 22] = 'X';  // the end-of-central-directory signature
+    o << cut;
+  }
+  std::vector<float> r(64);
+  StateDict rd;
+  rd.Set("w", TensorView::FromContiguous(r.data(), DType::kFloat32, {8, 8}));
+  const std::string err = ErrorOf([&] { Load(rd, out); });
+  CHECK_THAT(err, Catch::Contains("record of 'w'") && Catch::Contains(".distcp"));
+}
+
+}  // namespace
+}  // namespace dcp
