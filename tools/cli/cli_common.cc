@@ -14,6 +14,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/storage/registry.h"
 #include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/torch_dcp.h"
 #include "dcp/storage/zstd_transform.h"
 
 namespace dcp::cli {
@@ -88,13 +89,27 @@ Checkpoint OpenCheckpoint(const std::string& path) {
   std::optional<uint64_t> size;
   try {
     size = c.store->Size(kMetadataName);
+    if (!size && c.store->Size(kTorchDcpMetadataName)) {
+      // A PyTorch DCP directory (storage/torch_dcp.h).
+      try {
+        c.md = DecodeTorchDcpMetadata(c.store->ReadAll(kTorchDcpMetadataName),
+                                      c.store->uri() + "/" + kTorchDcpMetadataName);
+      } catch (const CorruptionError& e) {
+        throw CliError{kCorruptMetadata, std::string("corrupt metadata: ") + e.what()};
+      } catch (const UnsupportedError& e) {
+        throw CliError{kUnsupported, std::string("unsupported checkpoint: ") + e.what()};
+      }
+      return c;
+    }
   } catch (const NotFoundError&) {
   }
   if (!size) {
     bool has_data = false;
     try {
       const auto names = c.store->List();
-      has_data = std::any_of(names.begin(), names.end(), IsDataObjectName);
+      has_data = std::any_of(names.begin(), names.end(), [](const std::string& n) {
+        return IsDataObjectName(n) || IsTorchDcpDataName(n);
+      });
     } catch (const Error&) {
     }
     if (has_data) {
@@ -159,9 +174,14 @@ const StorageInfo& ItemInfo(const Metadata& md, const std::string& fqn, const Sh
 
 namespace {
 
-// Items are raw or zstd-compressed (storage/zstd_transform.h); anything else is refused.
+bool IsTorchRecord(const StorageInfo& info) {
+  return info.transforms.size() == 1 && info.transforms[0] == kTorchSaveTransform;
+}
+
+// Items are raw, zstd-compressed (storage/zstd_transform.h) or PyTorch DCP records
+// (storage/torch_dcp.h); anything else is refused.
 void CheckTransforms(const std::string& fqn, const StorageInfo& info) {
-  if (!info.transforms.empty() && !IsZstdItem(info)) {
+  if (!info.transforms.empty() && !IsZstdItem(info) && !IsTorchRecord(info)) {
     std::string t;
     for (const auto& x : info.transforms) t += (t.empty() ? "" : "+") + x;
     throw UnsupportedError("item of '" + fqn + "' in '" + info.relative_path +
@@ -221,7 +241,46 @@ TensorStream::TensorStream(Store& store, const Metadata& md, const std::string& 
     const StorageInfo& info = ItemInfo(md, fqn, c.offsets);
     CheckTransforms(fqn, info);
     chunks_.push_back({&c, &info});
+    if (IsTorchRecord(info)) ResolveTorchRecord(chunks_.back());
   }
+}
+
+void TensorStream::ResolveTorchRecord(ChunkState& cs) {
+  const StorageInfo& info = *cs.info;
+  ReadableObject& in = Object(info.relative_path);
+  const std::string what = "record of '" + fqn_ + "'" + ShapeToString(cs.chunk->offsets) +
+                           " at offset " + std::to_string(info.offset) + " of '" + store_.uri() +
+                           "/" + info.relative_path + "'";
+  const TorchTensorRecord rec = ResolveTorchTensorRecord(in, info.offset, info.length, what);
+  if (rec.dtype != entry_.dtype || rec.sizes != cs.chunk->sizes) {
+    throw CorruptionError(what + " holds " + std::string(DTypeName(rec.dtype)) +
+                          ShapeToString(rec.sizes) + ", the metadata says " +
+                          std::string(DTypeName(entry_.dtype)) + ShapeToString(cs.chunk->sizes));
+  }
+  const uint64_t nbytes = static_cast<uint64_t>(cs.chunk->numel()) * ElementSize(rec.dtype);
+  cs.resolved = std::make_shared<StorageInfo>();
+  cs.resolved->relative_path = info.relative_path;
+  cs.resolved->length = cs.resolved->raw_length = nbytes;
+  cs.info = cs.resolved.get();
+  if (rec.row_major()) {
+    cs.resolved->offset = rec.values_begin();
+    return;
+  }
+  // Another layout: the span it views, read once, copied row-major into memory.
+  int64_t span = 1;
+  for (size_t d = 0; d < rec.sizes.size(); ++d) span += (rec.sizes[d] - 1) * rec.strides[d];
+  const uint64_t span_bytes = static_cast<uint64_t>(span) * ElementSize(rec.dtype);
+  std::vector<char> raw =
+      AllocateOrThrow([&] { return std::vector<char>(span_bytes); }, what, span_bytes);
+  in.ReadAt(rec.values_begin(), raw.data(), raw.size());
+  cs.memory = std::make_shared<std::vector<char>>(
+      AllocateOrThrow([&] { return std::vector<char>(nbytes); }, what, nbytes));
+  TensorView src;
+  src.data = raw.data();
+  src.dtype = rec.dtype;
+  src.shape = rec.sizes;
+  src.strides = rec.strides;
+  CopyTensor(TensorView::FromContiguous(cs.memory->data(), rec.dtype, rec.sizes), src);
 }
 
 ReadableObject& TensorStream::Object(const std::string& name) {
@@ -245,7 +304,11 @@ bool TensorStream::Next(const char*& data, size_t& nbytes) {
       done_ = true;
       return true;
     }
-    Object(cs.info->relative_path).ReadAt(cs.info->offset, piece_.data(), esize);
+    if (cs.memory) {
+      std::memcpy(piece_.data(), cs.memory->data(), esize);
+    } else {
+      Object(cs.info->relative_path).ReadAt(cs.info->offset, piece_.data(), esize);
+    }
     const uint32_t crc = Crc32c(0, piece_.data(), esize);
     if (cs.info->crc32c && crc != *cs.info->crc32c) {
       ChecksumMismatch(fqn_ + "[]", store_.uri(), *cs.info, crc);
@@ -298,7 +361,11 @@ bool TensorStream::Next(const char*& data, size_t& nbytes) {
         cs.zstd.reset();
       }
     } else {
-      Object(cs.info->relative_path).ReadAt(cs.info->offset + begin, scratch_.data(), len);
+      if (cs.memory) {
+        std::memcpy(scratch_.data(), cs.memory->data() + begin, len);
+      } else {
+        Object(cs.info->relative_path).ReadAt(cs.info->offset + begin, scratch_.data(), len);
+      }
       cs.crc = Crc32c(cs.crc, scratch_.data(), len);
       cs.consumed += len;
       if (cs.consumed == cs.info->length && cs.info->crc32c && cs.crc != *cs.info->crc32c) {
@@ -335,6 +402,15 @@ std::string ReadBlob(Store& store, const Metadata& md, const std::string& fqn) {
   CheckTransforms(fqn, info);
   const std::string what =
       "entry '" + fqn + "' from '" + store.uri() + "/" + info.relative_path + "'";
+  if (IsTorchRecord(info)) {
+    // torch.save bytes of a Python object; a pickled bytes object is unwrapped (as load does).
+    std::string bytes =
+        AllocateOrThrow([&] { return std::string(info.length, '\0'); }, what, info.length);
+    store.Open(info.relative_path)->ReadAt(info.offset, bytes.data(), bytes.size());
+    std::string payload;
+    if (TorchSaveBytesPayload(bytes, &payload)) return payload;
+    return bytes;
+  }
   if (IsZstdItem(info)) {
     auto obj = store.Open(info.relative_path);
     auto z = OpenZstd(store, *obj, fqn, info);

@@ -94,11 +94,16 @@ class TensorStream {
   struct ChunkState {
     const ChunkMeta* chunk;
     const StorageInfo* info;
+    // A PyTorch DCP record: its values as a plain item (row-major), or materialised row-major
+    // in memory (a record saved with other strides, e.g. a transposed tensor).
+    std::shared_ptr<StorageInfo> resolved{};
+    std::shared_ptr<std::vector<char>> memory{};
     uint32_t crc = 0;
     uint64_t consumed = 0;                   // raw bytes
     std::unique_ptr<ZstdItemReader> zstd{};  // for a compressed chunk being read
   };
   ReadableObject& Object(const std::string& name);
+  void ResolveTorchRecord(ChunkState& cs);
 
   Store& store_;
   std::string fqn_;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -22,6 +23,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/storage/registry.h"
 #include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/torch_dcp.h"
 #include "tools/cli/cli_common.h"
 #include "tools/cli/convert.h"
 
@@ -224,7 +226,9 @@ int Verify(const std::string& path) {
           progress.Add(info.length);
           continue;
         }
-        if (!info.transforms.empty() && !IsZstdItem(info)) {
+        const bool torch_record =
+            info.transforms.size() == 1 && info.transforms[0] == kTorchSaveTransform;
+        if (!info.transforms.empty() && !IsZstdItem(info) && !torch_record) {
           std::string t;
           for (const auto& x : info.transforms) t += (t.empty() ? "" : ",") + x;
           problem(ErrorCode::kUnsupported, name(*it.index) + " in '" + file + "' uses transform '" +
@@ -234,6 +238,32 @@ int Verify(const std::string& path) {
         }
         try {
           if (!obj) obj = store.Open(file);
+          if (torch_record) {
+            // A torch.save archive: minizip reads every entry and checks its CRC-32; a tensor
+            // record must hold the dtype and shape the metadata gives its chunk.
+            const std::string what =
+                name(*it.index) + " in '" + file + "' at offset " + std::to_string(info.offset);
+            CheckTorchArchiveCrcs(*obj, info.offset, info.length, what);
+            if (!it.index->offset.empty() ||
+                std::holds_alternative<TensorMetadata>(md.entries.at(it.index->fqn))) {
+              const auto& tm = std::get<TensorMetadata>(md.entries.at(it.index->fqn));
+              const TorchTensorRecord rec =
+                  ResolveTorchTensorRecord(*obj, info.offset, info.length, what);
+              Shape sizes;
+              for (const auto& c : tm.chunks) {
+                if (c.offsets == it.index->offset) sizes = c.sizes;
+              }
+              if (rec.dtype != tm.dtype || rec.sizes != sizes) {
+                problem(ErrorCode::kCorruption,
+                        what + " holds " + std::string(DTypeName(rec.dtype)) +
+                            ShapeToString(rec.sizes) + ", the metadata says " +
+                            std::string(DTypeName(tm.dtype)) + ShapeToString(sizes));
+              }
+            }
+            ++checked;
+            progress.Add(info.length);
+            continue;
+          }
           if (IsZstdItem(info)) {
             ZstdItemReader(*obj, info, false, 64, name(*it.index) + " in '" + file + "'")
                 .CheckFrameHeader();
@@ -273,12 +303,13 @@ int Verify(const std::string& path) {
   }
   try {
     for (const auto& n : store.List()) {
-      if (IsDataObjectName(n) && !by_file.count(n)) {
+      if ((IsDataObjectName(n) || IsTorchDcpDataName(n)) && !by_file.count(n)) {
         const auto size = store.Size(n);
         warnings.push_back("unreferenced data file '" + n + "' (" +
                            std::to_string(size.value_or(0)) +
                            " bytes; left by an interrupted or replaced save, safe to delete)");
-      } else if (n.rfind(std::string(kMetadataName) + ".tmp.", 0) == 0) {
+      } else if (n.rfind(std::string(kMetadataName) + ".tmp.", 0) == 0 ||
+                 n.rfind(std::string(kTorchDcpMetadataName) + ".tmp.", 0) == 0) {
         // A commit's temporary metadata that never became metadata.dcp (the save died between
         // writing and renaming it): not part of the checkpoint, so a warning, not damage.
         const auto size = store.Size(n);
@@ -298,7 +329,8 @@ int Verify(const std::string& path) {
     return exit;
   }
   const std::string checksums =
-      unchecked == 0 ? "checksums, sizes and chunk tiling verified"
+      unchecked == 0 ? "checksums (CRC32C, or zip CRC-32 for PyTorch DCP records), sizes and chunk "
+                       "tiling verified"
       : checked == 0
           ? "sizes and chunk tiling verified; NO item carried a checksum, so no "
             "contents were verified"
@@ -462,29 +494,57 @@ std::string GuessFormat(const std::string& path) {
   };
   if (ends(".safetensors")) return "safetensors";
   if (ends(".pt") || ends(".pth") || ends(".bin")) return "torch";
+  const std::string scheme = SplitUri(path).first;
+  if (scheme == "torchdcp" || scheme == "torchdcp113") return "torchdcp";
+  std::error_code ec;
+  if (path.find("://") == std::string::npos &&
+      std::filesystem::exists(std::filesystem::path(path) / kTorchDcpMetadataName, ec) &&
+      !std::filesystem::exists(std::filesystem::path(path) / kMetadataName, ec)) {
+    return "torchdcp";
+  }
   return "dcp";
+}
+
+// Between checkpoint formats (dcp and PyTorch DCP, either direction, or re-layout within one):
+// a load of everything, then a save. Holds the whole checkpoint in memory.
+void ConvertCheckpoint(const std::string& src, std::string dst, const std::string& to,
+                       const ConvertOptions& o) {
+  StateDict sd;
+  LoadOptions lo;
+  lo.load_all = true;
+  Load(sd, src, lo);
+  if (to == "torchdcp" && dst.find("://") == std::string::npos) dst = "torchdcp://" + dst;
+  SaveOptions so;
+  so.storage.overwrite = o.overwrite;
+  if (o.compress == "zstd") so.storage.compression = Compression::kZstd;
+  so.storage.compression_level = o.compress_level;
+  Save(sd, dst, so);
 }
 
 int Convert(const std::string& src, const std::string& dst, std::string from, std::string to,
             const ConvertOptions& o) {
   if (from.empty()) from = GuessFormat(src);
   if (to.empty()) to = GuessFormat(dst);
-  if (o.compress != "none" && !(from == "safetensors" && to == "dcp")) {
-    throw CliError{kUsage, "--compress applies to conversions from safetensors to dcp"};
+  if (o.compress != "none" && to != "dcp") {
+    throw CliError{kUsage, "--compress applies to conversions to dcp"};
   }
-  if (from == "dcp" && to == "safetensors") {
+  const bool ckpt_from = from == "dcp" || from == "torchdcp";
+  if (ckpt_from && (to == "dcp" || to == "torchdcp")) {
+    ConvertCheckpoint(src, dst, to, o);
+  } else if (ckpt_from && to == "safetensors") {
     const Checkpoint c = OpenCheckpoint(src);
     CheckDataFiles(c);  // before anything the metadata claims is allocated or read
     ExportSafetensors(c, dst, o);
   } else if (from == "safetensors" && to == "dcp") {
     ImportSafetensors(src, dst, o);
-  } else if (from == "dcp" && to == "torch") {
+  } else if (ckpt_from && to == "torch") {
     ConvertTorch(true, src, dst, o);
   } else if (from == "torch" && to == "dcp") {
     ConvertTorch(false, src, dst, o);
   } else {
     throw CliError{kUsage, "cannot convert " + from + " to " + to +
-                               " (supported: dcp <-> safetensors, dcp <-> torch)"};
+                               " (supported: dcp or torchdcp <-> safetensors, dcp <-> "
+                               "torchdcp, dcp or torchdcp -> torch, torch -> dcp)"};
   }
   std::printf("converted %s (%s) -> %s (%s)\n", src.c_str(), from.c_str(), dst.c_str(), to.c_str());
   return kOk;
@@ -527,16 +587,18 @@ int Main(int argc, char** argv) {
   ConvertOptions co;
   auto* convert = app.add_subcommand(
       "convert",
-      "convert between dcp and safetensors, or dcp and torch.save files (with LibTorch)");
+      "convert between dcp, PyTorch DCP directories (torchdcp), safetensors, and torch.save "
+      "files (with LibTorch)");
   convert->add_option("SRC", path, "source")->required();
   convert->add_option("DST", other, "destination")->required();
   convert->add_option("--from", from, "source format (default: from the name)")
-      ->check(CLI::IsMember({"dcp", "safetensors", "torch"}));
+      ->check(CLI::IsMember({"dcp", "torchdcp", "safetensors", "torch"}));
   convert
       ->add_option("--to", to,
                    "destination format (default: from the name: *.safetensors, "
-                   "*.pt/*.pth/*.bin = torch, else dcp)")
-      ->check(CLI::IsMember({"dcp", "safetensors", "torch"}));
+                   "*.pt/*.pth/*.bin = torch, torchdcp:// or torchdcp113:// = torchdcp, else "
+                   "dcp)")
+      ->check(CLI::IsMember({"dcp", "torchdcp", "safetensors", "torch"}));
   convert->add_flag("--overwrite", co.overwrite, "replace an existing destination");
   convert
       ->add_option("--compress", co.compress,
