@@ -305,12 +305,13 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
   std::vector<StateDict> states_n = ShardedStates(src, kMultiRanks),
                          backs_n = ShardedStates(dst, kMultiRanks);
   InProcessGroup group(kMultiRanks);
-  const std::string raw = dir + "/raw.bin", ckpt = dir + "/dcp", ckpt_n = dir + "/dcp-4ranks";
+  const std::string raw = dir + "/raw.bin", ckpt = dir + "/dcp", ckpt_n = dir + "/dcp-4ranks",
+                    ckpt_t = dir + "/torchdcp";
   SaveOptions so;
   so.storage.overwrite = true;
   so.storage.files_per_rank = files_per_rank;
   std::vector<double> raw_w, raw_cold, raw_warm, save, load_cold, load_warm, save_n, load_cold_n,
-      load_warm_n;
+      load_warm_n, save_t, load_cold_t, load_warm_t;
   std::string drop_method;
   uint64_t save_peak_extra = 0, load_peak_extra = 0;
   bool ok = true;
@@ -351,6 +352,20 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
     Load(back, ckpt);
     load_warm.push_back(Since(t0));
 
+    // The same state in PyTorch DCP's layout (torch.save records, pickled .metadata).
+    t0 = Clock::now();
+    Save(state, "torchdcp://" + ckpt_t, so);
+    save_t.push_back(Since(t0));
+    clear_dst();
+    DropCaches(FilesUnder(ckpt_t));
+    t0 = Clock::now();
+    Load(back, ckpt_t);
+    load_cold_t.push_back(Since(t0));
+    ok = ok && SameBytes(src, dst);
+    t0 = Clock::now();
+    Load(back, ckpt_t);
+    load_warm_t.push_back(Since(t0));
+
     save_n.push_back(TimeRanks(group, [&](int rank, Communicator& comm) {
       Save(states_n[static_cast<size_t>(rank)], ckpt_n, comm, so);
     }));
@@ -369,6 +384,7 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
   }
   std::filesystem::remove_all(ckpt);
   std::filesystem::remove_all(ckpt_n);
+  std::filesystem::remove_all(ckpt_t);
   const std::string spec = WritePeerSpec(dir, raw, src, repeats);
   std::optional<nlohmann::json> libtorch = RunTorchPeer(torch_peer, dir, spec);
   std::optional<nlohmann::json> peers = RunPythonPeers(python, dir, spec);
@@ -379,7 +395,8 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
                raw_warm_g = gbps(Median(raw_warm)), save_g = gbps(Median(save)),
                load_cold_g = gbps(Median(load_cold)), load_warm_g = gbps(Median(load_warm)),
                save_n_g = gbps(Median(save_n)), load_cold_n_g = gbps(Median(load_cold_n)),
-               load_warm_n_g = gbps(Median(load_warm_n));
+               load_warm_n_g = gbps(Median(load_warm_n)), save_t_g = gbps(Median(save_t)),
+               load_cold_t_g = gbps(Median(load_cold_t)), load_warm_t_g = gbps(Median(load_warm_t));
   std::printf(
       "dcp-bench: %.1f MiB in %zu tensors (4 KiB-aligned memory), %d repeats (medians), %u "
       "cores, cold = %s\n",
@@ -404,6 +421,11 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
       "(budget %zu MiB)\n",
       save_peak_extra / 1048576.0, load_peak_extra / 1048576.0,
       so.storage.memory_budget_bytes >> 20);
+  row("PyTorch DCP layout save (1 rank)", Median(save_t), save_t_g, "dcp save", save_t_g / save_g);
+  row("PyTorch DCP layout load, cold", Median(load_cold_t), load_cold_t_g, "dcp load, cold",
+      load_cold_t_g / load_cold_g);
+  row("PyTorch DCP layout load, warm", Median(load_warm_t), load_warm_t_g, "dcp load, warm",
+      load_warm_t_g / load_warm_g);
   row("dcp save (4 ranks, fsync)", Median(save_n), save_n_g, "raw write", save_n_g / raw_w_g);
   row("dcp load, cold (4 ranks)", Median(load_cold_n), load_cold_n_g, "raw cold read",
       load_cold_n_g / raw_cold_g);
@@ -472,6 +494,11 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
                         {"memory_budget_mib", so.storage.memory_budget_bytes >> 20},
                         {"save_peak_extra_mib", save_peak_extra / 1048576.0},
                         {"load_peak_extra_mib", load_peak_extra / 1048576.0},
+                        {"torchdcp_save_gbps", save_t_g},
+                        {"torchdcp_load_cold_gbps", load_cold_t_g},
+                        {"torchdcp_load_warm_gbps", load_warm_t_g},
+                        {"torchdcp_save_vs_dcp", save_t_g / save_g},
+                        {"torchdcp_load_cold_vs_dcp", load_cold_t_g / load_cold_g},
                         {"save_4rank_gbps", save_n_g},
                         {"load_cold_4rank_gbps", load_cold_n_g},
                         {"load_warm_4rank_gbps", load_warm_n_g},
