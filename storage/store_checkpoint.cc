@@ -692,7 +692,8 @@ class StoreReader : public StorageReader {
   // Row-major values become a plain stored item, read like dcp's own; other layouts (a
   // transposed tensor is saved with its strides) are copied by ReadTorchStrided.
   void ResolveTorchRecords(const LoadPlan& plan) {
-    std::map<std::string, std::unique_ptr<ReadableObject>> open;
+    std::vector<const ReadItem*> todo;  // one item per record to resolve
+    std::set<MetadataIndex> seen;
     for (const ReadItem& item : plan.items) {
       if (item.type != ReadItemType::kTensor || resolved_.count(item.storage_index) ||
           strided_.count(item.storage_index)) {
@@ -700,27 +701,61 @@ class StoreReader : public StorageReader {
       }
       const StorageInfo& info = Info(item);
       if (info.transforms.size() != 1 || info.transforms[0] != kTorchSaveTransform) continue;
-      auto& in = open[info.relative_path];
-      if (!in) in = store_->Open(info.relative_path);
-      const std::string what = "record of " + item.storage_index.ToString() + " at offset " +
-                               std::to_string(info.offset) + " of '" + store_->uri() + "/" +
-                               info.relative_path + "'";
-      TorchTensorRecord rec = ResolveTorchTensorRecord(*in, info.offset, info.length, what);
-      const auto& entry = Entry(item);
-      const ChunkMeta& chunk = StoredChunk(item);
-      if (rec.dtype != entry.dtype || rec.sizes != chunk.sizes) {
-        throw CorruptionError(what + " holds " + std::string(DTypeName(rec.dtype)) +
-                              ShapeToString(rec.sizes) + " but the metadata says " +
-                              std::string(DTypeName(entry.dtype)) + ShapeToString(chunk.sizes));
+      if (seen.insert(item.storage_index).second) todo.push_back(&item);
+    }
+    if (todo.empty()) return;
+    // Each record costs a few small reads (directories, pickle): spread them over the read
+    // threads, each with its own open files, so a cold directory is not read one seek at a time.
+    struct Result {
+      std::optional<TorchTensorRecord> rec;
+      std::exception_ptr error;
+    };
+    std::vector<Result> results(todo.size());
+    std::atomic<size_t> next{0};
+    auto worker = [&] {
+      std::map<std::string, std::unique_ptr<ReadableObject>> open;
+      for (size_t i; (i = next.fetch_add(1)) < todo.size();) {
+        try {
+          const ReadItem& item = *todo[i];
+          const StorageInfo& info = Info(item);
+          auto& in = open[info.relative_path];
+          if (!in) in = store_->Open(info.relative_path);
+          const std::string what = "record of " + item.storage_index.ToString() + " at offset " +
+                                   std::to_string(info.offset) + " of '" + store_->uri() + "/" +
+                                   info.relative_path + "'";
+          TorchTensorRecord rec = ResolveTorchTensorRecord(*in, info.offset, info.length, what);
+          const auto& entry = Entry(item);
+          const ChunkMeta& chunk = StoredChunk(item);
+          if (rec.dtype != entry.dtype || rec.sizes != chunk.sizes) {
+            throw CorruptionError(what + " holds " + std::string(DTypeName(rec.dtype)) +
+                                  ShapeToString(rec.sizes) + " but the metadata says " +
+                                  std::string(DTypeName(entry.dtype)) + ShapeToString(chunk.sizes));
+          }
+          results[i].rec = std::move(rec);
+        } catch (...) {
+          results[i].error = std::current_exception();
+          next = todo.size();
+        }
       }
+    };
+    const size_t nthreads = std::clamp<size_t>(std::max(options_.read_threads, 4), 1, todo.size());
+    std::vector<std::thread> threads;
+    for (size_t t = 1; t < nthreads; ++t) threads.emplace_back(worker);
+    worker();
+    for (auto& t : threads) t.join();
+    for (size_t i = 0; i < todo.size(); ++i) {
+      if (results[i].error) std::rethrow_exception(results[i].error);
+      if (!results[i].rec) continue;  // not reached after an error elsewhere
+      const ReadItem& item = *todo[i];
+      TorchTensorRecord& rec = *results[i].rec;
       if (!rec.row_major()) {
         strided_.emplace(item.storage_index, std::move(rec));
         continue;
       }
       StorageInfo plain;
-      plain.relative_path = info.relative_path;
+      plain.relative_path = Info(item).relative_path;
       plain.offset = rec.values_begin();
-      plain.length = static_cast<uint64_t>(chunk.numel()) * ElementSize(entry.dtype);
+      plain.length = static_cast<uint64_t>(StoredChunk(item).numel()) * ElementSize(rec.dtype);
       plain.raw_length = plain.length;
       resolved_.emplace(item.storage_index, std::move(plain));
     }
