@@ -16,6 +16,7 @@
 #include <cstring>
 #include <exception>
 #include <map>
+#include <memory>
 #include <set>
 
 #include "dcp/proto/checksum.h"
@@ -210,7 +211,8 @@ class Archive {
     ff.zseek64_file = ZSeek;
     ff.zclose_file = ZClose;
     ff.zerror_file = ZError;
-    zip_ = unzOpen2_64(&window_, &ff);
+    handle_.reset(unzOpen2_64(&window_, &ff));
+    zip_ = handle_.get();
     if (!zip_) Fail("is not a zip archive (a torch.save record)");
     int rc = unzGoToFirstFile(zip_);
     while (rc == UNZ_OK) {
@@ -225,9 +227,6 @@ class Archive {
       rc = unzGoToNextFile(zip_);
     }
     if (rc != UNZ_END_OF_LIST_OF_FILE) Fail("has a damaged central directory");
-  }
-  ~Archive() {
-    if (zip_) unzClose(zip_);
   }
   Archive(const Archive&) = delete;
   Archive& operator=(const Archive&) = delete;
@@ -309,8 +308,13 @@ class Archive {
   }
 
  private:
+  struct Closer {
+    void operator()(void* z) const { unzClose(z); }
+  };
   Window window_;
   std::string what_;
+  // Owns the handle, so a constructor that throws after opening still closes it.
+  std::unique_ptr<void, Closer> handle_;
   unzFile zip_ = nullptr;
   std::map<std::string, unz_file_info64> entries_;
 };
