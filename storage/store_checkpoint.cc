@@ -141,6 +141,16 @@ uint32_t AppendTensor(WritableObject& out, const TensorView& view) {
   return crc;
 }
 
+// A tensor must still have the dtype and shape it was planned with.
+void CheckUnchanged(const WriteItem& item, const ResolvedData& data) {
+  if (data.tensor.shape != item.chunk.sizes || data.tensor.dtype != item.dtype) {
+    throw InvalidArgumentError(
+        "tensor " + item.index.ToString() + " changed during the save: plan has " +
+        std::string(DTypeName(item.dtype)) + ShapeToString(item.chunk.sizes) + ", data is " +
+        data.tensor.ToString());
+  }
+}
+
 class StoreWriter : public StorageWriter {
  public:
   StoreWriter(std::shared_ptr<Store> store, StorageOptions options, CheckpointFormat format)
@@ -423,14 +433,7 @@ class StoreWriter : public StorageWriter {
         continue;
       }
       uint32_t crc;
-      if (item.is_tensor()) {
-        if (data.tensor.shape != item.chunk.sizes || data.tensor.dtype != item.dtype) {
-          throw InvalidArgumentError(
-              "tensor " + item.index.ToString() + " changed during the save: plan has " +
-              std::string(DTypeName(item.dtype)) + ShapeToString(item.chunk.sizes) + ", data is " +
-              data.tensor.ToString());
-        }
-      }
+      if (item.is_tensor()) CheckUnchanged(item, data);
       // The item's raw bytes into `sink` (the data file, or the compressor feeding it).
       auto append = [&](WritableObject& sink) {
         if (item.is_tensor()) {
@@ -469,12 +472,7 @@ class StoreWriter : public StorageWriter {
                         WriteResult& r) {
     r.storage.transforms = {kTorchSaveTransform};
     if (item.is_tensor()) {
-      if (data.tensor.shape != item.chunk.sizes || data.tensor.dtype != item.dtype) {
-        throw InvalidArgumentError(
-            "tensor " + item.index.ToString() + " changed during the save: plan has " +
-            std::string(DTypeName(item.dtype)) + ShapeToString(item.chunk.sizes) + ", data is " +
-            data.tensor.ToString());
-      }
+      CheckUnchanged(item, data);
       try {
         r.storage.length =
             AppendTorchTensorRecord(out, data.tensor, format_ == CheckpointFormat::kTorchDcp);

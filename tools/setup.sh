@@ -95,19 +95,17 @@ case "$mode" in
         -DDCP_WITH_CUDA=OFF -DDCP_BUILD_TOOLS=OFF -DDCP_BUILD_TESTS=OFF
     fi
     cmake --build "$fuzz" -j "$jobs" --target dcp_metadata_fuzz dcp_torch_metadata_fuzz
-    corpus=$(mktemp -d)
-    cp "$root"/tests/fuzz/corpus/* "$corpus"/
-    log "fuzzing metadata for ${DCP_FUZZ_SECONDS:-60} s"
-    "$fuzz/dcp_metadata_fuzz" -max_total_time="${DCP_FUZZ_SECONDS:-60}" -rss_limit_mb=2048 \
-      -print_final_stats=1 "$corpus" 2>&1 | grep -E '^(#|Done|stat::number_of_executed_units|==)' | tail -4
-    rm -rf "$corpus"
-    # PyTorch DCP input (the restricted unpickler, .metadata, torch.save records) likewise.
-    corpus=$(mktemp -d)
-    cp "$root"/tests/fuzz/torch_corpus/* "$corpus"/
-    log "fuzzing PyTorch DCP metadata and records for ${DCP_FUZZ_SECONDS:-60} s"
-    "$fuzz/dcp_torch_metadata_fuzz" -max_total_time="${DCP_FUZZ_SECONDS:-60}" -rss_limit_mb=2048 \
-      -print_final_stats=1 "$corpus" 2>&1 | grep -E '^(#|Done|stat::number_of_executed_units|==)' | tail -4
-    rm -rf "$corpus"
+    # dcp's metadata, then PyTorch DCP input (the restricted unpickler, .metadata, torch.save
+    # records), each from its seed corpus.
+    for target in dcp_metadata_fuzz:corpus dcp_torch_metadata_fuzz:torch_corpus; do
+      corpus=$(mktemp -d)
+      cp "$root/tests/fuzz/${target#*:}"/* "$corpus"/
+      log "fuzzing with ${target%%:*} for ${DCP_FUZZ_SECONDS:-60} s"
+      "$fuzz/${target%%:*}" -max_total_time="${DCP_FUZZ_SECONDS:-60}" -rss_limit_mb=2048 \
+        -print_final_stats=1 "$corpus" 2>&1 |
+        grep -E '^(#|Done|stat::number_of_executed_units|==)' | tail -4
+      rm -rf "$corpus"
+    done
     # ASan + UBSan over the unit, fault and MPI tests (LibTorch is not built with ASan: skipped).
     asan="$build-asan"
     if [ ! -f "$asan/build.ninja" ]; then

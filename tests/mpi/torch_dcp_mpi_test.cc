@@ -10,6 +10,7 @@
 
 #include "dcp/checkpoint.h"
 #include "mpi/mpi_support.h"
+#include "support/test_support.h"
 
 namespace dcp {
 namespace {
@@ -18,30 +19,10 @@ using testing::Comm;
 using testing::RemoveSharedDir;
 using testing::SharedDir;
 using Json = nlohmann::json;
+using testing::ReadFileBytes;
+using testing::ReadSafetensors;
 
 const std::string kFixtures = DCP_TORCH_DCP_FIXTURES;
-
-std::string ReadFileBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  REQUIRE(in.good());
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::map<std::string, std::string> ReadSafetensors(const std::string& path) {
-  const std::string bytes = ReadFileBytes(path);
-  uint64_t n = 0;
-  std::memcpy(&n, bytes.data(), 8);
-  const Json header = Json::parse(bytes.substr(8, n));
-  std::map<std::string, std::string> out;
-  for (const auto& [name, v] : header.items()) {
-    if (name == "__metadata__") continue;
-    const uint64_t b = v["data_offsets"][0], e = v["data_offsets"][1];
-    out[name] = bytes.substr(8 + n + b, e - b);
-  }
-  return out;
-}
 
 std::pair<int64_t, int64_t> Split(int64_t n, int rank, int world) {
   const int64_t base = n / world, extra = n % world;

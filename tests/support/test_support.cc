@@ -7,6 +7,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 
 #include "tools/fill_random.h"
@@ -98,6 +101,28 @@ void RequireNoErrors(const std::vector<std::exception_ptr>& errors) {
       FAIL("rank " << r << " failed: " << e.what());
     }
   }
+}
+
+std::string ReadFileBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  REQUIRE(in.good());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::map<std::string, std::string> ReadSafetensors(const std::string& path) {
+  const std::string bytes = ReadFileBytes(path);
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  const nlohmann::json header = nlohmann::json::parse(bytes.substr(8, n));
+  std::map<std::string, std::string> out;
+  for (const auto& [name, v] : header.items()) {
+    if (name == "__metadata__") continue;
+    const uint64_t b = v["data_offsets"][0], e = v["data_offsets"][1];
+    out[name] = bytes.substr(8 + n + b, e - b);
+  }
+  return out;
 }
 
 }  // namespace dcp::testing

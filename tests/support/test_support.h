@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,12 @@ std::string MessageOf(F&& f) {
   }
   FailNoException();
 }
+
+/// The whole contents of a file (fails the test when it cannot be read).
+std::string ReadFileBytes(const std::string& path);
+
+/// Every tensor of a safetensors file: name -> its raw bytes.
+std::map<std::string, std::string> ReadSafetensors(const std::string& path);
 
 /// Fail the current test if any rank failed, with that rank's message.
 void RequireNoErrors(const std::vector<std::exception_ptr>& errors);

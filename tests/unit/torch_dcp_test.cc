@@ -23,33 +23,12 @@ namespace {
 
 namespace pk = pickle;
 using Json = nlohmann::json;
+using testing::ReadFileBytes;
+using testing::ReadSafetensors;
 using testing::TempDir;
 using namespace std::string_literals;
 
 const std::string kFixtures = DCP_TORCH_DCP_FIXTURES;
-
-std::string ReadFileBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  REQUIRE(in.good());
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// Every tensor of a safetensors file: name -> raw bytes.
-std::map<std::string, std::string> ReadSafetensors(const std::string& path) {
-  const std::string bytes = ReadFileBytes(path);
-  uint64_t n = 0;
-  std::memcpy(&n, bytes.data(), 8);
-  const Json header = Json::parse(bytes.substr(8, n));
-  std::map<std::string, std::string> out;
-  for (const auto& [name, v] : header.items()) {
-    if (name == "__metadata__") continue;
-    const uint64_t b = v["data_offsets"][0], e = v["data_offsets"][1];
-    out[name] = bytes.substr(8 + n + b, e - b);
-  }
-  return out;
-}
 
 pk::AllowGlobal AllowAll() {
   return [](std::string_view, std::string_view) { return true; };
