@@ -383,7 +383,9 @@ std::shared_ptr<AsyncSave> AsyncCheckpointer::Save(const StateDict& state, const
   const auto t1 = Clock::now();
   Impl::Job job;
   try {
-    job.staged = impl_->Snapshot(state, m);
+    // Bound views (LibTorch parameters, optimizer fields) are snapshotted as they are now.
+    job.staged = HasBindings(state) ? impl_->Snapshot(ResolveBindings(state), m)
+                                    : impl_->Snapshot(state, m);
   } catch (...) {
     job.snapshot_error = std::current_exception();
   }

@@ -188,6 +188,9 @@ const char* LibraryVersion() { return DCP_VERSION_STRING; }
 
 Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& comm,
               const SaveOptions& options) {
+  // Views bound to memory that may have moved (LibTorch parameters, optimizer fields): save
+  // what they are now.
+  if (HasBindings(state_dict)) return Save(ResolveBindings(state_dict), writer, comm, options);
   const int rank = comm.rank(), size = comm.size();
   DefaultSavePlanner default_planner;
   SavePlanner& planner = options.planner ? *options.planner : default_planner;
@@ -255,6 +258,13 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
 
 Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
               const LoadOptions& options) {
+  if (!options.load_all && HasBindings(state_dict)) {
+    // Load into what the bound views are now, then let each binding take its value back.
+    StateDict resolved = ResolveBindings(state_dict);
+    Metadata md = Load(resolved, reader, comm, options);
+    FinishBoundLoad(state_dict, resolved);
+    return md;
+  }
   const int rank = comm.rank(), size = comm.size();
   LoadPlannerOptions planner_options;
   planner_options.allow_partial_load = options.allow_partial_load;

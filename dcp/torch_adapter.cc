@@ -75,7 +75,12 @@ c10::ScalarType ToTorchDType(DType dtype) {
                          " is not available in LibTorch " + TORCH_VERSION);
 }
 
-TensorView FromTorch(const torch::Tensor& tensor) {
+namespace {
+
+// The view of `tensor` as it is now. The owner pins the tensor's storage itself, not only the
+// TensorImpl: set_() (torch::load) and set_data() (module->to()) replace a TensorImpl's storage,
+// which would otherwise be freed under the view.
+TensorView DescribeTorch(const torch::Tensor& tensor) {
   TensorView v;
   v.dtype = FromTorchDType(tensor.scalar_type());
   v.shape.assign(tensor.sizes().begin(), tensor.sizes().end());
@@ -89,9 +94,30 @@ TensorView FromTorch(const torch::Tensor& tensor) {
   } else if (!tensor.device().is_cpu()) {
     throw UnsupportedError("tensors on " + tensor.device().str() + " are not supported");
   }
-  // Hold a reference to the tensor (and so its storage) for as long as the view lives.
-  v.owner = std::shared_ptr<void>(new torch::Tensor(tensor),
-                                  [](void* p) { delete static_cast<torch::Tensor*>(p); });
+  struct Pin {
+    torch::Tensor tensor;
+    c10::Storage storage;
+  };
+  auto* pin = new Pin{tensor, tensor.has_storage() ? tensor.storage() : c10::Storage()};
+  v.owner = std::shared_ptr<void>(pin, [](void* p) { delete static_cast<Pin*>(p); });
+  return v;
+}
+
+// Follows one tensor object (its TensorImpl) through storage swaps, dtype and device moves.
+class TorchTensorBinding : public ViewBinding {
+ public:
+  explicit TorchTensorBinding(torch::Tensor tensor) : tensor_(std::move(tensor)) {}
+  TensorView Resolve() const override { return DescribeTorch(tensor_); }
+
+ private:
+  torch::Tensor tensor_;
+};
+
+}  // namespace
+
+TensorView FromTorch(const torch::Tensor& tensor) {
+  TensorView v = DescribeTorch(tensor);
+  v.binding = std::make_shared<TorchTensorBinding>(tensor);
   return v;
 }
 
@@ -132,10 +158,215 @@ Key StateKey(const torch::Tensor& p) {
   }
 }
 
-// A 0-d view of a scalar member of the optimizer (a step counter, a learning rate).
-template <typename T>
-TensorView ScalarView(T* value, DType dtype) {
-  return TensorView::FromContiguous(value, dtype, {});
+// Numbers kept in optimizer or scheduler fields (a step counter, a learning rate, betas...):
+// saved as an owned 0-d (or 1-d) tensor filled from the field at each save, and written back
+// into the field after each load. Never a pointer into the object, whose state entries and
+// options may be replaced between checkpoints.
+class FieldBinding : public ViewBinding {
+ public:
+  using Getter = std::function<std::vector<double>()>;
+  using Setter = std::function<void(const std::vector<double>&)>;
+  FieldBinding(DType dtype, bool vector, Getter get, Setter set)
+      : dtype_(dtype), vector_(vector), get_(std::move(get)), set_(std::move(set)) {}
+
+  TensorView Resolve() const override {
+    const std::vector<double> values = get_();
+    TensorView v = TensorView::Allocate(
+        dtype_, vector_ ? Shape{static_cast<int64_t>(values.size())} : Shape{});
+    for (size_t i = 0; i < values.size(); ++i) {
+      switch (dtype_) {
+        case DType::kInt64:
+          static_cast<int64_t*>(v.data)[i] = static_cast<int64_t>(values[i]);
+          break;
+        case DType::kBool:
+          static_cast<bool*>(v.data)[i] = values[i] != 0;
+          break;
+        default:
+          static_cast<double*>(v.data)[i] = values[i];
+      }
+    }
+    return v;
+  }
+  void Loaded(const TensorView& loaded) const override {
+    std::vector<double> values(static_cast<size_t>(loaded.numel()));
+    for (size_t i = 0; i < values.size(); ++i) {
+      switch (dtype_) {
+        case DType::kInt64:
+          values[i] = static_cast<double>(static_cast<const int64_t*>(loaded.data)[i]);
+          break;
+        case DType::kBool:
+          values[i] = static_cast<const bool*>(loaded.data)[i] ? 1 : 0;
+          break;
+        default:
+          values[i] = static_cast<const double*>(loaded.data)[i];
+      }
+    }
+    set_(values);
+  }
+
+ private:
+  DType dtype_;
+  bool vector_;
+  Getter get_;
+  Setter set_;
+};
+
+TensorView Field(DType dtype, FieldBinding::Getter get, FieldBinding::Setter set,
+                 bool vector = false) {
+  auto binding = std::make_shared<FieldBinding>(dtype, vector, std::move(get), std::move(set));
+  TensorView v = binding->Resolve();
+  v.binding = std::move(binding);
+  return v;
+}
+
+// A state tensor of the optimizer (exp_avg, ...), looked up afresh at each save and load, so a
+// state entry the optimizer replaced (a load of its own, a reset) is followed, never freed under
+// a view.
+class OptimizerStateBinding : public ViewBinding {
+ public:
+  explicit OptimizerStateBinding(std::function<torch::Tensor()> find) : find_(std::move(find)) {}
+  TensorView Resolve() const override { return DescribeTorch(find_()); }
+
+ private:
+  std::function<torch::Tensor()> find_;
+};
+
+// The state dict value of one optimizer state tensor. With a StateWrapper, what it returns
+// (called once, now: a wrapper may capture locals by reference); its views made by FromTorch
+// follow the state tensor object they were made from.
+StateValue StateTensor(const std::function<torch::Tensor()>& find, const std::string& name,
+                       const StateWrapper& wrap) {
+  const torch::Tensor now = find();
+  if (wrap) return wrap(name, now);
+  TensorView v = DescribeTorch(now);
+  v.binding = std::make_shared<OptimizerStateBinding>(find);
+  return v;
+}
+
+template <typename Options>
+Options& GroupOptions(torch::optim::Optimizer& opt, size_t g) {
+  auto& groups = opt.param_groups();
+  if (g >= groups.size()) {
+    throw InvalidArgumentError("the optimizer has " + std::to_string(groups.size()) +
+                               " parameter groups; the state dict was built with group " +
+                               std::to_string(g));
+  }
+  return static_cast<Options&>(groups[g].options());
+}
+
+// lr, betas, eps, weight_decay, amsgrad of an Adam or AdamW parameter group.
+template <typename Options>
+void AddAdamGroup(torch::optim::Optimizer& opt, size_t g, StateDict& gsd) {
+  auto get = [&opt, g] { return &GroupOptions<Options>(opt, g); };
+  auto one = [](double v) { return std::vector<double>{v}; };
+  gsd.Set("lr", Field(
+                    DType::kFloat64, [get, one] { return one(get()->lr()); },
+                    [get](const std::vector<double>& v) { get()->lr(v.at(0)); }));
+  gsd.Set("betas", Field(
+                       DType::kFloat64,
+                       [get] {
+                         const auto& b = get()->betas();
+                         return std::vector<double>{std::get<0>(b), std::get<1>(b)};
+                       },
+                       [get](const std::vector<double>& v) {
+                         get()->betas(std::make_tuple(v.at(0), v.at(1)));
+                       },
+                       /*vector=*/true));
+  gsd.Set("eps", Field(
+                     DType::kFloat64, [get, one] { return one(get()->eps()); },
+                     [get](const std::vector<double>& v) { get()->eps(v.at(0)); }));
+  gsd.Set("weight_decay",
+          Field(
+              DType::kFloat64, [get, one] { return one(get()->weight_decay()); },
+              [get](const std::vector<double>& v) { get()->weight_decay(v.at(0)); }));
+  // amsgrad decides whether max_exp_avg_sq is part of each parameter's state, so it is part of
+  // the state dict's structure: a checkpoint saved with another setting cannot resume exactly.
+  const bool built_amsgrad = get()->amsgrad();
+  gsd.Set("amsgrad",
+          Field(
+              DType::kBool, [get, one] { return one(get()->amsgrad() ? 1 : 0); },
+              [get, built_amsgrad, g](const std::vector<double>& v) {
+                if ((v.at(0) != 0) != built_amsgrad) {
+                  throw InvalidArgumentError("param group " + std::to_string(g) +
+                                             ": the checkpoint has "
+                                             "amsgrad=" +
+                                             (v.at(0) != 0 ? "true" : "false") +
+                                             " but the optimizer was built with amsgrad=" +
+                                             (built_amsgrad ? "true" : "false") +
+                                             " (max_exp_avg_sq would be lost); build it with the "
+                                             "checkpoint's amsgrad before AddOptimizerState");
+                }
+                get()->amsgrad(v.at(0) != 0);
+              }));
+}
+
+void AddSgdGroup(torch::optim::Optimizer& opt, size_t g, StateDict& gsd) {
+  using O = torch::optim::SGDOptions;
+  auto get = [&opt, g] { return &GroupOptions<O>(opt, g); };
+  auto one = [](double v) { return std::vector<double>{v}; };
+  gsd.Set("lr", Field(
+                    DType::kFloat64, [get, one] { return one(get()->lr()); },
+                    [get](const std::vector<double>& v) { get()->lr(v.at(0)); }));
+  gsd.Set("momentum", Field(
+                          DType::kFloat64, [get, one] { return one(get()->momentum()); },
+                          [get](const std::vector<double>& v) { get()->momentum(v.at(0)); }));
+  gsd.Set("dampening", Field(
+                           DType::kFloat64, [get, one] { return one(get()->dampening()); },
+                           [get](const std::vector<double>& v) { get()->dampening(v.at(0)); }));
+  gsd.Set("weight_decay",
+          Field(
+              DType::kFloat64, [get, one] { return one(get()->weight_decay()); },
+              [get](const std::vector<double>& v) { get()->weight_decay(v.at(0)); }));
+  gsd.Set("nesterov", Field(
+                          DType::kBool, [get, one] { return one(get()->nesterov() ? 1 : 0); },
+                          [get](const std::vector<double>& v) { get()->nesterov(v.at(0) != 0); }));
+}
+
+// The optimizer's state entry of `param`, created as the optimizer's first step would create it
+// when absent (Adam/AdamW: zeros, step 0; SGD: a zero momentum buffer).
+template <typename ParamState>
+ParamState& FindState(torch::optim::Optimizer& opt, const torch::Tensor& param, bool amsgrad) {
+  auto& state = opt.state();
+  using Key = typename std::decay_t<decltype(state)>::key_type;
+  const Key key = StateKey<Key>(param);
+  auto it = state.find(key);
+  auto zeros = [&] { return torch::zeros_like(param, torch::MemoryFormat::Preserve).detach(); };
+  if (it == state.end()) {
+    auto st = std::make_unique<ParamState>();
+    if constexpr (std::is_same_v<ParamState, torch::optim::SGDParamState>) {
+      st->momentum_buffer(zeros());
+    } else {
+      st->step(0);
+      st->exp_avg(zeros());
+      st->exp_avg_sq(zeros());
+      if (amsgrad) st->max_exp_avg_sq(zeros());
+    }
+    it = state.emplace(key, std::move(st)).first;
+  }
+  auto& st = static_cast<ParamState&>(*it->second);
+  if constexpr (!std::is_same_v<ParamState, torch::optim::SGDParamState>) {
+    if (amsgrad && !st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(zeros());
+  }
+  return st;
+}
+
+template <typename ParamState, typename Options>
+void AddAdamParam(torch::optim::Optimizer& opt, size_t g, const torch::Tensor& p,
+                  const std::string& name, StateDict& psd, const StateWrapper& wrap) {
+  auto amsgrad = [&opt, g] { return GroupOptions<Options>(opt, g).amsgrad(); };
+  auto st = [&opt, p, amsgrad]() -> ParamState& {
+    return FindState<ParamState>(opt, p, amsgrad());
+  };
+  auto add = [&](const char* key, const std::function<torch::Tensor()>& find) {
+    psd.Set(key, StateTensor(find, name, wrap));
+  };
+  psd.Set("step",
+          Field(
+              DType::kInt64, [st] { return std::vector<double>{static_cast<double>(st().step())}; },
+              [st](const std::vector<double>& v) { st().step(static_cast<int64_t>(v.at(0))); }));
+  add("exp_avg", [st] { return st().exp_avg(); });
+  add("exp_avg_sq", [st] { return st().exp_avg_sq(); });
+  if (amsgrad()) add("max_exp_avg_sq", [st] { return st().max_exp_avg_sq(); });
 }
 
 }  // namespace
@@ -152,28 +383,19 @@ StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     names.emplace(item.value().unsafeGetTensorImpl(), item.key());
   }
-  auto value = [&](const std::string& name, const torch::Tensor& t) -> StateValue {
-    return wrap ? wrap(name, t) : StateValue(FromTorch(t));
-  };
-  auto& state = optimizer.state();
-  using Key = typename std::decay_t<decltype(state)>::key_type;
   StateDict& state_sd = into.Nested("state");
   StateDict& groups_sd = into.Nested("param_groups");
   auto& groups = optimizer.param_groups();
   for (size_t g = 0; g < groups.size(); ++g) {
-    auto& group = groups[g];
     StateDict& gsd = groups_sd.Nested(std::to_string(g));
     if (adam) {
-      gsd.Set("lr", ScalarView(&static_cast<torch::optim::AdamOptions&>(group.options()).lr(),
-                               DType::kFloat64));
+      AddAdamGroup<torch::optim::AdamOptions>(optimizer, g, gsd);
     } else if (adamw) {
-      gsd.Set("lr", ScalarView(&static_cast<torch::optim::AdamWOptions&>(group.options()).lr(),
-                               DType::kFloat64));
+      AddAdamGroup<torch::optim::AdamWOptions>(optimizer, g, gsd);
     } else {
-      gsd.Set("lr", ScalarView(&static_cast<torch::optim::SGDOptions&>(group.options()).lr(),
-                               DType::kFloat64));
+      AddSgdGroup(optimizer, g, gsd);
     }
-    for (auto& p : group.params()) {
+    for (auto& p : groups[g].params()) {
       auto name_it = names.find(p.unsafeGetTensorImpl());
       if (name_it == names.end()) {
         throw InvalidArgumentError("an optimizer parameter of shape " +
@@ -181,56 +403,47 @@ StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn
                                    " is not a parameter of the module");
       }
       const std::string& name = name_it->second;
-      const Key key = StateKey<Key>(p);
-      auto it = state.find(key);
-      auto zeros = [&] { return torch::zeros_like(p, torch::MemoryFormat::Preserve).detach(); };
       StateDict& psd = state_sd.Nested(name);
-      if (adam || adamw) {
-        const bool amsgrad =
-            adam ? static_cast<torch::optim::AdamOptions&>(group.options()).amsgrad()
-                 : static_cast<torch::optim::AdamWOptions&>(group.options()).amsgrad();
-        auto fill = [&](auto* st) {
-          psd.Set("step", ScalarView(&st->step(), DType::kInt64));
-          psd.Set("exp_avg", value(name, st->exp_avg()));
-          psd.Set("exp_avg_sq", value(name, st->exp_avg_sq()));
-          if (amsgrad) {
-            if (!st->max_exp_avg_sq().defined()) st->max_exp_avg_sq(zeros());
-            psd.Set("max_exp_avg_sq", value(name, st->max_exp_avg_sq()));
-          }
-        };
-        if (adam) {
-          if (it == state.end()) {
-            auto st = std::make_unique<torch::optim::AdamParamState>();
-            st->step(0);
-            st->exp_avg(zeros());
-            st->exp_avg_sq(zeros());
-            if (amsgrad) st->max_exp_avg_sq(zeros());
-            it = state.emplace(key, std::move(st)).first;
-          }
-          fill(static_cast<torch::optim::AdamParamState*>(it->second.get()));
-        } else {
-          if (it == state.end()) {
-            auto st = std::make_unique<torch::optim::AdamWParamState>();
-            st->step(0);
-            st->exp_avg(zeros());
-            st->exp_avg_sq(zeros());
-            if (amsgrad) st->max_exp_avg_sq(zeros());
-            it = state.emplace(key, std::move(st)).first;
-          }
-          fill(static_cast<torch::optim::AdamWParamState*>(it->second.get()));
-        }
+      if (adam) {
+        AddAdamParam<torch::optim::AdamParamState, torch::optim::AdamOptions>(optimizer, g, p, name,
+                                                                              psd, wrap);
+      } else if (adamw) {
+        AddAdamParam<torch::optim::AdamWParamState, torch::optim::AdamWOptions>(optimizer, g, p,
+                                                                                name, psd, wrap);
       } else {
-        if (static_cast<torch::optim::SGDOptions&>(group.options()).momentum() == 0) continue;
-        if (it == state.end()) {
-          auto st = std::make_unique<torch::optim::SGDParamState>();
-          st->momentum_buffer(zeros());
-          it = state.emplace(key, std::move(st)).first;
+        if (static_cast<torch::optim::SGDOptions&>(groups[g].options()).momentum() == 0) {
+          continue;
         }
-        auto* st = static_cast<torch::optim::SGDParamState*>(it->second.get());
-        psd.Set("momentum_buffer", value(name, st->momentum_buffer()));
+        std::function<torch::Tensor()> find = [&optimizer, p] {
+          return FindState<torch::optim::SGDParamState>(optimizer, p, false).momentum_buffer();
+        };
+        psd.Set("momentum_buffer", StateTensor(find, name, wrap));
       }
     }
   }
+  return into;
+}
+
+namespace {
+// LRScheduler keeps its step count in a protected member; a derived class may name it.
+struct SchedulerAccess : torch::optim::LRScheduler {
+  static unsigned& StepCount(torch::optim::LRScheduler& s) {
+    return s.*(&SchedulerAccess::step_count_);
+  }
+};
+}  // namespace
+
+StateDict& AddSchedulerState(torch::optim::LRScheduler& scheduler, StateDict& into) {
+  torch::optim::LRScheduler* s = &scheduler;
+  into.Set(
+      "step_count",
+      Field(
+          DType::kInt64,
+          [s] { return std::vector<double>{static_cast<double>(SchedulerAccess::StepCount(*s))}; },
+          [s](const std::vector<double>& v) {
+            if (v.at(0) < 0) throw InvalidArgumentError("negative scheduler step count");
+            SchedulerAccess::StepCount(*s) = static_cast<unsigned>(v.at(0));
+          }));
   return into;
 }
 

@@ -1,9 +1,16 @@
 // The LibTorch adapter: the only part of dcp that includes LibTorch headers.
 //
 // Views, not copies: FromTorch(tensor) describes the tensor's memory (data pointer, dtype,
-// shape, strides, device) and keeps its storage alive through TensorView::owner, so saving
-// reads the tensor's own bytes and loading writes into it in place: parameters keep their
-// identity and storage.
+// shape, strides, device), so saving reads the tensor's own bytes and loading writes into it in
+// place: parameters keep their identity and storage. Views are bound to the tensor object
+// (TensorView::binding): Save and Load re-resolve them at their start, so a state dict built
+// once follows what happens to the tensors afterwards (module->to(), torch::load into the
+// module, set_data, an optimizer replacing its state entries): each save reads the current
+// memory, each load writes into it, and no view ever points at freed memory (each resolved
+// view also pins the storage it points at). Optimizer and scheduler numbers (step, lr, betas,
+// ...) are never pointers into the objects: they are copied out at each save and written back
+// after each load. The caller keeps the module, optimizer and scheduler alive while the state
+// dict is used (as for any tensor a state dict names).
 //
 // CUDA tensors (where LibTorch has CUDA, e.g. 2.x builds on GPU machines) are device views:
 // Save copies them through dcp's pinned pipeline and Load writes into them in place
@@ -62,8 +69,18 @@ using StateWrapper =
 /// them in place):
 ///   state.<param name>.exp_avg, .exp_avg_sq, .max_exp_avg_sq (amsgrad only), .step  (Adam/AdamW)
 ///   state.<param name>.momentum_buffer                                  (SGD with momentum)
-///   param_groups.<i>.lr                                                 (every optimizer)
-/// `step` (int64) and `lr` (float64) are 0-d views of the optimizer's own counters.
+///   param_groups.<i>.lr, .betas ([2]), .eps, .weight_decay, .amsgrad          (Adam/AdamW)
+///   param_groups.<i>.lr, .momentum, .dampening, .weight_decay, .nesterov      (SGD)
+/// `step` (int64) and the group options (float64; amsgrad/nesterov bool) are copied from the
+/// optimizer at each save and written back into it after each load, so a resume restores the
+/// whole parameter-group configuration, not only lr. State tensors are looked up afresh at each
+/// save and load. `wrap` is called once per state tensor, during this call (it may capture
+/// locals by reference); the views it makes with FromTorch follow those tensor objects, so with
+/// a wrapper, rebuild the state dict if the optimizer replaces its state entries (e.g. clears
+/// its state). amsgrad is structure: it decides whether max_exp_avg_sq is in the state dict; a
+/// load of a checkpoint saved with the other setting fails (InvalidArgumentError) rather than
+/// resume without it. InvalidArgumentError at save/load time when
+/// the optimizer has fewer parameter groups than when the state dict was built.
 ///
 /// Parameters that have no state yet (a fresh optimizer, before its first step) get it created
 /// here, exactly as the optimizer's first step would create it for Adam/AdamW (zeros, step 0)
@@ -74,6 +91,12 @@ using StateWrapper =
 /// not name. Returns `into`.
 StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                              StateDict& into, const StateWrapper& wrap = {});
+
+/// The state of an LR scheduler (torch::optim::LRScheduler subclasses such as StepLR: its step
+/// count; the learning rates themselves live in the optimizer's param groups), added to `into`
+/// as `step_count` (int64), copied out at each save and written back after each load. Returns
+/// `into`.
+StateDict& AddSchedulerState(torch::optim::LRScheduler& scheduler, StateDict& into);
 
 // ---------------------------------------------------------------------------------------------
 // Device mapping and loading without a model

@@ -34,4 +34,82 @@ const StateValue* StateDict::Find(const std::string& key) const {
   return it == items_.end() ? nullptr : &it->second;
 }
 
+namespace {
+
+// Marks a resolved copy: Save/Load must not resolve it again.
+class ResolvedMark : public ViewBinding {
+ public:
+  explicit ResolvedMark(std::shared_ptr<const ViewBinding> from) : from(std::move(from)) {}
+  TensorView Resolve() const override { return from->Resolve(); }
+  std::shared_ptr<const ViewBinding> from;
+};
+
+bool Bound(const TensorView& v) {
+  return v.binding && !dynamic_cast<const ResolvedMark*>(v.binding.get());
+}
+
+TensorView ResolveView(const TensorView& v) {
+  if (!Bound(v)) return v;
+  TensorView r = v.binding->Resolve();
+  r.binding = std::make_shared<ResolvedMark>(v.binding);
+  return r;
+}
+
+void LoadedView(const TensorView& v) {
+  if (const auto* mark = dynamic_cast<const ResolvedMark*>(v.binding.get())) {
+    mark->from->Loaded(v);
+  }
+}
+
+}  // namespace
+
+bool HasBindings(const StateDict& sd) {
+  for (const auto& [key, value] : sd.items()) {
+    if (const auto* t = std::get_if<TensorView>(&value)) {
+      if (Bound(*t)) return true;
+    } else if (const auto* st = std::get_if<ShardedTensor>(&value)) {
+      for (const auto& shard : st->local_shards) {
+        if (Bound(shard.view)) return true;
+      }
+    } else if (const auto* nested = std::get_if<std::shared_ptr<StateDict>>(&value)) {
+      if (*nested && HasBindings(**nested)) return true;
+    }
+  }
+  return false;
+}
+
+StateDict ResolveBindings(const StateDict& sd) {
+  StateDict out;
+  for (const auto& [key, value] : sd.items()) {
+    if (const auto* t = std::get_if<TensorView>(&value)) {
+      out.Set(key, ResolveView(*t));
+    } else if (const auto* st = std::get_if<ShardedTensor>(&value)) {
+      ShardedTensor copy = *st;
+      for (auto& shard : copy.local_shards) shard.view = ResolveView(shard.view);
+      out.Set(key, std::move(copy));
+    } else if (const auto* nested = std::get_if<std::shared_ptr<StateDict>>(&value)) {
+      out.Set(key, *nested ? std::make_shared<StateDict>(ResolveBindings(**nested)) : nullptr);
+    } else {
+      out.Set(key, value);
+    }
+  }
+  return out;
+}
+
+void FinishBoundLoad(StateDict& original, const StateDict& resolved) {
+  for (const auto& [key, value] : resolved.items()) {
+    StateValue* orig = original.Find(key);
+    if (const auto* t = std::get_if<TensorView>(&value)) {
+      LoadedView(*t);
+    } else if (const auto* st = std::get_if<ShardedTensor>(&value)) {
+      for (const auto& shard : st->local_shards) LoadedView(shard.view);
+    } else if (const auto* nested = std::get_if<std::shared_ptr<StateDict>>(&value)) {
+      auto* orig_nested = orig ? std::get_if<std::shared_ptr<StateDict>>(orig) : nullptr;
+      if (*nested && orig_nested && *orig_nested) FinishBoundLoad(**orig_nested, **nested);
+    } else if (const auto* blob = std::get_if<Blob>(&value)) {
+      if (orig && std::holds_alternative<Blob>(*orig)) *orig = *blob;
+    }
+  }
+}
+
 }  // namespace dcp

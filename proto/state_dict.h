@@ -60,4 +60,19 @@ class StateDict {
   std::map<std::string, StateValue> items_;
 };
 
+/// True when a view of `sd` (a tensor or a shard of a sharded tensor, at any depth) has a
+/// binding (TensorView::binding).
+bool HasBindings(const StateDict& sd);
+
+/// A copy of `sd` in which every bound view is replaced by what its binding resolves to now
+/// (the copy keeps each resolved view's binding pointer in `binding` so FinishBoundLoad can
+/// find it; Save and Load ignore a binding on a resolved copy). Nested dicts are copied, leaves
+/// are copied as values (views share memory). Exceptions from a binding propagate.
+StateDict ResolveBindings(const StateDict& sd);
+
+/// After a load into `resolved` (made by ResolveBindings(original)): give each bound view's
+/// loaded contents to its binding (ViewBinding::Loaded) and copy the loaded blobs back into
+/// `original`.
+void FinishBoundLoad(StateDict& original, const StateDict& resolved);
+
 }  // namespace dcp

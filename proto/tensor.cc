@@ -307,4 +307,6 @@ bool IsDense(const TensorView& view) {
   return l.sizes.size() <= 1 && (l.sizes.empty() || l.dst_strides[0] == 1);
 }
 
+void ViewBinding::Loaded(const TensorView&) const {}
+
 }  // namespace dcp

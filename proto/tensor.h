@@ -71,6 +71,24 @@ struct Device {
   std::string ToString() const;
 };
 
+struct TensorView;
+
+/// Late binding of a view to memory that may move or be replaced between checkpoints (a
+/// LibTorch parameter after module->to() or torch::load, an optimizer's step counter). Save,
+/// Load and AsyncCheckpointer::Save call Resolve() at their start, so a state dict built once
+/// always saves and loads the current memory; after a load they hand the loaded view to
+/// Loaded(). Implementations must be callable from the thread that calls Save/Load.
+class ViewBinding {
+ public:
+  virtual ~ViewBinding() = default;
+  /// The view as it is now (memory, dtype and shape may differ from the last call). The result
+  /// should own (TensorView::owner) or otherwise pin what it points at until it is destroyed.
+  virtual TensorView Resolve() const = 0;
+  /// A load wrote `loaded` (a view this binding's Resolve returned): e.g. copy a value back into
+  /// the object it came from. The default does nothing (the view was the object's memory).
+  virtual void Loaded(const TensorView& loaded) const;
+};
+
 /// A non-owning view of tensor memory: data pointer, dtype, shape, strides (in elements) and
 /// device. Views may be non-contiguous (transposed, sliced); strides may be zero (broadcast) when
 /// the view is only read. `owner`, when set, keeps the memory alive (TensorView::Allocate sets
@@ -83,6 +101,9 @@ struct TensorView {
   Shape strides;  // elements; empty means contiguous row-major
   Device device;
   std::shared_ptr<void> owner;
+  /// When set, Save and Load use binding->Resolve() instead of this description (see
+  /// ViewBinding); the fields above are then what it resolved to when the view was made.
+  std::shared_ptr<const ViewBinding> binding;
 
   /// Wrap contiguous memory.
   static TensorView FromContiguous(void* data, DType dtype, Shape shape, Device device = {});

@@ -390,8 +390,16 @@ def test_safetensors():
     dcp("convert", zdir, back_st)
     _, t = read_safetensors(back_st)
     check(t["big"].tobytes() == blob and t["small"].tobytes() == small, "compressed round trip")
-    _, out = dcp("convert", zdir, back_st + ".x", "--compress", "zstd", expect=2)
+    # --compress writes dcp items: refused for a safetensors destination...
+    os.remove(back_st)
+    _, out = dcp("convert", zdir, back_st, "--compress", "zstd", expect=2)
     contains(out, "--compress applies")
+    # ...and re-compresses a dcp checkpoint converted to dcp (here at another level).
+    rez = os.path.join(args.workdir, "from_big_rez")
+    shutil.rmtree(rez, ignore_errors=True)
+    dcp("convert", zdir, rez, "--compress", "zstd", "--compress-level", "1")
+    _, out = dcp("diff", zdir, rez, "--values")
+    contains(out, "no differences")
 
 
 def test_torch():
