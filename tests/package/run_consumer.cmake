@@ -6,6 +6,14 @@ execute_process(COMMAND ${CMAKE_COMMAND} --install ${BINARY_DIR} --prefix ${WORK
 if(rc)
   message(FATAL_ERROR "install failed: ${rc}")
 endif()
+# Installed libraries and programs find their libraries relative to themselves: no run path into
+# the build tree, none that searches the current directory.
+file(GLOB libdirs LIST_DIRECTORIES true ${WORK_DIR}/prefix/lib ${WORK_DIR}/prefix/lib/*-linux-gnu)
+execute_process(COMMAND ${CMAKE_COMMAND} "-DDIRS=${libdirs};${WORK_DIR}/prefix/bin"
+  -DFORBID=${BINARY_DIR} -P ${SOURCE_DIR}/tests/runpath_check.cmake RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "installed run paths are wrong")
+endif()
 # The installed package is relocatable: its exported targets name dependencies by target (torch,
 # MPI::MPI_CXX, ...), never by a library path of the machine that built it.
 file(GLOB target_files ${WORK_DIR}/prefix/lib*/cmake/dcp/dcpTargets*.cmake)
