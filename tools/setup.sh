@@ -106,17 +106,20 @@ case "$mode" in
         grep -E '^(#|Done|stat::number_of_executed_units|==)' | tail -4
       rm -rf "$corpus"
     done
-    # ASan + UBSan over the unit, fault and MPI tests (LibTorch is not built with ASan: skipped).
+    # ASan + UBSan over the unit, fault, LibTorch adapter and MPI tests. LibTorch itself is not
+    # instrumented; the adapter and its tests are (the use-after-free scenarios of
+    # tests/torch/torch_binding_test.cc).
     asan="$build-asan"
     if [ ! -f "$asan/build.ninja" ]; then
       log "configuring $asan (AddressSanitizer + UndefinedBehaviorSanitizer)"
       cmake -S "$root" -B "$asan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDCP_SANITIZE=address \
-        -DDCP_WITH_TORCH=OFF -DDCP_WITH_CUDA=OFF -DDCP_BUILD_TOOLS=OFF
+        -DDCP_WITH_CUDA=OFF -DDCP_BUILD_TOOLS=OFF
     fi
     cmake --build "$asan" -j "$jobs"
-    # Open MPI's own allocations are reported as leaks at exit; leak checking stays on for the
-    # unit tests, off for the MPI ones.
-    (cd "$asan" && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j "$jobs" -L unit -E package_consumer)
+    # Open MPI's and LibTorch's own allocations are reported as leaks at exit; leak checking stays
+    # on for the unit tests, off for the MPI and LibTorch ones.
+    (cd "$asan" && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j "$jobs" -L unit -LE torch -E package_consumer)
+    (cd "$asan" && ASAN_OPTIONS=detect_leaks=0 ctest --output-on-failure -L torch -LE mpi)
     (cd "$asan" && ASAN_OPTIONS=detect_leaks=0 ctest --output-on-failure -L mpi)
     # The threaded parts under ThreadSanitizer: core libraries and unit tests only.
     tsan="$build-tsan"
