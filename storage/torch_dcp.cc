@@ -97,9 +97,15 @@ bool AllowTensorGlobal(std::string_view module, std::string_view name) {
 // ---------------------------------------------------------------------------------------------
 // Interpreting unpickled values
 
+// A pickle may reference one value (through the memo) any number of times, so what is read
+// out of it is charged against a budget proportional to the input: a small file whose long
+// string or long tuple is shared by many entries must not make the reader copy gigabytes.
+// Real metadata stays far below it (each reference to a memoised fqn costs tens of bytes of
+// input for its own record).
 class Reader {
  public:
-  explicit Reader(std::string source) : source_(std::move(source)) {}
+  explicit Reader(std::string source, size_t input_bytes = 0)
+      : source_(std::move(source)), budget_((size_t{64} << 20) + 64 * input_bytes) {}
   [[noreturn]] void Fail(const std::string& why) const {
     throw CorruptionError(source_ + ": " + why);
   }
@@ -111,6 +117,7 @@ class Reader {
   }
   const std::string& Str(const Value* v, const std::string& what) const {
     if (!v || v->kind != Kind::kStr) Fail(what + " is not a string");
+    Charge(v->str.size(), what);
     return v->str;
   }
   // A torch.Size(...) or a plain tuple/list of integers.
@@ -122,6 +129,7 @@ class Reader {
     if (!v || (v->kind != Kind::kTuple && v->kind != Kind::kList)) {
       Fail(what + " is not a tuple of integers");
     }
+    Charge(v->items.size() * sizeof(int64_t), what);
     Shape s;
     for (const auto& item : v->items) s.push_back(Int(item.get(), what));
     return s;
@@ -156,7 +164,17 @@ class Reader {
   }
 
  private:
+  void Charge(size_t bytes, const std::string& what) const {
+    if (bytes > budget_) {
+      Fail(what +
+           ": the pickle expands to far more than its size (a value shared by too many "
+           "references)");
+    }
+    budget_ -= bytes;
+  }
+
   std::string source_;
+  mutable size_t budget_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -526,7 +544,7 @@ ValuePtr IntTuple(const Shape& s) {
 // Metadata
 
 Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source) {
-  const Reader r{std::string(source)};
+  const Reader r{std::string(source), bytes.size()};
   pickle::Limits limits;
   limits.max_input_bytes = size_t{2} << 30;
   const ValuePtr root = pickle::Load(bytes, AllowMetadataGlobal, source, limits);
@@ -780,7 +798,7 @@ TorchTensorRecord ResolveTorchTensorRecord(ReadableObject& in, uint64_t offset, 
   limits.max_values = 1 << 16;
   const ValuePtr root =
       pickle::Load(pkl, AllowTensorGlobal, what + " " + prefix + "data.pkl", limits);
-  const Reader r{what};
+  const Reader r{what, pkl.size()};
   const std::string fn = root->global_name();
   if (root->kind != Kind::kObject ||
       (fn != "torch._utils._rebuild_tensor_v2" && fn != "torch._utils._rebuild_tensor_v3")) {

@@ -136,6 +136,60 @@ TEST_CASE("pickle: the reader refuses what is not data", "[torchdcp]") {
              Catch::Contains("more than 10 values"));
 }
 
+// A torch 2.x `.metadata` of one float32 tensor `fqn` of `n` 1-element chunks, every reference
+// to `fqn` being the same string, which the pickle memoises: a small file can name a long
+// string many times.
+std::string SharedValueMetadata(const std::string& fqn, int64_t n) {
+  using namespace pk;
+  const std::string meta = "torch.distributed.checkpoint.metadata";
+  auto dataclass = [&](const std::string& mod, const std::string& cls, ValuePtr state) {
+    return Object(Global(mod, cls), {}, std::move(state), /*newobj=*/true);
+  };
+  auto size = [](std::vector<int64_t> v) {
+    std::vector<ValuePtr> items;
+    for (int64_t x : v) items.push_back(Int(x));
+    return Object(Global("torch", "Size"), {Tuple(std::move(items))});
+  };
+  ValuePtr name = Str(fqn);
+  std::vector<ValuePtr> chunks;
+  std::vector<std::pair<ValuePtr, ValuePtr>> storage;
+  for (int64_t i = 0; i < n; ++i) {
+    ValuePtr offsets = size({i});
+    chunks.push_back(dataclass(meta, "ChunkStorageMetadata",
+                               Dict({{Str("offsets"), offsets}, {Str("sizes"), size({1})}})));
+    storage.emplace_back(
+        dataclass(meta, "MetadataIndex",
+                  Dict({{Str("fqn"), name}, {Str("offset"), offsets}, {Str("index"), Int(i)}})),
+        dataclass("torch.distributed.checkpoint.filesystem", "_StorageInfo",
+                  Dict({{Str("relative_path"), Str("__0_0.distcp")},
+                        {Str("offset"), Int(i * 4)},
+                        {Str("length"), Int(4)}})));
+  }
+  ValuePtr props = dataclass(meta, "TensorProperties", Tuple({Global("torch", "float32")}));
+  ValuePtr tensor = dataclass(meta, "TensorStorageMetadata",
+                              Dict({{Str("properties"), props},
+                                    {Str("size"), size({n})},
+                                    {Str("chunks"), List(std::move(chunks))}}));
+  return Dump(*dataclass(meta, "Metadata",
+                         Dict({{Str("state_dict_metadata"), Dict({{name, tensor}})},
+                               {Str("storage_data"), Dict(std::move(storage))}})));
+}
+
+TEST_CASE("torch DCP metadata: shared values cannot make the reader copy gigabytes", "[torchdcp]") {
+  // Well-formed, small: decodes.
+  const Metadata ok = DecodeTorchDcpMetadata(SharedValueMetadata("w", 3), "small");
+  REQUIRE(ok.entries.count("w") == 1);
+  CHECK(std::get<TensorMetadata>(ok.entries.at("w")).chunks.size() == 3);
+  CHECK(ok.storage.size() == 3);
+  // A 64 KiB fqn named by 8192 stored items: a ~0.6 MB file that used to make the reader copy
+  // the name 8192 times (512 MiB) before anything was checked; 8192 times that fqn would be
+  // 4 GiB from a 5 MB file. (A memoised tuple shared by every chunk's offsets is bounded alike.)
+  const std::string amplified = SharedValueMetadata(std::string(64 << 10, 'f'), 8192);
+  CHECK(amplified.size() < (size_t{1} << 20));
+  CHECK_THAT(ErrorOf([&] { DecodeTorchDcpMetadata(amplified, "amplified"); }),
+             Catch::Contains("amplified") && Catch::Contains("expands to far more"));
+}
+
 struct Fixture {
   std::string name;
   std::string dir;
