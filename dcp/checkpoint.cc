@@ -3,8 +3,11 @@
 #include <chrono>
 #include <functional>
 #include <random>
+#include <string_view>
+#include <typeinfo>
 
 #include "dcp.pb.h"  // generated from proto/dcp.proto
+#include "dcp/proto/checksum.h"
 #include "dcp/proto/codec.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/registry.h"
@@ -167,6 +170,42 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
   return std::move(*out.mutable_payload());
 }
 
+// Plan caching (SavePlanCache): a 64-bit hash of an encoded local plan (two CRC32Cs with
+// different seeds and the length: equal plans hash equal on every rank, and a changed plan is
+// caught with overwhelming probability; a false hit would still fail the save's validation
+// rather than write wrongly placed data).
+uint64_t PlanHash(std::string_view plan) {
+  const uint64_t a = Crc32c(0, plan.data(), plan.size());
+  const uint64_t b = Crc32c(0x9E3779B9u, plan.data(), plan.size());
+  return ((a << 32) | b) ^ (static_cast<uint64_t>(plan.size()) * 0x9E3779B97F4A7C15ull);
+}
+
+std::string PackId(uint64_t v) {
+  std::string s(8, '\0');
+  for (int i = 0; i < 8; ++i) s[static_cast<size_t>(i)] = static_cast<char>((v >> (8 * i)) & 0xff);
+  return s;
+}
+
+uint64_t UnpackId(std::string_view s) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(s[static_cast<size_t>(i)]);
+  return v;
+}
+
+struct CacheProbe {
+  bool usable = false;
+  uint64_t hash = 0, plan_id = 0;
+};
+
+std::string PackCacheProbe(bool usable, uint64_t hash, uint64_t plan_id) {
+  return std::string(1, usable ? 'U' : '-') + PackId(hash) + PackId(plan_id);
+}
+
+CacheProbe UnpackCacheProbe(std::string_view s) {
+  if (s.size() != 17) throw InternalError("malformed plan cache probe");
+  return {s[0] == 'U', UnpackId(s.substr(1, 8)), UnpackId(s.substr(9, 8))};
+}
+
 // Opens an operation on the communicator for the scope of one Save or Load; the id tags every
 // message (see Communicator::OpenOperation).
 class OperationScope {
@@ -186,6 +225,8 @@ class OperationScope {
 
 const char* LibraryVersion() { return DCP_VERSION_STRING; }
 
+void SavePlanCache::Clear() { entry = Entry{}; }
+
 Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& comm,
               const SaveOptions& options) {
   // Views bound to memory that may have moved (LibTorch parameters, optimizer fields): save
@@ -203,29 +244,103 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
   // one rank is everyone's; only a verdict of kFailed lets a rank remove what it wrote.
   try {
     OperationScope op(comm, "save", writer.uri());
-    const std::string my_plan = RunPhase(
-        comm, "save/plan",
-        [&] {
-          writer.SetUp(sctx);
-          planner.SetUp(state_dict, pctx);
-          return EncodeSavePlan(writer.PrepareLocalPlan(planner.CreateLocalPlan()));
-        },
-        [&](std::vector<std::string> locals) {
-          std::vector<SavePlan> plans;
-          for (const auto& p : locals) plans.push_back(DecodeSavePlan(p));
-          auto [global_plans, md] = planner.CreateGlobalPlan(std::move(plans));
-          global_plans = writer.PrepareGlobalPlan(std::move(global_plans));
-          global_md = std::move(md);
-          std::vector<std::string> out;
-          for (const auto& p : global_plans) out.push_back(EncodeSavePlan(p));
-          return out;
-        });
+    auto local_plan = [&] {
+      writer.SetUp(sctx);
+      planner.SetUp(state_dict, pctx);
+      return EncodeSavePlan(writer.PrepareLocalPlan(planner.CreateLocalPlan()));
+    };
+    SavePlanCache* cache = options.plan_cache.get();
+    const std::string planner_type = typeid(planner).name();
+    SavePlan central;  // this rank's plan from the coordinator
+    bool planned = false;
+    std::string my_local;
+    uint64_t my_hash = 0;
+    if (cache) {
+      // Plan caching: every rank hashes its local plan; rank 0 says whether all match the
+      // cached global plan. On a hit, each rank gets only its data file names.
+      std::vector<uint64_t> hashes;  // rank 0: every rank's, for the cache on a miss
+      const std::string verdict = RunPhase(
+          comm, "save/plan-cache",
+          [&] {
+            my_local = local_plan();
+            my_hash = PlanHash(my_local);
+            const SavePlanCache::Entry& e = cache->entry;
+            const bool usable = e.valid && e.world_size == size && e.planner == planner_type;
+            return PackCacheProbe(usable, my_hash, usable ? e.plan_id : 0);
+          },
+          [&](std::vector<std::string> probes) {
+            SavePlanCache::Entry& e = cache->entry;
+            bool hit = e.valid && e.hashes.size() == static_cast<size_t>(size) &&
+                       e.global_plans.size() == static_cast<size_t>(size);
+            for (int r = 0; r < size; ++r) {
+              const CacheProbe p = UnpackCacheProbe(probes[static_cast<size_t>(r)]);
+              hashes.push_back(p.hash);
+              hit = hit && p.usable && p.hash == e.hashes[static_cast<size_t>(r)] &&
+                    p.plan_id == e.plan_id;
+            }
+            std::vector<std::string> out(static_cast<size_t>(size), "M");
+            if (hit) {
+              const std::vector<SavePlan> named = writer.PrepareGlobalPlan(e.global_plans);
+              global_md = e.skeleton;
+              for (int r = 0; r < size; ++r) {
+                out[static_cast<size_t>(r)] = "H" + named[static_cast<size_t>(r)].storage_data;
+              }
+            }
+            return out;
+          });
+      if (!verdict.empty() && verdict[0] == 'H') {
+        central = cache->entry.central;
+        central.storage_data = verdict.substr(1);
+        planned = true;
+        ++cache->hits_;
+      } else {
+        ++cache->misses_;
+        cache->entry.valid = false;  // refreshed below once the full plan is known
+        if (rank == 0) cache->entry.hashes = std::move(hashes);
+      }
+    }
+    if (!planned) {
+      uint64_t plan_id = 0;
+      const std::string my_plan = RunPhase(
+          comm, "save/plan", [&] { return cache ? my_local : local_plan(); },
+          [&](std::vector<std::string> locals) {
+            std::vector<SavePlan> plans;
+            for (const auto& p : locals) plans.push_back(DecodeSavePlan(p));
+            auto [global_plans, md] = planner.CreateGlobalPlan(std::move(plans));
+            if (cache) {
+              cache->entry.global_plans = global_plans;
+              cache->entry.skeleton = md;
+            }
+            global_plans = writer.PrepareGlobalPlan(std::move(global_plans));
+            global_md = std::move(md);
+            // With a cache, each reply also carries the new plan's id (8 bytes first).
+            plan_id = std::stoull(NewSaveId(), nullptr, 16);
+            std::vector<std::string> out;
+            for (const auto& p : global_plans) {
+              out.push_back((cache ? PackId(plan_id) : std::string()) + EncodeSavePlan(p));
+            }
+            return out;
+          });
+      if (cache) {
+        if (my_plan.size() < 8) throw InternalError("save plan reply without its plan id");
+        central = DecodeSavePlan(std::string_view(my_plan).substr(8));
+        SavePlanCache::Entry& e = cache->entry;
+        e.valid = true;
+        e.hash = my_hash;
+        e.plan_id = UnpackId(my_plan);
+        e.world_size = size;
+        e.planner = planner_type;
+        e.central = central;
+      } else {
+        central = DecodeSavePlan(my_plan);
+      }
+    }
 
     SavePlan plan;
     md_bytes = RunPhase(
         comm, "save/write",
         [&] {
-          plan = planner.FinishPlan(DecodeSavePlan(my_plan));
+          plan = planner.FinishPlan(std::move(central));
           return EncodeWriteResults(writer.WriteData(plan, planner).get());
         },
         [&](std::vector<std::string> locals) {

@@ -18,6 +18,7 @@
 // Not reentrant per Communicator: one save or load at a time on a given communicator.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,12 +31,49 @@
 
 namespace dcp {
 
+/// Reuse of the previous save's global plan when nothing about the plans changed (plan
+/// caching). Pass the same cache to every save of one job (one per communicator): each rank
+/// hashes its local plan; rank 0 compares every rank's hash, and the id of the plan it was
+/// cached with, with the previous save's; when all match, the plan exchange is one small message
+/// per rank and a reply naming its data files, instead of every local plan gathered, merged and
+/// scattered (and the metadata skeleton is reused). Any difference (a changed structure, a rank
+/// whose cache is stale or empty, another planner or world size) makes that save plan in full
+/// and refresh every rank's cache. Memory: a rank keeps its central plan; rank 0 also keeps
+/// every rank's plan and the metadata skeleton. Not thread-safe: one save at a time, like the
+/// communicator.
+class SavePlanCache {
+ public:
+  /// Saves that reused the cached plan / planned in full, as this rank saw them.
+  uint64_t hits() const { return hits_; }
+  uint64_t misses() const { return misses_; }
+  /// Forget everything (the next save plans in full).
+  void Clear();
+
+  // The cached state (used by Save; not part of the stable API).
+  struct Entry {
+    bool valid = false;
+    uint64_t hash = 0;     // this rank's local plan
+    uint64_t plan_id = 0;  // the global plan it belongs to
+    int world_size = 0;
+    std::string planner;  // the planner's type
+    SavePlan central;     // this rank's central plan (storage_data replaced at each save)
+    // Rank 0 only:
+    std::vector<uint64_t> hashes;
+    std::vector<SavePlan> global_plans;  // before the writer named their files
+    Metadata skeleton;
+  };
+  Entry entry;
+  uint64_t hits_ = 0, misses_ = 0;
+};
+
 struct SaveOptions {
   StorageOptions storage;
   /// Recorded in the metadata; defaults to the storage URI.
   std::string checkpoint_id;
   /// Custom planner; nullptr uses DefaultSavePlanner.
   SavePlanner* planner = nullptr;
+  /// Plan caching across saves (see SavePlanCache); nullptr plans every save in full.
+  std::shared_ptr<SavePlanCache> plan_cache;
 };
 
 struct LoadOptions {

@@ -1,5 +1,8 @@
 #include "dcp/proto/codec.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -289,7 +292,16 @@ std::string EncodeSavePlan(const SavePlan& plan) {
     auto& kp = (*p.mutable_key_paths())[fqn];
     for (const auto& k : path) kp.add_keys(k);
   }
-  return p.SerializeAsString();
+  // Deterministic (map entries sorted): equal plans encode to equal bytes, which plan caching
+  // compares by hash (dcp/checkpoint.h, SavePlanCache).
+  std::string out;
+  {
+    google::protobuf::io::StringOutputStream stream(&out);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    if (!p.SerializeToCodedStream(&coded)) throw InternalError("cannot encode a save plan");
+  }
+  return out;
 }
 
 SavePlan DecodeSavePlan(std::string_view bytes) {
