@@ -280,10 +280,20 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
             }
             std::vector<std::string> out(static_cast<size_t>(size), "M");
             if (hit) {
-              const std::vector<SavePlan> named = writer.PrepareGlobalPlan(e.global_plans);
+              // The writer names this save's files. The cached plans are moved through it, not
+              // copied (they are every rank's plan); what comes back is cached again, so a
+              // writer's PrepareGlobalPlan must accept its own output (it only sets storage).
+              e.global_plans = writer.PrepareGlobalPlan(std::move(e.global_plans));
+              if (e.global_plans.size() != static_cast<size_t>(size)) {
+                e.valid = false;
+                throw InternalError("the storage writer returned " +
+                                    std::to_string(e.global_plans.size()) + " plans for " +
+                                    std::to_string(size) + " ranks");
+              }
               global_md = e.skeleton;
               for (int r = 0; r < size; ++r) {
-                out[static_cast<size_t>(r)] = "H" + named[static_cast<size_t>(r)].storage_data;
+                out[static_cast<size_t>(r)] =
+                    "H" + e.global_plans[static_cast<size_t>(r)].storage_data;
               }
             }
             return out;

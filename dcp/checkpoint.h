@@ -39,7 +39,9 @@ namespace dcp {
 /// scattered (and the metadata skeleton is reused). Any difference (a changed structure, a rank
 /// whose cache is stale or empty, another planner or world size) makes that save plan in full
 /// and refresh every rank's cache. Memory: a rank keeps its central plan; rank 0 also keeps
-/// every rank's plan and the metadata skeleton. Not thread-safe: one save at a time, like the
+/// every rank's plan and the metadata skeleton. On a hit the storage writer's PrepareGlobalPlan
+/// is given the cached plans as it returned them last time (it must accept its own output: the
+/// built-in writers only name files). Not thread-safe: one save at a time, like the
 /// communicator.
 class SavePlanCache {
  public:

@@ -2,6 +2,7 @@
 
 #include <torch/version.h>
 
+#include <mutex>
 #include <sstream>
 #include <type_traits>
 #include <unordered_map>
@@ -130,13 +131,64 @@ torch::Tensor ToTorch(const TensorView& view) {
       options);
 }
 
+namespace {
+
+// A module's parameters and buffers by name, listed once per resolution (ResolveEpoch) and
+// shared by the bindings of every name: a submodule replaced since the state dict was built
+// (replace_module, a new head) is followed by name, not by the old tensor objects.
+class ModuleIndex {
+ public:
+  explicit ModuleIndex(const torch::nn::Module& module) : module_(module) {}
+  torch::Tensor Find(const std::string& name) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t epoch = ResolveEpoch();
+    if (epoch != epoch_) {
+      tensors_.clear();
+      for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
+        tensors_.emplace(item.key(), item.value());
+      }
+      for (const auto& item : module_.named_buffers(/*recurse=*/true)) {
+        tensors_.emplace(item.key(), item.value());
+      }
+      epoch_ = epoch;
+    }
+    auto it = tensors_.find(name);
+    if (it == tensors_.end() || !it->second.defined()) {
+      throw InvalidArgumentError("the module no longer has a parameter or buffer '" + name +
+                                 "' (the state dict was built when it had)");
+    }
+    return it->second;
+  }
+
+ private:
+  const torch::nn::Module& module_;
+  mutable std::mutex mu_;
+  mutable uint64_t epoch_ = 0;
+  mutable std::unordered_map<std::string, torch::Tensor> tensors_;
+};
+
+class ModuleEntryBinding : public ViewBinding {
+ public:
+  ModuleEntryBinding(std::shared_ptr<const ModuleIndex> index, std::string name)
+      : index_(std::move(index)), name_(std::move(name)) {}
+  TensorView Resolve() const override { return DescribeTorch(index_->Find(name_)); }
+
+ private:
+  std::shared_ptr<const ModuleIndex> index_;
+  std::string name_;
+};
+
+}  // namespace
+
 StateDict& AddModuleState(const torch::nn::Module& module, StateDict& into) {
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-    into.Set(item.key(), FromTorch(item.value()));
-  }
-  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
-    into.Set(item.key(), FromTorch(item.value()));
-  }
+  auto index = std::make_shared<const ModuleIndex>(module);
+  auto add = [&](const std::string& name, const torch::Tensor& t) {
+    TensorView v = DescribeTorch(t);
+    v.binding = std::make_shared<ModuleEntryBinding>(index, name);
+    into.Set(name, std::move(v));
+  };
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) add(item.key(), item.value());
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) add(item.key(), item.value());
   return into;
 }
 

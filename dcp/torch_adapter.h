@@ -51,7 +51,11 @@ TensorView FromTorch(const torch::Tensor& tensor);
 torch::Tensor ToTorch(const TensorView& view);
 
 /// Parameters and buffers of `module` by dotted name ("layer1.weight"), as views, nested under
-/// `into` (so loading writes into the parameters in place). Returns `into`.
+/// `into` (so loading writes into the parameters in place). The views are bound to the module
+/// by name: each save and load uses what the module holds under each name then (after
+/// torch::load, to(), set_data, or replace_module of a submodule); a name the module no longer
+/// has fails that save or load (InvalidArgumentError). `module` must outlive `into`. Returns
+/// `into`.
 StateDict& AddModuleState(const torch::nn::Module& module, StateDict& into);
 
 // ---------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 #include "dcp/proto/state_dict.h"
 
+#include <atomic>
+
 #include "dcp/proto/error.h"
 
 namespace dcp {
@@ -78,7 +80,20 @@ bool HasBindings(const StateDict& sd) {
   return false;
 }
 
+namespace {
+std::atomic<uint64_t> resolve_epoch{1};
+thread_local uint64_t current_epoch = 0;
+thread_local int resolve_depth = 0;
+}  // namespace
+
+uint64_t ResolveEpoch() { return resolve_depth > 0 ? current_epoch : resolve_epoch.fetch_add(1); }
+
 StateDict ResolveBindings(const StateDict& sd) {
+  // One epoch for the whole (recursive) resolution on this thread.
+  if (resolve_depth++ == 0) current_epoch = resolve_epoch.fetch_add(1);
+  struct Leave {
+    ~Leave() { --resolve_depth; }
+  } leave;
   StateDict out;
   for (const auto& [key, value] : sd.items()) {
     if (const auto* t = std::get_if<TensorView>(&value)) {

@@ -70,6 +70,11 @@ bool HasBindings(const StateDict& sd);
 /// are copied as values (views share memory). Exceptions from a binding propagate.
 StateDict ResolveBindings(const StateDict& sd);
 
+/// A number that changes at every ResolveBindings call and stays the same during one: lets the
+/// bindings of one object (e.g. every parameter of a module) share work done once per
+/// resolution (listing the module's parameters). Thread-safe.
+uint64_t ResolveEpoch();
+
 /// After a load into `resolved` (made by ResolveBindings(original)): give each bound view's
 /// loaded contents to its binding (ViewBinding::Loaded) and copy the loaded blobs back into
 /// `original`.

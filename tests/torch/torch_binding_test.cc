@@ -94,6 +94,26 @@ CATCH_TEST_CASE("torch: a state dict built before module->to() follows the new d
   ClearMemStore(name);
 }
 
+CATCH_TEST_CASE("torch: a state dict follows a replaced submodule and buffers by name",
+                "[torch][binding]") {
+  const std::string name = "bind-replace";
+  ClearMemStore(name);
+  torch::manual_seed(7);
+  auto net = std::make_shared<Net>();
+  torch::nn::BatchNorm1d bn(8);
+  net->register_module("bn", bn);
+  StateDict sd;
+  AddModuleState(*net, sd);
+  // A new head (new tensors under the old names) and a buffer given new memory.
+  net->fc2 = net->replace_module("fc2", torch::nn::Linear(8, 2));
+  bn->running_mean.set_data(torch::full({8}, 3.0));
+  Save(sd, "mem://" + name);
+  auto saved = Saved("mem://" + name);
+  CATCH_CHECK(torch::equal(saved.at("fc2.weight"), net->fc2->weight));
+  CATCH_CHECK(torch::equal(saved.at("bn.running_mean"), torch::full({8}, 3.0)));
+  ClearMemStore(name);
+}
+
 CATCH_TEST_CASE("torch: optimizer views follow replaced state entries and options",
                 "[torch][binding]") {
   const std::string name = "bind-optim";
