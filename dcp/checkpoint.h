@@ -78,8 +78,26 @@ struct SaveOptions {
   std::shared_ptr<SavePlanCache> plan_cache;
 };
 
+/// What one rank's load exchanged with the others instead of reading (LoadOptions::read_once).
+struct LoadStats {
+  uint64_t shared_batches = 0;  // broadcasts of shared reads this load made (every rank joins all)
+  uint64_t bytes_sent = 0;      // bytes this rank read for other ranks and broadcast
+  uint64_t bytes_received = 0;  // bytes this rank received instead of reading them
+  uint64_t items_received = 0;
+};
+
 struct LoadOptions {
   StorageOptions storage;
+  /// Read-once (default on): bytes that several ranks ask for in identical form (the same
+  /// stored item and box: replicated tensors, blobs every rank loads) are read by one of them
+  /// and broadcast to the others over the communicator, in batches of at most
+  /// storage.memory_budget_bytes (an item larger than that is read by every rank that wants
+  /// it). The reading rank is the least loaded of those that asked. Applies to ranks using the
+  /// default planner; a rank with a custom planner reads all of its own items. Off: every rank
+  /// reads everything it asked for. Either way every rank gets the same values.
+  bool read_once = true;
+  /// When set, receives this rank's read-once figures after a successful load.
+  LoadStats* stats = nullptr;
   /// Skip state dict keys the checkpoint lacks instead of failing (default planner only).
   bool allow_partial_load = false;
   /// Load without a model (default planner only): replace the state dict's contents with every

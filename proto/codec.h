@@ -8,6 +8,7 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "dcp/proto/error.h"
@@ -19,6 +20,12 @@ std::string EncodeSavePlan(const SavePlan& plan);
 SavePlan DecodeSavePlan(std::string_view bytes);
 std::string EncodeLoadPlan(const LoadPlan& plan);
 LoadPlan DecodeLoadPlan(std::string_view bytes);
+/// The "load/plan" messages of read-once loads (dcp::Load): a rank's local plan with whether it
+/// takes part in sharing reads, and the coordinator's answer (the plan and its batches).
+std::string EncodeLocalLoadPlan(const LoadPlan& plan, bool can_share);
+std::pair<LoadPlan, bool> DecodeLocalLoadPlan(std::string_view bytes);
+std::string EncodeLoadAssignment(const LoadPlan& plan, const std::vector<SharedReadBatch>& batches);
+std::pair<LoadPlan, std::vector<SharedReadBatch>> DecodeLoadAssignment(std::string_view bytes);
 std::string EncodeWriteResults(const std::vector<WriteResult>& results);
 std::vector<WriteResult> DecodeWriteResults(std::string_view bytes);
 

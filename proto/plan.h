@@ -71,6 +71,23 @@ struct LoadPlan {
   std::string planner_data;
 };
 
+/// Read-once on load: one broadcast, from `root`, of the stored bytes of read items that several
+/// ranks ask for in identical form (same stored item, same box). The root reads them once and
+/// every rank that asked receives them over the communicator instead of reading them again.
+/// Every rank of a load holds the same sequence of batches (same roots, same order), each with
+/// its own part: the root lists what it sends, a receiver what it takes.
+struct SharedReadBatch {
+  int32_t root = 0;
+  /// Root only: indices into its load plan's items, in the order their bytes are packed.
+  std::vector<int32_t> send_items;
+  /// Receivers: segment k of the root's message fills item recv_items[k'] of this rank's plan
+  /// where recv_segments[k'] == k (parallel vectors).
+  std::vector<int32_t> recv_segments;
+  std::vector<int32_t> recv_items;
+  /// Bytes the root's message carries (all segments).
+  uint64_t bytes = 0;
+};
+
 /// Where the bytes of one stored item live.
 struct StorageInfo {
   std::string relative_path;            // relative to the checkpoint root

@@ -75,6 +75,7 @@ class FaultReadable : public ReadableObject {
   void ReadAt(uint64_t offset, void* dst, size_t n) override {
     store_->Before(FaultOp::kRead, name_);
     inner_->ReadAt(offset, dst, n);
+    store_->RecordRead(n);
   }
   uint64_t size() const override { return inner_->size(); }
 
@@ -116,6 +117,7 @@ void FaultInjectionStore::Reset() {
   delays_.clear();
   written_.clear();
   crashed_ = false;
+  bytes_read_ = 0;
 }
 
 void FaultInjectionStore::Crash() {

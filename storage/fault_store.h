@@ -14,6 +14,7 @@
 // Thread-safe: saves use several threads at once.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -56,6 +57,8 @@ class FaultInjectionStore : public Store, public std::enable_shared_from_this<Fa
   void Delay(FaultOp op, std::chrono::milliseconds delay);
   /// Operations of kind `op` seen so far.
   int Count(FaultOp op) const;
+  /// Bytes read through ReadAt so far (all objects, all threads).
+  uint64_t BytesRead() const { return bytes_read_.load(); }
   /// Lose power now: drop undurable data; fail every later operation until Reset().
   void Crash();
   /// Clear faults, counters and the crashed state (the data stays as it is).
@@ -77,6 +80,7 @@ class FaultInjectionStore : public Store, public std::enable_shared_from_this<Fa
   // be cut short (write half, then fail).
   bool Before(FaultOp op, const std::string& name);
   void RecordWrite(const std::string& name, uint64_t size, bool synced, bool closed);
+  void RecordRead(uint64_t n) { bytes_read_ += n; }
   std::shared_ptr<Store> inner() const { return inner_; }
 
  private:
@@ -92,6 +96,7 @@ class FaultInjectionStore : public Store, public std::enable_shared_from_this<Fa
   };
   std::map<std::string, Durability> written_;  // objects written through this store
   bool crashed_ = false;
+  std::atomic<uint64_t> bytes_read_{0};
 };
 
 /// Expose `store` under "<scheme>://<anything>" (the location is ignored). Replaces an earlier

@@ -8,6 +8,8 @@
 #include <thread>
 
 #include "dcp/dcp.h"
+#include "dcp/storage/fault_store.h"
+#include "dcp/storage/file_store.h"
 #include "dcp/storage/store_checkpoint.h"
 #include "mpi/mpi_support.h"
 #include "support/test_support.h"
@@ -372,5 +374,50 @@ TEST_CASE("mpi: closing an async saver whose peer never joins stops it cleanly b
     Comm().Barrier("test/async-stall-closed");
   }
   CHECK_FALSE(Exists(dir + "/ckpt/" + kMetadataName));
+  RemoveSharedDir(dir);
+}
+
+TEST_CASE("mpi: read-once reads replicated entries from storage once, over MPI", "[mpi]") {
+  const std::string dir = SharedDir("read-once");
+  const int w = Comm().size();
+  // Each process counts its own reads through a wrapper around the shared directory.
+  auto store = std::make_shared<FaultInjectionStore>(MakeFileStore(dir));
+  RegisterFaultScheme("mpireadonce", store);
+  constexpr int64_t kRows = 64, kCols = 128;  // 32 KiB per replicated matrix
+  auto make = [&](bool fill) {
+    std::pair<std::vector<TensorView>, StateDict> s;
+    for (int i = 0; i < 4; ++i) {
+      TensorView t = fill ? RandomTensor(DType::kFloat32, {kRows, kCols}, 300 + i)
+                          : TensorView::Allocate(DType::kFloat32, {kRows, kCols});
+      s.first.push_back(t);
+      s.second.Set("model.layer" + std::to_string(i), t);
+    }
+    s.second.Set("vocab", Blob{fill ? std::string(3000, 'v') : std::string()});
+    return s;
+  };
+  auto saved = make(true);
+  Save(saved.second, "mpireadonce://x", Comm());
+  const uint64_t replicated = 4 * kRows * kCols * 4 + 3000;
+  uint64_t total[2] = {0, 0};
+  for (bool read_once : {false, true}) {
+    auto loaded = make(false);
+    store->Reset();
+    LoadOptions lo;
+    lo.read_once = read_once;
+    LoadStats stats;
+    lo.stats = &stats;
+    Load(loaded.second, "mpireadonce://x", Comm(), lo);
+    for (int i = 0; i < 4; ++i) CHECK(SameElements(loaded.first[i], saved.first[i]));
+    CHECK(std::get<Blob>(*loaded.second.Find("vocab")).bytes == std::string(3000, 'v'));
+    for (const auto& b : Comm().AllGather(std::to_string(store->BytesRead()), "test/bytes"))
+      total[read_once] += std::stoull(b);
+    if (read_once && w > 1) CHECK(stats.shared_batches > 0);
+  }
+  if (Comm().rank() == 0) {
+    std::printf("read-once at %d ranks: %llu bytes read from storage without, %llu with\n", w,
+                static_cast<unsigned long long>(total[0]),
+                static_cast<unsigned long long>(total[1]));
+  }
+  CHECK(total[0] - total[1] == static_cast<uint64_t>(w - 1) * replicated);
   RemoveSharedDir(dir);
 }
