@@ -16,6 +16,7 @@
 #include "dcp/proto/codec.h"
 #include "dcp/proto/device.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/parallel.h"
 #include "dcp/storage/registry.h"
 #include "dcp_version.h"
 
@@ -550,8 +551,13 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
       const std::string my_plan = RunPhase(
           comm, "save/plan", [&] { return cache ? my_local : local_plan(); },
           [&](std::vector<std::string> locals) {
-            std::vector<SavePlan> plans;
-            for (const auto& p : locals) plans.push_back(DecodeSavePlan(p));
+            // Per-rank decoding and encoding grow with the world: spread them over threads,
+            // and free each message as soon as it is decoded (or each plan once encoded).
+            std::vector<SavePlan> plans(locals.size());
+            ParallelFor(locals.size(), [&](size_t r) {
+              plans[r] = DecodeSavePlan(locals[r]);
+              std::string().swap(locals[r]);
+            });
             auto [global_plans, md] = planner.CreateGlobalPlan(std::move(plans));
             if (cache) {
               cache->entry.global_plans = global_plans;
@@ -561,10 +567,11 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
             global_md = std::move(md);
             // With a cache, each reply also carries the new plan's id (8 bytes first).
             plan_id = std::stoull(NewSaveId(), nullptr, 16);
-            std::vector<std::string> out;
-            for (const auto& p : global_plans) {
-              out.push_back((cache ? PackId(plan_id) : std::string()) + EncodeSavePlan(p));
-            }
+            std::vector<std::string> out(global_plans.size());
+            ParallelFor(global_plans.size(), [&](size_t r) {
+              out[r] = (cache ? PackId(plan_id) : std::string()) + EncodeSavePlan(global_plans[r]);
+              global_plans[r] = SavePlan();
+            });
             return out;
           });
       if (cache) {
@@ -590,8 +597,11 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
           return EncodeWriteResults(writer.WriteData(plan, planner).get());
         },
         [&](std::vector<std::string> locals) {
-          std::vector<std::vector<WriteResult>> results;
-          for (const auto& r : locals) results.push_back(DecodeWriteResults(r));
+          std::vector<std::vector<WriteResult>> results(locals.size());
+          ParallelFor(locals.size(), [&](size_t r) {
+            results[r] = DecodeWriteResults(locals[r]);
+            std::string().swap(locals[r]);
+          });
           global_md.format_version = kFormatVersion;
           global_md.checkpoint_id =
               options.checkpoint_id.empty() ? writer.uri() : options.checkpoint_id;
@@ -658,22 +668,26 @@ Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
           return EncodeLocalLoadPlan(reader.PrepareLocalPlan(planner.CreateLocalPlan()), can_share);
         },
         [&](std::vector<std::string> locals) {
-          std::vector<LoadPlan> plans;
-          std::vector<bool> sharing;
-          for (const auto& p : locals) {
-            auto [plan, shares] = DecodeLocalLoadPlan(p);
-            plans.push_back(std::move(plan));
-            sharing.push_back(shares);
-          }
+          std::vector<LoadPlan> plans(locals.size());
+          std::vector<bool> sharing(locals.size());
+          std::vector<char> shares(locals.size());
+          ParallelFor(locals.size(), [&](size_t r) {
+            auto decoded = DecodeLocalLoadPlan(locals[r]);
+            plans[r] = std::move(decoded.first);
+            shares[r] = decoded.second;
+            std::string().swap(locals[r]);
+          });
+          for (size_t r = 0; r < shares.size(); ++r) sharing[r] = shares[r] != 0;
           plans = reader.PrepareGlobalPlan(planner.CreateGlobalPlan(std::move(plans)));
           std::vector<std::vector<SharedReadBatch>> batches(plans.size());
           if (std::count(sharing.begin(), sharing.end(), true) > 1) {
             batches = PlanSharedReads(plans, md, sharing, options.storage.memory_budget_bytes);
           }
-          std::vector<std::string> out;
-          for (size_t r = 0; r < plans.size(); ++r) {
-            out.push_back(EncodeLoadAssignment(plans[r], batches[r]));
-          }
+          std::vector<std::string> out(plans.size());
+          ParallelFor(plans.size(), [&](size_t r) {
+            out[r] = EncodeLoadAssignment(plans[r], batches[r]);
+            plans[r] = LoadPlan();
+          });
           return out;
         });
   }();

@@ -6,6 +6,8 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <string_view>
+#include <unordered_map>
 
 #include "dcp/proto/device.h"
 #include "dcp/proto/error.h"
@@ -93,20 +95,34 @@ std::vector<Declaration> DecodeDeclarations(const std::string& data) {
 
 void ValidateChunks(const std::string& fqn, const Shape& shape,
                     const std::vector<PlacedChunk>& chunks) {
+  std::vector<ChunkMeta> metas;
+  std::vector<int> ranks;
+  metas.reserve(chunks.size());
+  ranks.reserve(chunks.size());
+  for (const auto& pc : chunks) {
+    metas.push_back(pc.chunk);
+    ranks.push_back(pc.rank);
+  }
+  ValidateChunks(fqn, shape, metas, ranks);
+}
+
+void ValidateChunks(const std::string& fqn, const Shape& shape,
+                    const std::vector<ChunkMeta>& chunks, const std::vector<int>& ranks) {
   const int64_t volume = NumElements(shape);
-  auto where = [](const PlacedChunk& c) {
-    return c.chunk.ToString() + (c.rank >= 0 ? " (rank " + std::to_string(c.rank) + ")" : "");
+  auto where = [&](size_t i) {
+    const int rank = i < ranks.size() ? ranks[i] : -1;
+    return chunks[i].ToString() + (rank >= 0 ? " (rank " + std::to_string(rank) + ")" : "");
   };
   int64_t covered = 0;
-  for (const auto& pc : chunks) {
-    const ChunkMeta& c = pc.chunk;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const ChunkMeta& c = chunks[i];
     if (c.offsets.size() != shape.size() || c.sizes.size() != shape.size()) {
-      throw InvalidArgumentError("tensor '" + fqn + "': chunk " + where(pc) +
+      throw InvalidArgumentError("tensor '" + fqn + "': chunk " + where(i) +
                                  " does not match the rank of shape " + ShapeToString(shape));
     }
     for (size_t d = 0; d < shape.size(); ++d) {
       if (c.offsets[d] < 0 || c.sizes[d] < 0 || c.offsets[d] > shape[d] - c.sizes[d]) {
-        throw InvalidArgumentError("tensor '" + fqn + "': chunk " + where(pc) +
+        throw InvalidArgumentError("tensor '" + fqn + "': chunk " + where(i) +
                                    " lies outside shape " + ShapeToString(shape));
       }
     }
@@ -114,31 +130,33 @@ void ValidateChunks(const std::string& fqn, const Shape& shape,
   }
   // Overlap check: sweep along the dimension with the most distinct chunk starts.
   std::vector<size_t> order;
+  order.reserve(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) {
-    if (chunks[i].chunk.numel() > 0) order.push_back(i);
+    if (chunks[i].numel() > 0) order.push_back(i);
   }
   if (order.size() > 1) {
     size_t sweep_dim = 0;
     if (!shape.empty()) {
       size_t best = 0;
+      std::vector<int64_t> starts(order.size());
       for (size_t d = 0; d < shape.size(); ++d) {
-        std::set<int64_t> starts;
-        for (size_t i : order) starts.insert(chunks[i].chunk.offsets[d]);
-        if (starts.size() > best) best = starts.size(), sweep_dim = d;
+        for (size_t k = 0; k < order.size(); ++k) starts[k] = chunks[order[k]].offsets[d];
+        std::sort(starts.begin(), starts.end());
+        const size_t distinct =
+            static_cast<size_t>(std::unique(starts.begin(), starts.end()) - starts.begin());
+        if (distinct > best) best = distinct, sweep_dim = d;
       }
     }
-    auto start = [&](size_t i) { return shape.empty() ? 0 : chunks[i].chunk.offsets[sweep_dim]; };
-    auto end = [&](size_t i) {
-      return shape.empty() ? 1 : start(i) + chunks[i].chunk.sizes[sweep_dim];
-    };
+    auto start = [&](size_t i) { return shape.empty() ? 0 : chunks[i].offsets[sweep_dim]; };
+    auto end = [&](size_t i) { return shape.empty() ? 1 : start(i) + chunks[i].sizes[sweep_dim]; };
     std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return start(a) < start(b); });
     std::vector<size_t> active;
     for (size_t i : order) {
       std::erase_if(active, [&](size_t a) { return end(a) <= start(i); });
       for (size_t a : active) {
-        if (Intersect(chunks[a].chunk, chunks[i].chunk)) {
-          throw InvalidArgumentError("tensor '" + fqn + "': chunks " + where(chunks[a]) + " and " +
-                                     where(chunks[i]) + " overlap");
+        if (Intersect(chunks[a], chunks[i])) {
+          throw InvalidArgumentError("tensor '" + fqn + "': chunks " + where(a) + " and " +
+                                     where(i) + " overlap");
         }
       }
       active.push_back(i);
@@ -311,126 +329,168 @@ SavePlan DefaultSavePlanner::CreateLocalPlan() {
 
 std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
     std::vector<SavePlan> plans) {
-  // 1. Group items by stored identity (fqn + chunk offsets) across ranks.
-  struct Holder {
+  // Cost grows with ranks x items (millions at thousands of ranks), so each item is looked at a
+  // few times through flat arrays: its fqn is hashed once into a dense id, and the items of one
+  // fqn are grouped by sorting their chunk offsets (no tree keyed by fqn and offsets).
+  struct Ref {
     int rank;
-    size_t item;
+    uint32_t item;
   };
-  std::map<MetadataIndex, std::vector<Holder>> holders;
+  std::unordered_map<std::string, uint32_t> ids;  // owns its keys: items are moved below
+  std::vector<std::vector<uint32_t>> item_ids(plans.size());
+  std::vector<std::vector<Ref>> by_fqn;  // id -> its items, rank-major
   for (size_t r = 0; r < plans.size(); ++r) {
+    item_ids[r].reserve(plans[r].items.size());
     for (size_t i = 0; i < plans[r].items.size(); ++i) {
-      holders[plans[r].items[i].index].push_back({static_cast<int>(r), i});
+      const std::string& fqn = plans[r].items[i].index.fqn;
+      auto [it, fresh] = ids.try_emplace(fqn, static_cast<uint32_t>(by_fqn.size()));
+      if (fresh) by_fqn.emplace_back();
+      item_ids[r].push_back(it->second);
+      by_fqn[it->second].push_back({static_cast<int>(r), static_cast<uint32_t>(i)});
     }
   }
+  auto item = [&](const Ref& ref) -> WriteItem& { return plans[ref.rank].items[ref.item]; };
+  // Ids in fqn order: the order of the stored items, which decides ties below.
+  std::vector<uint32_t> fqn_order(by_fqn.size());
+  std::iota(fqn_order.begin(), fqn_order.end(), 0u);
+  std::sort(fqn_order.begin(), fqn_order.end(), [&](uint32_t a, uint32_t b) {
+    return item(by_fqn[a][0]).index.fqn < item(by_fqn[b][0]).index.fqn;
+  });
+
+  // 1. Group items by stored identity (fqn + chunk offsets) across ranks.
   // 2. Dedup: every replicated item is kept by exactly one holder. Unique items load their
   //    rank first; then replicated items, largest first, go to the least-loaded holder.
   std::vector<uint64_t> load(plans.size(), 0);
-  std::vector<std::pair<const MetadataIndex*, std::vector<Holder>*>> replicated;
-  for (auto& [index, hs] : holders) {
-    const WriteItem& first = plans[hs[0].rank].items[hs[0].item];
-    for (const auto& h : hs) {
-      const WriteItem& other = plans[h.rank].items[h.item];
-      if (other.type != first.type || other.dtype != first.dtype || other.chunk != first.chunk ||
-          other.global_shape != first.global_shape) {
-        throw InvalidArgumentError(
-            "item " + index.ToString() + " differs between ranks: rank " +
-            std::to_string(hs[0].rank) + " has " + Describe(first.dtype, first.chunk.sizes) +
-            " of " + ShapeToString(first.global_shape) + ", rank " + std::to_string(h.rank) +
-            " has " + Describe(other.dtype, other.chunk.sizes) + " of " +
-            ShapeToString(other.global_shape));
+  std::vector<std::vector<Ref>> replicated;  // each: the holders of one stored item
+  for (uint32_t id : fqn_order) {
+    std::vector<Ref>& refs = by_fqn[id];
+    std::stable_sort(refs.begin(), refs.end(), [&](const Ref& a, const Ref& b) {
+      return item(a).index.offset < item(b).index.offset;
+    });
+    for (size_t b = 0; b < refs.size();) {
+      size_t e = b + 1;
+      while (e < refs.size() && item(refs[e]).index.offset == item(refs[b]).index.offset) ++e;
+      const WriteItem& first = item(refs[b]);
+      for (size_t k = b + 1; k < e; ++k) {
+        const WriteItem& other = item(refs[k]);
+        if (other.type != first.type || other.dtype != first.dtype || other.chunk != first.chunk ||
+            other.global_shape != first.global_shape) {
+          throw InvalidArgumentError(
+              "item " + first.index.ToString() + " differs between ranks: rank " +
+              std::to_string(refs[b].rank) + " has " + Describe(first.dtype, first.chunk.sizes) +
+              " of " + ShapeToString(first.global_shape) + ", rank " +
+              std::to_string(refs[k].rank) + " has " + Describe(other.dtype, other.chunk.sizes) +
+              " of " + ShapeToString(other.global_shape));
+        }
       }
-    }
-    if (hs.size() == 1) {
-      load[hs[0].rank] += first.size_bytes;
-    } else {
-      replicated.emplace_back(&index, &hs);
+      if (e - b == 1) {
+        load[refs[b].rank] += first.size_bytes;
+      } else {
+        replicated.emplace_back(refs.begin() + b, refs.begin() + e);
+      }
+      b = e;
     }
   }
   std::stable_sort(replicated.begin(), replicated.end(), [&](const auto& a, const auto& b) {
-    const auto& ha = (*a.second)[0];
-    const auto& hb = (*b.second)[0];
-    return plans[ha.rank].items[ha.item].size_bytes > plans[hb.rank].items[hb.item].size_bytes;
+    return item(a[0]).size_bytes > item(b[0]).size_bytes;
   });
-  std::vector<std::vector<bool>> drop(plans.size());
-  for (size_t r = 0; r < plans.size(); ++r) drop[r].assign(plans[r].items.size(), false);
-  for (auto& [index, hs] : replicated) {
-    const Holder* best = &(*hs)[0];
-    for (const auto& h : *hs) {
+  std::vector<std::vector<char>> drop(plans.size());
+  for (size_t r = 0; r < plans.size(); ++r) drop[r].assign(plans[r].items.size(), 0);
+  for (const auto& holders : replicated) {
+    const Ref* best = &holders[0];
+    for (const auto& h : holders) {
       if (load[h.rank] < load[best->rank]) best = &h;
     }
-    load[best->rank] += plans[best->rank].items[best->item].size_bytes;
-    for (const auto& h : *hs) {
-      if (&h != best) drop[h.rank][h.item] = true;
+    load[best->rank] += item(*best).size_bytes;
+    for (const auto& h : holders) {
+      if (&h != best) drop[h.rank][h.item] = 1;
     }
   }
-  for (size_t r = 0; r < plans.size(); ++r) {
-    std::vector<WriteItem> kept;
-    kept.reserve(plans[r].items.size());
-    for (size_t i = 0; i < plans[r].items.size(); ++i) {
-      if (!drop[r][i]) kept.push_back(std::move(plans[r].items[i]));
-    }
-    plans[r].items = std::move(kept);
-  }
+  replicated.clear();
 
   // 3. Build the metadata; all ranks must agree on each fqn's kind, dtype and global shape.
   Metadata md;
-  std::map<std::string, int> first_rank;
-  std::map<std::string, std::vector<PlacedChunk>> placed;
+  struct EntryState {
+    EntryMetadata* entry = nullptr;
+    int first_rank = -1;
+    std::vector<int> ranks;  // of each chunk, for validation messages
+  };
+  std::vector<EntryState> entries(by_fqn.size());
+  by_fqn.clear();
+  by_fqn.shrink_to_fit();
   for (size_t r = 0; r < plans.size(); ++r) {
     for (const auto& [fqn, path] : plans[r].key_paths) md.key_paths.emplace(fqn, path);
-    for (auto& item : plans[r].items) {
-      const std::string& fqn = item.index.fqn;
-      auto it = md.entries.find(fqn);
-      if (it == md.entries.end()) {
-        first_rank[fqn] = static_cast<int>(r);
-        if (item.is_tensor()) {
-          md.entries.emplace(fqn, TensorMetadata{item.dtype, item.global_shape, {}});
-        } else {
-          md.entries.emplace(fqn, BytesMetadata{});
-        }
-        it = md.entries.find(fqn);
+    std::vector<WriteItem>& items = plans[r].items;
+    size_t kept = 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (drop[r][i]) continue;
+      WriteItem& it = items[i];
+      EntryState& st = entries[item_ids[r][i]];
+      const std::string& fqn = it.index.fqn;
+      if (st.entry == nullptr) {
+        st.first_rank = static_cast<int>(r);
+        EntryMetadata fresh = it.is_tensor()
+                                  ? EntryMetadata(TensorMetadata{it.dtype, it.global_shape, {}})
+                                  : EntryMetadata(BytesMetadata{});
+        st.entry = &md.entries.emplace(fqn, std::move(fresh)).first->second;
       }
-      auto* t = std::get_if<TensorMetadata>(&it->second);
-      if ((t != nullptr) != item.is_tensor()) {
+      auto* t = std::get_if<TensorMetadata>(st.entry);
+      if ((t != nullptr) != it.is_tensor()) {
         throw InvalidArgumentError("'" + fqn + "' is a tensor on one rank and a byte blob on " +
-                                   "another (ranks " + std::to_string(first_rank[fqn]) + " and " +
+                                   "another (ranks " + std::to_string(st.first_rank) + " and " +
                                    std::to_string(r) + ")");
       }
       if (t == nullptr) {
-        item.index.index = 0;
-        continue;
+        it.index.index = 0;
+      } else {
+        if (t->dtype != it.dtype || t->shape != it.global_shape) {
+          throw InvalidArgumentError("tensor '" + fqn + "' disagrees across ranks: rank " +
+                                     std::to_string(st.first_rank) + " has " +
+                                     Describe(t->dtype, t->shape) + ", rank " + std::to_string(r) +
+                                     " has " + Describe(it.dtype, it.global_shape));
+        }
+        it.index.index = static_cast<int32_t>(t->chunks.size());
+        t->chunks.push_back(it.chunk);
+        st.ranks.push_back(static_cast<int>(r));
       }
-      if (t->dtype != item.dtype || t->shape != item.global_shape) {
-        throw InvalidArgumentError("tensor '" + fqn + "' disagrees across ranks: rank " +
-                                   std::to_string(first_rank[fqn]) + " has " +
-                                   Describe(t->dtype, t->shape) + ", rank " + std::to_string(r) +
-                                   " has " + Describe(item.dtype, item.global_shape));
-      }
-      item.index.index = static_cast<int32_t>(t->chunks.size());
-      t->chunks.push_back(item.chunk);
-      placed[fqn].push_back({item.chunk, static_cast<int>(r)});
+      if (kept != i) items[kept] = std::move(it);
+      ++kept;
     }
+    items.resize(kept);
+    std::vector<char>().swap(drop[r]);
+    std::vector<uint32_t>().swap(item_ids[r]);
   }
   // Sharded tensors that some rank declared without holding a shard.
+  std::map<std::string, int> declared_by;
   for (size_t r = 0; r < plans.size(); ++r) {
     for (const auto& d : DecodeDeclarations(plans[r].planner_data)) {
       auto [it, inserted] = md.entries.emplace(d.fqn, TensorMetadata{d.dtype, d.shape, {}});
-      if (inserted) first_rank[d.fqn] = static_cast<int>(r);
+      int first = static_cast<int>(r);
+      if (!inserted) {
+        auto known = ids.find(d.fqn);
+        first = known != ids.end() ? entries[known->second].first_rank
+                                   : declared_by.emplace(d.fqn, static_cast<int>(r)).first->second;
+      } else {
+        declared_by.emplace(d.fqn, static_cast<int>(r));
+      }
       const auto* t = std::get_if<TensorMetadata>(&it->second);
       if (t == nullptr || t->dtype != d.dtype || t->shape != d.shape) {
-        throw InvalidArgumentError("tensor '" + d.fqn + "' disagrees across ranks: rank " +
-                                   std::to_string(first_rank[d.fqn]) + " has " +
-                                   (t ? Describe(t->dtype, t->shape) : std::string("a byte blob")) +
-                                   ", rank " + std::to_string(r) + " has " +
-                                   Describe(d.dtype, d.shape));
+        throw InvalidArgumentError(
+            "tensor '" + d.fqn + "' disagrees across ranks: rank " + std::to_string(first) +
+            " has " + (t ? Describe(t->dtype, t->shape) : std::string("a byte blob")) + ", rank " +
+            std::to_string(r) + " has " + Describe(d.dtype, d.shape));
       }
     }
     plans[r].planner_data.clear();
   }
   // 4. Every tensor must be tiled exactly by its chunks.
+  static const std::vector<int> kNoRanks;
   for (const auto& [fqn, entry] : md.entries) {
-    if (const auto* t = std::get_if<TensorMetadata>(&entry))
-      ValidateChunks(fqn, t->shape, placed[fqn]);
+    const auto* t = std::get_if<TensorMetadata>(&entry);
+    if (t == nullptr) continue;
+    auto known = ids.find(fqn);
+    ValidateChunks(fqn, t->shape, t->chunks,
+                   known != ids.end() ? entries[known->second].ranks : kNoRanks);
   }
   return {std::move(plans), std::move(md)};
 }

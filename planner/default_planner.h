@@ -33,6 +33,9 @@ struct PlacedChunk {
 /// dimension, so row- or column-sharded tensors validate in O(n log n).
 void ValidateChunks(const std::string& fqn, const Shape& shape,
                     const std::vector<PlacedChunk>& chunks);
+/// The same for chunks[i] held by ranks[i] (`ranks` may be empty: no rank is named).
+void ValidateChunks(const std::string& fqn, const Shape& shape,
+                    const std::vector<ChunkMeta>& chunks, const std::vector<int>& ranks);
 
 class DefaultSavePlanner : public SavePlanner {
  public:

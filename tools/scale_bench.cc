@@ -22,10 +22,11 @@
 // norms, biases) row-sharded over all ranks, Adam's exp_avg and exp_avg_sq sharded the same way,
 // and --replicated small entries every rank holds (deduplicated by the coordinator).
 //
-// Reported per N: coordinator time (thread CPU) and peak extra resident memory per phase, the
-// bytes each phase moves, the encoded metadata size, a follower's time, and how each grows
-// from the previous N (the exponent k in cost ~ N^k). Planning never touches tensor bytes: every
-// view points into one small dummy buffer.
+// Reported per N: coordinator time (wall clock: per-rank decoding and encoding run over --threads
+// threads with ParallelFor, as dcp::Save and dcp::Load do) and peak extra resident memory per
+// phase, the bytes each phase moves, the encoded metadata size, a follower's time, and how each
+// grows from the previous N (the exponent k in cost ~ N^k). Planning never touches tensor bytes:
+// every view points into one small dummy buffer.
 //
 //   dcp-scale-bench [--ranks 64,256,1024] [--params 1000] [--replicated 50] [--full-load-max 64]
 //                   [--max-copies-mib 2048] [--replicate]
@@ -39,15 +40,24 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dcp/planner/default_planner.h"
+#include "dcp/planner/read_sharing.h"
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/codec.h"
+#include "dcp/proto/parallel.h"
 
 using namespace dcp;
 
 namespace {
+
+double WallSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+size_t g_threads = 0;  // --threads: ParallelFor's thread count for the coordinator (0: all cores)
 
 double CpuSeconds() {
   timespec ts;
@@ -152,6 +162,7 @@ struct Row {
   bool load_full = false;
   bool copies_counted = false;  // the N metadata copies were counted, not allocated
   double load_gather_s = -1;
+  double plan_decode_s = 0, plan_merge_s = 0;  // parts of plan_s (the rest: encoding replies)
   double cached_plan_s = 0, cached_plan_mib = 0, follower_cached_s = 0, cache_mib = 0;
 };
 
@@ -179,24 +190,32 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
 
   // save/plan, coordinator side.
   PeakMeter meter;
-  double t0 = CpuSeconds();
+  double t0 = WallSeconds();
   StateDict sd0 = RankState(params, replicated, 0, n, true);
   DefaultSavePlanner coordinator;
   coordinator.SetUp(sd0, {0, n, true});
-  std::vector<SavePlan> locals;
-  locals.reserve(n);
-  for (auto& g : gathered) {
-    locals.push_back(DecodeSavePlan(g));
-    std::string().swap(g);
-  }
+  std::vector<SavePlan> locals(n);
+  ParallelFor(
+      n,
+      [&](size_t r) {
+        locals[r] = DecodeSavePlan(gathered[r]);
+        std::string().swap(gathered[r]);
+      },
+      g_threads);
+  row.plan_decode_s = WallSeconds() - t0;
+  const double merge0 = WallSeconds();
   auto [globals, md] = coordinator.CreateGlobalPlan(std::move(locals));
+  row.plan_merge_s = WallSeconds() - merge0;
   std::vector<std::string> scattered(n);
-  for (int r = 0; r < n; ++r) {
-    globals[r].storage_data = "data-0123456789abcdef-r" + std::to_string(r);
-    scattered[r] = EncodeSavePlan(globals[r]);
-    row.scattered_mib += MiB(scattered[r].size());
-  }
-  row.plan_s = CpuSeconds() - t0;
+  ParallelFor(
+      n,
+      [&](size_t r) {
+        globals[r].storage_data = "data-0123456789abcdef-r" + std::to_string(r);
+        scattered[r] = EncodeSavePlan(globals[r]);
+      },
+      g_threads);
+  row.plan_s = WallSeconds() - t0;
+  for (const auto& m : scattered) row.scattered_mib += MiB(m.size());
   row.plan_mib = meter.PeakMiB();
 
   // save/plan with a plan cache hit (SavePlanCache): a follower plans, encodes and hashes its
@@ -214,7 +233,7 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
     std::vector<uint64_t> cached(n, hash), probes(n, hash);
     std::vector<SavePlan> cached_plans = globals;  // what rank 0's cache holds
     meter.Reset();
-    t0 = CpuSeconds();
+    t0 = WallSeconds();
     bool hit = true;
     for (int r = 0; r < n; ++r) hit = hit && probes[r] == cached[r];
     std::vector<std::string> replies(n);
@@ -224,7 +243,7 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
         replies[r] = "H" + cached_plans[r].storage_data;
       }
     }
-    row.cached_plan_s = CpuSeconds() - t0;
+    row.cached_plan_s = WallSeconds() - t0;
     row.cached_plan_mib = meter.PeakMiB();
     double cache_bytes = 0;
     for (const auto& g : cached_plans) cache_bytes += EncodeSavePlan(g).size();
@@ -253,10 +272,20 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
   }
   scattered.clear();
   meter.Reset();
-  t0 = CpuSeconds();
-  for (auto& r : results) {
-    for (auto& w : DecodeWriteResults(r)) md.storage.emplace(w.index, w.storage);
-    std::string().swap(r);
+  t0 = WallSeconds();
+  {
+    std::vector<std::vector<WriteResult>> decoded(n);
+    ParallelFor(
+        n,
+        [&](size_t r) {
+          decoded[r] = DecodeWriteResults(results[r]);
+          std::string().swap(results[r]);
+        },
+        g_threads);
+    for (auto& d : decoded) {
+      for (auto& w : d) md.storage.emplace(std::move(w.index), std::move(w.storage));
+      std::vector<WriteResult>().swap(d);
+    }
   }
   md.world_size = n;
   std::string md_bytes = EncodeMetadata(md);
@@ -273,14 +302,14 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
     replies.push_back(md_bytes);                                // the serialized reply
     replies.push_back(std::string(18 + 10, 'h') + replies[0]);  // the frame, sent N times
   }
-  row.write_s = CpuSeconds() - t0;
+  row.write_s = WallSeconds() - t0;
   row.write_mib = meter.PeakMiB() + (materialize ? 0 : row.md_mib * (n - 1));
   row.copies_counted = !materialize;
   replies.clear();
 
   // load/metadata: read (already in memory here), encode, replicate; a follower decodes it.
   meter.Reset();
-  t0 = CpuSeconds();
+  t0 = WallSeconds();
   std::string enc = EncodeMetadata(md);
   std::vector<std::string> bcast;
   if (replicate && materialize) bcast.assign(n, enc);
@@ -288,7 +317,7 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
     bcast.push_back(enc);
     bcast.push_back(std::string(18 + 13, 'h') + bcast[0]);
   }
-  row.load_md_s = CpuSeconds() - t0;
+  row.load_md_s = WallSeconds() - t0;
   row.load_md_mib = meter.PeakMiB() + (materialize ? 0 : row.md_mib * (n - 1));
   bcast.clear();
   t0 = CpuSeconds();
@@ -310,18 +339,21 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
     std::vector<std::string> plans(n);
     for (int r = 0; r < n; ++r) plans[r] = load_plan(r);
     meter.Reset();
-    t0 = CpuSeconds();
-    std::vector<LoadPlan> decoded;
-    for (auto& p : plans) decoded.push_back(DecodeLoadPlan(p));
+    t0 = WallSeconds();
+    std::vector<LoadPlan> decoded(n);
+    ParallelFor(
+        n, [&](size_t r) { decoded[r] = DecodeLoadPlan(plans[r]); }, g_threads);
     DefaultLoadPlanner lp;
     StateDict sd = RankState(params, replicated, 0, n, false);
     lp.SetUp(sd, follower_md, {0, n, true});
     auto out = lp.CreateGlobalPlan(std::move(decoded));
-    double scattered_bytes = 0;
-    for (const auto& p : out) scattered_bytes += EncodeLoadPlan(p).size();
-    row.load_gather_s = CpuSeconds() - t0;
+    // Read-once: the replicated entries every rank loads are assigned one reader each.
+    auto shared = PlanSharedReads(out, follower_md, std::vector<bool>(n, true), 256 << 20);
+    std::vector<size_t> sizes(n);
+    ParallelFor(
+        n, [&](size_t r) { sizes[r] = EncodeLoadAssignment(out[r], shared[r]).size(); }, g_threads);
+    row.load_gather_s = WallSeconds() - t0;
     row.load_full = true;
-    (void)scattered_bytes;
   }
   return row;
 }
@@ -351,6 +383,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-copies-mib", max_copies_mib,
                  "largest total of metadata copies actually allocated (beyond: counted)")
       ->capture_default_str();
+  app.add_option("--threads", g_threads,
+                 "coordinator threads for per-rank decoding/encoding (0: all cores, as dcp::Save)")
+      ->capture_default_str();
   app.add_flag("--replicate", replicate,
                "model the old metadata distribution: one copy per rank (the 'before')");
   CLI11_PARSE(app, argc, argv);
@@ -359,8 +394,10 @@ int main(int argc, char** argv) {
   const auto shapes = Parameters(params);
   std::printf(
       "dcp-scale-bench: %d parameters x3 (model, exp_avg, exp_avg_sq) sharded over all "
-      "ranks + %d replicated entries; CPU seconds of one thread, peak extra MiB\n",
-      params, replicated);
+      "ranks + %d replicated entries; coordinator: wall seconds (%zu threads), follower: CPU "
+      "seconds; peak extra MiB\n",
+      params, replicated,
+      g_threads ? g_threads : std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 16));
   std::printf("%6s | %8s %8s %8s | %8s %8s %9s %9s | %8s %9s | %9s %9s %9s | %8s %10s\n", "N",
               "plan s", "write s", "ldmeta s", "plan MiB", "wr MiB", "gather", "scatter", "md MiB",
               "md out", "f.plan s", "f.md s", "f.load s", "ld gat s", "ld plans");
@@ -386,15 +423,17 @@ int main(int argc, char** argv) {
   // Plan caching: a repeated save of the same structure (targets at 4,096 simulated ranks:
   // the first save plans in < 10 s, a repeated one in < 1 s).
   std::printf(
-      "\nsave planning, first save (full) vs repeated save (plan cache hit), seconds of one "
-      "thread:\n%6s | %10s %10s %9s | %10s %10s %10s\n",
-      "N", "first: co.", "repeat: co", "co. MiB", "follower", "cache MiB", "speed-up");
+      "\nsave planning, first save (full) vs repeated save (plan cache hit), seconds:\n"
+      "%6s | %10s %8s %8s %8s | %10s %9s | %10s %10s %10s\n",
+      "N", "first: co.", "decode", "merge", "encode", "repeat: co", "co. MiB", "follower",
+      "cache MiB", "speed-up");
   for (const Row& r : rows) {
     const double first = r.plan_s + r.follower_plan_s,
                  repeat = r.cached_plan_s + r.follower_cached_s;
-    std::printf("%6d | %10.3f %10.4f %9.1f | %10.4f %10.1f %9.0fx\n", r.n, r.plan_s,
-                r.cached_plan_s, r.cached_plan_mib, r.follower_cached_s, r.cache_mib,
-                first / std::max(repeat, 1e-9));
+    std::printf("%6d | %10.3f %8.3f %8.3f %8.3f | %10.4f %9.1f | %10.4f %10.1f %9.0fx\n", r.n,
+                r.plan_s, r.plan_decode_s, r.plan_merge_s,
+                r.plan_s - r.plan_decode_s - r.plan_merge_s, r.cached_plan_s, r.cached_plan_mib,
+                r.follower_cached_s, r.cache_mib, first / std::max(repeat, 1e-9));
   }
   std::printf("\ngrowth exponent k (cost ~ N^k) between consecutive N:\n");
   std::printf("%6s %6s | %7s %7s %8s %8s %7s %9s\n", "from", "to", "plan s", "write s", "plan MiB",
