@@ -3,6 +3,7 @@
 #include <google/protobuf/arena.h>
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/wire_format_lite.h>
 
 #include <algorithm>
 #include <cstring>
@@ -458,92 +459,164 @@ std::vector<WriteResult> DecodeWriteResults(std::string_view bytes) {
   return out;
 }
 
+// Metadata grows with ranks x tensors (hundreds of MiB at thousands of ranks), so it is encoded
+// and decoded one entry and one stored item at a time through a reused message, never as one
+// protobuf object beside the native one. The bytes are those of the whole message serialized
+// deterministically (fields in number order, map entries sorted).
+namespace {
+
+constexpr uint32_t kVersionTag = (1 << 3) | 0;  // Metadata.format_version, varint
+constexpr uint32_t kEntriesTag = (7 << 3) | 2;  // Metadata.entries, length-delimited
+constexpr uint32_t kItemsTag = (8 << 3) | 2;    // Metadata.items
+
+template <typename Msg>
+void WriteSubmessage(google::protobuf::io::CodedOutputStream& out, uint32_t tag, const Msg& m) {
+  const size_t size = m.ByteSizeLong();
+  if (size > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    throw InvalidArgumentError("a metadata entry of " + std::to_string(size) +
+                               " bytes is too large to encode");
+  }
+  out.WriteTag(tag);
+  out.WriteVarint32(static_cast<uint32_t>(size));
+  m.SerializeWithCachedSizes(&out);
+}
+
+}  // namespace
+
 std::string EncodeMetadata(const Metadata& md) {
-  google::protobuf::Arena arena(CodecArenaOptions());
-  auto& p = *google::protobuf::Arena::CreateMessage<pb::Metadata>(&arena);
-  p.set_format_version(md.format_version);
-  p.set_checkpoint_id(md.checkpoint_id);
-  p.set_save_id(md.save_id);
-  p.set_world_size(md.world_size);
-  p.set_created_unix_ns(md.created_unix_ns);
-  p.set_library_version(md.library_version);
-  for (const auto& [fqn, entry] : md.entries) {
-    auto* e = p.add_entries();
-    e->set_fqn(fqn);
-    if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
-      auto* te = e->mutable_tensor();
-      te->set_dtype(static_cast<pb::DType>(t->dtype));
-      FromShape(t->shape, te->mutable_shape());
-      for (const auto& c : t->chunks) ToPb(c, te->add_chunks());
-    } else {
-      e->mutable_bytes();
-    }
-  }
-  for (const auto& [index, info] : md.storage) {
-    auto* item = p.add_items();
-    ToPb(index, item->mutable_index());
-    ToPb(info, item->mutable_info());
-  }
-  for (const auto& [fqn, path] : md.key_paths) {
-    auto& kp = (*p.mutable_key_paths())[fqn];
-    for (const auto& k : path) kp.add_keys(k);
-  }
-  for (const auto& [k, v] : md.planner_data) (*p.mutable_planner_data())[k] = v;
-  // Deterministic so that equal metadata gives equal bytes (and equal checksums).
   std::string out;
   {
     google::protobuf::io::StringOutputStream sos(&out);
     google::protobuf::io::CodedOutputStream cos(&sos);
     cos.SetSerializationDeterministic(true);
-    p.SerializeToCodedStream(&cos);
+    {
+      pb::Metadata head;  // fields 1-6
+      head.set_format_version(md.format_version);
+      head.set_checkpoint_id(md.checkpoint_id);
+      head.set_save_id(md.save_id);
+      head.set_world_size(md.world_size);
+      head.set_created_unix_ns(md.created_unix_ns);
+      head.set_library_version(md.library_version);
+      head.SerializeToCodedStream(&cos);
+    }
+    pb::Entry e;
+    for (const auto& [fqn, entry] : md.entries) {
+      e.Clear();
+      e.set_fqn(fqn);
+      if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
+        auto* te = e.mutable_tensor();
+        te->set_dtype(static_cast<pb::DType>(t->dtype));
+        FromShape(t->shape, te->mutable_shape());
+        te->mutable_chunks()->Reserve(static_cast<int>(t->chunks.size()));
+        for (const auto& c : t->chunks) ToPb(c, te->add_chunks());
+      } else {
+        e.mutable_bytes();
+      }
+      WriteSubmessage(cos, kEntriesTag, e);
+    }
+    pb::StoredItem item;
+    for (const auto& [index, info] : md.storage) {
+      item.Clear();
+      ToPb(index, item.mutable_index());
+      ToPb(info, item.mutable_info());
+      WriteSubmessage(cos, kItemsTag, item);
+    }
+    pb::Metadata tail;  // fields 9-10 (maps: sorted by the deterministic stream)
+    for (const auto& [fqn, path] : md.key_paths) {
+      auto& kp = (*tail.mutable_key_paths())[fqn];
+      for (const auto& k : path) kp.add_keys(k);
+    }
+    for (const auto& [k, v] : md.planner_data) (*tail.mutable_planner_data())[k] = v;
+    tail.SerializeToCodedStream(&cos);
+    if (cos.HadError()) throw InternalError("cannot encode metadata");
   }
   return out;
 }
 
 Metadata DecodeMetadata(std::string_view bytes, std::string_view source) {
-  google::protobuf::Arena arena(CodecArenaOptions());
-  auto& p = *google::protobuf::Arena::CreateMessage<pb::Metadata>(&arena);
-  if (!p.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
-    throw CorruptionError(std::string(source) + ": metadata payload is not a valid protobuf");
+  const std::string src(source);
+  auto corrupt = [&](const std::string& what) {
+    return CorruptionError(src + ": metadata payload is not a valid protobuf (" + what + ")");
+  };
+  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
+    throw corrupt("larger than 2 GiB");
   }
+  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()),
+                                            static_cast<int>(bytes.size()));
+  in.SetRecursionLimit(64);
+  Metadata md;
+  // Fields other than entries and items (small: scalars and maps) are parsed as one message.
+  std::string rest;
+  google::protobuf::io::StringOutputStream rest_stream(&rest);
+  google::protobuf::io::CodedOutputStream rest_out(&rest_stream);
+  pb::Entry e;
+  pb::StoredItem item;
+  auto parse_sub = [&](auto& msg, const char* what) {
+    uint32_t length = 0;
+    if (!in.ReadVarint32(&length)) throw corrupt(std::string("truncated ") + what);
+    const auto limit = in.PushLimit(static_cast<int>(length));
+    msg.Clear();
+    if (!msg.MergePartialFromCodedStream(&in) || !in.ConsumedEntireMessage()) {
+      throw corrupt(std::string("bad ") + what);
+    }
+    in.PopLimit(limit);
+  };
+  for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
+    if (tag == kVersionTag) {
+      // Checked at once: a newer format's entries may not parse as this version's.
+      uint32_t version = 0;
+      if (!in.ReadVarint32(&version)) throw corrupt("truncated format version");
+      if (version > kFormatVersion) {
+        throw UnsupportedError(src + ": checkpoint format version " + std::to_string(version) +
+                               " is newer than this library's " + std::to_string(kFormatVersion) +
+                               "; upgrade dcp to read it");
+      }
+      rest_out.WriteTag(tag);
+      rest_out.WriteVarint32(version);
+    } else if (tag == kEntriesTag) {
+      parse_sub(e, "entry");
+      if (md.entries.count(e.fqn()))
+        throw CorruptionError(src + ": duplicate entry '" + e.fqn() + "'");
+      if (e.has_tensor()) {
+        TensorMetadata t;
+        t.dtype = ToDType(e.tensor().dtype(), source);
+        t.shape = ToShape(e.tensor().shape());
+        t.chunks.reserve(e.tensor().chunks_size());
+        for (const auto& c : e.tensor().chunks()) t.chunks.push_back(FromPb(c));
+        md.entries.emplace(e.fqn(), std::move(t));
+      } else if (e.has_bytes()) {
+        md.entries.emplace(e.fqn(), BytesMetadata{});
+      } else {
+        throw CorruptionError(src + ": entry '" + e.fqn() + "' has no kind");
+      }
+    } else if (tag == kItemsTag) {
+      parse_sub(item, "stored item");
+      MetadataIndex index = FromPb(item.index());
+      auto [it, inserted] = md.storage.try_emplace(std::move(index));
+      if (!inserted) throw CorruptionError(src + ": duplicate stored item " + it->first.ToString());
+      it->second = FromPb(item.info());
+    } else if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag, &rest_out)) {
+      throw corrupt("truncated field " + std::to_string(tag >> 3));
+    }
+  }
+  if (!in.ConsumedEntireMessage()) throw corrupt("bad tag");
+  rest_out.Trim();
+  pb::Metadata p;
+  if (!p.ParseFromString(rest)) throw corrupt("bad header");
   if (p.format_version() > kFormatVersion) {
-    throw UnsupportedError(std::string(source) + ": checkpoint format version " +
+    throw UnsupportedError(src + ": checkpoint format version " +
                            std::to_string(p.format_version()) + " is newer than this library's " +
                            std::to_string(kFormatVersion) + "; upgrade dcp to read it");
   }
   if (p.format_version() == 0) {
-    throw CorruptionError(std::string(source) + ": metadata has no format version");
+    throw CorruptionError(src + ": metadata has no format version");
   }
-  Metadata md;
   md.format_version = p.format_version();
   md.checkpoint_id = p.checkpoint_id();
   md.save_id = p.save_id();
   md.world_size = p.world_size();
   md.created_unix_ns = p.created_unix_ns();
   md.library_version = p.library_version();
-  for (const auto& e : p.entries()) {
-    if (md.entries.count(e.fqn())) {
-      throw CorruptionError(std::string(source) + ": duplicate entry '" + e.fqn() + "'");
-    }
-    if (e.has_tensor()) {
-      TensorMetadata t;
-      t.dtype = ToDType(e.tensor().dtype(), source);
-      t.shape = ToShape(e.tensor().shape());
-      for (const auto& c : e.tensor().chunks()) t.chunks.push_back(FromPb(c));
-      md.entries.emplace(e.fqn(), std::move(t));
-    } else if (e.has_bytes()) {
-      md.entries.emplace(e.fqn(), BytesMetadata{});
-    } else {
-      throw CorruptionError(std::string(source) + ": entry '" + e.fqn() + "' has no kind");
-    }
-  }
-  for (const auto& item : p.items()) {
-    MetadataIndex index = FromPb(item.index());
-    if (md.storage.count(index)) {
-      throw CorruptionError(std::string(source) + ": duplicate stored item " + index.ToString());
-    }
-    md.storage.emplace(std::move(index), FromPb(item.info()));
-  }
   for (const auto& [fqn, kp] : p.key_paths()) {
     md.key_paths[fqn] = KeyPath(kp.keys().begin(), kp.keys().end());
   }
