@@ -553,7 +553,9 @@ Metadata DecodeMetadata(std::string_view bytes, std::string_view source) {
   pb::StoredItem item;
   auto parse_sub = [&](auto& msg, const char* what) {
     uint32_t length = 0;
-    if (!in.ReadVarint32(&length)) throw corrupt(std::string("truncated ") + what);
+    if (!in.ReadVarint32(&length) || length > bytes.size() - in.CurrentPosition()) {
+      throw corrupt(std::string("truncated ") + what);
+    }
     const auto limit = in.PushLimit(static_cast<int>(length));
     msg.Clear();
     if (!msg.MergePartialFromCodedStream(&in) || !in.ConsumedEntireMessage()) {
