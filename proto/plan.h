@@ -133,4 +133,9 @@ struct Metadata {
   uint64_t TotalStoredBytes() const;
 };
 
+/// Replace md.storage with the stored items of every rank's write results. The results are
+/// sorted first and appended in order (a tree walk per item is the slow part at millions of
+/// items). InternalError naming the item when one was written twice.
+void FillStorage(Metadata& md, const std::vector<std::vector<WriteResult>>& results);
+
 }  // namespace dcp

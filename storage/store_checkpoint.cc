@@ -288,14 +288,14 @@ class StoreWriter : public StorageWriter {
   }
 
   void Finish(Metadata& md, const std::vector<std::vector<WriteResult>>& results) override {
-    md.storage.clear();
+    FillStorage(md, results);
     std::set<std::string> referenced;
     for (const auto& rank_results : results) {
+      const std::string* last = nullptr;  // a rank's results run through few files, in order
       for (const auto& r : rank_results) {
-        if (!md.storage.emplace(r.index, r.storage).second) {
-          throw InternalError("item " + r.index.ToString() + " was written twice");
+        if (last == nullptr || *last != r.storage.relative_path) {
+          last = &*referenced.insert(r.storage.relative_path).first;
         }
-        referenced.insert(r.storage.relative_path);
       }
     }
     // Every entry must have been written; checking here keeps a bad plan from committing.
