@@ -419,7 +419,9 @@ std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
   by_fqn.clear();
   by_fqn.shrink_to_fit();
   for (size_t r = 0; r < plans.size(); ++r) {
-    for (const auto& [fqn, path] : plans[r].key_paths) md.key_paths.emplace(fqn, path);
+    // try_emplace: every rank lists the same paths, and a node is made only for a new one.
+    for (const auto& [fqn, path] : plans[r].key_paths) md.key_paths.try_emplace(fqn, path);
+    plans[r].key_paths.clear();  // in the metadata now; the rank's reply need not carry them
     std::vector<WriteItem>& items = plans[r].items;
     size_t kept = 0;
     for (size_t i = 0; i < items.size(); ++i) {
