@@ -87,7 +87,7 @@ struct BigBack {
 
 }  // namespace
 
-TEST_CASE("s3: multipart uploads in parallel parts, ranged and prefetched reads", "[s3]") {
+TEST_CASE("s3: multipart uploads in parallel parts with ranged and prefetched reads", "[s3]") {
   if (!HaveServer()) return;
   const std::string root = S3TestRoot("objects");
   auto store = OpenStore(root);
@@ -128,7 +128,7 @@ TEST_CASE("s3: multipart uploads in parallel parts, ranged and prefetched reads"
   CHECK(S3IncompleteUploads(*store).empty());
 }
 
-TEST_CASE("s3: the commit is a conditional create; two jobs cannot both commit", "[s3]") {
+TEST_CASE("s3: the commit is a conditional create so two jobs cannot both commit", "[s3]") {
   if (!HaveServer()) return;
   auto store = OpenStore(S3TestRoot("commit"));
   store->PublishNew("metadata.dcp", "first job");
@@ -163,7 +163,7 @@ TEST_CASE("s3: the commit is a conditional create; two jobs cannot both commit",
   for (const auto& n : OpenStore(root)->List()) CHECK_FALSE(IsDataObjectName(n));  // aborted
 }
 
-TEST_CASE("s3: an expired lock lease is taken over; a late release frees nothing", "[s3][lock]") {
+TEST_CASE("s3: an expired lock lease is taken over and a late release frees nothing", "[s3][lock]") {
   if (!HaveServer()) return;
   const std::string root = S3TestRoot("lease");
   std::unique_ptr<StoreLock> crashed;
@@ -183,7 +183,7 @@ TEST_CASE("s3: an expired lock lease is taken over; a late release frees nothing
   CHECK(OpenStore(root)->TryLock("third"));
 }
 
-TEST_CASE("fault: s3 connection dropped mid-upload is retried; the save completes", "[fault][s3]") {
+TEST_CASE("fault: s3 connection dropped mid-upload is retried and the save completes", "[fault][s3]") {
   if (!HaveServer()) return;
   const std::string root = S3TestRoot("drop");
   Hook hook([](const S3RequestInfo& i) {
@@ -212,7 +212,7 @@ TEST_CASE("fault: s3 connection dropped mid-upload is retried; the save complete
   WARN("s3 connections dropped mid-upload: " << dropped << ", all retried, checkpoint intact");
 }
 
-TEST_CASE("fault: s3 5xx is retried with backoff; save and load complete", "[fault][s3]") {
+TEST_CASE("fault: s3 5xx is retried with backoff and save and load complete", "[fault][s3]") {
   if (!HaveServer()) return;
   const std::string root = S3TestRoot("retry");
   Hook hook([](const S3RequestInfo& i) {
@@ -231,7 +231,7 @@ TEST_CASE("fault: s3 5xx is retried with backoff; save and load complete", "[fau
   WARN("s3 requests answered 503 twice then served: " << first);
 }
 
-TEST_CASE("fault: s3 persistent 5xx fails the save after bounded retries; the previous "
+TEST_CASE("fault: s3 persistent 5xx fails the save after bounded retries: the previous "
           "checkpoint stays and no upload is left",
           "[fault][s3]") {
   if (!HaveServer()) return;
@@ -266,7 +266,7 @@ TEST_CASE("fault: s3 persistent 5xx fails the save after bounded retries; the pr
   CHECK(data == 1);
 }
 
-TEST_CASE("fault: s3 4xx is not retried (injected 400, and a real 403 from the server)",
+TEST_CASE("fault: s3 4xx is not retried (an injected 400 and a real 403 from the server)",
           "[fault][s3]") {
   if (!HaveServer()) return;
   const std::string root = S3TestRoot("fail4xx");
