@@ -28,6 +28,8 @@
 #include "dcp/storage/s3_store.h"
 
 #include <curl/curl.h>
+#include <pthread.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <atomic>
@@ -182,6 +184,40 @@ void EnsureCurl() {
   static CurlGlobal g;
   (void)g;
 }
+
+// SIGPIPE blocked on this thread for one transfer: a write to a connection the server closed
+// (a TLS write in particular, which libcurl cannot flag MSG_NOSIGNAL) must be an error to retry,
+// not the death of the training job. We keep CURLOPT_NOSIGNAL (no process-wide signal handler
+// juggling from many threads) and drain a SIGPIPE the transfer raised before unblocking.
+class SigpipeBlocked {
+ public:
+  SigpipeBlocked() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+    sigset_t pending;
+    sigpending(&pending);
+    pending_before_ = sigismember(&pending, SIGPIPE) == 1;
+  }
+  ~SigpipeBlocked() {
+    if (!pending_before_) {
+      sigset_t pending;
+      sigpending(&pending);
+      if (sigismember(&pending, SIGPIPE) == 1) {
+        const timespec zero{0, 0};
+        while (sigtimedwait(&pipe_, nullptr, &zero) == SIGPIPE) {
+        }
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  SigpipeBlocked(const SigpipeBlocked&) = delete;
+  SigpipeBlocked& operator=(const SigpipeBlocked&) = delete;
+
+ private:
+  sigset_t pipe_, old_;
+  bool pending_before_ = false;
+};
 
 // A transport-level failure of one attempt, retryable.
 struct TransportFailure {
@@ -423,7 +459,11 @@ class Client {
     } else if (c.method != "GET") {
       curl_easy_setopt(h, CURLOPT_CUSTOMREQUEST, c.method.c_str());
     }
-    const CURLcode rc = curl_easy_perform(h);
+    CURLcode rc;
+    {
+      SigpipeBlocked no_sigpipe;
+      rc = curl_easy_perform(h);
+    }
     curl_slist_free_all(list);
     long status = 0;
     curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
