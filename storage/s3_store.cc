@@ -700,8 +700,12 @@ class S3Readable : public ReadableObject {
     try {
       if (offset >= size_) return;
       n = std::min(n, size_ - offset);
-      if (!window_.empty() && offset >= window_.front().offset && offset + n <= ahead_end_) {
-        return;  // already covered
+      if (!window_.empty() && offset >= window_.front().offset && offset <= ahead_end_) {
+        // Inside or right after what is coming (the next piece of a sequential read): extend the
+        // window instead of restarting it, so the stream of GETs has no gap between pieces.
+        ahead_end_ = std::max(ahead_end_, offset + n);
+        TopUp();
+        return;
       }
       window_.clear();  // futures of std::async wait in their destructors
       next_ = offset;
