@@ -100,11 +100,6 @@ class Store {
   /// one, never a mix, and the result is durable when this returns (for a directory: write a
   /// temporary file, fsync, rename, fsync the directory).
   virtual void PublishAtomically(const std::string& name, std::string_view bytes) = 0;
-  /// PublishAtomically for an object that must not exist yet. A backend with a conditional
-  /// create (s3://: PUT with If-None-Match: *) refuses atomically with AlreadyExistsError when
-  /// it exists. The default is PublishAtomically: the writer lock (TryLock) is then the only
-  /// exclusion. The checkpoint protocol commits a new checkpoint's metadata with it.
-  virtual void PublishNew(const std::string& name, std::string_view bytes);
   /// Names of all objects (no particular order).
   virtual std::vector<std::string> List() = 0;
   /// Remove an object; removing an absent one is not an error.
@@ -123,6 +118,13 @@ class Store {
   /// The lock is advisory: it excludes other writers that take it, not plain object writes.
   /// Thread-safe; two TryLock calls on one location from one process also exclude each other.
   virtual std::unique_ptr<StoreLock> TryLock(const std::string& holder);
+
+  /// PublishAtomically for an object that must not exist yet. A backend with a conditional
+  /// create (s3://: PUT with If-None-Match: *) refuses atomically with AlreadyExistsError when
+  /// it exists. The default is PublishAtomically: the writer lock (TryLock) is then the only
+  /// exclusion. The checkpoint protocol commits a new checkpoint's metadata with it. (Declared
+  /// last so that the existing virtual functions keep their places for built plugins.)
+  virtual void PublishNew(const std::string& name, std::string_view bytes);
 
   /// Read a whole object.
   std::string ReadAll(const std::string& name);
