@@ -244,18 +244,14 @@ class Client {
     std::string last;
     for (int attempt = 0;; ++attempt) {
       if (retried) *retried = attempt > 0;
-      Response r;
-      bool failed = false;
       try {
-        r = Once(c, attempt);
+        Response r = Once(c, attempt);
         if (!Retryable(r.status)) return r;
         last = "HTTP " + std::to_string(r.status) + " " + ErrorCode(r) + " " +
                XmlValue(r.body, "Message");
       } catch (const TransportFailure& t) {
-        failed = true;
         last = t.what;
       }
-      (void)failed;
       if (attempt >= o_.max_retries) {
         throw IoError("s3: " + c.method + " " + Describe(c.key) + " failed after " +
                           std::to_string(attempt + 1) + " attempts: " + last,
@@ -1037,6 +1033,11 @@ S3Options S3Options::FromEnvironment(S3Options o) {
   if (o.endpoint.empty()) o.endpoint = "https://s3." + o.region + ".amazonaws.com";
   while (!o.endpoint.empty() && o.endpoint.back() == '/') o.endpoint.pop_back();
   if (o.endpoint.find("://") == std::string::npos) o.endpoint = "https://" + o.endpoint;
+  if (o.endpoint.find('/', o.endpoint.find("://") + 3) != std::string::npos ||
+      o.endpoint.find('?') != std::string::npos) {
+    throw InvalidArgumentError("S3 endpoint '" + o.endpoint +
+                               "' must be scheme://host[:port] without a path (AWS_ENDPOINT_URL)");
+  }
   if (o.access_key_id.empty()) o.access_key_id = Env("AWS_ACCESS_KEY_ID");
   if (o.secret_access_key.empty()) o.secret_access_key = Env("AWS_SECRET_ACCESS_KEY");
   if (o.session_token.empty()) o.session_token = Env("AWS_SESSION_TOKEN");
