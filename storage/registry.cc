@@ -9,6 +9,9 @@
 #include "dcp/proto/error.h"
 #include "dcp/storage/file_store.h"
 #include "dcp/storage/mem_store.h"
+#ifdef DCP_HAVE_S3
+#include "dcp/storage/s3_store.h"
+#endif
 #include "dcp/storage/store_checkpoint.h"
 
 namespace dcp {
@@ -18,6 +21,11 @@ std::string Store::ReadAll(const std::string& name) {
   std::string out(obj->size(), '\0');
   obj->ReadAt(0, out.data(), out.size());
   return out;
+}
+
+// No conditional create by default: the writer lock is the exclusion (store.h).
+void Store::PublishNew(const std::string& name, std::string_view bytes) {
+  PublishAtomically(name, bytes);
 }
 
 // No primitive by default: the writer then runs without exclusion (documented in store.h).
@@ -66,6 +74,11 @@ Registry& GetRegistry() {
         *r, "file", [](const std::string& loc) { return MakeFileStore(loc); }, false);
     RegisterStoreInto(
         *r, "mem", [](const std::string& loc) { return MakeMemStore(loc); }, false);
+#ifdef DCP_HAVE_S3
+    // s3://bucket/prefix (storage/s3_store.h); configured from the AWS_* environment.
+    RegisterStoreInto(
+        *r, "s3", [](const std::string& loc) { return MakeS3Store(loc); }, false);
+#endif
     // PyTorch DCP directories: written in torch's layout (2.x, or 1.13 for old torch); read
     // like any directory (file:// recognises them too).
     for (const auto& [scheme, format] :

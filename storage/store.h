@@ -119,6 +119,13 @@ class Store {
   /// Thread-safe; two TryLock calls on one location from one process also exclude each other.
   virtual std::unique_ptr<StoreLock> TryLock(const std::string& holder);
 
+  /// PublishAtomically for an object that must not exist yet. A backend with a conditional
+  /// create (s3://: PUT with If-None-Match: *) refuses atomically with AlreadyExistsError when
+  /// it exists. The default is PublishAtomically: the writer lock (TryLock) is then the only
+  /// exclusion. The checkpoint protocol commits a new checkpoint's metadata with it. (Declared
+  /// last so that the existing virtual functions keep their places for built plugins.)
+  virtual void PublishNew(const std::string& name, std::string_view bytes);
+
   /// Read a whole object.
   std::string ReadAll(const std::string& name);
 };

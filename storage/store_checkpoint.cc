@@ -189,6 +189,7 @@ class StoreWriter : public StorageWriter {
                                " checkpoint cannot replace it there: remove it or save elsewhere");
     }
     const bool exists = store_->Size(metadata_name_).has_value();
+    replacing_ = exists;
     if (exists && !options_.overwrite) {
       lock_.reset();
       throw AlreadyExistsError("a checkpoint already exists at " + store_->uri() + " (it has " +
@@ -308,7 +309,13 @@ class StoreWriter : public StorageWriter {
                                                              store_->uri())
                                     : EncodeMetadataFile(md);
     try {
-      store_->PublishAtomically(metadata_name_, encoded);
+      // A new checkpoint's metadata is created only if still absent where the store can say so
+      // atomically (S3: If-None-Match: *), so two jobs cannot both commit even past the lock.
+      if (replacing_) {
+        store_->PublishAtomically(metadata_name_, encoded);
+      } else {
+        store_->PublishNew(metadata_name_, encoded);
+      }
     } catch (const Error& e) {
       // The rename may have happened before the failure (e.g. the directory fsync failed): then
       // the checkpoint is committed and every rank must keep its data (docs/PROTOCOL.md).
@@ -502,6 +509,7 @@ class StoreWriter : public StorageWriter {
   StorageContext ctx_;
   std::vector<std::string> created_;
   std::unique_ptr<StoreLock> lock_;  // coordinator: held from SetUp to Finish/Abort
+  bool replacing_ = false;           // metadata existed at SetUp (an overwrite)
   std::set<std::string> replaced_;   // unlocked overwrite: files of the replaced checkpoint
 };
 

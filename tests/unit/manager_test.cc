@@ -9,6 +9,7 @@
 #include "dcp/storage/mem_store.h"
 #include "dcp/storage/registry.h"
 #include "dcp/storage/store_checkpoint.h"
+#include "support/s3_test_support.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -185,6 +186,11 @@ TEST_CASE("manager: keep N, latest and resume over every Store backend", "[async
   LoadStoragePlugin(DCP_KV_PLUGIN);
   roots.push_back({"kv", "kv://" + dir.path() + "/kv-root"});
 #endif
+  if (const std::string why = S3SkipReason(); why.empty()) {
+    roots.push_back({"s3", S3TestRoot("manager")});  // the real test server (Ceph RGW)
+  } else {
+    WARN("SKIPPED: the s3:// row: " << why);
+  }
   for (const auto& [scheme, root] : roots) {
     DYNAMIC_SECTION(scheme) {
       LocalCommunicator comm;

@@ -11,6 +11,7 @@
 #include "dcp/storage/file_store.h"
 #include "dcp/storage/mem_store.h"
 #include "dcp/storage/store_checkpoint.h"
+#include "support/s3_test_support.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -55,6 +56,15 @@ const std::vector<BackendCase>& Table() {
     LoadStoragePlugin(DCP_KV_PLUGIN);  // registers kv:// through dcp_register_storage()
     t.push_back({"kv", [] { return InTempDir("kv://"); }});
 #endif
+    // s3:// on the real test server (Ceph RGW), only where one is running: see the test
+    // "conformance: s3:// row" for the reason printed when it is absent.
+    if (dcp::testing::S3SkipReason().empty()) {
+      t.push_back({"s3", [] {
+                     Location loc;
+                     loc.uri = dcp::testing::S3TestRoot("conformance");
+                     return loc;
+                   }});
+    }
     return t;
   }();
   return table;
@@ -118,6 +128,16 @@ void Truncate(Store& store, const std::string& name, uint64_t size) {
 }
 
 }  // namespace
+
+TEST_CASE("conformance: s3:// row", "[storage][conformance][s3]") {
+  const std::string reason = dcp::testing::S3SkipReason();
+  if (!reason.empty()) {
+    WARN("SKIPPED: the s3:// conformance row: " << reason);
+    return;
+  }
+  const auto names = Backends();
+  CHECK(std::find(names.begin(), names.end(), "s3") != names.end());
+}
 
 TEST_CASE("conformance: Store objects", "[storage][conformance]") {
   for (const auto& scheme : Backends()) {

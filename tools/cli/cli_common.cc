@@ -76,6 +76,12 @@ Checkpoint OpenCheckpoint(const std::string& path) {
   try {
     c.store = OpenStore(path);
   } catch (const InvalidArgumentError& e) {
+    // A registered scheme refusing its location (e.g. s3:// without credentials) says why
+    // itself; the plugin hint is for schemes nobody registered.
+    const auto schemes = RegisteredSchemes();
+    if (std::find(schemes.begin(), schemes.end(), SplitUri(path).first) != schemes.end()) {
+      throw CliError{kUsage, e.what()};
+    }
     throw CliError{kUsage, std::string(e.what()) +
                                " (load the backend's plugin with --plugin LIB; registered: " +
                                [] {

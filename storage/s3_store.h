@@ -1,0 +1,101 @@
+// s3://bucket/prefix: checkpoints in an S3-compatible object store (AWS S3, Ceph RADOS Gateway,
+// MinIO, ...), over libcurl with AWS SigV4 signing (storage/s3_sigv4.h). Built when libcurl and
+// OpenSSL's libcrypto are found (DCP_HAVE_S3); otherwise the scheme is not registered.
+//
+// Configuration, from the usual environment variables unless S3Options says otherwise:
+//   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY   credentials (required)
+//   AWS_SESSION_TOKEN                          temporary credentials' token (optional)
+//   AWS_REGION or AWS_DEFAULT_REGION           signing region (default us-east-1)
+//   AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL    e.g. http://127.0.0.1:7480 for an S3-compatible
+//                                              server (default https://s3.<region>.amazonaws.com)
+//   DCP_S3_PART_SIZE_MIB (8), DCP_S3_PARTS_IN_FLIGHT (3), DCP_S3_READ_AHEAD_PARTS (3),
+//   DCP_S3_MAX_RETRIES (4), DCP_S3_LOCK_LEASE_S (86400), DCP_S3_SIGN_PAYLOAD (0)
+// Requests use path-style addressing (endpoint/bucket/key), which every S3-compatible server
+// accepts.
+//
+// How the Store maps onto S3 (see storage/s3_store.cc for why):
+//   Create   a multipart upload: parts of part_size bytes, up to parts_in_flight uploading while
+//            the next one fills, so one writer holds at most part_size x (parts_in_flight + 1)
+//            bytes (32 MiB by default: the store-buffer share of kWriterStagingBytes). An object
+//            smaller than one part is a single PUT at Close. Close completes the upload (only
+//            then is the object visible); destroying the writer without Close aborts it
+//            (AbortMultipartUpload: nothing partial remains, no parts left billed).
+//   Open     HEAD for the size; ReadAt is a ranged GET (a large one split into parallel
+//            ranges); Prefetch starts up to read_ahead_parts ranged GETs of part_size ahead.
+//   PublishAtomically  a single PUT (atomic in S3). PublishNew: PUT with If-None-Match: *
+//            (the commit of a new checkpoint: two jobs cannot both commit).
+//   List     ListObjectsV2 under the prefix ("/"-delimited: only the prefix's own objects).
+//   TryLock  the lock object .dcp.lock created with If-None-Match: *, holding a lease; an expired
+//            lease is taken over with If-Match: <its ETag> (docs/STORAGE_BACKENDS.md).
+// Errors: HTTP 404 is NotFoundError; 403 an IoError naming the bucket and key and the
+// credentials' variables; other 4xx non-retryable IoErrors; 5xx, 429 and connection failures
+// retryable IoErrors, retried here (bounded exponential backoff) before they are thrown.
+//
+// Thread safety: as every Store (storage/store.h). Connections are pooled per store.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dcp/storage/store.h"
+
+namespace dcp {
+
+struct S3Options {
+  /// Empty fields are taken from the environment (see above).
+  std::string endpoint;  // scheme://host[:port], no path
+  std::string region;
+  std::string access_key_id;
+  std::string secret_access_key;
+  std::string session_token;
+  /// 0: from DCP_S3_* or the defaults above.
+  uint64_t part_size = 0;        // at least 5 MiB (S3's minimum part size)
+  int parts_in_flight = 0;       // uploads in flight per writer
+  int read_ahead_parts = 0;      // ranged GETs in flight per reader's prefetch
+  int max_retries = -1;          // retries after the first attempt of a retryable failure
+  int64_t lock_lease_seconds = 0;
+  /// Sign the payload's SHA-256 (x-amz-content-sha256) instead of UNSIGNED-PAYLOAD: the server
+  /// then checks every body. Off by default: dcp checksums every item itself, and https
+  /// protects the transport.
+  bool sign_payload = false;
+
+  /// Fill every empty field from the environment and the defaults. InvalidArgumentError when
+  /// the credentials are missing or a value is out of range.
+  static S3Options FromEnvironment(S3Options given);
+};
+
+/// The store at `location` ("bucket" or "bucket/prefix", as after "s3://").
+/// InvalidArgumentError for a malformed location or missing credentials. No request is made
+/// until the store is used (CreateRoot creates the bucket if it does not exist).
+std::shared_ptr<Store> MakeS3Store(const std::string& location, S3Options options = {});
+
+/// Keys of the multipart uploads in progress under an s3:// location (not completed, not
+/// aborted): what a crashed writer leaves billed until a lifecycle rule or an abort removes it.
+/// InvalidArgumentError when `store` is not an s3:// store.
+std::vector<std::string> S3IncompleteUploads(Store& store);
+
+// ---- for tests ------------------------------------------------------------------------------
+
+/// What the client is about to send (method, key relative to the bucket, query string).
+struct S3RequestInfo {
+  std::string method;
+  std::string key;
+  std::string query;
+  int attempt = 0;  // 0 for the first try, 1.. for retries
+};
+enum class S3Fault {
+  kNone,
+  kDropMidBody,     // send half the request body, then drop the connection
+  kServerError503,  // answer 503 SlowDown without sending (as a server under load would)
+  kClientError400,  // answer 400 without sending
+};
+/// Install (or, with an empty function, remove) a process-wide hook consulted before every
+/// request. Tests only.
+void SetS3FaultHookForTesting(std::function<S3Fault(const S3RequestInfo&)> hook);
+/// Requests sent (or faulted) by every S3 store of the process so far.
+uint64_t S3RequestCountForTesting();
+
+}  // namespace dcp
