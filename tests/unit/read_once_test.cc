@@ -196,6 +196,16 @@ std::shared_ptr<FaultInjectionStore> SavedState(const std::string& bucket) {
   return store;
 }
 
+// Every rank holds the saved values.
+void CheckLoaded(const std::vector<State>& loaded) {
+  for (int r = 0; r < kWorld; ++r) {
+    State want = MakeState(r, true);
+    for (int i = 0; i < 3; ++i) CHECK(SameElements(loaded[r].replicated[i], want.replicated[i]));
+    CHECK(SameElements(loaded[r].shard, want.shard));
+    CHECK(std::get<Blob>(*loaded[r].sd.Find("tokenizer")).bytes == std::string(5000, 't'));
+  }
+}
+
 // Load at kWorld ranks; returns the bytes read from storage and each rank's stats.
 uint64_t LoadAll(FaultInjectionStore& store, bool read_once, size_t budget,
                  std::vector<LoadStats>& stats) {
@@ -210,12 +220,7 @@ uint64_t LoadAll(FaultInjectionStore& store, bool read_once, size_t budget,
     lo.stats = &stats[r];
     Load(loaded[r].sd, "readonce://x", comm, lo);
   }));
-  for (int r = 0; r < kWorld; ++r) {
-    State want = MakeState(r, true);
-    for (int i = 0; i < 3; ++i) CHECK(SameElements(loaded[r].replicated[i], want.replicated[i]));
-    CHECK(SameElements(loaded[r].shard, want.shard));
-    CHECK(std::get<Blob>(*loaded[r].sd.Find("tokenizer")).bytes == std::string(5000, 't'));
-  }
+  CheckLoaded(loaded);
   return store.BytesRead();
 }
 
@@ -309,11 +314,7 @@ TEST_CASE("read-once: a rank with its own planner reads for itself; values are t
     lo.stats = &stats[r];
     Load(loaded[r].sd, "readonce://x", comm, lo);
   }));
-  for (int r = 0; r < kWorld; ++r) {
-    State want = MakeState(r, true);
-    for (int i = 0; i < 3; ++i) CHECK(SameElements(loaded[r].replicated[i], want.replicated[i]));
-    CHECK(SameElements(loaded[r].shard, want.shard));
-  }
+  CheckLoaded(loaded);
   CHECK(stats[2].bytes_received == 0);
   CHECK(stats[2].bytes_sent == 0);
   CHECK(stats[2].shared_batches == stats[0].shared_batches);
