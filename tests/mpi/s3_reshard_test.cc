@@ -18,7 +18,9 @@ using namespace dcp::testing;
 
 namespace {
 
-constexpr int64_t kRows = 1001, kCols = 1031;  // ~4 MiB of float32: parts and ranged reads
+// ~37 MB of float32: each of 4 ranks writes a ~9 MB chunk (a 2-part multipart upload), and each
+// of 3 loading ranks reads parts of two of them (ranged GETs).
+constexpr int64_t kRows = 9001, kCols = 1031;
 
 std::string UriOrSkip() {
   std::string why = S3SkipReason();
@@ -68,9 +70,15 @@ TEST_CASE("s3 mpi: 4-rank save through s3://", "[.s3save]") {
   Metadata md = Save(m.sd, uri, Comm(), so);
   CHECK(md.world_size == 4);
   if (Comm().rank() == 0) {
-    int data = 0;
-    for (const auto& n : OpenStore(uri)->List()) data += IsDataObjectName(n);
-    CHECK(data >= 4);
+    int data = 0, multipart = 0;
+    auto store = OpenStore(uri);
+    for (const auto& n : store->List()) {
+      if (!IsDataObjectName(n)) continue;
+      ++data;
+      multipart += *store->Size(n) > (uint64_t{8} << 20);  // over one 8 MiB part
+    }
+    CHECK(data == 8);       // 4 ranks x 2 files
+    CHECK(multipart == 4);  // each rank's chunk of w went up in parts
   }
 }
 
