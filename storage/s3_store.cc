@@ -115,11 +115,16 @@ std::string XmlUnescape(const std::string& s) {
       continue;
     }
     const std::string ent = s.substr(i + 1, semi - i - 1);
-    if (ent == "amp") out += '&';
-    else if (ent == "lt") out += '<';
-    else if (ent == "gt") out += '>';
-    else if (ent == "quot") out += '"';
-    else if (ent == "apos") out += '\'';
+    if (ent == "amp")
+      out += '&';
+    else if (ent == "lt")
+      out += '<';
+    else if (ent == "gt")
+      out += '>';
+    else if (ent == "quot")
+      out += '"';
+    else if (ent == "apos")
+      out += '\'';
     else if (!ent.empty() && ent[0] == '#') {
       const long c = ent.size() > 1 && (ent[1] == 'x' || ent[1] == 'X')
                          ? std::strtol(ent.c_str() + 2, nullptr, 16)
@@ -157,7 +162,7 @@ std::string Unquote(std::string s) {
 
 struct Response {
   long status = 0;
-  std::string body;                           // error bodies and small results
+  std::string body;                            // error bodies and small results
   std::map<std::string, std::string> headers;  // lowercase names
   size_t dst_bytes = 0;                        // bytes written into the caller's buffer
 };
@@ -260,7 +265,8 @@ class Client {
       // 50 ms, 100, 200, ... capped at 2 s, with jitter so parallel parts do not retry in step.
       const int64_t base = std::min<int64_t>(2000, int64_t{50} << std::min(attempt, 6));
       std::this_thread::sleep_for(std::chrono::milliseconds(
-          base / 2 + static_cast<int64_t>(std::hash<std::string>{}(RandomToken()) % (base / 2 + 1))));
+          base / 2 +
+          static_cast<int64_t>(std::hash<std::string>{}(RandomToken()) % (base / 2 + 1))));
     }
   }
 
@@ -280,11 +286,9 @@ class Client {
   [[noreturn]] void Throw(const Call& c, const Response& r) const {
     const std::string code = ErrorCode(r);
     const std::string where = Describe(c.key);
-    const std::string detail = "HTTP " + std::to_string(r.status) +
-                               (code.empty() ? "" : " " + code) +
-                               (XmlValue(r.body, "Message").empty()
-                                    ? ""
-                                    : ": " + XmlValue(r.body, "Message"));
+    const std::string detail =
+        "HTTP " + std::to_string(r.status) + (code.empty() ? "" : " " + code) +
+        (XmlValue(r.body, "Message").empty() ? "" : ": " + XmlValue(r.body, "Message"));
     if (r.status == 404) {
       if (code == "NoSuchBucket") {
         throw NotFoundError("bucket s3://" + bucket_ + " does not exist (" + detail + ")");
@@ -305,9 +309,7 @@ class Client {
     throw IoError("s3: " + c.method + " " + where + " failed: " + detail, Retryable(r.status));
   }
 
-  static bool Retryable(long status) {
-    return status >= 500 || status == 429 || status == 408;
-  }
+  static bool Retryable(long status) { return status >= 500 || status == 429 || status == 408; }
 
  private:
   struct Transfer {
@@ -354,7 +356,8 @@ class Client {
       std::string name = line.substr(0, colon);
       std::transform(name.begin(), name.end(), name.begin(), ::tolower);
       std::string value = line.substr(colon + 1);
-      while (!value.empty() && (value.back() == '\r' || value.back() == '\n' || value.back() == ' '))
+      while (!value.empty() &&
+             (value.back() == '\r' || value.back() == '\n' || value.back() == ' '))
         value.pop_back();
       while (!value.empty() && value.front() == ' ') value.erase(0, 1);
       r->headers[name] = value;
@@ -417,7 +420,8 @@ class Client {
     sr.headers.emplace_back("host", host_);
     sr.headers.emplace_back("x-amz-date", amz_date);
     sr.headers.emplace_back("x-amz-content-sha256", sr.payload_hash);
-    if (!o_.session_token.empty()) sr.headers.emplace_back("x-amz-security-token", o_.session_token);
+    if (!o_.session_token.empty())
+      sr.headers.emplace_back("x-amz-security-token", o_.session_token);
     const std::string auth = sigv4::Authorization(
         sr, {o_.access_key_id, o_.secret_access_key, o_.session_token}, o_.region, "s3", amz_date);
 
@@ -466,9 +470,9 @@ class Client {
     if (rc != CURLE_OK) {
       // The connection may be half-used: do not give it to the next request.
       curl_easy_cleanup(h);
-      throw TransportFailure{std::string(curl_easy_strerror(rc)) +
-                             (fault == S3Fault::kDropMidBody ? " (injected: connection dropped)"
-                                                             : "")};
+      throw TransportFailure{
+          std::string(curl_easy_strerror(rc)) +
+          (fault == S3Fault::kDropMidBody ? " (injected: connection dropped)" : "")};
     }
     Return(h);
     r.status = status;
@@ -557,8 +561,8 @@ class S3Writable : public WritableObject {
         // Our first attempt completed it and its answer was lost: the object is there.
         Call head{"HEAD", key_};
         Response h = client_->Send(head);
-        if (h.status / 100 != 2 || std::strtoull(h.headers["content-length"].c_str(), nullptr,
-                                                 10) != size_) {
+        if (h.status / 100 != 2 ||
+            std::strtoull(h.headers["content-length"].c_str(), nullptr, 10) != size_) {
           client_->Throw(c, r);
         }
       } else if (r.status / 100 != 2 || r.body.find("<Error>") != std::string::npos) {
@@ -585,9 +589,9 @@ class S3Writable : public WritableObject {
       Response r = client_->Ok(c);
       upload_id_ = XmlValue(r.body, "UploadId");
       if (upload_id_.empty()) {
-        throw IoError("s3: CreateMultipartUpload of " + client_->Describe(key_) +
-                          " returned no UploadId",
-                      true);
+        throw IoError(
+            "s3: CreateMultipartUpload of " + client_->Describe(key_) + " returned no UploadId",
+            true);
       }
     }
     Reap(static_cast<size_t>(client_->options().parts_in_flight) - 1);
@@ -766,13 +770,12 @@ class S3Readable : public ReadableObject {
     if (first) std::rethrow_exception(first);
   }
 
-  static void Get(Client& client, const std::string& key, uint64_t offset, char* dst,
-                  uint64_t n) {
+  static void Get(Client& client, const std::string& key, uint64_t offset, char* dst, uint64_t n) {
     // A short body (a connection cut mid-response that curl did not notice) is retried too.
     for (int attempt = 0;; ++attempt) {
       Call c{"GET", key};
-      c.headers = {{"range", "bytes=" + std::to_string(offset) + "-" +
-                                 std::to_string(offset + n - 1)}};
+      c.headers = {
+          {"range", "bytes=" + std::to_string(offset) + "-" + std::to_string(offset + n - 1)}};
       c.dst = dst;
       c.dst_size = n;
       Response r = client.Ok(c);
@@ -860,7 +863,8 @@ class S3Store : public Store {
       put.body_size = body.size();
       Response p = client_->Send(put);
       // Someone else (another rank) may have created it meanwhile.
-      if (p.status / 100 != 2 && ErrorCodeOf(p) != "BucketAlreadyOwnedByYou") client_->Throw(put, p);
+      if (p.status / 100 != 2 && ErrorCodeOf(p) != "BucketAlreadyOwnedByYou")
+        client_->Throw(put, p);
     } else if (r.status / 100 != 2) {
       client_->Throw(head, r);
     }
@@ -1001,7 +1005,8 @@ class S3Store : public Store {
       take.body_size = record.size();
       Response t = client_->Send(take);
       if (t.status / 100 == 2) return std::make_unique<S3Lock>(client_, key, record, holder);
-      if (t.status == 412) throw LockedError(uri(), other + " (lease expired; taken over by another job)");
+      if (t.status == 412)
+        throw LockedError(uri(), other + " (lease expired; taken over by another job)");
       client_->Throw(take, t);
     }
     throw LockedError(uri(), "contended: the lock object kept changing");
@@ -1046,13 +1051,16 @@ S3Options S3Options::FromEnvironment(S3Options o) {
         "s3:// needs credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
         "AWS_ENDPOINT_URL for an S3-compatible server)");
   }
-  if (o.part_size == 0) o.part_size = static_cast<uint64_t>(EnvInt("DCP_S3_PART_SIZE_MIB", 8)) << 20;
+  if (o.part_size == 0)
+    o.part_size = static_cast<uint64_t>(EnvInt("DCP_S3_PART_SIZE_MIB", 8)) << 20;
   if (o.part_size < (uint64_t{5} << 20) || o.part_size > (uint64_t{5} << 30)) {
     throw InvalidArgumentError("s3 part size must be 5 MiB to 5 GiB, not " +
                                std::to_string(o.part_size) + " bytes");
   }
-  if (o.parts_in_flight <= 0) o.parts_in_flight = static_cast<int>(EnvInt("DCP_S3_PARTS_IN_FLIGHT", 3));
-  if (o.read_ahead_parts <= 0) o.read_ahead_parts = static_cast<int>(EnvInt("DCP_S3_READ_AHEAD_PARTS", 3));
+  if (o.parts_in_flight <= 0)
+    o.parts_in_flight = static_cast<int>(EnvInt("DCP_S3_PARTS_IN_FLIGHT", 3));
+  if (o.read_ahead_parts <= 0)
+    o.read_ahead_parts = static_cast<int>(EnvInt("DCP_S3_READ_AHEAD_PARTS", 3));
   if (o.parts_in_flight <= 0 || o.read_ahead_parts <= 0) {
     throw InvalidArgumentError("DCP_S3_PARTS_IN_FLIGHT and DCP_S3_READ_AHEAD_PARTS must be >= 1");
   }

@@ -52,10 +52,10 @@ struct S3Options {
   std::string secret_access_key;
   std::string session_token;
   /// 0: from DCP_S3_* or the defaults above.
-  uint64_t part_size = 0;        // at least 5 MiB (S3's minimum part size)
-  int parts_in_flight = 0;       // uploads in flight per writer
-  int read_ahead_parts = 0;      // ranged GETs in flight per reader's prefetch
-  int max_retries = -1;          // retries after the first attempt of a retryable failure
+  uint64_t part_size = 0;    // at least 5 MiB (S3's minimum part size)
+  int parts_in_flight = 0;   // uploads in flight per writer
+  int read_ahead_parts = 0;  // ranged GETs in flight per reader's prefetch
+  int max_retries = -1;      // retries after the first attempt of a retryable failure
   int64_t lock_lease_seconds = 0;
   /// Sign the payload's SHA-256 (x-amz-content-sha256) instead of UNSIGNED-PAYLOAD: the server
   /// then checks every body. Off by default: dcp checksums every item itself, and https

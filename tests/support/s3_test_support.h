@@ -27,7 +27,8 @@ inline std::string S3SkipReason() {
     return "no S3 test server (DCP_TEST_S3_ENDPOINT is not set; `tools/setup.sh test` starts "
            "Ceph's RADOS Gateway with tests/s3/start_rgw.sh and exports it)";
   }
-  if (std::getenv("AWS_ACCESS_KEY_ID") == nullptr || std::getenv("AWS_SECRET_ACCESS_KEY") == nullptr) {
+  if (std::getenv("AWS_ACCESS_KEY_ID") == nullptr ||
+      std::getenv("AWS_SECRET_ACCESS_KEY") == nullptr) {
     return "DCP_TEST_S3_ENDPOINT is set but AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY are not";
   }
   ::setenv("AWS_ENDPOINT_URL", endpoint, 1);  // the test server, whatever else is configured

@@ -2,9 +2,9 @@
 // (credentials AKIDEXAMPLE, 20150830T123600Z, region us-east-1, service "service") and the
 // worked S3 examples of the S3 API reference (AKIAIOSFODNN7EXAMPLE, 20130524T000000Z). The
 // expected signatures are AWS's, not computed by this code. Runs without any server.
-#include <catch2/catch.hpp>
-
 #include "dcp/storage/s3_sigv4.h"
+
+#include <catch2/catch.hpp>
 
 #ifdef DCP_HAVE_S3
 using namespace dcp::sigv4;
@@ -13,7 +13,9 @@ namespace {
 
 const std::string kEmptySha = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 
-Credentials SuiteCredentials() { return {"AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", ""}; }
+Credentials SuiteCredentials() {
+  return {"AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", ""};
+}
 Credentials S3Credentials() {
   return {"AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", ""};
 }
@@ -49,7 +51,8 @@ TEST_CASE("sigv4: AWS test suite get-vanilla", "[s3][sigv4]") {
   const Request r = SuiteRequest("GET");
   CHECK(CanonicalRequest(r) ==
         "GET\n/\n\nhost:example.amazonaws.com\nx-amz-date:20150830T123600Z\n\n"
-        "host;x-amz-date\n" + kEmptySha);
+        "host;x-amz-date\n" +
+            kEmptySha);
   CHECK(StringToSign(CanonicalRequest(r), "20150830T123600Z",
                      Scope("20150830", "us-east-1", "service")) ==
         "AWS4-HMAC-SHA256\n20150830T123600Z\n20150830/us-east-1/service/aws4_request\n"
@@ -64,12 +67,12 @@ TEST_CASE("sigv4: AWS test suite query order and post-vanilla", "[s3][sigv4]") {
   Request q = SuiteRequest("GET");
   q.query = {{"Param2", "value2"}, {"Param1", "value1"}};  // sorted by the canonical form
   CHECK(CanonicalQuery(q.query) == "Param1=value1&Param2=value2");
-  CHECK(SignatureOf(Authorization(q, SuiteCredentials(), "us-east-1", "service",
-                                  "20150830T123600Z")) ==
+  CHECK(SignatureOf(
+            Authorization(q, SuiteCredentials(), "us-east-1", "service", "20150830T123600Z")) ==
         "b97d918cfa904a5beff61c982a1b6f458b799221646efd99d3219ec94cdf2500");
   const Request p = SuiteRequest("POST");
-  CHECK(SignatureOf(Authorization(p, SuiteCredentials(), "us-east-1", "service",
-                                  "20150830T123600Z")) ==
+  CHECK(SignatureOf(
+            Authorization(p, SuiteCredentials(), "us-east-1", "service", "20150830T123600Z")) ==
         "5da7c1a2acd57cee7505fc6676e4e544621c30862966e37dddb68e92efbe5d6b");
 }
 
@@ -121,15 +124,13 @@ TEST_CASE("sigv4: the S3 API reference examples", "[s3][sigv4]") {
                   {"x-amz-content-sha256", kEmptySha},
                   {"x-amz-date", "20130524T000000Z"}};
   list.payload_hash = kEmptySha;
-  CHECK(SignatureOf(Authorization(list, S3Credentials(), "us-east-1", "s3",
-                                  "20130524T000000Z")) ==
+  CHECK(SignatureOf(Authorization(list, S3Credentials(), "us-east-1", "s3", "20130524T000000Z")) ==
         "34b48302e7b5fa45bde8084f4b7868a86f0a534bc59db6670ed5711ef69dc6f7");
 
   // A changed byte anywhere changes the signature (the test can fail).
   Request other = get;
   other.headers[1].second = "bytes=0-8";
-  CHECK(SignatureOf(Authorization(other, S3Credentials(), "us-east-1", "s3",
-                                  "20130524T000000Z")) !=
+  CHECK(SignatureOf(Authorization(other, S3Credentials(), "us-east-1", "s3", "20130524T000000Z")) !=
         "f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41");
   CHECK(AmzDateNow().size() == 16);
 }

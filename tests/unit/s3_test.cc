@@ -3,8 +3,8 @@
 // that apply to an object store: a connection dropped mid-upload, a 5xx retried, a 4xx not
 // retried (one injected through the client's test hook, one a real 403 from the server), an
 // abandoned upload aborted. Every test SKIPs, printing why, where no server is running.
-#include <catch2/catch.hpp>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -106,8 +106,12 @@ TEST_CASE("s3: multipart uploads in parallel parts with ranged and prefetched re
     CHECK_FALSE(store->Size("big"));  // invisible until Close
     w->Close();
   }
-  CHECK(hook.Count([](const S3RequestInfo& i) { return i.method == "POST" && i.query == "uploads="; }) == 1);
-  CHECK(hook.Count([](const S3RequestInfo& i) { return IsPart(i, 1) || IsPart(i, 2) || IsPart(i, 3); }) == 3);
+  CHECK(hook.Count([](const S3RequestInfo& i) {
+    return i.method == "POST" && i.query == "uploads=";
+  }) == 1);
+  CHECK(hook.Count([](const S3RequestInfo& i) {
+    return IsPart(i, 1) || IsPart(i, 2) || IsPart(i, 3);
+  }) == 3);
   CHECK(hook.Count([](const S3RequestInfo& i) { return IsPart(i, 4); }) == 0);
   REQUIRE(store->Size("big") == bytes.size());
   auto r = store->Open("big");
@@ -145,7 +149,8 @@ TEST_CASE("s3: the commit is a conditional create so two jobs cannot both commit
     static std::atomic<bool> done{false};
     done = false;
     Hook hook([&](const S3RequestInfo& i) {
-      if (i.method == "PUT" && i.key.find("metadata.dcp") != std::string::npos && !done.exchange(true)) {
+      if (i.method == "PUT" && i.key.find("metadata.dcp") != std::string::npos &&
+          !done.exchange(true)) {
         OpenStore(root)->PublishAtomically("metadata.dcp", "other job's commit");
       }
       return S3Fault::kNone;
@@ -163,7 +168,8 @@ TEST_CASE("s3: the commit is a conditional create so two jobs cannot both commit
   for (const auto& n : OpenStore(root)->List()) CHECK_FALSE(IsDataObjectName(n));  // aborted
 }
 
-TEST_CASE("s3: an expired lock lease is taken over and a late release frees nothing", "[s3][lock]") {
+TEST_CASE("s3: an expired lock lease is taken over and a late release frees nothing",
+          "[s3][lock]") {
   if (!HaveServer()) return;
   const std::string root = S3TestRoot("lease");
   std::unique_ptr<StoreLock> crashed;
@@ -183,7 +189,8 @@ TEST_CASE("s3: an expired lock lease is taken over and a late release frees noth
   CHECK(OpenStore(root)->TryLock("third"));
 }
 
-TEST_CASE("fault: s3 connection dropped mid-upload is retried and the save completes", "[fault][s3]") {
+TEST_CASE("fault: s3 connection dropped mid-upload is retried and the save completes",
+          "[fault][s3]") {
   if (!HaveServer()) return;
   const std::string root = S3TestRoot("drop");
   Hook hook([](const S3RequestInfo& i) {
@@ -203,7 +210,8 @@ TEST_CASE("fault: s3 connection dropped mid-upload is retried and the save compl
                                                i.key.find(".data") != std::string::npos));
   });
   CHECK(dropped == 2);
-  CHECK(hook.Count([](const S3RequestInfo& i) { return i.attempt == 1; }) == 2);  // each retried once
+  CHECK(hook.Count([](const S3RequestInfo& i) { return i.attempt == 1; }) ==
+        2);  // each retried once
   BigBack b;
   Load(b.sd, root);
   CHECK(SameElements(b.big, s.big));
@@ -231,9 +239,10 @@ TEST_CASE("fault: s3 5xx is retried with backoff and save and load complete", "[
   WARN("s3 requests answered 503 twice then served: " << first);
 }
 
-TEST_CASE("fault: s3 persistent 5xx fails the save after bounded retries: the previous "
-          "checkpoint stays and no upload is left",
-          "[fault][s3]") {
+TEST_CASE(
+    "fault: s3 persistent 5xx fails the save after bounded retries: the previous "
+    "checkpoint stays and no upload is left",
+    "[fault][s3]") {
   if (!HaveServer()) return;
   const std::string root = S3TestRoot("fail5xx");
   BigState v1;
