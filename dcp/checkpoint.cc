@@ -306,6 +306,7 @@ class CapturingPlanner : public LoadPlanner {
  private:
   std::optional<std::pair<size_t, size_t>> Expected(const ReadItem& item) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (expected_.empty()) return std::nullopt;  // most commits: no identity string to build
     auto it = expected_.find(ItemIdentity(item));
     if (it == expected_.end()) return std::nullopt;
     return it->second;
