@@ -182,7 +182,7 @@ TEST_CASE("async: a background failure surfaces at the next call, once", "[async
   }
 }
 
-TEST_CASE("async: one save in flight; a new save waits for the previous", "[async]") {
+TEST_CASE("async: one save in flight, a new save waits for the previous", "[async]") {
   RegisterSlowScheme();
   ClearMemStore("slow/order-1");
   ClearMemStore("slow/order-2");
@@ -226,7 +226,7 @@ TEST_CASE("async: shutdown with a save in flight", "[async][fault]") {
   }
 }
 
-TEST_CASE("manager: retention keeps the newest N and every Mth; crash leftovers are never chosen",
+TEST_CASE("manager: retention keeps the newest N and every Mth, crash leftovers are never chosen",
           "[async][manager]") {
   for (bool async : {false, true}) {
     DYNAMIC_SECTION((async ? "async" : "sync")) {

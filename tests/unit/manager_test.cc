@@ -140,7 +140,7 @@ TEST_CASE("manager: a failing retention is reported on its own and never skips a
   }
 }
 
-TEST_CASE("manager: Close() reports instead of throwing; CloseOrThrow raises", "[async][manager]") {
+TEST_CASE("manager: Close() reports instead of throwing, CloseOrThrow raises", "[async][manager]") {
   RegisterFlaky();
   Faults faults;
   static int counter = 0;

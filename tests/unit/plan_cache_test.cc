@@ -81,7 +81,7 @@ void CheckCounts(const std::vector<std::shared_ptr<SavePlanCache>>& caches, uint
   }
 }
 
-TEST_CASE("plan cache: repeated saves reuse the plan; changes plan in full", "[plancache]") {
+TEST_CASE("plan cache: repeated saves reuse the plan, changes plan in full", "[plancache]") {
   ClearMemStore("plancache");
   std::vector<std::shared_ptr<SavePlanCache>> caches;
   for (int r = 0; r < kRanks; ++r) caches.push_back(std::make_shared<SavePlanCache>());
@@ -115,7 +115,7 @@ TEST_CASE("plan cache: repeated saves reuse the plan; changes plan in full", "[p
   ClearMemStore("plancache");
 }
 
-TEST_CASE("plan cache: a hit writes new data files; the replaced checkpoint's are removed",
+TEST_CASE("plan cache: a hit writes new data files, the replaced checkpoint's are removed",
           "[plancache]") {
   ClearMemStore("plancache2");
   std::vector<std::shared_ptr<SavePlanCache>> caches;

@@ -99,7 +99,7 @@ Roles Collect(const std::vector<std::vector<SharedReadBatch>>& batches) {
 
 }  // namespace
 
-TEST_CASE("read-once: identical reads get one reader, balanced; the rest receive", "[read-once]") {
+TEST_CASE("read-once: identical reads get one reader, balanced, the rest receive", "[read-once]") {
   const Metadata md = ToyMetadata();
   auto batches = PlanSharedReads(ToyPlans(4), md, {true, true, true, true}, 1 << 20);
   Roles roles = Collect(batches);
@@ -301,7 +301,7 @@ TEST_CASE("read-once: a root that cannot read its items fails every rank at once
   CHECK(naming_root > 0);  // the receivers say whose read failed
 }
 
-TEST_CASE("read-once: a rank with its own planner reads for itself; values are the same",
+TEST_CASE("read-once: a rank with its own planner reads for itself, values are the same",
           "[read-once]") {
   auto store = SavedState("read-once-mixed");
   std::vector<State> loaded(kWorld);
