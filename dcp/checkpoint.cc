@@ -11,6 +11,7 @@
 #include <typeinfo>
 
 #include "dcp.pb.h"  // generated from proto/dcp.proto
+#include "dcp/planner/compact_plan.h"
 #include "dcp/planner/read_sharing.h"
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/codec.h"
@@ -477,15 +478,24 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
   StorageContext sctx{rank, size, rank == 0, rank == 0 ? NewSaveId() : std::string()};
   Metadata global_md;  // built on the coordinator
   std::string md_bytes;
+  SaveStats local_stats;
+  SaveStats& stats = options.stats ? *options.stats : local_stats;
+  stats = SaveStats();
 
   // The state machine of docs/PROTOCOL.md: every local step runs inside a phase, so an error on
   // one rank is everyone's; only a verdict of kFailed lets a rank remove what it wrote.
   try {
     OperationScope op(comm, "save", writer.uri());
-    auto local_plan = [&] {
-      writer.SetUp(sctx);
-      planner.SetUp(state_dict, pctx);
-      return EncodeSavePlan(writer.PrepareLocalPlan(planner.CreateLocalPlan()));
+    SavePlan my_full;  // this rank's local plan, made once
+    bool have_local = false;
+    auto local_plan = [&]() -> const SavePlan& {
+      if (!have_local) {
+        writer.SetUp(sctx);
+        planner.SetUp(state_dict, pctx);
+        my_full = writer.PrepareLocalPlan(planner.CreateLocalPlan());
+        have_local = true;
+      }
+      return my_full;
     };
     SavePlanCache* cache = options.plan_cache.get();
     const std::string planner_type = typeid(planner).name();
@@ -500,11 +510,13 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
       const std::string verdict = RunPhase(
           comm, "save/plan-cache",
           [&] {
-            my_local = local_plan();
+            my_local = EncodeSavePlan(local_plan());
             my_hash = PlanHash(my_local);
             const SavePlanCache::Entry& e = cache->entry;
             const bool usable = e.valid && e.world_size == size && e.planner == planner_type;
-            return PackCacheProbe(usable, my_hash, usable ? e.plan_id : 0);
+            std::string probe = PackCacheProbe(usable, my_hash, usable ? e.plan_id : 0);
+            stats.plan_bytes_sent += probe.size();
+            return probe;
           },
           [&](std::vector<std::string> probes) {
             SavePlanCache::Entry& e = cache->entry;
@@ -540,6 +552,7 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
         central = cache->entry.central;
         central.storage_data = verdict.substr(1);
         planned = true;
+        stats.cached_plan = true;
         ++cache->hits_;
       } else {
         ++cache->misses_;
@@ -547,47 +560,125 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
         if (rank == 0) cache->entry.hashes = std::move(hashes);
       }
     }
-    if (!planned) {
-      uint64_t plan_id = 0;
-      const std::string my_plan = RunPhase(
-          comm, "save/plan", [&] { return cache ? my_local : local_plan(); },
-          [&](std::vector<std::string> locals) {
-            // Per-rank decoding and encoding grow with the world: spread them over threads,
-            // and free each message as soon as it is decoded (or each plan once encoded).
-            std::vector<SavePlan> plans(locals.size());
-            ParallelFor(locals.size(), [&](size_t r) {
-              plans[r] = DecodeSavePlan(locals[r]);
-              std::string().swap(locals[r]);
-            });
-            auto [global_plans, md] = planner.CreateGlobalPlan(std::move(plans));
-            if (cache) {
-              cache->entry.global_plans = global_plans;
-              cache->entry.skeleton = md;
-            }
-            global_plans = writer.PrepareGlobalPlan(std::move(global_plans));
-            global_md = std::move(md);
-            // With a cache, each reply also carries the new plan's id (8 bytes first).
-            plan_id = std::stoull(NewSaveId(), nullptr, 16);
-            std::vector<std::string> out(global_plans.size());
-            ParallelFor(global_plans.size(), [&](size_t r) {
-              out[r] = (cache ? PackId(plan_id) : std::string()) + EncodeSavePlan(global_plans[r]);
-              global_plans[r] = SavePlan();
-            });
-            return out;
-          });
+    // A plan that came from the coordinator: what the plan cache keeps of it.
+    auto remember = [&](std::string_view reply) {
+      if (!cache) return;
+      if (reply.size() < 8) throw InternalError("save plan reply without its plan id");
+      SavePlanCache::Entry& e = cache->entry;
+      e.valid = true;
+      e.hash = my_hash;
+      e.plan_id = UnpackId(reply);
+      e.world_size = size;
+      e.planner = planner_type;
+      e.central = central;
+    };
+    const size_t id_bytes = cache ? 8 : 0;
+    // Coordinator: cache the global plans and metadata skeleton, have the writer name the
+    // files, and encode each rank's reply (`tag`, the plan id with a cache, the plan).
+    auto ReplyPlans = [&](std::vector<SavePlan> global_plans, Metadata md, const char* tag) {
       if (cache) {
-        if (my_plan.size() < 8) throw InternalError("save plan reply without its plan id");
-        central = DecodeSavePlan(std::string_view(my_plan).substr(8));
-        SavePlanCache::Entry& e = cache->entry;
-        e.valid = true;
-        e.hash = my_hash;
-        e.plan_id = UnpackId(my_plan);
-        e.world_size = size;
-        e.planner = planner_type;
-        e.central = central;
-      } else {
-        central = DecodeSavePlan(my_plan);
+        cache->entry.global_plans = global_plans;
+        cache->entry.skeleton = md;
       }
+      global_plans = writer.PrepareGlobalPlan(std::move(global_plans));
+      if (global_plans.size() != static_cast<size_t>(size)) {
+        throw InternalError("the storage writer returned " + std::to_string(global_plans.size()) +
+                            " plans for " + std::to_string(size) + " ranks");
+      }
+      global_md = std::move(md);
+      const uint64_t plan_id = std::stoull(NewSaveId(), nullptr, 16);
+      std::vector<std::string> out(global_plans.size());
+      ParallelFor(global_plans.size(), [&](size_t r) {
+        out[r] = tag + (cache ? PackId(plan_id) : std::string()) + EncodeSavePlan(global_plans[r]);
+        global_plans[r] = SavePlan();
+      });
+      return out;
+    };
+    // Compact planning (planner/compact_plan.h): regularly sharded tensors are described once,
+    // not once per rank, when the default planner plans and the writer only names files.
+    // Every plan message starts with its form: 'C' compact (planner/compact_plan.h: regularly
+    // sharded tensors described once, not once per rank), 'P' a full plan. A rank sends 'C' when
+    // it plans with the default planner and its writer only names files. The coordinator merges
+    // compactly when every rank sent 'C', in full when every rank sent 'P', and otherwise (ranks
+    // that differ, or regular shards the ranks do not all describe alike) answers 'F': every
+    // rank then plans again in full.
+    const bool can_compact =
+        options.planner == nullptr && size > 1 && writer.GlobalPlanOnlyNamesFiles();
+    PlanSplit split;
+    auto full_merge = [&](std::vector<std::string>& locals, size_t skip) {
+      // Per-rank decoding and encoding grow with the world: spread them over threads, and free
+      // each message as soon as it is decoded (or each plan once encoded).
+      std::vector<SavePlan> plans(locals.size());
+      ParallelFor(locals.size(), [&](size_t r) {
+        plans[r] = DecodeSavePlan(std::string_view(locals[r]).substr(skip));
+        std::string().swap(locals[r]);
+      });
+      auto [global_plans, md] = planner.CreateGlobalPlan(std::move(plans));
+      return ReplyPlans(std::move(global_plans), std::move(md), "P");
+    };
+    auto compact_merge = [&](std::vector<std::string>& locals) {
+      std::vector<CompactSavePlan> got(locals.size());
+      ParallelFor(locals.size(), [&](size_t r) {
+        got[r] = DecodeCompactSavePlan(std::string_view(locals[r]).substr(1), static_cast<int>(r));
+        std::string().swap(locals[r]);
+      });
+      bool same = true;
+      std::vector<std::vector<uint8_t>> rules_by_rank(got.size());
+      for (size_t r = 0; r < got.size(); ++r) {
+        same = same && got[r].hash == split.hash && got[r].rules.size() == split.regular.size();
+        rules_by_rank[r] = std::move(got[r].rules);
+      }
+      const std::vector<RegularRule> rules =
+          same ? CommonRules(split, rules_by_rank) : std::vector<RegularRule>();
+      if (!same || rules.size() != split.regular.size()) {
+        return std::vector<std::string>(got.size(), "F");
+      }
+      std::vector<SavePlan> residuals(got.size());
+      for (size_t r = 0; r < got.size(); ++r) residuals[r] = std::move(got[r].residual);
+      got.clear();
+      auto [global_plans, md] = default_planner.CreateGlobalPlan(
+          std::move(residuals), RegularBytesPerRank(my_full, split, rules, size));
+      AddRegularEntries(my_full, split, rules, size, md);
+      return ReplyPlans(std::move(global_plans), std::move(md), "C");
+    };
+    for (int attempt = 0; !planned; ++attempt) {
+      if (attempt > 1) throw InternalError("save planning did not converge");
+      const bool compact = can_compact && attempt == 0;
+      const std::string reply = RunPhase(
+          comm, attempt == 0 ? "save/plan" : "save/plan-full",
+          [&] {
+            std::string msg = compact ? "C" + EncodeCompactSavePlan(split = SplitRegularShards(
+                                                                        local_plan(), rank, size))
+                                      : "P" + (cache ? my_local : EncodeSavePlan(local_plan()));
+            stats.plan_bytes_sent += msg.size();
+            return msg;
+          },
+          [&](std::vector<std::string> locals) {
+            size_t compact_ranks = 0;
+            for (const auto& m : locals) {
+              if (m.empty() || (m[0] != 'C' && m[0] != 'P')) {
+                throw InternalError("a save plan message of unknown form");
+              }
+              compact_ranks += m[0] == 'C';
+            }
+            if (compact_ranks == locals.size()) return compact_merge(locals);
+            if (compact_ranks == 0) return full_merge(locals, 1);
+            return std::vector<std::string>(locals.size(), "F");
+          });
+      if (reply.empty()) throw InternalError("empty save plan reply");
+      const std::string_view body = std::string_view(reply).substr(1);
+      if (reply[0] == 'F') continue;
+      if (reply[0] == 'C' && compact) {
+        central = RebuildGlobalPlan(my_full, split, DecodeSavePlan(body.substr(id_bytes)), rank);
+        stats.compact_plan = true;
+        stats.regular_items = split.regular.size();
+      } else if (reply[0] == 'P' && !compact) {
+        central = DecodeSavePlan(body.substr(id_bytes));
+      } else {
+        throw InternalError("save plan reply of the wrong form");
+      }
+      remember(body);
+      planned = true;
     }
 
     SavePlan plan;
@@ -598,11 +689,6 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
           return EncodeWriteResults(writer.WriteData(plan, planner).get());
         },
         [&](std::vector<std::string> locals) {
-          std::vector<std::vector<WriteResult>> results(locals.size());
-          ParallelFor(locals.size(), [&](size_t r) {
-            results[r] = DecodeWriteResults(locals[r]);
-            std::string().swap(locals[r]);
-          });
           global_md.format_version = kFormatVersion;
           global_md.checkpoint_id =
               options.checkpoint_id.empty() ? writer.uri() : options.checkpoint_id;
@@ -612,8 +698,23 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
                                           std::chrono::system_clock::now().time_since_epoch())
                                           .count();
           global_md.library_version = DCP_VERSION_STRING;
-          writer.Finish(global_md, results);
-          return std::vector<std::string>{EncodeMetadata(global_md)};
+          if (writer.FinishTakesFilledStorage()) {
+            // Each result moves from its rank's payload into the metadata (never all of them
+            // decoded beside the map they fill: at thousands of ranks that was most of the
+            // coordinator's memory).
+            FillStorageFromEncoded(global_md, locals);
+            writer.Finish(global_md, {});
+          } else {
+            std::vector<std::vector<WriteResult>> results(locals.size());
+            ParallelFor(locals.size(), [&](size_t r) {
+              results[r] = DecodeWriteResults(locals[r]);
+              std::string().swap(locals[r]);
+            });
+            writer.Finish(global_md, results);
+          }
+          std::vector<std::string> reply{EncodeMetadata(global_md)};
+          global_md = Metadata();  // every rank, this one too, decodes the reply
+          return reply;
         },
         /*decides_commit=*/true, /*same_reply=*/true);
   } catch (const CollectiveError& e) {

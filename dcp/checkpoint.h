@@ -68,6 +68,19 @@ class SavePlanCache {
   uint64_t hits_ = 0, misses_ = 0;
 };
 
+/// How one rank's save planned (for tests and tools).
+struct SaveStats {
+  /// The plan came from compact planning (regularly sharded tensors described once; see
+  /// planner/compact_plan.h), not from a full exchange of every item, nor from the plan cache.
+  bool compact_plan = false;
+  /// Items of this rank's local plan described compactly (0 when not compact).
+  uint64_t regular_items = 0;
+  /// The plan came from the plan cache.
+  bool cached_plan = false;
+  /// Bytes of the plan messages this rank sent to the coordinator.
+  uint64_t plan_bytes_sent = 0;
+};
+
 struct SaveOptions {
   StorageOptions storage;
   /// Recorded in the metadata; defaults to the storage URI.
@@ -76,6 +89,8 @@ struct SaveOptions {
   SavePlanner* planner = nullptr;
   /// Plan caching across saves (see SavePlanCache); nullptr plans every save in full.
   std::shared_ptr<SavePlanCache> plan_cache;
+  /// When set, receives how this rank planned (reset at the start of each save).
+  SaveStats* stats = nullptr;
 };
 
 /// What one rank's load exchanged with the others instead of reading (LoadOptions::read_once).

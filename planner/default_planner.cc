@@ -329,6 +329,15 @@ SavePlan DefaultSavePlanner::CreateLocalPlan() {
 
 std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
     std::vector<SavePlan> plans) {
+  return CreateGlobalPlan(std::move(plans), {});
+}
+
+std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
+    std::vector<SavePlan> plans, std::vector<uint64_t> base_load) {
+  if (!base_load.empty() && base_load.size() != plans.size()) {
+    throw InvalidArgumentError("base load for " + std::to_string(base_load.size()) +
+                               " ranks, plans of " + std::to_string(plans.size()));
+  }
   // Cost grows with ranks x items (millions at thousands of ranks), so each item is looked at a
   // few times through flat arrays: its fqn is hashed once into a dense id, and the items of one
   // fqn are grouped by sorting their chunk offsets (no tree keyed by fqn and offsets).
@@ -360,7 +369,8 @@ std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
   // 1. Group items by stored identity (fqn + chunk offsets) across ranks.
   // 2. Dedup: every replicated item is kept by exactly one holder. Unique items load their
   //    rank first; then replicated items, largest first, go to the least-loaded holder.
-  std::vector<uint64_t> load(plans.size(), 0);
+  std::vector<uint64_t> load = std::move(base_load);
+  load.resize(plans.size(), 0);
   std::vector<std::vector<Ref>> replicated;  // each: the holders of one stored item
   for (uint32_t id : fqn_order) {
     std::vector<Ref>& refs = by_fqn[id];

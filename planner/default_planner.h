@@ -43,6 +43,11 @@ class DefaultSavePlanner : public SavePlanner {
   SavePlan CreateLocalPlan() override;
   std::pair<std::vector<SavePlan>, Metadata> CreateGlobalPlan(
       std::vector<SavePlan> all_plans) override;
+  /// The same, with base_load[r] bytes that rank r writes besides its plan's items (compact
+  /// planning's regular shards, planner/compact_plan.h), which the dedup of replicated items
+  /// balances against. Empty: none.
+  std::pair<std::vector<SavePlan>, Metadata> CreateGlobalPlan(std::vector<SavePlan> all_plans,
+                                                              std::vector<uint64_t> base_load);
   SavePlan FinishPlan(SavePlan central_plan) override;
   ResolvedData ResolveData(const WriteItem& item) const override;
 

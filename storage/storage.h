@@ -106,6 +106,11 @@ class StorageWriter {
   virtual SavePlan PrepareLocalPlan(SavePlan plan) = 0;
   /// Coordinator only: e.g. give each rank's plan its file names (in storage_data).
   virtual std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan> plans) = 0;
+  /// True when PrepareGlobalPlan changes nothing but each plan's storage_data, whatever the
+  /// items (StoreWriter: it names each rank's files). The protocol may then plan regularly
+  /// sharded tensors compactly (planner/compact_plan.h) and hand PrepareGlobalPlan only each
+  /// rank's other items. Default false: every plan in full.
+  virtual bool GlobalPlanOnlyNamesFiles() const { return false; }
   /// Write every item of `plan`, fetching bytes from `planner.ResolveData`. The future yields
   /// one WriteResult per item. `plan` and `planner` must outlive the future.
   virtual std::future<std::vector<WriteResult>> WriteData(const SavePlan& plan,
@@ -114,7 +119,15 @@ class StorageWriter {
   /// `metadata` and commit it durably and atomically. A failure once the metadata may be
   /// visible must be a CommitError (kCommitted, or kUnknown when it cannot be told): the
   /// protocol then removes nothing; any other exception means nothing was committed.
+  ///
+  /// When FinishTakesFilledStorage() is true, the protocol may instead pass `results` with no
+  /// item at all and `metadata.storage` already filled with every rank's results
+  /// (FillStorageFromEncoded): at thousands of ranks, holding the results decoded beside the
+  /// metadata they fill was most of the coordinator's memory.
   virtual void Finish(Metadata& metadata, const std::vector<std::vector<WriteResult>>& results) = 0;
+  /// Whether Finish accepts `metadata.storage` filled and `results` empty (see Finish). Default
+  /// false: a writer that needs each rank's results gets them decoded, as before.
+  virtual bool FinishTakesFilledStorage() const { return false; }
   /// Discard what this rank wrote in the current save. Called only when the save is known not to
   /// be committed. Never throws; idempotent.
   virtual void Abort() noexcept = 0;

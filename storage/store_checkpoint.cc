@@ -26,6 +26,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <unordered_set>
 
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/codec.h"
@@ -284,20 +285,33 @@ class StoreWriter : public StorageWriter {
       for (auto& r : results) {
         all.insert(all.end(), std::make_move_iterator(r.begin()), std::make_move_iterator(r.end()));
       }
+      // In stored-item order, so the coordinator merges every rank's results into the metadata
+      // without a tree walk per item (FillStorageFromEncoded).
+      std::sort(all.begin(), all.end(),
+                [](const WriteResult& a, const WriteResult& b) { return a.index < b.index; });
       return all;
     });
   }
 
+  bool FinishTakesFilledStorage() const override { return true; }
+  bool GlobalPlanOnlyNamesFiles() const override { return true; }
+
   void Finish(Metadata& md, const std::vector<std::vector<WriteResult>>& results) override {
-    FillStorage(md, results);
+    bool any_result = false;
+    for (const auto& rank_results : results) any_result = any_result || !rank_results.empty();
+    if (any_result) FillStorage(md, results);  // else the protocol filled md.storage
     std::set<std::string> referenced;
-    for (const auto& rank_results : results) {
-      const std::string* last = nullptr;  // a rank's results run through few files, in order
-      for (const auto& r : rank_results) {
-        if (last == nullptr || *last != r.storage.relative_path) {
-          last = &*referenced.insert(r.storage.relative_path).first;
+    {
+      // Items of many ranks alternate in the map's order, so a hash set of views comes first.
+      std::unordered_set<std::string_view> files;
+      const std::string* last = nullptr;
+      for (const auto& [index, info] : md.storage) {
+        if (last == nullptr || *last != info.relative_path) {
+          files.insert(info.relative_path);
+          last = &info.relative_path;
         }
       }
+      for (std::string_view f : files) referenced.emplace(f);
     }
     // Every entry must have been written; checking here keeps a bad plan from committing.
     ValidateMetadata(md, store_->uri());

@@ -43,6 +43,7 @@
 #include <thread>
 #include <vector>
 
+#include "dcp/planner/compact_plan.h"
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/read_sharing.h"
 #include "dcp/proto/checksum.h"
@@ -57,7 +58,10 @@ double WallSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-size_t g_threads = 0;  // --threads: ParallelFor's thread count for the coordinator (0: all cores)
+size_t g_threads = 0;
+bool g_full_plans =
+    false;  // --full-plans: every rank sends every item (no compact planning)  // --threads:
+            // ParallelFor's thread count for the coordinator (0: all cores)
 
 double CpuSeconds() {
   timespec ts;
@@ -175,51 +179,122 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
   Row row;
   row.n = n;
   // save/plan, follower side: every rank plans and encodes; the coordinator will hold them all.
+  // Compact planning (what dcp::Save does with the default planner and a file-naming writer):
+  // each rank sends the hash of its regular shards, a rule byte per shard and its residual
+  // items; with --full-plans, every item (what Save did before, and still does when the ranks'
+  // regular shards differ).
   std::vector<std::string> gathered(n);
-  double follower_total = 0;
+  SavePlan local0, local1;  // rank 0's (the coordinator's own) and a follower's
+  PlanSplit split0, split1;
   for (int r = 0; r < n; ++r) {
     StateDict sd = RankState(params, replicated, r, n, true);
     const double t0 = CpuSeconds();
     DefaultSavePlanner p;
     p.SetUp(sd, {r, n, r == 0});
-    gathered[r] = EncodeSavePlan(p.CreateLocalPlan());
+    SavePlan local = p.CreateLocalPlan();
+    PlanSplit split;
+    if (g_full_plans) {
+      gathered[r] = "P" + EncodeSavePlan(local);
+    } else {
+      split = SplitRegularShards(local, r, n);
+      gathered[r] = "C" + EncodeCompactSavePlan(split);
+    }
     const double dt = CpuSeconds() - t0;
-    follower_total += dt;
     if (r == std::min(1, n - 1)) row.follower_plan_s = dt;
     row.gathered_mib += MiB(gathered[r].size());
+    if (r == 0) {
+      local0 = local;
+      split0 = split;
+    }
+    if (r == std::min(1, n - 1)) {
+      local1 = std::move(local);
+      split1 = std::move(split);
+    }
   }
-  (void)follower_total;
 
   // save/plan, coordinator side.
   PeakMeter meter;
   double t0 = WallSeconds();
-  StateDict sd0 = RankState(params, replicated, 0, n, true);
   DefaultSavePlanner coordinator;
-  coordinator.SetUp(sd0, {0, n, true});
   std::vector<SavePlan> locals(n);
-  ParallelFor(
-      n,
-      [&](size_t r) {
-        locals[r] = DecodeSavePlan(gathered[r]);
-        std::string().swap(gathered[r]);
-      },
-      g_threads);
+  std::vector<RegularRule> rules;
+  std::vector<uint64_t> base_load;
+  if (g_full_plans) {
+    ParallelFor(
+        n,
+        [&](size_t r) {
+          locals[r] = DecodeSavePlan(std::string_view(gathered[r]).substr(1));
+          std::string().swap(gathered[r]);
+        },
+        g_threads);
+  } else {
+    std::vector<CompactSavePlan> got(n);
+    ParallelFor(
+        n,
+        [&](size_t r) {
+          got[r] =
+              DecodeCompactSavePlan(std::string_view(gathered[r]).substr(1), static_cast<int>(r));
+          std::string().swap(gathered[r]);
+        },
+        g_threads);
+    std::vector<std::vector<uint8_t>> rules_by_rank(n);
+    for (int r = 0; r < n; ++r) {
+      if (got[r].hash != split0.hash) {
+        std::fprintf(stderr, "rank %d's regular shards differ from rank 0's\n", r);
+        std::exit(1);
+      }
+      rules_by_rank[r] = std::move(got[r].rules);
+      locals[r] = std::move(got[r].residual);
+    }
+    rules = CommonRules(split0, rules_by_rank);
+    if (rules.size() != split0.regular.size()) {
+      std::fprintf(stderr, "no common splitting rule\n");
+      std::exit(1);
+    }
+    base_load = RegularBytesPerRank(local0, split0, rules, n);
+  }
   row.plan_decode_s = WallSeconds() - t0;
   const double merge0 = WallSeconds();
-  auto [globals, md] = coordinator.CreateGlobalPlan(std::move(locals));
+  auto [globals, md] = coordinator.CreateGlobalPlan(std::move(locals), std::move(base_load));
+  if (!g_full_plans) AddRegularEntries(local0, split0, rules, n, md);
   row.plan_merge_s = WallSeconds() - merge0;
   std::vector<std::string> scattered(n);
   ParallelFor(
       n,
       [&](size_t r) {
         globals[r].storage_data = "data-0123456789abcdef-r" + std::to_string(r);
-        scattered[r] = EncodeSavePlan(globals[r]);
+        scattered[r] = (g_full_plans ? "P" : "C") + EncodeSavePlan(globals[r]);
         globals[r] = SavePlan();  // dcp::Save frees each plan once encoded
       },
       g_threads);
   row.plan_s = WallSeconds() - t0;
   for (const auto& m : scattered) row.scattered_mib += MiB(m.size());
   row.plan_mib = meter.PeakMiB();
+  if (!g_full_plans) {  // the follower rebuilds its plan from its local plan and the reply
+    const int f = std::min(1, n - 1);
+    const double f0 = CpuSeconds();
+    SavePlan central = RebuildGlobalPlan(
+        local1, split1, DecodeSavePlan(std::string_view(scattered[f]).substr(1)), f);
+    row.follower_plan_s += CpuSeconds() - f0;
+    if (central.items.size() == 0 && !local1.items.empty()) std::exit(1);
+  }
+  // Rank r's plan, as it writes it: the reply's items, plus its regular shards when compact.
+  auto rank_plan = [&](int r) {
+    SavePlan mine = DecodeSavePlan(std::string_view(scattered[r]).substr(1));
+    for (size_t k = 0; k < split0.regular.size(); ++k) {
+      WriteItem item = local0.items[split0.regular[k].item];
+      const int dim = split0.regular[k].dim;
+      auto [b, e] = RegularSlice(item.global_shape[dim], r, n, rules[k]);
+      item.chunk.offsets[dim] = b;
+      item.chunk.sizes[dim] = e - b;
+      item.index.offset = item.chunk.offsets;
+      item.index.index = r;
+      item.size_bytes =
+          static_cast<uint64_t>(NumElements(item.chunk.sizes)) * ElementSize(item.dtype);
+      mine.items.push_back(std::move(item));
+    }
+    return mine;
+  };
 
   // save/plan with a plan cache hit (SavePlanCache): a follower plans, encodes and hashes its
   // local plan and sends 17 bytes; the coordinator compares N hashes with the cached ones, has
@@ -235,7 +310,9 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
     row.follower_cached_s = CpuSeconds() - f0;
     std::vector<uint64_t> cached(n, hash), probes(n, hash);
     std::vector<SavePlan> cached_plans(n);  // what rank 0's cache holds (not timed)
-    for (int r = 0; r < n; ++r) cached_plans[r] = DecodeSavePlan(scattered[r]);
+    for (int r = 0; r < n; ++r) {
+      cached_plans[r] = DecodeSavePlan(std::string_view(scattered[r]).substr(1));
+    }
     meter.Reset();
     t0 = WallSeconds();
     bool hit = true;
@@ -257,7 +334,7 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
   // save/write: write results from every rank, metadata filled and replicated.
   std::vector<std::string> results(n);
   for (int r = 0; r < n; ++r) {
-    SavePlan mine = DecodeSavePlan(scattered[r]);
+    SavePlan mine = rank_plan(r);
     std::vector<WriteResult> wr;
     uint64_t offset = 0;
     for (const auto& item : mine.items) {
@@ -272,6 +349,9 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
       w.size_in_bytes = item.size_bytes;
       wr.push_back(std::move(w));
     }
+    // StoreWriter returns its results in stored-item order.
+    std::sort(wr.begin(), wr.end(),
+              [](const WriteResult& a, const WriteResult& b) { return a.index < b.index; });
     results[r] = EncodeWriteResults(wr);
   }
   scattered.clear();
@@ -279,23 +359,20 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
   md.world_size = n;
   t0 = WallSeconds();
   {
-    std::vector<std::vector<WriteResult>> decoded(n);
-    ParallelFor(
-        n,
-        [&](size_t r) {
-          decoded[r] = DecodeWriteResults(results[r]);
-          std::string().swap(results[r]);
-        },
-        g_threads);
+    // What dcp::Save does with a StoreWriter: every rank's results merged from their payloads
+    // into the storage map (never all decoded at once); then what StoreWriter::Finish does
+    // before it writes: validate it all.
+    FillStorageFromEncoded(md, results);
+    results.clear();
     row.write_decode_s = WallSeconds() - t0;
     const double fill0 = WallSeconds();
-    // What StoreWriter::Finish does before it encodes: fill the storage map, validate it all.
-    FillStorage(md, decoded);
-    decoded.clear();
     ValidateMetadata(md, "scale-bench");
     row.write_fill_s = WallSeconds() - fill0;
   }
   std::string md_bytes = EncodeMetadata(md);
+  // Save frees its metadata once encoded (every rank decodes the reply, rank 0 too); it is
+  // rebuilt below, unmetered, for the load phases.
+  md = Metadata();
 
   row.md_mib = MiB(md_bytes.size());
   row.md_out_mib = row.md_mib * n;
@@ -314,6 +391,8 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
   row.write_mib = meter.PeakMiB() + (materialize ? 0 : row.md_mib * (n - 1));
   row.copies_counted = !materialize;
   replies.clear();
+  md = DecodeMetadata(md_bytes, "scale-bench");
+  std::string().swap(md_bytes);
 
   // load/metadata: read (already in memory here), encode, replicate; a follower decodes it.
   meter.Reset();
@@ -394,6 +473,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", g_threads,
                  "coordinator threads for per-rank decoding/encoding (0: all cores, as dcp::Save)")
       ->capture_default_str();
+  app.add_flag("--full-plans", g_full_plans,
+               "plan in full: every rank sends every item (before compact planning)");
   app.add_flag("--replicate", replicate,
                "model the old metadata distribution: one copy per rank (the 'before')");
   CLI11_PARSE(app, argc, argv);
@@ -402,9 +483,9 @@ int main(int argc, char** argv) {
   const auto shapes = Parameters(params);
   std::printf(
       "dcp-scale-bench: %d parameters x3 (model, exp_avg, exp_avg_sq) sharded over all "
-      "ranks + %d replicated entries; coordinator: wall seconds (%zu threads), follower: CPU "
-      "seconds; peak extra MiB\n",
-      params, replicated,
+      "ranks + %d replicated entries; %s plans; coordinator: wall seconds (%zu threads), "
+      "follower: CPU seconds; peak extra MiB\n",
+      params, replicated, g_full_plans ? "full" : "compact",
       g_threads ? g_threads : std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 16));
   std::printf("%6s | %8s %8s %8s | %8s %8s %9s %9s | %8s %9s | %9s %9s %9s | %8s %10s\n", "N",
               "plan s", "write s", "ldmeta s", "plan MiB", "wr MiB", "gather", "scatter", "md MiB",
@@ -444,10 +525,10 @@ int main(int argc, char** argv) {
                 r.follower_cached_s, r.cache_mib, first / std::max(repeat, 1e-9));
   }
   std::printf(
-      "\nsave/write at the coordinator (results decoded; storage map filled and the metadata "
-      "validated, as StoreWriter::Finish does; metadata encoded), seconds:\n%6s | %9s %9s %9s "
-      "%9s\n",
-      "N", "write s", "decode", "fill+val", "encode");
+      "\nsave/write at the coordinator (results merged from the ranks' payloads into the storage "
+      "map; the metadata validated, as StoreWriter::Finish does; encoded), seconds:\n%6s | %9s "
+      "%9s %9s %9s\n",
+      "N", "write s", "merge", "validate", "encode");
   for (const Row& r : rows) {
     std::printf("%6d | %9.3f %9.3f %9.3f %9.3f\n", r.n, r.write_s, r.write_decode_s, r.write_fill_s,
                 r.write_s - r.write_decode_s - r.write_fill_s);
