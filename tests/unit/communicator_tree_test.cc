@@ -329,7 +329,7 @@ TEST_CASE("communicator: a poisoned forwarder fails its subtree at once, naming 
   CHECK(below >= 4);
 }
 
-TEST_CASE("communicator: a forwarder in another phase fails its subtree at once; others succeed",
+TEST_CASE("communicator: a forwarder in another phase fails its subtree at once, others succeed",
           "[comm][fault]") {
   const int n = 16;
   Group g(n, 30s);
@@ -357,7 +357,7 @@ TEST_CASE("communicator: a forwarder in another phase fails its subtree at once;
   }
 }
 
-TEST_CASE("communicator: a poisoned root still broadcasts; a stopped forwarder makes no call",
+TEST_CASE("communicator: a poisoned root still broadcasts, a stopped forwarder makes no call",
           "[comm][fault]") {
   const int n = 16;
   Group g(n, 1000ms);
