@@ -142,33 +142,110 @@ void Communicator::ThrowIfPoisoned(std::string_view what) const {
 // ---------------------------------------------------------------------------------------------
 // PointToPointCommunicator.
 //
-// Wire frame: sequence number (u64 LE), operation id (u64 LE), phase name length (u16 LE), the
-// phase name, then the payload. The checks in Accept are what turn a rank that skipped or added
-// a collective into an immediate, named error instead of a silent pairing of different saves.
+// Wire frame: sequence number (u64 LE), operation id (u64 LE), kind (u8), phase name length
+// (u16 LE), the phase name, then the payload. The checks in Accept are what turn a rank that
+// skipped or added a collective into an immediate, named error instead of a silent pairing of
+// different saves. A failure frame's payload is the failure list (EncodeFailures): a broadcast's
+// forwarding rank sends it down the tree instead of the message it could not get, so its subtree
+// fails at once with the real cause rather than each rank waiting for its own timeout.
+
+namespace {
+
+constexpr size_t kFrameHeader = 19;
+constexpr uint8_t kDataFrame = 0;
+constexpr uint8_t kFailureFrame = 1;
+
+std::string EncodeFailures(const std::vector<RankFailure>& failures) {
+  std::string out;
+  PutU64(out, failures.size());
+  for (const auto& f : failures) {
+    PutU64(out, static_cast<uint64_t>(static_cast<int64_t>(f.rank)));
+    PutU64(out, static_cast<uint64_t>(f.code));
+    PutU64(out, f.retryable ? 1 : 0);
+    PutU64(out, f.message.size());
+    out += f.message;
+  }
+  return out;
+}
+
+bool DecodeFailures(std::string_view in, std::vector<RankFailure>* out) {
+  auto take = [&](uint64_t* v) {
+    if (in.size() < 8) return false;
+    *v = GetU64(in.data());
+    in.remove_prefix(8);
+    return true;
+  };
+  uint64_t count = 0;
+  if (!take(&count) || count == 0 || count > in.size() / 32) return false;
+  for (uint64_t i = 0; i < count; ++i) {
+    uint64_t rank, code, retryable, len;
+    if (!take(&rank) || !take(&code) || !take(&retryable) || !take(&len) || len > in.size())
+      return false;
+    out->push_back({static_cast<int>(static_cast<int64_t>(rank)), static_cast<ErrorCode>(code),
+                    std::string(in.substr(0, len)), retryable != 0});
+    in.remove_prefix(len);
+  }
+  return in.empty();
+}
+
+// The broadcast tree: a binomial tree over virtual ranks v = (rank - root) mod n. The parent of
+// v > 0 is v with its lowest set bit cleared; its children are v + m for each power of two m
+// below that bit (every m < n for the root), so the root sends ceil(log2 n) frames, every rank
+// receives one, and the depth of v is popcount(v) <= ceil(log2 n).
+int LowBit(int v) { return v & -v; }
+
+int TreeParent(int rank, int root, int n) {
+  const int v = (rank - root + n) % n;
+  return (v - LowBit(v) + root) % n;
+}
+
+// Largest subtree first, so that the deepest branch starts earliest.
+std::vector<int> TreeChildren(int rank, int root, int n) {
+  const int v = (rank - root + n) % n;
+  int limit = v == 0 ? n : LowBit(v);
+  int m = 1;
+  while (m * 2 < limit) m *= 2;
+  std::vector<int> out;
+  for (; m >= 1; m /= 2) {
+    if (m < limit && v + m < n) out.push_back((v + m + root) % n);
+  }
+  return out;
+}
+
+int TreeDepth(int rank, int root, int n) {
+  return __builtin_popcount(static_cast<unsigned>((rank - root + n) % n));
+}
+
+}  // namespace
 
 struct PointToPointCommunicator::Frame {
   uint64_t seq = 0, op = 0;
-  std::string what, payload;
+  uint8_t kind = kDataFrame;
+  std::string what;
+  size_t payload_at = 0;  // the payload is bytes[payload_at..]
   static bool Parse(const std::string& bytes, Frame* f) {
-    if (bytes.size() < 18) return false;
+    if (bytes.size() < kFrameHeader) return false;
     f->seq = GetU64(bytes.data());
     f->op = GetU64(bytes.data() + 8);
-    const size_t n = static_cast<unsigned char>(bytes[16]) |
-                     (static_cast<size_t>(static_cast<unsigned char>(bytes[17])) << 8);
-    if (bytes.size() - 18 < n) return false;
-    f->what = bytes.substr(18, n);
-    f->payload = bytes.substr(18 + n);
+    f->kind = static_cast<uint8_t>(bytes[16]);
+    const size_t n = static_cast<unsigned char>(bytes[17]) |
+                     (static_cast<size_t>(static_cast<unsigned char>(bytes[18])) << 8);
+    if (bytes.size() - kFrameHeader < n) return false;
+    if (f->kind != kDataFrame && f->kind != kFailureFrame) return false;
+    f->what = bytes.substr(kFrameHeader, n);
+    f->payload_at = kFrameHeader + n;
     return true;
   }
 };
 
 std::string PointToPointCommunicator::MakeFrame(uint64_t seq, std::string_view what,
-                                                std::string_view payload) const {
+                                                std::string_view payload, uint8_t kind) const {
   std::string out;
   const size_t n = std::min<size_t>(what.size(), 0xffff);
-  out.reserve(18 + n + payload.size());
+  out.reserve(kFrameHeader + n + payload.size());
   PutU64(out, seq);
   PutU64(out, op_);
+  out.push_back(static_cast<char>(kind));
   out.push_back(static_cast<char>(n & 0xff));
   out.push_back(static_cast<char>(n >> 8));
   out.append(what.data(), n);
@@ -179,7 +256,21 @@ std::string PointToPointCommunicator::MakeFrame(uint64_t seq, std::string_view w
 void PointToPointCommunicator::SendFrame(int dest, uint64_t seq, std::string_view what,
                                          std::string payload) {
   if (stopped()) ThrowIfPoisoned(what);  // a shutdown forbade any further transport call
-  Send(dest, kTag, MakeFrame(seq, what, payload));
+  Send(dest, kTag, MakeFrame(seq, what, payload, kDataFrame));
+}
+
+void PointToPointCommunicator::SendFailure(const std::vector<int>& dests, uint64_t seq,
+                                           std::string_view what,
+                                           const std::vector<RankFailure>& failures) noexcept {
+  // Best effort: the caller is already failing with `failures`; a child that does not get the
+  // notice still fails, after its own deadline.
+  if (dests.empty() || stopped()) return;
+  try {
+    auto frame = std::make_shared<const std::string>(
+        MakeFrame(seq, what, EncodeFailures(failures), kFailureFrame));
+    for (int d : dests) SendShared(d, kTag, frame);
+  } catch (...) {
+  }
 }
 
 void PointToPointCommunicator::FailMismatch(int source, std::string_view what,
@@ -208,8 +299,8 @@ void PointToPointCommunicator::FailTimeout(std::string_view what, const std::vec
   throw CollectiveError(std::string(what), std::move(failures));
 }
 
-std::optional<std::string> PointToPointCommunicator::Accept(const std::string& bytes, int source,
-                                                            uint64_t seq, std::string_view what) {
+std::optional<size_t> PointToPointCommunicator::Accept(const std::string& bytes, int source,
+                                                       uint64_t seq, std::string_view what) {
   Frame f;
   if (!Frame::Parse(bytes, &f)) FailMismatch(source, what, "an unreadable message");
   if (f.seq < seq) return std::nullopt;  // a late message of an abandoned collective: drop it
@@ -218,6 +309,21 @@ std::optional<std::string> PointToPointCommunicator::Accept(const std::string& b
   if (f.seq > seq) {
     FailMismatch(source, what, got + " while expecting collective #" + std::to_string(seq));
   }
+  if (f.kind == kFailureFrame) {
+    // The sender could not take part in this collective (it is this rank's parent in a broadcast
+    // tree): fail with its failures, which name the rank that really failed. Its phase may differ
+    // from ours (the sender may be the rank that mismatched): the sequence number is what ties
+    // the notice to this collective.
+    std::vector<RankFailure> failures;
+    if (!DecodeFailures(std::string_view(bytes).substr(f.payload_at), &failures)) {
+      FailMismatch(source, what, "an unreadable failure notice");
+    }
+    std::string names;
+    for (const auto& x : failures) names += (names.empty() ? "" : ", ") + std::to_string(x.rank);
+    Poison("rank " + std::to_string(source) + " reported that '" + std::string(what) +
+           "' failed (rank(s) " + names + "): " + failures.front().message);
+    throw CollectiveError(std::string(what), std::move(failures));
+  }
   if (f.what != what) FailMismatch(source, what, got);
   if (adopting_op_) {
     op_ = f.op;
@@ -225,22 +331,34 @@ std::optional<std::string> PointToPointCommunicator::Accept(const std::string& b
   } else if (f.op != op_) {
     FailMismatch(source, what, got);
   }
-  return std::move(f.payload);
+  return f.payload_at;
 }
 
-std::string PointToPointCommunicator::Receive(int source, uint64_t seq,
-                                              std::chrono::steady_clock::time_point deadline,
-                                              std::string_view what) {
+std::string PointToPointCommunicator::ReceiveFrame(int source, uint64_t seq,
+                                                   std::chrono::steady_clock::time_point deadline,
+                                                   std::string_view what, size_t* payload_at) {
   int round = 0;
   while (true) {
     ThrowIfPoisoned(what);  // e.g. a shutdown stopping this collective from another thread
     if (auto frame = TryReceive(source, kTag)) {
-      if (auto payload = Accept(*frame, source, seq, what)) return std::move(*payload);
+      if (auto at = Accept(*frame, source, seq, what)) {
+        *payload_at = *at;
+        return std::move(*frame);
+      }
       continue;
     }
     if (std::chrono::steady_clock::now() >= deadline) FailTimeout(what, {source});
     Backoff(round);
   }
+}
+
+std::string PointToPointCommunicator::Receive(int source, uint64_t seq,
+                                              std::chrono::steady_clock::time_point deadline,
+                                              std::string_view what) {
+  size_t at = 0;
+  std::string frame = ReceiveFrame(source, seq, deadline, what, &at);
+  frame.erase(0, at);
+  return frame;
 }
 
 uint64_t PointToPointCommunicator::OpenOperation(std::string_view name, std::string_view target) {
@@ -288,8 +406,9 @@ std::vector<std::string> PointToPointCommunicator::Gather(std::string message, i
     for (int r = 0; r < size(); ++r) {
       if (have[r]) continue;
       if (auto frame = TryReceive(r, kTag)) {
-        if (auto payload = Accept(*frame, r, seq, what)) {
-          out[r] = std::move(*payload);
+        if (auto at = Accept(*frame, r, seq, what)) {
+          frame->erase(0, *at);
+          out[r] = std::move(*frame);
           have[r] = true;
           --missing;
         }
@@ -324,20 +443,62 @@ std::string PointToPointCommunicator::Scatter(std::vector<std::string> messages,
   return Receive(root, seq, std::chrono::steady_clock::now() + timeout(), what);
 }
 
+std::chrono::milliseconds PointToPointCommunicator::TreeMargin(std::chrono::milliseconds t) {
+  return std::min<std::chrono::milliseconds>(t / 10, std::chrono::seconds(1));
+}
+
 std::string PointToPointCommunicator::Broadcast(std::string message, int root,
                                                 std::string_view what) {
   const uint64_t seq = NextSeq();
+  const int n = size();
+  if (root < 0 || root >= n) {
+    throw InvalidArgumentError("broadcast root " + std::to_string(root) + " is not a rank");
+  }
+  const std::vector<int> children = TreeChildren(rank(), root, n);
   if (rank() == root) {
+    // A poisoned root still sends (a coordinator announcing the verdict of a failed phase);
+    // only a stopped one may make no transport call.
     if (stopped()) ThrowIfPoisoned(what);
-    // One frame for every destination: the frame has nothing rank-specific, and a large
-    // broadcast (the metadata) must not cost the root one copy per rank.
-    auto frame = std::make_shared<const std::string>(MakeFrame(seq, what, message));
-    for (int r = 0; r < size(); ++r) {
-      if (r != root) SendShared(r, kTag, frame);
-    }
+    // One frame for every child: the frame has nothing rank-specific, and a large broadcast
+    // (the metadata) must not cost the root one copy per child.
+    auto frame = std::make_shared<const std::string>(MakeFrame(seq, what, message, kDataFrame));
+    for (int c : children) SendShared(c, kTag, frame);
     return message;
   }
-  return Receive(root, seq, std::chrono::steady_clock::now() + timeout(), what);
+  // Deeper ranks wait a little longer, so that when a rank above fails, its notice (a failure
+  // frame, sent when that rank's own deadline passes) arrives before this rank's deadline and
+  // the whole subtree names the rank that really failed.
+  const int depth = TreeDepth(rank(), root, n);
+  const auto deadline =
+      std::chrono::steady_clock::now() + timeout() + (depth - 1) * TreeMargin(timeout());
+  const int parent = TreeParent(rank(), root, n);
+  // A leaf (about half the ranks) forwards nothing: strip the header in place.
+  if (children.empty()) return Receive(parent, seq, deadline, what);
+  size_t at = 0;
+  std::shared_ptr<const std::string> frame;
+  try {
+    frame = std::make_shared<const std::string>(ReceiveFrame(parent, seq, deadline, what, &at));
+  } catch (const CollectiveError& e) {
+    // A timeout, a mismatch, a notice from above or this rank's poison: the children cannot get
+    // the message through this rank, so tell them why now rather than at their deadline.
+    SendFailure(children, seq, what, e.failures());
+    throw;
+  } catch (...) {
+    SendFailure(children, seq, what, {CurrentExceptionAsFailure(rank())});
+    throw;
+  }
+  // Forward root's frame itself, one shared buffer for every child (the frame carries root's
+  // operation id, so each child checks it against its own as if it came from root).
+  size_t sent = 0;
+  try {
+    if (stopped()) ThrowIfPoisoned(what);
+    for (; sent < children.size(); ++sent) SendShared(children[sent], kTag, frame);
+  } catch (...) {
+    SendFailure({children.begin() + static_cast<std::ptrdiff_t>(sent), children.end()}, seq, what,
+                {CurrentExceptionAsFailure(rank())});
+    throw;
+  }
+  return frame->substr(at);
 }
 
 std::vector<std::string> PointToPointCommunicator::AllGather(std::string message,

@@ -18,6 +18,22 @@
 // the operation that failed): no stale message can ever be paired with a later operation. The
 // remedy is a new communicator (e.g. a new MpiCommunicator; collective over the job).
 //
+// Broadcast (PointToPointCommunicator) fans out along a binomial tree rooted at `root`: the root
+// sends ceil(log2 N) frames, every other rank receives one from its parent and forwards that same
+// frame (one shared buffer) to its children, so no rank sends a large message (the metadata)
+// more than ceil(log2 N) times. A forwarding rank that cannot get the message (a timeout naming
+// its parent, a mismatch, a failure notice from its parent, or its own poison) sends its
+// children a *failure frame* carrying its failure list before it throws; a rank receiving one
+// throws a CollectiveError with that same list (naming the rank that really failed: the stalled
+// or dead rank, the poisoned one, not merely its parent), is poisoned, and passes it on. So the
+// subtree below a failed rank fails with one error, at once; ranks outside that subtree are not
+// affected and return root's message. Per-level deadlines make the notice win the race against
+// a descendant's own timeout: a rank at depth d >= 1 (root's children: 1) waits timeout() +
+// (d - 1) * TreeMargin(timeout()), margin min(timeout / 10, 1 s), for its parent. A stalled rank
+// therefore fails its subtree after about timeout() plus its own depth's margins (at most
+// log2 N of them); a poisoned one fails it at once. A poisoned root still sends (see above); a
+// stopped rank sends nothing, not even failure frames, so its children fail at their deadline.
+//
 // Thread safety: one thread at a time per Communicator object, except Poison()/poisoned(), which
 // any thread may call (e.g. a shutdown stopping a background saver). Different Communicator
 // objects (e.g. one per background saver) may be used concurrently.
@@ -35,6 +51,8 @@
 
 namespace dcp {
 
+struct RankFailure;
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -46,7 +64,8 @@ class Communicator {
   /// Root sends messages[r] to rank r; every rank returns its own. Non-roots pass {}.
   virtual std::string Scatter(std::vector<std::string> messages, int root,
                               std::string_view what) = 0;
-  /// Every rank returns root's message.
+  /// Every rank returns root's message. (In PointToPointCommunicator, along a tree: a rank
+  /// whose ancestor fails throws that ancestor's failure, see the header comment.)
   virtual std::string Broadcast(std::string message, int root, std::string_view what) = 0;
   /// Every rank returns every rank's message (index = rank).
   virtual std::vector<std::string> AllGather(std::string message, std::string_view what) = 0;
@@ -116,6 +135,10 @@ class PointToPointCommunicator : public Communicator {
   uint64_t OpenOperation(std::string_view name, std::string_view target) override;
   void EndOperation() noexcept override { op_ = 0; }
 
+  /// Broadcast's extra wait per tree level for deadline `t`: min(t / 10, 1 s). A rank at depth
+  /// d >= 1 waits t + (d - 1) * TreeMargin(t) for its parent.
+  static std::chrono::milliseconds TreeMargin(std::chrono::milliseconds t);
+
  protected:
   /// The one tag dcp's messages use.
   static constexpr int kTag = 0;
@@ -132,18 +155,28 @@ class PointToPointCommunicator : public Communicator {
 
  private:
   struct Frame;
-  // The next message from `source` of collective `seq`, or CollectiveError on timeout, poison or
-  // a mismatch (which poisons).
+  // The next message from `source` of collective `seq`, or CollectiveError on timeout, poison,
+  // a mismatch (which poisons) or a failure notice from `source` (which poisons).
   std::string Receive(int source, uint64_t seq, std::chrono::steady_clock::time_point deadline,
                       std::string_view what);
+  // The same, returning the whole frame as received (for forwarding); its payload starts at
+  // *payload_at.
+  std::string ReceiveFrame(int source, uint64_t seq, std::chrono::steady_clock::time_point deadline,
+                           std::string_view what, size_t* payload_at);
   // Checks a frame received from `source` while this rank waits for collective `seq` / `what`:
-  // the payload, nullopt for a stale frame, or throws (poisoning) on a mismatch.
-  std::optional<std::string> Accept(const std::string& frame, int source, uint64_t seq,
-                                    std::string_view what);
+  // the payload's offset, nullopt for a stale frame, or throws (poisoning) on a mismatch or a
+  // failure notice.
+  std::optional<size_t> Accept(const std::string& frame, int source, uint64_t seq,
+                               std::string_view what);
   [[noreturn]] void FailMismatch(int source, std::string_view what, const std::string& detail);
   [[noreturn]] void FailTimeout(std::string_view what, const std::vector<int>& ranks);
-  std::string MakeFrame(uint64_t seq, std::string_view what, std::string_view payload) const;
+  std::string MakeFrame(uint64_t seq, std::string_view what, std::string_view payload,
+                        uint8_t kind) const;
   void SendFrame(int dest, uint64_t seq, std::string_view what, std::string payload);
+  // Tell `dests` (a broadcast's children) that collective `seq` failed with `failures`. Best
+  // effort, and nothing at all on a stopped communicator.
+  void SendFailure(const std::vector<int>& dests, uint64_t seq, std::string_view what,
+                   const std::vector<RankFailure>& failures) noexcept;
   uint64_t NextSeq() { return ++seq_; }
   uint64_t seq_ = 0;
   uint64_t op_ = 0;           // the operation in progress (0: none)
