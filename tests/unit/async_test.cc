@@ -44,10 +44,12 @@ class SlowStore : public Store {
 };
 
 void RegisterSlowScheme() {
+  // Each Create takes 1 s: the shutdown test checks that a save has not finished right after a
+  // 10 ms wait, and on a loaded machine "right after" has taken more than 300 ms.
   static bool done = [] {
     RegisterStoreBackend("slowmem", [](const std::string& loc) {
       return std::make_shared<SlowStore>(MakeMemStore("slow/" + loc),
-                                         std::chrono::milliseconds(300));
+                                         std::chrono::milliseconds(1000));
     });
     return true;
   }();
