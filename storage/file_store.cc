@@ -277,10 +277,15 @@ class FileReadable : public ReadableObject {
     size_ = static_cast<uint64_t>(st.st_size);
   }
   ~FileReadable() override { ::close(fd_); }
+  // The hint widens the kernel's readahead window for this open file (POSIX_FADV_SEQUENTIAL
+  // doubles it) instead of forcing the range in with POSIX_FADV_WILLNEED: WILLNEED fills the page
+  // cache with 4 KiB folios, and a later warm load of those bytes pays per folio (measured here,
+  // kernel 6.18, ext4: the warm load after a WILLNEED cold load ran ~20% slower than after a
+  // plain sequential one, at equal cold speed). Normal readahead builds large folios. It costs
+  // only a flag on the open file; a failure only loses the hint.
   void Prefetch(uint64_t offset, uint64_t n) noexcept override {
-    // Starts readahead of the whole range at once; a failure only loses the hint.
     (void)::posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(n),
-                          POSIX_FADV_WILLNEED);
+                          POSIX_FADV_SEQUENTIAL);
   }
   void ReadAt(uint64_t offset, void* dst, size_t n) override {
     if (offset > size_ || n > size_ - offset) {

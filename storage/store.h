@@ -63,8 +63,9 @@ class ReadableObject {
   virtual void ReadAt(uint64_t offset, void* dst, size_t n) = 0;
   virtual uint64_t size() const = 0;
   /// A hint that [offset, offset + n) will be read soon: a backend may start fetching it in
-  /// large requests (file://: posix_fadvise WILLNEED), so that the ReadAt calls that follow in
-  /// smaller steps find it arriving. Never fails; the default does nothing.
+  /// large requests (file://: a wider kernel readahead window, s3://: ranged GETs ahead), so that
+  /// the ReadAt calls that follow in smaller steps find it arriving. Never fails; the default does
+  /// nothing.
   virtual void Prefetch(uint64_t /*offset*/, uint64_t /*n*/) noexcept {}
 };
 

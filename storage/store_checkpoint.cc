@@ -65,32 +65,80 @@ void ReadHot(ReadableObject& in, uint64_t offset, void* dst, size_t n, uint32_t*
   }
 }
 
-// A reader thread's way into device memory: one pinned piece and a stream on the device.
-struct DeviceStaging {
-  Device device;
-  PinnedBuffer buffer;
-  std::unique_ptr<DeviceStream> stream;
-};
-
-// Read [offset, offset + n) of `in` into the contiguous device tensor `dst` at byte `at`,
-// through the thread's pinned piece (n <= kDevicePieceBytes); the copy is complete on return.
-void ReadIntoDevice(ReadableObject& in, uint64_t offset, const TensorView& dst, uint64_t at,
-                    size_t n, std::optional<DeviceStaging>& staging, uint32_t* crc,
-                    const std::string& what) {
-  if (!staging || staging->device != dst.device) {
-    auto backend = DeviceBackendFor(dst.device, what);
-    staging.emplace(DeviceStaging{dst.device, PinnedBuffer(backend, kDevicePieceBytes),
-                                  backend->NewStream(dst.device.index)});
+// A reader thread's way into device memory: two pinned pieces, each with its own stream, so
+// the host-to-device copy of one piece runs while the thread reads the next from storage.
+// A piece's completion (verify, commit) is deferred until its copy is known to have finished:
+// when its slot is needed again, or at Drain. Not thread-safe: one per reader thread.
+class DeviceStaging {
+ public:
+  DeviceStaging(Device device, const std::string& what) : device_(device) {
+    auto backend = DeviceBackendFor(device, what);
+    for (Slot& s : slots_) {
+      s.buffer = PinnedBuffer(backend, kDevicePieceBytes);
+      s.stream = backend->NewStream(device.index);
+    }
   }
-  ReadHot(in, offset, staging->buffer.data(), n, crc);
-  const TensorView to = TensorView::FromContiguous(static_cast<char*>(dst.data) + at, DType::kUInt8,
-                                                   {static_cast<int64_t>(n)}, dst.device);
-  CopyTensorAsync(
-      to,
-      TensorView::FromContiguous(staging->buffer.data(), DType::kUInt8, {static_cast<int64_t>(n)}),
-      *staging->stream);
-  staging->stream->Synchronize();
-}
+  DeviceStaging(const DeviceStaging&) = delete;
+  DeviceStaging& operator=(const DeviceStaging&) = delete;
+  // Only reached with copies in flight when an error is already on its way out: wait for them
+  // (the pinned buffers go back to the pool, and a later load may refill them), and drop their
+  // completions, whose tensors are not committed.
+  ~DeviceStaging() {
+    for (Slot& s : slots_) {
+      if (!s.in_flight) continue;
+      try {
+        s.stream->Synchronize();
+      } catch (const std::exception&) {  // the error that brought us here is the one reported
+      }
+    }
+  }
+
+  const Device& device() const { return device_; }
+
+  // Read [offset, offset + n) of `in` into the contiguous device tensor `dst` at byte `at`
+  // (n <= kDevicePieceBytes), CRC-ing into *crc as it lands. `on_copied` runs on this thread
+  // once the copy has finished (at a later call or at Drain).
+  void Read(ReadableObject& in, uint64_t offset, const TensorView& dst, uint64_t at, size_t n,
+            uint32_t* crc, std::function<void()> on_copied) {
+    Slot& s = slots_[next_];
+    Finish(s);  // the slot's previous copy, issued two pieces ago
+    next_ ^= 1;
+    ReadHot(in, offset, s.buffer.data(), n, crc);
+    const TensorView to = TensorView::FromContiguous(
+        static_cast<char*>(dst.data) + at, DType::kUInt8, {static_cast<int64_t>(n)}, dst.device);
+    CopyTensorAsync(
+        to, TensorView::FromContiguous(s.buffer.data(), DType::kUInt8, {static_cast<int64_t>(n)}),
+        *s.stream);
+    s.in_flight = true;
+    s.on_copied = std::move(on_copied);
+  }
+
+  // Wait for both copies in flight, older first, and run their completions.
+  void Drain() {
+    Finish(slots_[next_]);
+    Finish(slots_[next_ ^ 1]);
+  }
+
+ private:
+  struct Slot {
+    PinnedBuffer buffer;
+    std::unique_ptr<DeviceStream> stream;
+    bool in_flight = false;
+    std::function<void()> on_copied;
+  };
+  void Finish(Slot& s) {
+    if (!s.in_flight) return;
+    s.in_flight = false;
+    auto done = std::move(s.on_copied);
+    s.on_copied = nullptr;
+    s.stream->Synchronize();
+    if (done) done();
+  }
+
+  Device device_;
+  Slot slots_[2];
+  int next_ = 0;
+};
 
 // Read scratch buffers outlive a load: reused by the next one instead of re-faulting pages.
 std::mutex scratch_pool_mu;
@@ -661,6 +709,25 @@ class StoreReader : public StorageReader {
       auto worker = [&] {
         std::vector<char> scratch = TakeScratch();
         std::optional<DeviceStaging> staging;  // made at this thread's first device piece
+        // The last piece of a split item: combine the pieces' CRCs, verify, hand over.
+        auto complete_piece = [&](Split& sp) {
+          if (--sp.remaining != 0) return;
+          const ReadItem& item = plan.items[sp.item];
+          const StorageInfo& info = Info(item);
+          uint32_t crc = sp.crcs[0];
+          for (size_t k = 1; k < sp.crcs.size(); ++k) {
+            crc =
+                Crc32cCombine(crc, sp.crcs[k],
+                              std::min<uint64_t>(sp.piece_bytes, info.length - k * sp.piece_bytes));
+          }
+          VerifyCrc(item, info, crc);
+          planner.CommitTensor(item, sp.dst);
+        };
+        auto fail = [&] {
+          std::lock_guard<std::mutex> lock(mu);
+          if (!first_error) first_error = std::current_exception();
+          next = tasks.size();  // stop handing out work
+        };
         for (size_t t; (t = next.fetch_add(1)) < tasks.size();) {
           const Task& task = tasks[t];
           try {
@@ -676,25 +743,26 @@ class StoreReader : public StorageReader {
             if (sp.dst.device.is_cpu()) {
               ReadHot(*in, info.offset + task.begin, static_cast<char*>(sp.dst.data) + task.begin,
                       task.length, crc);
-            } else {
-              ReadIntoDevice(*in, info.offset + task.begin, sp.dst, task.begin, task.length,
-                             staging, crc, "tensor " + item.dest_index.ToString());
+              complete_piece(sp);
+              continue;
             }
-            if (--sp.remaining == 0) {  // the last piece: combine, verify, hand over
-              uint32_t crc = sp.crcs[0];
-              for (size_t k = 1; k < sp.crcs.size(); ++k) {
-                crc = Crc32cCombine(
-                    crc, sp.crcs[k],
-                    std::min<uint64_t>(sp.piece_bytes, info.length - k * sp.piece_bytes));
-              }
-              VerifyCrc(item, info, crc);
-              planner.CommitTensor(item, sp.dst);
+            const std::string what = "tensor " + item.dest_index.ToString();
+            if (staging && staging->device() != sp.dst.device) {
+              staging->Drain();
+              staging.reset();
             }
+            if (!staging) staging.emplace(sp.dst.device, what);
+            // The piece completes once its copy has: while this thread reads the next piece.
+            staging->Read(*in, info.offset + task.begin, sp.dst, task.begin, task.length, crc,
+                          [&complete_piece, &sp] { complete_piece(sp); });
           } catch (...) {
-            std::lock_guard<std::mutex> lock(mu);
-            if (!first_error) first_error = std::current_exception();
-            next = tasks.size();  // stop handing out work
+            fail();
           }
+        }
+        try {
+          if (staging) staging->Drain();
+        } catch (...) {
+          fail();
         }
         GiveScratch(std::move(scratch));
       };

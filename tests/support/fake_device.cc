@@ -1,5 +1,6 @@
 #include "support/fake_device.h"
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -52,7 +53,18 @@ class FakeStream : public DeviceStream {
     char* dst = dst_dev ? dev_.Resolve(c.dst, dst_extent) : static_cast<char*>(c.dst);
     const Copy2D plain{dst, c.dst_pitch, src, c.src_pitch, c.width, c.height};
     std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t in_flight = ++dev_.copies_in_flight_;
+    for (uint64_t m = dev_.max_copies_in_flight_;
+         in_flight > m && !dev_.max_copies_in_flight_.compare_exchange_weak(m, in_flight);) {
+    }
     queue_.push_back([this, plain, kind] {
+      struct Landed {  // however the copy ends, it is no longer in flight
+        FakeDevice& dev;
+        ~Landed() { --dev.copies_in_flight_; }
+      } landed{dev_};
+      if (const int ms = dev_.copy_delay_ms_.load(); ms > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      }
       const uint64_t n = ++dev_.copies_;
       if (n == dev_.fail_at_.load()) {
         throw DeviceError("fake device: injected failure of copy " + std::to_string(n) +

@@ -47,6 +47,10 @@ class FakeDevice : public DeviceBackend, public std::enable_shared_from_this<Fak
 
   std::atomic<uint64_t> copies_{0}, d2h_bytes_{0}, h2d_bytes_{0}, registered_{0};
   std::atomic<uint64_t> pinned_allocs_{0}, streams_{0};
+  /// Copies queued on any stream and not yet finished, and the most there ever were at once.
+  std::atomic<uint64_t> copies_in_flight_{0}, max_copies_in_flight_{0};
+  /// Every copy takes at least this long (a slow link), so overlap can be observed.
+  std::atomic<int> copy_delay_ms_{0};
 
   /// Translate a device address to the host memory behind it; throws InternalError when it is
   /// not inside a live device allocation of `bytes` bytes.

@@ -346,6 +346,48 @@ TEST_CASE("device: compressed items save from and load into device tensors", "[d
                      host.Narrow({600, 0}, {300, 3000})));
 }
 
+TEST_CASE("device: one read thread overlaps a piece's copy to the device with the next read",
+          "[device]") {
+  ScopedFakeDevice dev;
+  TempDir dir("devoverlap");
+  // 56 MiB: four device pieces (16 MiB each), all read by one thread through its two pinned
+  // pieces. Each copy takes 150 ms, far longer than reading 16 MiB from the page cache, so a
+  // reader that waited for each copy before the next read never has two copies in flight.
+  const TensorView w = RandomTensor(DType::kFloat32, {14, 1 << 20}, 41);
+  LocalCommunicator comm;
+  StateDict sd;
+  sd.Set("layer.w", w);
+  Save(sd, dir / "c", comm);
+  dev->copy_delay_ms_ = 150;
+  StateDict into;
+  into.Set("layer.w", dev->Empty(DType::kFloat32, w.shape));
+  LoadOptions lo;
+  lo.storage.read_threads = 1;
+  Load(into, dir / "c", comm, lo);
+  dev->copy_delay_ms_ = 0;
+  CHECK(dev->max_copies_in_flight_ == 2);  // double-buffered, never more
+  CHECK(dev->copies_in_flight_ == 0);
+  CHECK(SameElements(dev->Download(std::get<TensorView>(*into.Find("layer.w"))), w));
+
+  SECTION("a copy that fails on the device fails the load, naming the device") {
+    dev->copy_delay_ms_ = 50;
+    dev->FailCopy(2);  // the second piece's copy, found while the third piece is read
+    StateDict again;
+    again.Set("layer.w", dev->Empty(DType::kFloat32, w.shape));
+    const std::string msg = MessageOf<CollectiveError>([&] { Load(again, dir / "c", comm, lo); });
+    dev->copy_delay_ms_ = 0;
+    CHECK_THAT(msg, Contains("injected failure") && Contains("cuda:0"));
+    CHECK(dev->copies_in_flight_ == 0);  // nothing left copying out of a pooled pinned buffer
+  }
+  SECTION("a flipped byte in the last piece is found after its copy, and named") {
+    FlipByteOfDataFile(dir / "c", 50 << 20, 0x04);
+    StateDict again;
+    again.Set("layer.w", dev->Empty(DType::kFloat32, w.shape));
+    const std::string msg = MessageOf<CollectiveError>([&] { Load(again, dir / "c", comm, lo); });
+    CHECK_THAT(msg, Contains("checksum mismatch") && Contains("layer.w"));
+  }
+}
+
 TEST_CASE("device: a large item loads into a device tensor in pieces on every read thread",
           "[device]") {
   ScopedFakeDevice dev;
