@@ -650,6 +650,7 @@ class StoreReader : public StorageReader {
         Split* split = nullptr;     // one piece of a split item
         uint64_t begin = 0, length = 0;
         size_t piece = 0;
+        uint64_t bytes = 0;  // to read
       };
       std::vector<std::unique_ptr<Split>> splits;
       std::vector<Task> tasks;
@@ -674,13 +675,13 @@ class StoreReader : public StorageReader {
             run.push_back(i);
             run_bytes += info.length;
             if (run_bytes >= kReadPieceBytes) {
-              tasks.push_back({f, std::move(run)});
+              tasks.push_back({f, std::move(run), nullptr, 0, 0, 0, run_bytes});
               run.clear();
               run_bytes = 0;
             }
             continue;
           }
-          if (!run.empty()) tasks.push_back({f, std::move(run)});
+          if (!run.empty()) tasks.push_back({f, std::move(run), nullptr, 0, 0, 0, run_bytes});
           run.clear();
           run_bytes = 0;
           auto& sp = splits.emplace_back(std::make_unique<Split>());
@@ -691,23 +692,71 @@ class StoreReader : public StorageReader {
           sp->crcs.assign(pieces, 0);
           sp->remaining = pieces;
           for (size_t k = 0; k < pieces; ++k) {
-            const uint64_t b = k * piece_bytes;
-            tasks.push_back(
-                {f, {}, sp.get(), b, std::min<uint64_t>(piece_bytes, info.length - b), k});
+            const uint64_t b = k * piece_bytes,
+                           n = std::min<uint64_t>(piece_bytes, info.length - b);
+            tasks.push_back({f, {}, sp.get(), b, n, k, n});
           }
         }
-        if (!run.empty()) tasks.push_back({f, std::move(run)});
+        if (!run.empty()) tasks.push_back({f, std::move(run), nullptr, 0, 0, 0, run_bytes});
       }
       // As many readers as asked for, work units, and the memory budget allow.
       const size_t per_reader = ScratchLimit() + 2 * kDevicePieceBytes;
       const size_t nthreads = std::clamp<size_t>(
           std::min<size_t>(options_.read_threads, options_.memory_budget_bytes / per_reader), 1,
           std::max<size_t>(tasks.size(), 1));
-      std::atomic<size_t> next{0};
+      // Each reader owns a stripe: a contiguous run of the tasks (in file order) of about equal
+      // bytes, read front to back through one open object per file, so the kernel sees one
+      // sequential stream per reader. Its readahead then ramps up to large page-cache folios,
+      // and a later warm load pays per folio: readers handed alternate pieces, each through a
+      // fresh open file, left ~20x more folios and a ~20% slower warm load (measured here).
+      // A reader whose stripe is done takes tasks from the back of the fullest other stripe.
+      struct Stripe {
+        size_t front, back;
+      };
+      std::vector<Stripe> stripes;
+      {
+        uint64_t total = 0, done = 0;
+        for (const Task& t : tasks) total += t.bytes;
+        size_t begin = 0;
+        for (size_t i = 0; i < tasks.size(); ++i) {
+          done += tasks[i].bytes;
+          if (stripes.size() + 1 < nthreads && done * nthreads >= total * (stripes.size() + 1)) {
+            stripes.push_back({begin, i + 1});
+            begin = i + 1;
+          }
+        }
+        stripes.push_back({begin, tasks.size()});
+        while (stripes.size() < nthreads) stripes.push_back({tasks.size(), tasks.size()});
+      }
       std::mutex mu;
+      bool stopped = false;
       std::exception_ptr first_error;
-      auto worker = [&] {
+      auto take = [&](size_t reader) -> std::optional<size_t> {
+        std::lock_guard<std::mutex> lock(mu);
+        if (stopped) return std::nullopt;
+        Stripe& own = stripes[reader];
+        if (own.front < own.back) return own.front++;
+        Stripe* fullest = nullptr;
+        for (Stripe& s : stripes) {
+          if (s.front < s.back && (!fullest || s.back - s.front > fullest->back - fullest->front)) {
+            fullest = &s;
+          }
+        }
+        if (!fullest) return std::nullopt;
+        return --fullest->back;
+      };
+      auto worker = [&](size_t reader) {
         std::vector<char> scratch = TakeScratch();
+        std::string open_name;  // the file this reader has open, reused across its tasks
+        std::unique_ptr<ReadableObject> open_in;
+        auto open = [&](const std::string& name) -> ReadableObject& {
+          if (!open_in || open_name != name) {
+            open_in.reset();
+            open_in = store_->Open(name);
+            open_name = name;
+          }
+          return *open_in;
+        };
         std::optional<DeviceStaging> staging;  // made at this thread's first device piece
         // The last piece of a split item: combine the pieces' CRCs, verify, hand over.
         auto complete_piece = [&](Split& sp) {
@@ -726,22 +775,22 @@ class StoreReader : public StorageReader {
         auto fail = [&] {
           std::lock_guard<std::mutex> lock(mu);
           if (!first_error) first_error = std::current_exception();
-          next = tasks.size();  // stop handing out work
+          stopped = true;  // stop handing out work
         };
-        for (size_t t; (t = next.fetch_add(1)) < tasks.size();) {
-          const Task& task = tasks[t];
+        while (const std::optional<size_t> t = take(reader)) {
+          const Task& task = tasks[*t];
           try {
+            ReadableObject& in = open(files[task.file].first);
             if (task.split == nullptr) {
-              ReadFile(plan, planner, files[task.file].first, task.items, scratch);
+              ReadFile(plan, planner, files[task.file].first, in, task.items, scratch);
               continue;
             }
             Split& sp = *task.split;
             const ReadItem& item = plan.items[sp.item];
             const StorageInfo& info = Info(item);
-            auto in = store_->Open(files[task.file].first);
             uint32_t* crc = options_.verify_checksums ? &sp.crcs[task.piece] : nullptr;
             if (sp.dst.device.is_cpu()) {
-              ReadHot(*in, info.offset + task.begin, static_cast<char*>(sp.dst.data) + task.begin,
+              ReadHot(in, info.offset + task.begin, static_cast<char*>(sp.dst.data) + task.begin,
                       task.length, crc);
               complete_piece(sp);
               continue;
@@ -753,7 +802,7 @@ class StoreReader : public StorageReader {
             }
             if (!staging) staging.emplace(sp.dst.device, what);
             // The piece completes once its copy has: while this thread reads the next piece.
-            staging->Read(*in, info.offset + task.begin, sp.dst, task.begin, task.length, crc,
+            staging->Read(in, info.offset + task.begin, sp.dst, task.begin, task.length, crc,
                           [&complete_piece, &sp] { complete_piece(sp); });
           } catch (...) {
             fail();
@@ -767,8 +816,8 @@ class StoreReader : public StorageReader {
         GiveScratch(std::move(scratch));
       };
       std::vector<std::thread> threads;
-      for (size_t t = 1; t < nthreads; ++t) threads.emplace_back(worker);
-      worker();
+      for (size_t t = 1; t < nthreads; ++t) threads.emplace_back(worker, t);
+      worker(0);
       for (auto& t : threads) t.join();
       if (first_error) std::rethrow_exception(first_error);
     });
@@ -1000,14 +1049,13 @@ class StoreReader : public StorageReader {
   }
 
   void ReadFile(const LoadPlan& plan, LoadPlanner& planner, const std::string& name,
-                const std::vector<size_t>& items, std::vector<char>& scratch) {
-    auto in = store_->Open(name);
+                ReadableObject& in, const std::vector<size_t>& items, std::vector<char>& scratch) {
     std::set<MetadataIndex> verified;  // stored items whose CRC a partial read already checked
     for (size_t i : items) {
       const ReadItem& item = plan.items[i];
       const StorageInfo& info = Info(item);
       if (!info.transforms.empty()) {
-        ReadTransformed(planner, item, info, *in, name, scratch, verified);
+        ReadTransformed(planner, item, info, in, name, scratch, verified);
         continue;
       }
       if (item.type == ReadItemType::kBytes) {
@@ -1015,7 +1063,7 @@ class StoreReader : public StorageReader {
             [&] { return std::string(info.length, '\0'); },
             item.storage_index.ToString() + " from '" + store_->uri() + "/" + name + "'",
             info.length);
-        in->ReadAt(info.offset, bytes.data(), bytes.size());
+        in.ReadAt(info.offset, bytes.data(), bytes.size());
         Verify(item, info, bytes.data(), bytes.size());
         planner.LoadBytes(item, std::move(bytes));
         continue;
@@ -1029,7 +1077,7 @@ class StoreReader : public StorageReader {
         // The common case: the stored chunk lands directly in its destination.
         const bool check = options_.verify_checksums && info.crc32c.has_value();
         uint32_t crc = 0;
-        ReadHot(*in, info.offset, dst.data, info.length, check ? &crc : nullptr);
+        ReadHot(in, info.offset, dst.data, info.length, check ? &crc : nullptr);
         if (check) VerifyCrc(item, info, crc);
       } else if (whole && !dst.device.is_cpu() && info.length == dst.nbytes()) {
         // A device destination: read piece by piece into pinned buffers, each piece's
@@ -1037,7 +1085,7 @@ class StoreReader : public StorageReader {
         uint32_t crc = 0;
         uint64_t pos = info.offset;
         StreamFromHost(dst, kDevicePieceBytes, [&](void* buf, size_t n) {
-          ReadHot(*in, pos, buf, n, &crc);
+          ReadHot(in, pos, buf, n, &crc);
           pos += n;
         });
         VerifyCrc(item, info, crc);
@@ -1048,7 +1096,7 @@ class StoreReader : public StorageReader {
                                 std::to_string(chunk.numel() * esize));
         }
         uint32_t crc = 0;
-        ReadBox(*in, info.offset, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst,
+        ReadBox(in, info.offset, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst,
                 scratch, whole ? &crc : nullptr);
         if (whole) {
           VerifyCrc(item, info, crc);
@@ -1060,7 +1108,7 @@ class StoreReader : public StorageReader {
             const size_t n =
                 static_cast<size_t>(std::min<uint64_t>(ScratchLimit(), info.length - pos));
             EnsureScratch(scratch, n);
-            in->ReadAt(info.offset + pos, scratch.data(), n);
+            in.ReadAt(info.offset + pos, scratch.data(), n);
             c = Crc32c(c, scratch.data(), n);
             pos += n;
           }
