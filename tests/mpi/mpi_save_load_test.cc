@@ -203,16 +203,10 @@ class ThrowingPlanner : public DefaultSavePlanner {
 };
 
 // Writes its data, then reports a storage failure (as a full disk would).
-class FailingWriter : public StorageWriter {
+class FailingWriter : public ForwardingWriter {
  public:
   FailingWriter(std::unique_ptr<StorageWriter> inner, bool fail)
-      : inner_(std::move(inner)), fail_(fail) {}
-  std::string uri() const override { return inner_->uri(); }
-  void SetUp(const StorageContext& c) override { inner_->SetUp(c); }
-  SavePlan PrepareLocalPlan(SavePlan p) override { return inner_->PrepareLocalPlan(std::move(p)); }
-  std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan> p) override {
-    return inner_->PrepareGlobalPlan(std::move(p));
-  }
+      : ForwardingWriter(std::move(inner)), fail_(fail) {}
   std::future<std::vector<WriteResult>> WriteData(const SavePlan& p,
                                                   const SavePlanner& pl) override {
     auto f = inner_->WriteData(p, pl);
@@ -222,13 +216,8 @@ class FailingWriter : public StorageWriter {
       throw IoError("injected: no space left on device", false, 28);
     });
   }
-  void Finish(Metadata& m, const std::vector<std::vector<WriteResult>>& r) override {
-    inner_->Finish(m, r);
-  }
-  void Abort() noexcept override { inner_->Abort(); }
 
  private:
-  std::unique_ptr<StorageWriter> inner_;
   bool fail_;
 };
 

@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <future>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -74,5 +76,32 @@ std::map<std::string, std::string> ReadSafetensors(const std::string& path);
 
 /// Fail the current test if any rank failed, with that rank's message.
 void RequireNoErrors(const std::vector<std::exception_ptr>& errors);
+
+/// A StorageWriter that forwards every call, capabilities included, to `inner`: a test writer
+/// derives from it and overrides only what it changes (a delay, a failure), so the protocol
+/// under test takes the same path as with the inner writer alone.
+class ForwardingWriter : public StorageWriter {
+ public:
+  explicit ForwardingWriter(std::unique_ptr<StorageWriter> inner) : inner_(std::move(inner)) {}
+  std::string uri() const override { return inner_->uri(); }
+  void SetUp(const StorageContext& c) override { inner_->SetUp(c); }
+  SavePlan PrepareLocalPlan(SavePlan p) override { return inner_->PrepareLocalPlan(std::move(p)); }
+  std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan> p) override {
+    return inner_->PrepareGlobalPlan(std::move(p));
+  }
+  bool GlobalPlanOnlyNamesFiles() const override { return inner_->GlobalPlanOnlyNamesFiles(); }
+  std::future<std::vector<WriteResult>> WriteData(const SavePlan& p,
+                                                  const SavePlanner& pl) override {
+    return inner_->WriteData(p, pl);
+  }
+  void Finish(Metadata& md, const std::vector<std::vector<WriteResult>>& r) override {
+    inner_->Finish(md, r);
+  }
+  bool FinishTakesFilledStorage() const override { return inner_->FinishTakesFilledStorage(); }
+  void Abort() noexcept override { inner_->Abort(); }
+
+ protected:
+  std::unique_ptr<StorageWriter> inner_;
+};
 
 }  // namespace dcp::testing

@@ -138,26 +138,11 @@ TEST_CASE("compact plan: the rebuilt plan is the local plan less what the coordi
 }
 
 // A writer that hides its inner writer's capabilities: the protocol plans in full with it.
-class FullPlanWriter : public StorageWriter {
+class FullPlanWriter : public testing::ForwardingWriter {
  public:
-  explicit FullPlanWriter(std::unique_ptr<StorageWriter> inner) : inner_(std::move(inner)) {}
-  std::string uri() const override { return inner_->uri(); }
-  void SetUp(const StorageContext& c) override { inner_->SetUp(c); }
-  SavePlan PrepareLocalPlan(SavePlan p) override { return inner_->PrepareLocalPlan(std::move(p)); }
-  std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan> p) override {
-    return inner_->PrepareGlobalPlan(std::move(p));
-  }
-  std::future<std::vector<WriteResult>> WriteData(const SavePlan& p,
-                                                  const SavePlanner& pl) override {
-    return inner_->WriteData(p, pl);
-  }
-  void Finish(Metadata& md, const std::vector<std::vector<WriteResult>>& r) override {
-    inner_->Finish(md, r);
-  }
-  void Abort() noexcept override { inner_->Abort(); }
-
- private:
-  std::unique_ptr<StorageWriter> inner_;
+  using ForwardingWriter::ForwardingWriter;
+  bool GlobalPlanOnlyNamesFiles() const override { return false; }
+  bool FinishTakesFilledStorage() const override { return false; }
 };
 
 // An FSDP-like state: row-sharded matrices (balanced and ceil splits), a column-sharded one, a

@@ -62,28 +62,16 @@ bool HasMetadata(const std::string& mem_name) {
 }
 
 // A writer that sleeps before committing (a slow coordinator).
-class SlowFinishWriter : public StorageWriter {
+class SlowFinishWriter : public testing::ForwardingWriter {
  public:
   SlowFinishWriter(std::unique_ptr<StorageWriter> inner, std::chrono::milliseconds delay)
-      : inner_(std::move(inner)), delay_(delay) {}
-  std::string uri() const override { return inner_->uri(); }
-  void SetUp(const StorageContext& c) override { inner_->SetUp(c); }
-  SavePlan PrepareLocalPlan(SavePlan p) override { return inner_->PrepareLocalPlan(std::move(p)); }
-  std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan> p) override {
-    return inner_->PrepareGlobalPlan(std::move(p));
-  }
-  std::future<std::vector<WriteResult>> WriteData(const SavePlan& p,
-                                                  const SavePlanner& pl) override {
-    return inner_->WriteData(p, pl);
-  }
+      : ForwardingWriter(std::move(inner)), delay_(delay) {}
   void Finish(Metadata& md, const std::vector<std::vector<WriteResult>>& r) override {
     std::this_thread::sleep_for(delay_);
     inner_->Finish(md, r);
   }
-  void Abort() noexcept override { inner_->Abort(); }
 
  private:
-  std::unique_ptr<StorageWriter> inner_;
   std::chrono::milliseconds delay_;
 };
 

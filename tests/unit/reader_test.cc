@@ -13,6 +13,24 @@ using namespace dcp;
 using namespace dcp::testing;
 using Catch::Matchers::Contains;
 
+namespace {
+
+// Load "big" and "small" from `uri` into fresh tensors and check their values.
+void LoadAndCheck(const std::string& uri, const TensorView& big, const TensorView& small,
+                  LoadOptions options) {
+  LocalCommunicator comm;
+  StateDict back;
+  TensorView b = TensorView::Allocate(big.dtype, big.shape);
+  TensorView s = TensorView::Allocate(small.dtype, small.shape);
+  back.Set("big", b);
+  back.Set("small", s);
+  Load(back, uri, comm, options);
+  CHECK(SameElements(b, big));
+  CHECK(SameElements(s, small));
+}
+
+}  // namespace
+
 TEST_CASE("reader: large items read in parallel pieces, corruption in any piece is named",
           "[reader]") {
   TempDir dir("rd");
@@ -26,17 +44,10 @@ TEST_CASE("reader: large items read in parallel pieces, corruption in any piece 
   for (int threads : {1, 2, 3}) {
     for (bool verify : {true, false}) {
       INFO("threads " << threads << " verify " << verify);
-      StateDict back;
-      TensorView b = TensorView::Allocate(DType::kFloat32, big.shape);
-      TensorView s = TensorView::Allocate(DType::kInt8, {1000});
-      back.Set("big", b);
-      back.Set("small", s);
       LoadOptions o;
       o.storage.read_threads = threads;
       o.storage.verify_checksums = verify;
-      Load(back, dir / "c", comm, o);
-      CHECK(SameElements(b, big));
-      CHECK(SameElements(s, small));
+      LoadAndCheck(dir / "c", big, small, o);
     }
   }
   // Flip one byte in the third piece of "big" (the file holds big first: larger items first).
@@ -84,17 +95,10 @@ TEST_CASE("reader: each read thread streams its stripe of a file through one ope
   LocalCommunicator comm;
   Save(sd, "stripes://c", comm);
   auto opens_to_load = [&](int threads) {
-    StateDict back;
-    TensorView b = TensorView::Allocate(DType::kFloat32, big.shape);
-    TensorView s = TensorView::Allocate(DType::kInt8, {1000});
-    back.Set("big", b);
-    back.Set("small", s);
     LoadOptions o;
     o.storage.read_threads = threads;
     store->Reset();
-    Load(back, "stripes://c", comm, o);
-    CHECK(SameElements(b, big));
-    CHECK(SameElements(s, small));
+    LoadAndCheck("stripes://c", big, small, o);
     return store->Count(FaultOp::kOpen);
   };
   const int one = opens_to_load(1), two = opens_to_load(2), three = opens_to_load(3);
