@@ -628,13 +628,18 @@ namespace {
 // thousands of ranks. Each block is freed as soon as it is copied.
 class BlockOutputStream : public google::protobuf::io::ZeroCopyOutputStream {
  public:
-  static constexpr int kBlock = 4 << 20;
+  // Blocks grow from 64 KiB to 4 MiB, and are not zero-filled: a small metadata touches a few
+  // pages instead of faulting in (and clearing) 4 MiB, which made a process's first save ~15 ms
+  // slower than the next.
+  static constexpr int kFirstBlock = 64 << 10, kMaxBlock = 4 << 20;
   bool Next(void** data, int* size) override {
-    blocks_.push_back(std::make_unique<char[]>(kBlock));
-    used_.push_back(kBlock);
+    const int n = next_block_;
+    next_block_ = std::min(kMaxBlock, 2 * next_block_);
+    blocks_.push_back(std::make_unique_for_overwrite<char[]>(static_cast<size_t>(n)));
+    used_.push_back(n);
     *data = blocks_.back().get();
-    *size = kBlock;
-    total_ += kBlock;
+    *size = n;
+    total_ += n;
     return true;
   }
   void BackUp(int count) override {
@@ -654,6 +659,7 @@ class BlockOutputStream : public google::protobuf::io::ZeroCopyOutputStream {
     blocks_.clear();
     used_.clear();
     total_ = 0;
+    next_block_ = kFirstBlock;
     return out;
   }
 
@@ -661,6 +667,7 @@ class BlockOutputStream : public google::protobuf::io::ZeroCopyOutputStream {
   std::vector<std::unique_ptr<char[]>> blocks_;
   std::vector<int> used_;
   int64_t total_ = 0;
+  int next_block_ = kFirstBlock;
 };
 
 // EncodeMetadata's bytes after `prefix` zero bytes (room for the file envelope).

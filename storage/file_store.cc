@@ -13,9 +13,9 @@
 #include <filesystem>
 #include <future>
 #include <mutex>
-#include <random>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/random_name.h"
 
 namespace dcp {
 
@@ -48,13 +48,6 @@ void WriteFully(int fd, const char* p, size_t n, uint64_t offset, const std::str
     n -= static_cast<size_t>(w);
     offset += static_cast<uint64_t>(w);
   }
-}
-
-std::string RandomSuffix() {
-  static thread_local std::mt19937_64 rng(std::random_device{}());
-  char buf[17];
-  snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(rng()));
-  return buf;
 }
 
 constexpr size_t kAlign = 4096;                  // O_DIRECT offset, length and memory alignment
@@ -381,7 +374,7 @@ class FileStore : public Store {
   }
   void PublishAtomically(const std::string& name, std::string_view bytes) override {
     const std::string final_path = Path(name);
-    const std::string tmp = final_path + ".tmp." + RandomSuffix();
+    const std::string tmp = final_path + ".tmp." + RandomHex(8);
     {
       Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
       if (fd.fd < 0) throw MakeIoError("create", tmp, errno);

@@ -40,10 +40,10 @@
 #include <future>
 #include <map>
 #include <mutex>
-#include <random>
 #include <thread>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/random_name.h"
 #include "dcp/storage/s3_sigv4.h"
 
 namespace dcp {
@@ -74,13 +74,6 @@ int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-std::string RandomToken() {
-  static thread_local std::mt19937_64 rng{std::random_device{}()};
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(rng()));
-  return buf;
 }
 
 // The text of <tag>...</tag> from `pos` on; npos-safe. S3's XML is flat enough for this.
@@ -266,7 +259,7 @@ class Client {
       const int64_t base = std::min<int64_t>(2000, int64_t{50} << std::min(attempt, 6));
       std::this_thread::sleep_for(std::chrono::milliseconds(
           base / 2 +
-          static_cast<int64_t>(std::hash<std::string>{}(RandomToken()) % (base / 2 + 1))));
+          static_cast<int64_t>(std::hash<std::string>{}(RandomHex(8)) % (base / 2 + 1))));
     }
   }
 
@@ -978,7 +971,7 @@ class S3Store : public Store {
     const std::string key = Key(kLockObjectName);
     const int64_t lease_ms = client_->options().lock_lease_seconds * 1000;
     const std::string record =
-        std::to_string(NowMs() + lease_ms) + "\n" + holder + " lock=" + RandomToken();
+        std::to_string(NowMs() + lease_ms) + "\n" + holder + " lock=" + RandomHex(8);
     for (int round = 0; round < 5; ++round) {
       Call create{"PUT", key};
       create.headers = {{"if-none-match", "*"}};

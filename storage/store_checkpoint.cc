@@ -23,7 +23,6 @@
 #include <future>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <set>
 #include <thread>
 #include <unordered_set>
@@ -32,6 +31,7 @@
 #include "dcp/proto/codec.h"
 #include "dcp/proto/device.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/random_name.h"
 #include "dcp/storage/slab_copy.h"
 #include "dcp/storage/torch_dcp.h"
 #include "dcp/storage/zstd_transform.h"
@@ -156,14 +156,6 @@ void GiveScratch(std::vector<char> v) {
   if (v.empty()) return;
   std::lock_guard<std::mutex> lock(scratch_pool_mu);
   if (scratch_pool.size() < 4) scratch_pool.push_back(std::move(v));
-}
-
-std::string RandomHex(int bytes) {
-  static thread_local std::mt19937_64 rng(std::random_device{}());
-  std::string s;
-  const char* digits = "0123456789abcdef";
-  for (int i = 0; i < bytes * 2; ++i) s.push_back(digits[rng() & 15]);
-  return s;
 }
 
 // Stream a tensor view (host or device, any strides) into `out` in row-major order, CRC-ing

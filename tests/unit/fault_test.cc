@@ -8,6 +8,7 @@
 
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -354,7 +355,12 @@ TEST_CASE("fault: SIGKILL at random moments never leaves a torn checkpoint", "[f
           so.storage.overwrite = true;
           Save(s.sd, uri, so);
         }
-      } catch (...) {
+      } catch (const std::exception& e) {
+        std::FILE* f = std::fopen((dir.path() + "/child-error").c_str(), "w");
+        if (f) {
+          std::fputs(e.what(), f);
+          std::fclose(f);
+        }
         ::_exit(3);
       }
     }
@@ -364,7 +370,15 @@ TEST_CASE("fault: SIGKILL at random moments never leaves a torn checkpoint", "[f
     int status = 0;
     ::waitpid(pid, &status, 0);
     // The child saves until killed: any other end is a failed save, not a trial.
-    REQUIRE((WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL));
+    if (!(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)) {
+      std::string why;
+      if (std::FILE* f = std::fopen((dir.path() + "/child-error").c_str(), "r")) {
+        char buf[4096];
+        why.assign(buf, std::fread(buf, 1, sizeof buf, f));
+        std::fclose(f);
+      }
+      FAIL("the saving child ended with status " << status << " instead of the kill: " << why);
+    }
     ++trials;
     try {
       const int v = CheckpointVersion("file://" + uri, 1);
