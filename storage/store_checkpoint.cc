@@ -88,7 +88,7 @@ class DeviceStaging {
       if (!s.in_flight) continue;
       try {
         s.stream->Synchronize();
-      } catch (const std::exception&) {  // the error that brought us here is the one reported
+      } catch (...) {  // the error that brought us here is the one reported
       }
     }
   }
@@ -787,12 +787,11 @@ class StoreReader : public StorageReader {
               complete_piece(sp);
               continue;
             }
-            const std::string what = "tensor " + item.dest_index.ToString();
             if (staging && staging->device() != sp.dst.device) {
               staging->Drain();
               staging.reset();
             }
-            if (!staging) staging.emplace(sp.dst.device, what);
+            if (!staging) staging.emplace(sp.dst.device, "tensor " + item.dest_index.ToString());
             // The piece completes once its copy has: while this thread reads the next piece.
             staging->Read(in, info.offset + task.begin, sp.dst, task.begin, task.length, crc,
                           [&complete_piece, &sp] { complete_piece(sp); });
