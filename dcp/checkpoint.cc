@@ -622,35 +622,42 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
         got[r] = DecodeCompactSavePlan(std::string_view(locals[r]).substr(1), static_cast<int>(r));
         std::string().swap(locals[r]);
       });
-      bool same = true;
-      std::vector<std::vector<uint8_t>> rules_by_rank(got.size());
-      for (size_t r = 0; r < got.size(); ++r) {
-        same = same && got[r].hash == split.hash && got[r].rules.size() == split.regular.size();
-        rules_by_rank[r] = std::move(got[r].rules);
-      }
-      const std::vector<RegularRule> rules =
-          same ? CommonRules(split, rules_by_rank) : std::vector<RegularRule>();
-      if (!same || rules.size() != split.regular.size()) {
-        return std::vector<std::string>(got.size(), "F");
+      RegularAgreement agreed = AgreeOnRegularShards(my_full, split, got);
+      if (agreed.outcome != RegularAgreement::kAgreed) {
+        return std::vector<std::string>(
+            got.size(), agreed.outcome == RegularAgreement::kDeclarationsDiffer ? "D" : "F");
       }
       std::vector<SavePlan> residuals(got.size());
       for (size_t r = 0; r < got.size(); ++r) residuals[r] = std::move(got[r].residual);
       got.clear();
+      Metadata regular_md;
+      AddRegularEntries(my_full, split, agreed.rules, size, regular_md);
       auto [global_plans, md] = default_planner.CreateGlobalPlan(
-          std::move(residuals), RegularBytesPerRank(my_full, split, rules, size));
-      AddRegularEntries(my_full, split, rules, size, md);
+          std::move(residuals), RegularBytesPerRank(my_full, split, agreed.rules, size),
+          &regular_md);
+      MergeRegularEntries(std::move(regular_md), md);
       return ReplyPlans(std::move(global_plans), std::move(md), "C");
     };
+    // Attempts: compact with the declarations of short tensors hashed; on 'D' compact with
+    // every declaration in full; on 'F' (or without compact planning) in full.
+    enum class PlanForm { kCompactHashed, kCompact, kFull };
+    PlanForm form = can_compact ? PlanForm::kCompactHashed : PlanForm::kFull;
     for (int attempt = 0; !planned; ++attempt) {
-      if (attempt > 1) throw InternalError("save planning did not converge");
-      const bool compact = can_compact && attempt == 0;
+      if (attempt > 2) throw InternalError("save planning did not converge");
+      const bool compact = form != PlanForm::kFull;
       const std::string reply = RunPhase(
-          comm, attempt == 0 ? "save/plan" : "save/plan-full",
+          comm,
+          attempt == 0              ? "save/plan"
+          : form == PlanForm::kFull ? "save/plan-full"
+                                    : "save/plan-declared",
           [&] {
-            std::string msg = compact ? "C" + EncodeCompactSavePlan(split = SplitRegularShards(
-                                                                        local_plan(), rank, size))
-                                      : "P" + (cache ? my_local : EncodeSavePlan(local_plan()));
+            std::string msg =
+                compact ? "C" + EncodeCompactSavePlan(
+                                    split = SplitRegularShards(local_plan(), rank, size,
+                                                               form == PlanForm::kCompactHashed))
+                        : "P" + (cache ? my_local : EncodeSavePlan(local_plan()));
             stats.plan_bytes_sent += msg.size();
+            ++stats.plan_rounds;
             return msg;
           },
           [&](std::vector<std::string> locals) {
@@ -667,7 +674,16 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
           });
       if (reply.empty()) throw InternalError("empty save plan reply");
       const std::string_view body = std::string_view(reply).substr(1);
-      if (reply[0] == 'F') continue;
+      if (reply[0] == 'F') {
+        form = PlanForm::kFull;
+        continue;
+      }
+      if (reply[0] == 'D') {
+        if (form != PlanForm::kCompactHashed)
+          throw InternalError("save plan reply of the wrong form");
+        form = PlanForm::kCompact;
+        continue;
+      }
       if (reply[0] == 'C' && compact) {
         central = RebuildGlobalPlan(my_full, split, DecodeSavePlan(body.substr(id_bytes)), rank);
         stats.compact_plan = true;

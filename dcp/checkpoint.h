@@ -79,6 +79,9 @@ struct SaveStats {
   bool cached_plan = false;
   /// Bytes of the plan messages this rank sent to the coordinator.
   uint64_t plan_bytes_sent = 0;
+  /// Plan exchanges this save took: 1, or 2 when compact planning was retried with every
+  /// declaration in full or fell back to full planning, 3 when both (0 on a plan-cache hit).
+  int plan_rounds = 0;
 };
 
 struct SaveOptions {

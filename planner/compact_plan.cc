@@ -1,9 +1,11 @@
 #include "dcp/planner/compact_plan.h"
 
 #include <algorithm>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "dcp/planner/default_planner.h"
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/codec.h"
 #include "dcp/proto/error.h"
@@ -35,6 +37,41 @@ uint8_t MatchingRules(int64_t begin, int64_t size, int64_t extent, int rank, int
   return rules;
 }
 
+// Order-dependent combination of the shard hashes (the splitmix64 finalizer over the sum).
+uint64_t FoldHash(uint64_t h, uint64_t shard) {
+  uint64_t z = h + shard + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Whether rank `rank` holds a non-empty slice of a regular shard (see the header).
+bool Holds(const PlanSplit::Regular& reg, int rank) { return rank < reg.extent; }
+
+// Hash of what must be the same on every rank about a tensor: its fqn, dtype, global shape and
+// key path, and for a regular shard the dimension it is split along (-1: a declaration).
+uint64_t DescriptionHash(const SavePlan& local, const std::string& fqn, DType dtype,
+                         const Shape& shape, int dim) {
+  std::string desc = fqn;
+  desc.push_back('\0');
+  desc.push_back(static_cast<char>(dtype));
+  desc.push_back(static_cast<char>(dim));
+  PutU64(desc, shape.size());
+  for (int64_t s : shape) PutU64(desc, static_cast<uint64_t>(s));
+  if (auto p = local.key_paths.find(fqn); p != local.key_paths.end()) {
+    PutU64(desc, p->second.size());
+    for (const auto& part : p->second) {
+      PutU64(desc, part.size());
+      desc.append(part);
+    }
+  } else {
+    PutU64(desc, ~uint64_t{0});
+  }
+  const uint64_t a = Crc32c(0, desc.data(), desc.size());
+  const uint64_t b = Crc32c(0x9E3779B9u, desc.data(), desc.size());
+  return ((a << 32) | b) ^ (static_cast<uint64_t>(desc.size()) * 0x9E3779B97F4A7C15ull);
+}
+
 }  // namespace
 
 std::pair<int64_t, int64_t> RegularSlice(int64_t extent, int rank, int world, RegularRule rule) {
@@ -48,7 +85,7 @@ std::pair<int64_t, int64_t> RegularSlice(int64_t extent, int rank, int world, Re
   return {b, b + base + (rank < extra ? 1 : 0)};
 }
 
-PlanSplit SplitRegularShards(const SavePlan& local, int rank, int world) {
+PlanSplit SplitRegularShards(const SavePlan& local, int rank, int world, bool hash_declarations) {
   PlanSplit split;
   split.residual.storage_data = local.storage_data;
   split.residual.planner_data = local.planner_data;
@@ -74,47 +111,56 @@ PlanSplit SplitRegularShards(const SavePlan& local, int rank, int world) {
         ok = dim < 0;
         dim = static_cast<int>(d);
       }
-      if (!ok || dim < 0 || it.global_shape[dim] < world) continue;
+      if (!ok || dim < 0 || it.chunk.sizes[dim] <= 0) continue;
       const uint8_t rules = MatchingRules(it.chunk.offsets[dim], it.chunk.sizes[dim],
                                           it.global_shape[dim], rank, world);
       if (rules == 0) continue;
       regular[i] = 1;
-      split.regular.push_back({static_cast<uint32_t>(i), dim, rules});
+      PlanSplit::Regular reg;
+      reg.item = static_cast<uint32_t>(i);
+      reg.dim = dim;
+      reg.rules = rules;
+      reg.extent = it.global_shape[dim];
+      reg.hash = DescriptionHash(local, it.index.fqn, it.dtype, it.global_shape, dim);
+      reg.declared_hash = DescriptionHash(local, it.index.fqn, it.dtype, it.global_shape, -1);
+      split.hash = FoldHash(split.hash, reg.hash);
+      split.regular.push_back(reg);
     }
   }
-  // The hash covers everything about the regular shards that must be the same on every rank.
-  std::string desc;
-  for (const auto& reg : split.regular) {
-    const WriteItem& it = local.items[reg.item];
-    desc.append(it.index.fqn);
-    desc.push_back('\0');
-    desc.push_back(static_cast<char>(it.dtype));
-    desc.push_back(static_cast<char>(reg.dim));
-    PutU64(desc, it.global_shape.size());
-    for (int64_t s : it.global_shape) PutU64(desc, static_cast<uint64_t>(s));
-    if (auto p = local.key_paths.find(it.index.fqn); p != local.key_paths.end()) {
-      PutU64(desc, p->second.size());
-      for (const auto& part : p->second) {
-        PutU64(desc, part.size());
-        desc.append(part);
+  // Declarations that may be this rank's empty slices of short regular tensors (some dimension
+  // of at most `rank` units, and elements to hold) go into declared_hash, with their key paths.
+  std::unordered_set<std::string> hashed_fqns;
+  if (hash_declarations && world >= 2 && !local.planner_data.empty()) {
+    split.declarations_hashed = true;
+    std::string rest;
+    for (const SaveDeclaration& d : DecodeSaveDeclarations(local.planner_data)) {
+      const bool may_be_short =
+          NumElements(d.shape) > 0 &&
+          std::any_of(d.shape.begin(), d.shape.end(), [&](int64_t n) { return n <= rank; });
+      if (may_be_short) {
+        split.declared_hash =
+            FoldHash(split.declared_hash, DescriptionHash(local, d.fqn, d.dtype, d.shape, -1));
+        hashed_fqns.insert(d.fqn);
+      } else {
+        rest += EncodeSaveDeclaration(d.fqn, d.dtype, d.shape);
       }
-    } else {
-      PutU64(desc, ~uint64_t{0});
     }
+    split.residual.planner_data = std::move(rest);
+  } else {
+    split.declarations_hashed = hash_declarations && world >= 2;
   }
-  const uint64_t a = Crc32c(0, desc.data(), desc.size());
-  const uint64_t b = Crc32c(0x9E3779B9u, desc.data(), desc.size());
-  split.hash = ((a << 32) | b) ^ (static_cast<uint64_t>(desc.size()) * 0x9E3779B97F4A7C15ull);
 
   split.residual.items.reserve(local.items.size() - split.regular.size());
   for (size_t i = 0; i < local.items.size(); ++i) {
     if (!regular[i]) split.residual.items.push_back(local.items[i]);
   }
-  // Key paths of regular fqns are covered by the hash (the coordinator uses its own).
-  std::unordered_set<std::string_view> regular_fqns;
-  for (const auto& reg : split.regular) regular_fqns.insert(local.items[reg.item].index.fqn);
+  // Key paths of regular and hashed fqns are covered by the hashes (the coordinator uses its
+  // own).
+  std::unordered_set<std::string_view> covered;
+  for (const auto& reg : split.regular) covered.insert(local.items[reg.item].index.fqn);
+  for (const auto& fqn : hashed_fqns) covered.insert(fqn);
   for (const auto& [fqn, path] : local.key_paths) {
-    if (!regular_fqns.count(fqn)) {
+    if (!covered.count(fqn)) {
       split.residual.key_paths.emplace_hint(split.residual.key_paths.end(), fqn, path);
     }
   }
@@ -124,6 +170,8 @@ PlanSplit SplitRegularShards(const SavePlan& local, int rank, int world) {
 std::string EncodeCompactSavePlan(const PlanSplit& split) {
   std::string out;
   PutU64(out, split.hash);
+  out.push_back(split.declarations_hashed ? 1 : 0);
+  PutU64(out, split.declared_hash);
   PutU64(out, split.regular.size());
   for (const auto& reg : split.regular) out.push_back(static_cast<char>(reg.rules));
   out += EncodeSavePlan(split.residual);
@@ -134,38 +182,92 @@ CompactSavePlan DecodeCompactSavePlan(std::string_view bytes, int rank) {
   auto corrupt = [&] {
     return CorruptionError("rank " + std::to_string(rank) + " sent a malformed compact save plan");
   };
-  if (bytes.size() < 16) throw corrupt();
+  constexpr size_t kHeader = 8 + 1 + 8 + 8;
+  if (bytes.size() < kHeader || static_cast<uint8_t>(bytes[8]) > 1) throw corrupt();
   CompactSavePlan out;
   out.hash = GetU64(bytes);
-  const uint64_t n = GetU64(bytes.substr(8));
-  if (n > bytes.size() - 16) throw corrupt();
-  out.rules.assign(bytes.begin() + 16, bytes.begin() + 16 + static_cast<ptrdiff_t>(n));
-  out.residual = DecodeSavePlan(bytes.substr(16 + n));
+  out.declarations_hashed = bytes[8] == 1;
+  out.declared_hash = GetU64(bytes.substr(9));
+  const uint64_t n = GetU64(bytes.substr(17));
+  if (n > bytes.size() - kHeader) throw corrupt();
+  const auto rules = bytes.substr(kHeader, n);
+  out.rules.assign(rules.begin(), rules.end());
+  out.residual = DecodeSavePlan(bytes.substr(kHeader + n));
   return out;
 }
 
-std::vector<RegularRule> CommonRules(const PlanSplit& mine,
-                                     const std::vector<std::vector<uint8_t>>& rules_by_rank) {
-  std::vector<uint8_t> common(mine.regular.size(), kRuleBalanced | kRuleCeil);
-  for (size_t r = 0; r < rules_by_rank.size(); ++r) {
-    const auto& rules = rules_by_rank[r];
-    if (rules.size() != common.size()) {
-      throw InvalidArgumentError("rank " + std::to_string(r) + " described " +
-                                 std::to_string(rules.size()) + " regular shards, rank 0 " +
-                                 std::to_string(common.size()));
-    }
-    for (size_t i = 0; i < common.size(); ++i) common[i] &= rules[i];
+RegularAgreement AgreeOnRegularShards(const SavePlan& local, const PlanSplit& mine,
+                                      const std::vector<CompactSavePlan>& got) {
+  RegularAgreement differ;
+  const int world = static_cast<int>(got.size());
+  // The ranks fall into few classes by which shards they hold (all, for ranks beyond the
+  // largest extent below the world): each class's expected hashes are computed once.
+  std::vector<int64_t> cuts;  // the distinct extents < world, ascending
+  for (const auto& reg : mine.regular) {
+    if (reg.extent < world) cuts.push_back(reg.extent);
   }
-  std::vector<RegularRule> out(common.size());
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  struct Expected {
+    uint64_t held = 0, declared = 0;
+  };
+  std::vector<std::optional<Expected>> expected(cuts.size() + 1);
+  std::vector<uint8_t> common(mine.regular.size(), kRuleBalanced | kRuleCeil);
+  bool declarations_differ = false;
+  for (int r = 0; r < world; ++r) {
+    const auto cls =
+        static_cast<size_t>(std::upper_bound(cuts.begin(), cuts.end(), r) - cuts.begin());
+    if (!expected[cls]) {
+      Expected e;
+      for (const auto& reg : mine.regular) {
+        if (Holds(reg, r)) {
+          e.held = FoldHash(e.held, reg.hash);
+        } else {
+          e.declared = FoldHash(e.declared, reg.declared_hash);
+        }
+      }
+      expected[cls] = e;
+    }
+    const CompactSavePlan& p = got[static_cast<size_t>(r)];
+    if (p.hash != expected[cls]->held) return differ;
+    if (p.declarations_hashed && p.declared_hash != expected[cls]->declared) {
+      declarations_differ = true;
+    }
+    size_t next = 0;
+    for (size_t i = 0; i < common.size(); ++i) {
+      if (!Holds(mine.regular[i], r)) continue;
+      if (next == p.rules.size()) return differ;
+      common[i] &= p.rules[next++];
+    }
+    if (next != p.rules.size()) return differ;
+  }
+  // A rank that holds a regular fqn describes it as regular or its hash differs (a second item
+  // of that fqn makes neither regular), so only ranks beyond a short tensor's extent can name a
+  // regular fqn in their residual: a copy of some unit, which full planning deduplicates.
+  if (!cuts.empty()) {
+    std::unordered_set<std::string_view> short_fqns;
+    for (const auto& reg : mine.regular) {
+      if (reg.extent < world) short_fqns.insert(local.items[reg.item].index.fqn);
+    }
+    for (size_t r = static_cast<size_t>(cuts.front()); r < got.size(); ++r) {
+      for (const auto& item : got[r].residual.items) {
+        if (short_fqns.count(item.index.fqn)) return differ;
+      }
+    }
+  }
+  RegularAgreement out;
+  out.rules.resize(common.size());
   for (size_t i = 0; i < common.size(); ++i) {
     if (common[i] & kRuleBalanced) {
-      out[i] = kRuleBalanced;
+      out.rules[i] = kRuleBalanced;
     } else if (common[i] & kRuleCeil) {
-      out[i] = kRuleCeil;
+      out.rules[i] = kRuleCeil;
     } else {
-      return {};
+      return differ;
     }
   }
+  out.outcome =
+      declarations_differ ? RegularAgreement::kDeclarationsDiffer : RegularAgreement::kAgreed;
   return out;
 }
 
@@ -193,10 +295,10 @@ void AddRegularEntries(const SavePlan& local, const PlanSplit& split,
     const auto& reg = split.regular[k];
     const WriteItem& it = local.items[reg.item];
     TensorMetadata t{it.dtype, it.global_shape, {}};
-    t.chunks.resize(static_cast<size_t>(world));
-    const int64_t extent = it.global_shape[reg.dim];
-    for (int r = 0; r < world; ++r) {
-      auto [b, e] = RegularSlice(extent, r, world, rules[k]);
+    const int holders = static_cast<int>(std::min<int64_t>(world, reg.extent));
+    t.chunks.resize(static_cast<size_t>(holders));
+    for (int r = 0; r < holders; ++r) {
+      auto [b, e] = RegularSlice(reg.extent, r, world, rules[k]);
       ChunkMeta& c = t.chunks[static_cast<size_t>(r)];
       c.offsets.assign(it.global_shape.size(), 0);
       c.sizes = it.global_shape;
@@ -210,6 +312,15 @@ void AddRegularEntries(const SavePlan& local, const PlanSplit& split,
       md.key_paths[it.index.fqn] = p->second;
     }
   }
+}
+
+void MergeRegularEntries(Metadata regular, Metadata& md) {
+  md.entries.merge(regular.entries);
+  if (!regular.entries.empty()) {
+    throw InternalError("'" + regular.entries.begin()->first +
+                        "' is both a regular shard and in a residual plan");
+  }
+  for (auto& [fqn, path] : regular.key_paths) md.key_paths.insert_or_assign(fqn, std::move(path));
 }
 
 SavePlan RebuildGlobalPlan(const SavePlan& local, const PlanSplit& split, SavePlan residual_global,

@@ -1,6 +1,7 @@
 #include "dcp/planner/default_planner.h"
 
 #include <algorithm>
+#include <charconv>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -37,58 +38,6 @@ const char* KindName(const StateValue& v) {
 
 std::string Describe(DType dtype, const Shape& shape) {
   return std::string(DTypeName(dtype)) + ShapeToString(shape);
-}
-
-// planner_data of a local save plan: one line per sharded tensor this rank declares without
-// holding a shard: "fqn\tdtype\tdim,dim,...\n". Tabs and newlines cannot occur in a dtype or
-// shape; an fqn containing them is rejected.
-std::string EncodeDeclaration(const std::string& fqn, DType dtype, const Shape& shape) {
-  if (fqn.find_first_of("\t\n") != std::string::npos) {
-    throw InvalidArgumentError("sharded tensor name '" + fqn + "' contains a tab or newline");
-  }
-  // Appended piece by piece: g++ 12 at -O3 reports a false -Wrestrict for `std::string + char`.
-  std::string line = fqn;
-  line.append(1, '\t').append(DTypeName(dtype)).append(1, '\t');
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) line.append(1, ',');
-    line.append(std::to_string(shape[i]));
-  }
-  line.append(1, '\n');
-  return line;
-}
-
-struct Declaration {
-  std::string fqn;
-  DType dtype;
-  Shape shape;
-};
-
-std::vector<Declaration> DecodeDeclarations(const std::string& data) {
-  std::vector<Declaration> out;
-  size_t pos = 0;
-  while (pos < data.size()) {
-    size_t nl = data.find('\n', pos);
-    if (nl == std::string::npos) nl = data.size();
-    const std::string line = data.substr(pos, nl - pos);
-    pos = nl + 1;
-    const size_t t1 = line.find('\t'), t2 = line.find('\t', t1 + 1);
-    if (t1 == std::string::npos || t2 == std::string::npos) continue;
-    Declaration d;
-    d.fqn = line.substr(0, t1);
-    auto dtype = DTypeFromName(line.substr(t1 + 1, t2 - t1 - 1));
-    if (!dtype) throw InternalError("bad declaration '" + line + "'");
-    d.dtype = *dtype;
-    std::string dims = line.substr(t2 + 1);
-    size_t p = 0;
-    while (p < dims.size()) {
-      size_t c = dims.find(',', p);
-      if (c == std::string::npos) c = dims.size();
-      d.shape.push_back(std::stoll(dims.substr(p, c - p)));
-      p = c + 1;
-    }
-    out.push_back(std::move(d));
-  }
-  return out;
 }
 
 }  // namespace
@@ -314,7 +263,7 @@ SavePlan DefaultSavePlanner::CreateLocalPlan() {
         // This rank holds none of the tensor (or only empty shards): declare it so that its dtype
         // and shape are still checked, and so that a tensor nobody holds any part of (legal only
         // when it has no elements) still appears in the checkpoint.
-        plan.planner_data += EncodeDeclaration(fqn, st->dtype, st->global_shape);
+        plan.planner_data += EncodeSaveDeclaration(fqn, st->dtype, st->global_shape);
       }
     } else if (const auto* b = std::get_if<Blob>(&value)) {
       WriteItem item;
@@ -327,13 +276,63 @@ SavePlan DefaultSavePlanner::CreateLocalPlan() {
   return plan;
 }
 
+std::string EncodeSaveDeclaration(const std::string& fqn, DType dtype, const Shape& shape) {
+  if (fqn.find_first_of("\t\n") != std::string::npos) {
+    throw InvalidArgumentError("sharded tensor name '" + fqn + "' contains a tab or newline");
+  }
+  // Appended piece by piece: g++ 12 at -O3 reports a false -Wrestrict for `std::string + char`.
+  std::string line = fqn;
+  line.append(1, '\t').append(DTypeName(dtype)).append(1, '\t');
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) line.append(1, ',');
+    line.append(std::to_string(shape[i]));
+  }
+  line.append(1, '\n');
+  return line;
+}
+
+std::vector<SaveDeclaration> DecodeSaveDeclarations(std::string_view data) {
+  std::vector<SaveDeclaration> out;
+  size_t pos = 0;
+  while (pos < data.size()) {
+    size_t nl = data.find('\n', pos);
+    if (nl == std::string_view::npos) nl = data.size();
+    const std::string_view line = data.substr(pos, nl - pos);
+    pos = nl + 1;
+    auto bad = [&] {
+      return CorruptionError("malformed tensor declaration '" + std::string(line) + "'");
+    };
+    const size_t t1 = line.find('\t');
+    const size_t t2 = t1 == std::string_view::npos ? t1 : line.find('\t', t1 + 1);
+    if (t2 == std::string_view::npos) throw bad();
+    SaveDeclaration d;
+    d.fqn = std::string(line.substr(0, t1));
+    auto dtype = DTypeFromName(std::string(line.substr(t1 + 1, t2 - t1 - 1)));
+    if (!dtype) throw bad();
+    d.dtype = *dtype;
+    const std::string_view dims = line.substr(t2 + 1);
+    size_t p = 0;
+    while (p < dims.size()) {
+      size_t c = dims.find(',', p);
+      if (c == std::string_view::npos) c = dims.size();
+      int64_t v = 0;
+      auto [end, ec] = std::from_chars(dims.data() + p, dims.data() + c, v);
+      if (ec != std::errc() || end != dims.data() + c || v < 0) throw bad();
+      d.shape.push_back(v);
+      p = c + 1;
+    }
+    out.push_back(std::move(d));
+  }
+  return out;
+}
+
 std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
     std::vector<SavePlan> plans) {
   return CreateGlobalPlan(std::move(plans), {});
 }
 
 std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
-    std::vector<SavePlan> plans, std::vector<uint64_t> base_load) {
+    std::vector<SavePlan> plans, std::vector<uint64_t> base_load, const Metadata* planned) {
   if (!base_load.empty() && base_load.size() != plans.size()) {
     throw InvalidArgumentError("base load for " + std::to_string(base_load.size()) +
                                " ranks, plans of " + std::to_string(plans.size()));
@@ -475,7 +474,19 @@ std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
   // Sharded tensors that some rank declared without holding a shard.
   std::map<std::string, int> declared_by;
   for (size_t r = 0; r < plans.size(); ++r) {
-    for (const auto& d : DecodeDeclarations(plans[r].planner_data)) {
+    for (const auto& d : DecodeSaveDeclarations(plans[r].planner_data)) {
+      if (planned != nullptr) {
+        if (auto known = planned->entries.find(d.fqn); known != planned->entries.end()) {
+          const auto* t = std::get_if<TensorMetadata>(&known->second);
+          if (t == nullptr || t->dtype != d.dtype || t->shape != d.shape) {
+            throw InvalidArgumentError(
+                "tensor '" + d.fqn + "' disagrees across ranks: rank 0 has " +
+                (t ? Describe(t->dtype, t->shape) : std::string("a byte blob")) + ", rank " +
+                std::to_string(r) + " has " + Describe(d.dtype, d.shape));
+          }
+          continue;
+        }
+      }
       auto [it, inserted] = md.entries.emplace(d.fqn, TensorMetadata{d.dtype, d.shape, {}});
       int first = static_cast<int>(r);
       if (!inserted) {

@@ -15,6 +15,7 @@
 
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dcp/planner/flatten.h"
@@ -37,6 +38,19 @@ void ValidateChunks(const std::string& fqn, const Shape& shape,
 void ValidateChunks(const std::string& fqn, const Shape& shape,
                     const std::vector<ChunkMeta>& chunks, const std::vector<int>& ranks);
 
+/// A sharded tensor a rank declares without holding any of it, so that its dtype and shape are
+/// still checked (DefaultSavePlanner's local planner_data: one line each,
+/// "fqn\tdtype\tdim,dim,...\n").
+struct SaveDeclaration {
+  std::string fqn;
+  DType dtype = DType::kFloat32;
+  Shape shape;
+};
+/// One declaration's line. InvalidArgumentError for an fqn with a tab or newline.
+std::string EncodeSaveDeclaration(const std::string& fqn, DType dtype, const Shape& shape);
+/// The declarations in `planner_data`, in order. CorruptionError for a malformed line.
+std::vector<SaveDeclaration> DecodeSaveDeclarations(std::string_view planner_data);
+
 class DefaultSavePlanner : public SavePlanner {
  public:
   void SetUp(const StateDict& state_dict, const PlannerContext& ctx) override;
@@ -45,9 +59,13 @@ class DefaultSavePlanner : public SavePlanner {
       std::vector<SavePlan> all_plans) override;
   /// The same, with base_load[r] bytes that rank r writes besides its plan's items (compact
   /// planning's regular shards, planner/compact_plan.h), which the dedup of replicated items
-  /// balances against. Empty: none.
+  /// balances against (empty: none), and the entries `planned` already holds (compact
+  /// planning's regular tensors; null: none), which no plan's items may name: a rank's
+  /// declaration of one is checked against it (as if rank 0 held it) and adds nothing. The
+  /// returned metadata does not contain the `planned` entries.
   std::pair<std::vector<SavePlan>, Metadata> CreateGlobalPlan(std::vector<SavePlan> all_plans,
-                                                              std::vector<uint64_t> base_load);
+                                                              std::vector<uint64_t> base_load,
+                                                              const Metadata* planned = nullptr);
   SavePlan FinishPlan(SavePlan central_plan) override;
   ResolvedData ResolveData(const WriteItem& item) const override;
 

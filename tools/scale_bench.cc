@@ -237,26 +237,22 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
           std::string().swap(gathered[r]);
         },
         g_threads);
-    std::vector<std::vector<uint8_t>> rules_by_rank(n);
-    for (int r = 0; r < n; ++r) {
-      if (got[r].hash != split0.hash) {
-        std::fprintf(stderr, "rank %d's regular shards differ from rank 0's\n", r);
-        std::exit(1);
-      }
-      rules_by_rank[r] = std::move(got[r].rules);
-      locals[r] = std::move(got[r].residual);
-    }
-    rules = CommonRules(split0, rules_by_rank);
-    if (rules.size() != split0.regular.size()) {
-      std::fprintf(stderr, "no common splitting rule\n");
+    RegularAgreement agreed = AgreeOnRegularShards(local0, split0, got);
+    if (agreed.outcome != RegularAgreement::kAgreed) {
+      std::fprintf(stderr, "the ranks' regular shards or declarations differ from rank 0's\n");
       std::exit(1);
     }
+    rules = std::move(agreed.rules);
+    for (int r = 0; r < n; ++r) locals[r] = std::move(got[r].residual);
     base_load = RegularBytesPerRank(local0, split0, rules, n);
   }
   row.plan_decode_s = WallSeconds() - t0;
   const double merge0 = WallSeconds();
-  auto [globals, md] = coordinator.CreateGlobalPlan(std::move(locals), std::move(base_load));
-  if (!g_full_plans) AddRegularEntries(local0, split0, rules, n, md);
+  Metadata regular_md;
+  if (!g_full_plans) AddRegularEntries(local0, split0, rules, n, regular_md);
+  auto [globals, md] = coordinator.CreateGlobalPlan(std::move(locals), std::move(base_load),
+                                                    g_full_plans ? nullptr : &regular_md);
+  if (!g_full_plans) MergeRegularEntries(std::move(regular_md), md);
   row.plan_merge_s = WallSeconds() - merge0;
   std::vector<std::string> scattered(n);
   ParallelFor(
@@ -285,6 +281,7 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
       WriteItem item = local0.items[split0.regular[k].item];
       const int dim = split0.regular[k].dim;
       auto [b, e] = RegularSlice(item.global_shape[dim], r, n, rules[k]);
+      if (e == b) continue;  // ranks beyond a short tensor's extent hold none of it
       item.chunk.offsets[dim] = b;
       item.chunk.sizes[dim] = e - b;
       item.index.offset = item.chunk.offsets;
