@@ -622,21 +622,13 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
         got[r] = DecodeCompactSavePlan(std::string_view(locals[r]).substr(1), static_cast<int>(r));
         std::string().swap(locals[r]);
       });
-      RegularAgreement agreed = AgreeOnRegularShards(my_full, split, got);
-      if (agreed.outcome != RegularAgreement::kAgreed) {
+      CompactMerge merged = MergeCompactPlans(default_planner, my_full, split, std::move(got));
+      if (merged.outcome != RegularAgreement::kAgreed) {
         return std::vector<std::string>(
-            got.size(), agreed.outcome == RegularAgreement::kDeclarationsDiffer ? "D" : "F");
+            static_cast<size_t>(size),
+            merged.outcome == RegularAgreement::kDeclarationsDiffer ? "D" : "F");
       }
-      std::vector<SavePlan> residuals(got.size());
-      for (size_t r = 0; r < got.size(); ++r) residuals[r] = std::move(got[r].residual);
-      got.clear();
-      Metadata regular_md;
-      AddRegularEntries(my_full, split, agreed.rules, size, regular_md);
-      auto [global_plans, md] = default_planner.CreateGlobalPlan(
-          std::move(residuals), RegularBytesPerRank(my_full, split, agreed.rules, size),
-          &regular_md);
-      MergeRegularEntries(std::move(regular_md), md);
-      return ReplyPlans(std::move(global_plans), std::move(md), "C");
+      return ReplyPlans(std::move(merged.plans), std::move(merged.md), "C");
     };
     // Attempts: compact with the declarations of short tensors hashed; on 'D' compact with
     // every declaration in full; on 'F' (or without compact planning) in full.

@@ -129,25 +129,23 @@ PlanSplit SplitRegularShards(const SavePlan& local, int rank, int world, bool ha
   }
   // Declarations that may be this rank's empty slices of short regular tensors (some dimension
   // of at most `rank` units, and elements to hold) go into declared_hash, with their key paths.
-  std::unordered_set<std::string> hashed_fqns;
-  if (hash_declarations && world >= 2 && !local.planner_data.empty()) {
-    split.declarations_hashed = true;
+  split.declarations_hashed = hash_declarations && world >= 2;
+  std::vector<SaveDeclaration> hashed;
+  if (split.declarations_hashed && !local.planner_data.empty()) {
     std::string rest;
-    for (const SaveDeclaration& d : DecodeSaveDeclarations(local.planner_data)) {
+    for (SaveDeclaration& d : DecodeSaveDeclarations(local.planner_data)) {
       const bool may_be_short =
           NumElements(d.shape) > 0 &&
           std::any_of(d.shape.begin(), d.shape.end(), [&](int64_t n) { return n <= rank; });
       if (may_be_short) {
         split.declared_hash =
             FoldHash(split.declared_hash, DescriptionHash(local, d.fqn, d.dtype, d.shape, -1));
-        hashed_fqns.insert(d.fqn);
+        hashed.push_back(std::move(d));
       } else {
         rest += EncodeSaveDeclaration(d.fqn, d.dtype, d.shape);
       }
     }
     split.residual.planner_data = std::move(rest);
-  } else {
-    split.declarations_hashed = hash_declarations && world >= 2;
   }
 
   split.residual.items.reserve(local.items.size() - split.regular.size());
@@ -158,7 +156,7 @@ PlanSplit SplitRegularShards(const SavePlan& local, int rank, int world, bool ha
   // own).
   std::unordered_set<std::string_view> covered;
   for (const auto& reg : split.regular) covered.insert(local.items[reg.item].index.fqn);
-  for (const auto& fqn : hashed_fqns) covered.insert(fqn);
+  for (const auto& d : hashed) covered.insert(d.fqn);
   for (const auto& [fqn, path] : local.key_paths) {
     if (!covered.count(fqn)) {
       split.residual.key_paths.emplace_hint(split.residual.key_paths.end(), fqn, path);
@@ -321,6 +319,28 @@ void MergeRegularEntries(Metadata regular, Metadata& md) {
                         "' is both a regular shard and in a residual plan");
   }
   for (auto& [fqn, path] : regular.key_paths) md.key_paths.insert_or_assign(fqn, std::move(path));
+}
+
+CompactMerge MergeCompactPlans(DefaultSavePlanner& planner, const SavePlan& local,
+                               const PlanSplit& mine, std::vector<CompactSavePlan> got) {
+  CompactMerge out;
+  RegularAgreement agreed = AgreeOnRegularShards(local, mine, got);
+  out.outcome = agreed.outcome;
+  if (out.outcome != RegularAgreement::kAgreed) return out;
+  const int world = static_cast<int>(got.size());
+  std::vector<SavePlan> residuals(got.size());
+  for (size_t r = 0; r < got.size(); ++r) residuals[r] = std::move(got[r].residual);
+  got.clear();
+  // The regular entries exist before the merge so that declarations are checked against them.
+  Metadata regular;
+  AddRegularEntries(local, mine, agreed.rules, world, regular);
+  auto [plans, md] = planner.CreateGlobalPlan(
+      std::move(residuals), RegularBytesPerRank(local, mine, agreed.rules, world), &regular);
+  MergeRegularEntries(std::move(regular), md);
+  out.rules = std::move(agreed.rules);
+  out.plans = std::move(plans);
+  out.md = std::move(md);
+  return out;
 }
 
 SavePlan RebuildGlobalPlan(const SavePlan& local, const PlanSplit& split, SavePlan residual_global,

@@ -45,6 +45,8 @@
 
 namespace dcp {
 
+class DefaultSavePlanner;
+
 /// Which splitting rules a regular shard's slice matches (a bit set).
 enum RegularRule : uint8_t { kRuleBalanced = 1, kRuleCeil = 2 };
 
@@ -126,6 +128,20 @@ void AddRegularEntries(const SavePlan& local, const PlanSplit& split,
 /// residual plans; their key paths replace any a rank's residual carried (rank 0's win, as in
 /// full planning). InternalError when `md` already has one of the entries.
 void MergeRegularEntries(Metadata regular, Metadata& md);
+
+/// Coordinator: the whole compact merge of every rank's message (`got`, consumed): agree on
+/// the regular shards (AgreeOnRegularShards), merge the residual plans with `planner` (each
+/// rank's regular bytes as its starting load, every declaration checked against the regular
+/// entries) and add the regular entries. `rules`, `plans` and `md` are set only when the
+/// outcome is kAgreed. Throws what CreateGlobalPlan throws for invalid residual plans.
+struct CompactMerge {
+  RegularAgreement::Outcome outcome = RegularAgreement::kDiffer;
+  std::vector<RegularRule> rules;  // one per regular shard of `mine`
+  std::vector<SavePlan> plans;     // each rank's residual global plan
+  Metadata md;                     // the whole metadata, regular entries included
+};
+CompactMerge MergeCompactPlans(DefaultSavePlanner& planner, const SavePlan& local,
+                               const PlanSplit& mine, std::vector<CompactSavePlan> got);
 
 /// This rank's global plan, rebuilt from its local plan, its split and the coordinator's reply
 /// for its residual (`residual_global`: the residual items kept, in order, with their index

@@ -44,6 +44,7 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -266,10 +267,10 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
   PeakMeter meter;
   double t0 = WallSeconds();
   DefaultSavePlanner coordinator;
-  std::vector<SavePlan> locals(n);
-  std::vector<RegularRule> rules;
-  std::vector<uint64_t> base_load;
+  std::vector<SavePlan> locals;      // full plans
+  std::vector<CompactSavePlan> got;  // compact plans
   if (g_full_plans) {
+    locals.resize(n);
     ParallelFor(
         n,
         [&](size_t r) {
@@ -278,7 +279,7 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
         },
         g_threads);
   } else {
-    std::vector<CompactSavePlan> got(n);
+    got.resize(n);
     ParallelFor(
         n,
         [&](size_t r) {
@@ -287,22 +288,24 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
           std::string().swap(gathered[r]);
         },
         g_threads);
-    RegularAgreement agreed = AgreeOnRegularShards(local0, split0, got);
-    if (agreed.outcome != RegularAgreement::kAgreed) {
-      std::fprintf(stderr, "the ranks' regular shards or declarations differ from rank 0's\n");
-      std::exit(1);
-    }
-    rules = std::move(agreed.rules);
-    for (int r = 0; r < n; ++r) locals[r] = std::move(got[r].residual);
-    base_load = RegularBytesPerRank(local0, split0, rules, n);
   }
   row.plan_decode_s = WallSeconds() - t0;
   const double merge0 = WallSeconds();
-  Metadata regular_md;
-  if (!g_full_plans) AddRegularEntries(local0, split0, rules, n, regular_md);
-  auto [globals, md] = coordinator.CreateGlobalPlan(std::move(locals), std::move(base_load),
-                                                    g_full_plans ? nullptr : &regular_md);
-  if (!g_full_plans) MergeRegularEntries(std::move(regular_md), md);
+  std::vector<RegularRule> rules;
+  std::vector<SavePlan> globals;
+  Metadata md;
+  if (g_full_plans) {
+    std::tie(globals, md) = coordinator.CreateGlobalPlan(std::move(locals));
+  } else {
+    CompactMerge merged = MergeCompactPlans(coordinator, local0, split0, std::move(got));
+    if (merged.outcome != RegularAgreement::kAgreed) {
+      std::fprintf(stderr, "the ranks' regular shards or declarations differ from rank 0's\n");
+      std::exit(1);
+    }
+    rules = std::move(merged.rules);
+    globals = std::move(merged.plans);
+    md = std::move(merged.md);
+  }
   row.plan_merge_s = WallSeconds() - merge0;
   std::vector<std::string> scattered(n);
   ParallelFor(
