@@ -485,7 +485,10 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
   // The state machine of docs/PROTOCOL.md: every local step runs inside a phase, so an error on
   // one rank is everyone's; only a verdict of kFailed lets a rank remove what it wrote.
   try {
-    OperationScope op(comm, "save", writer.uri());
+    // The step is part of what every rank must open alike (SaveOptions::step).
+    OperationScope op(comm, "save",
+                      options.step ? writer.uri() + " (step " + std::to_string(*options.step) + ")"
+                                   : writer.uri());
     SavePlan my_full;  // this rank's local plan, made once
     bool have_local = false;
     auto local_plan = [&]() -> const SavePlan& {

@@ -18,7 +18,9 @@
 // Not reentrant per Communicator: one save or load at a time on a given communicator.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,6 +90,13 @@ struct SaveOptions {
   StorageOptions storage;
   /// Recorded in the metadata; defaults to the storage URI.
   std::string checkpoint_id;
+  /// The training step (or any number naming this save's intent) that every rank must agree
+  /// on: it is checked when the save opens, so a rank that skipped a save or saves another
+  /// step fails the save on every rank instead of pairing with it. Without it only the target
+  /// is compared: a job that overwrites one location every time (a "latest" directory) and
+  /// passes no step cannot tell a rank that skipped one save from one that did not, and the
+  /// checkpoint would mix state of two steps. CheckpointManager always passes its step.
+  std::optional<int64_t> step;
   /// Custom planner; nullptr uses DefaultSavePlanner.
   SavePlanner* planner = nullptr;
   /// Plan caching across saves (see SavePlanCache); nullptr plans every save in full.

@@ -43,8 +43,10 @@ std::optional<int64_t> ParseStep(std::string name) {
 // Remove a checkpoint's files: metadata first (it stops being a checkpoint), then the rest.
 // Under the location's writer lock, so a checkpoint another job is writing right now (a step
 // without metadata yet, e.g. a requeued job overlapping its predecessor) is never taken for
-// dead: LockedError instead.
-void RemoveCheckpointFiles(const std::string& uri) {
+// dead: LockedError instead. With `only_if_uncommitted`, the metadata's absence is checked again
+// under the lock (a save may have committed since the caller looked). Returns whether the
+// location is now empty.
+bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted = false) {
   std::shared_ptr<Store> store = OpenStore(uri);
   auto [scheme, location] = SplitUri(uri);
   if (!store->Size(kMetadataName) && store->List().empty()) {
@@ -52,10 +54,11 @@ void RemoveCheckpointFiles(const std::string& uri) {
       std::error_code ec;
       std::filesystem::remove(location, ec);  // an empty directory at most; absent is fine
     }
-    return;  // nothing to remove
+    return true;  // nothing to remove
   }
   std::unique_ptr<StoreLock> lock =
       store->TryLock("checkpoint removal pid=" + std::to_string(::getpid()));
+  if (only_if_uncommitted && store->Size(kMetadataName)) return false;
   store->Remove(kMetadataName);
   for (const auto& name : store->List()) {
     if (name != kLockObjectName) store->Remove(name);
@@ -66,6 +69,7 @@ void RemoveCheckpointFiles(const std::string& uri) {
     std::filesystem::remove(location, ec);  // the now-empty directory; absent is fine
   }
   // Other backends have no containers to remove (an empty mem:// bucket, kv:// shard folders).
+  return true;
 }
 
 std::string StepName(int64_t step) {
@@ -91,22 +95,35 @@ std::vector<int64_t> Decode(const std::string& s) {
   return v;
 }
 
-// Run `fn` on rank 0 and broadcast its result or its error, so every rank agrees.
+// Run `fn` on rank 0 and broadcast its result or its error, so every rank agrees. The error
+// keeps its code (a refused step is kInvalidArgument or kAlreadyExists on every rank).
 std::string OnCoordinator(Communicator& comm, const std::string& what,
                           const std::function<std::string()>& fn) {
-  std::string out, error;
+  std::string out;
   if (comm.rank() == 0) {
     try {
       out = "ok:" + fn();
+    } catch (const Error& e) {
+      out = "error:" + std::to_string(static_cast<int>(e.code())) + ":" + e.what();
     } catch (const std::exception& e) {
-      out = std::string("error:") + e.what();
+      out = "error:" + std::to_string(static_cast<int>(ErrorCode::kInternal)) + ":" + e.what();
     }
   }
   out = comm.Broadcast(out, 0, what);
   if (out.rfind("error:", 0) == 0) {
-    throw CollectiveError(what, {{0, ErrorCode::kIo, out.substr(6), false}});
+    const size_t colon = out.find(':', 6);
+    if (colon == std::string::npos) throw InternalError(what + ": malformed reply from rank 0");
+    const auto code = static_cast<ErrorCode>(std::atoi(out.substr(6, colon - 6).c_str()));
+    throw CollectiveError(what, {{0, code, out.substr(colon + 1), false}});
   }
+  if (out.rfind("ok:", 0) != 0) throw InternalError(what + ": malformed reply from rank 0");
   return out.substr(3);
+}
+
+// A manager collective's name with its step: ranks that disagree about the step (one skipped a
+// save) fail on the mismatch instead of pairing.
+std::string StepTag(const char* what, int64_t step) {
+  return std::string(what) + " step=" + std::to_string(step);
 }
 
 }  // namespace
@@ -210,10 +227,44 @@ void AsyncCheckpointIO::Teardown() { saver_.Close(); }
 // ---------------------------------------------------------------------------------------------
 // CheckpointManager
 
+struct CheckpointManager::StepScan {
+  std::vector<int64_t> complete;                            // ascending
+  std::vector<std::pair<int64_t, std::string>> unreadable;  // ascending, with why
+  std::vector<int64_t> absent;                              // ascending
+
+  std::string Encode() const {
+    std::string out = dcp::Encode(complete) + ";";
+    for (const auto& [step, why] : unreadable) out += std::to_string(step) + ",";
+    out += ";";
+    for (const auto& [step, why] : unreadable) {
+      out += std::to_string(why.size()) + ":" + why;
+    }
+    return out;
+  }
+  static StepScan Decode(const std::string& s) {
+    StepScan scan;
+    const size_t a = s.find(';');
+    const size_t b = s.find(';', a + 1);
+    if (a == std::string::npos || b == std::string::npos) {
+      throw InternalError("malformed step scan from rank 0");
+    }
+    scan.complete = dcp::Decode(s.substr(0, a));
+    size_t p = b + 1;
+    for (int64_t step : dcp::Decode(s.substr(a + 1, b - a - 1))) {
+      const size_t colon = s.find(':', p);
+      if (colon == std::string::npos) throw InternalError("malformed step scan from rank 0");
+      const size_t n = std::stoull(s.substr(p, colon - p));
+      scan.unreadable.emplace_back(step, s.substr(colon + 1, n));
+      p = colon + 1 + n;
+    }
+    return scan;
+  }
+};
+
 CheckpointManager::CheckpointManager(std::string root, Communicator& comm,
                                      std::unique_ptr<Communicator> background_comm,
                                      ManagerOptions options)
-    : root_(std::move(root)), comm_(comm), options_(std::move(options)) {
+    : root_(std::move(root)), comm_(&comm), options_(std::move(options)) {
   // Any Store backend (file://, mem://, registered ones); OpenStore names the registered
   // schemes when this one is unknown or is not Store based.
   OpenStore(root_);
@@ -239,27 +290,46 @@ std::vector<int64_t> CheckpointManager::KnownSteps() const {
   return {steps.begin(), steps.end()};
 }
 
-std::vector<int64_t> CheckpointManager::ScanCompleteSteps() const {
-  std::vector<int64_t> steps;
+CheckpointManager::StepScan CheckpointManager::ScanSteps() const {
+  StepScan scan;
   for (int64_t step : KnownSteps()) {
+    const std::string path = PathFor(step);
     try {
-      ReadMetadata(PathFor(step));  // present and valid: complete
-      steps.push_back(step);
-    } catch (const Error&) {
-      // No metadata (a save that never finished) or a damaged one: not a checkpoint.
+      ReadMetadata(path);  // present and valid: complete
+      scan.complete.push_back(step);
+      continue;
+    } catch (const NotFoundError& e) {
+      // Absent only when the store says so itself; a read that failed otherwise proves nothing.
+      try {
+        if (!OpenStore(path)->Size(kMetadataName)) {
+          scan.absent.push_back(step);
+          continue;
+        }
+        scan.unreadable.emplace_back(step, e.what());
+      } catch (const Error& probe) {
+        scan.unreadable.emplace_back(step, probe.what());
+      }
+    } catch (const Error& e) {
+      // An I/O error, a damaged file, a newer format: possibly a committed checkpoint.
+      scan.unreadable.emplace_back(step, e.what());
     }
   }
-  return steps;
+  return scan;
 }
 
-void CheckpointManager::RemoveStep(int64_t step) {
-  RemoveCheckpointFiles(PathFor(step));
+CheckpointManager::StepScan CheckpointManager::Scan() {
+  return StepScan::Decode(
+      OnCoordinator(*comm_, "manager/scan", [&] { return ScanSteps().Encode(); }));
+}
+
+void CheckpointManager::RemoveStep(int64_t step, bool only_if_uncommitted) {
+  if (!RemoveCheckpointFiles(PathFor(step), only_if_uncommitted)) {
+    return;  // it committed meanwhile: a checkpoint now, its index entry stays
+  }
   OpenStore(root_)->Remove(StepName(step) + kMarkerSuffix);  // last: the step stays findable
 }
 
-std::vector<int64_t> CheckpointManager::CompleteSteps() {
-  return Decode(OnCoordinator(comm_, "manager/scan", [&] { return Encode(ScanCompleteSteps()); }));
-}
+std::vector<int64_t> CheckpointManager::CompleteSteps() { return Scan().complete; }
 
 std::optional<int64_t> CheckpointManager::LatestStep() {
   auto steps = CompleteSteps();
@@ -267,68 +337,114 @@ std::optional<int64_t> CheckpointManager::LatestStep() {
   return steps.back();
 }
 
-void CheckpointManager::AfterSaveEnded() {
+void CheckpointManager::AfterSaveEnded(int64_t step) {
   try {
-    Retain();
+    Retain(step);
   } catch (const Error& e) {
     // Bookkeeping failed, the save did not: report it on its own and carry on (the next
     // retention retries; an over-kept step costs space, never data).
     ++retention_failures_;
+    if (last_retention_error_ != e.what()) {
+      std::fprintf(stderr,
+                   "dcp: CheckpointManager retention failed (the checkpoints are intact): %s\n",
+                   e.what());
+    }
     last_retention_error_ = e.what();
-    std::fprintf(stderr,
-                 "dcp: CheckpointManager retention failed (the checkpoints are intact): %s\n",
-                 e.what());
   }
 }
 
-void CheckpointManager::Retain() {
-  OnCoordinator(comm_, "manager/retention", [&] {
-    const auto complete = ScanCompleteSteps();
-    if (complete.empty()) return std::string();
-    const int64_t newest = complete.back();
-    // "latest" names only a committed step.
-    OpenStore(root_)->PublishAtomically("latest", std::to_string(newest) + "\n");
-    std::set<int64_t> keep(complete.end() - std::min<size_t>(complete.size(), options_.keep_last),
-                           complete.end());
-    keep.insert(newest);
-    for (int64_t s : complete) {
-      if (options_.keep_every > 0 && s % options_.keep_every == 0) keep.insert(s);
-    }
+void CheckpointManager::Retain(int64_t step) {
+  const std::string reply = OnCoordinator(*comm_, StepTag("manager/retention", step), [&] {
+    const StepScan scan = ScanSteps();
+    const auto& complete = scan.complete;
     // One step that cannot be removed does not keep the others: the first error is reported
     // after trying them all. A step another writer holds locked is live, not an error.
     std::string first_error;
     int failed = 0;
-    auto remove = [&](int64_t step) {
+    auto remove = [&](int64_t s, bool only_if_uncommitted) {
       try {
-        RemoveStep(step);
+        RemoveStep(s, only_if_uncommitted);
       } catch (const LockedError&) {
       } catch (const Error& e) {
         if (failed++ == 0) first_error = e.what();
       }
     };
-    for (int64_t s : complete) {
-      if (!keep.count(s) && s != in_flight_step_) remove(s);
-    }
-    // Leftovers of crashed saves (no metadata), older than the newest complete step.
-    for (int64_t step : KnownSteps()) {
-      if (step < newest && step != in_flight_step_ &&
-          !std::binary_search(complete.begin(), complete.end(), step)) {
-        remove(step);
+    if (!complete.empty()) {
+      const int64_t newest = complete.back();
+      // "latest" names only a committed step, and never goes back behind a step that may be one.
+      if (scan.unreadable.empty() || scan.unreadable.back().first < newest) {
+        OpenStore(root_)->PublishAtomically("latest", std::to_string(newest) + "\n");
+      }
+      std::set<int64_t> keep(complete.end() - std::min<size_t>(complete.size(), options_.keep_last),
+                             complete.end());
+      keep.insert(newest);
+      for (int64_t s : complete) {
+        if (options_.keep_every > 0 && s % options_.keep_every == 0) keep.insert(s);
+      }
+      for (int64_t s : complete) {
+        if (!keep.count(s) && s != in_flight_step_) remove(s, false);
+      }
+      // Leftovers of crashed saves: provably without metadata, older than the newest commit.
+      for (int64_t s : scan.absent) {
+        if (s < newest && s != in_flight_step_) remove(s, true);
       }
     }
+    std::string removal_error;
     if (failed > 0) {
-      throw IoError("could not remove " + std::to_string(failed) + " old step(s) under " + root_ +
-                        "; first: " + first_error,
-                    /*retryable=*/true);
+      removal_error = "could not remove " + std::to_string(failed) + " old step(s) under " + root_ +
+                      "; first: " + first_error;
     }
-    return std::string();
+    return std::to_string(removal_error.size()) + ":" + removal_error + scan.Encode();
   });
+  const size_t colon = reply.find(':');
+  if (colon == std::string::npos) throw InternalError("malformed retention reply from rank 0");
+  const size_t n = std::stoull(reply.substr(0, colon));
+  const std::string removal_error = reply.substr(colon + 1, n);
+  const StepScan scan = StepScan::Decode(reply.substr(colon + 1 + n));
+  unreadable_steps_.clear();
+  for (const auto& [s, why] : scan.unreadable) unreadable_steps_.push_back(s);
+  std::string message = removal_error;
+  if (!scan.unreadable.empty()) {
+    const auto& [s, why] = scan.unreadable.front();
+    message += std::string(message.empty() ? "" : "; ") + "kept " +
+               std::to_string(scan.unreadable.size()) + " step(s) under " + root_ +
+               " whose metadata could not be read (never removed: each may be a committed "
+               "checkpoint); first: step " +
+               std::to_string(s) + ": " + why;
+  }
+  if (!message.empty()) throw IoError(message, /*retryable=*/true);
 }
 
 void CheckpointManager::BeginStep(int64_t step) {
   // The step's index entry goes in before any of its data, so that a crash leaves a step the
   // next retention can find and remove on every backend (a Store cannot list "folders").
-  OnCoordinator(comm_, "manager/begin", [&] {
+  OnCoordinator(*comm_, StepTag("manager/begin", step), [&] {
+    // Steps increase across restarts: what the store holds counts, not only this process.
+    // Only steps at or after this one are read (usually none), newest first.
+    const std::vector<int64_t> known = KnownSteps();
+    for (auto it = known.rbegin(); it != known.rend() && *it >= step; ++it) {
+      const int64_t s = *it;
+      std::string state;
+      try {
+        ReadMetadata(PathFor(s));
+        state = "complete";
+      } catch (const NotFoundError&) {
+        if (!OpenStore(PathFor(s))->Size(kMetadataName)) continue;  // a crashed attempt
+        state = "present but unreadable";
+      } catch (const Error& e) {
+        state = std::string("unreadable (") + e.what() + ")";
+      }
+      if (s > step) {
+        throw InvalidArgumentError("checkpoint steps must increase: step " + std::to_string(step) +
+                                   " is older than step " + std::to_string(s) + " (" + state +
+                                   ") in " + root_);
+      }
+      if (!options_.allow_replacing_steps) {
+        throw AlreadyExistsError("step " + std::to_string(step) + " already exists in " + root_ +
+                                 " (" + state +
+                                 "); set ManagerOptions::allow_replacing_steps to replace it");
+      }
+    }
     std::shared_ptr<Store> root = OpenStore(root_);
     root->CreateRoot();
     root->PublishAtomically(StepName(step) + kMarkerSuffix, PathFor(step) + "\n");
@@ -338,6 +454,7 @@ void CheckpointManager::BeginStep(int64_t step) {
 
 std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict& state) {
   if (closed_) throw InvalidArgumentError("CheckpointManager is closed");
+  if (step < 0) throw InvalidArgumentError("checkpoint steps are non-negative");
   if (step <= last_step_) {
     throw InvalidArgumentError("checkpoint steps must increase: " + std::to_string(step) +
                                " after " + std::to_string(last_step_));
@@ -346,7 +463,8 @@ std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict
   BeginStep(step);
   last_step_ = step;
   SaveOptions so = options_.save;
-  so.storage.overwrite = true;  // a step directory without metadata is a crashed attempt
+  so.storage.overwrite = true;  // checked by BeginStep: only a crashed attempt is overwritten
+  so.step = step;
   if (saver_) {
     in_flight_step_ = step;
     in_flight_ = saver_->Save(state, PathFor(step), &so);
@@ -355,14 +473,20 @@ std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict
   // Synchronous: a finished handle, for a uniform return type.
   in_flight_step_ = step;
   const auto t0 = std::chrono::steady_clock::now();
-  Metadata md = dcp::Save(state, PathFor(step), comm_, so);
+  Metadata md;
+  try {
+    md = dcp::Save(state, PathFor(step), *comm_, so);
+  } catch (...) {
+    in_flight_step_ = -1;
+    throw;
+  }
   SaveMetrics m;
   m.uri = PathFor(step);
   m.blocking_s = m.background_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   m.bytes_written = md.TotalStoredBytes();
   in_flight_step_ = -1;
-  AfterSaveEnded();
+  AfterSaveEnded(step);
   return AsyncSave::Completed(std::move(md), std::move(m));
 }
 
@@ -376,17 +500,63 @@ void CheckpointManager::Wait() {
   } catch (...) {
     error = std::current_exception();
   }
+  const int64_t step = in_flight_step_;
   in_flight_step_ = -1;
-  AfterSaveEnded();  // also after a failure: tidies the failed attempt
+  if (!comm_->poisoned()) AfterSaveEnded(step);  // also after a failure: tidies the attempt
   if (error) std::rethrow_exception(error);
 }
 
 std::optional<int64_t> CheckpointManager::Restore(StateDict& state, const LoadOptions& options) {
   Wait();
-  auto step = LatestStep();
-  if (!step) return std::nullopt;
-  dcp::Load(state, PathFor(*step), comm_, options);
-  return step;
+  restore_fallbacks_.clear();
+  const StepScan scan = Scan();
+  std::vector<int64_t> candidates = scan.complete;
+  for (const auto& [s, why] : scan.unreadable) candidates.push_back(s);
+  std::sort(candidates.rbegin(), candidates.rend());
+  std::exception_ptr newest_error;
+  for (int64_t step : candidates) {
+    try {
+      dcp::Load(state, PathFor(step), *comm_, options);
+      if (!restore_fallbacks_.empty()) {
+        std::fprintf(stderr, "dcp: CheckpointManager restored step %lld of %s instead of %s\n",
+                     static_cast<long long>(step), root_.c_str(),
+                     restore_fallbacks_.front().c_str());
+      }
+      return step;
+    } catch (const CollectiveError& e) {
+      if (!newest_error) newest_error = std::current_exception();
+      if (comm_->poisoned()) std::rethrow_exception(newest_error);
+      restore_fallbacks_.push_back("step " + std::to_string(step) + ": " + e.what());
+    }
+  }
+  if (newest_error) std::rethrow_exception(newest_error);
+  return std::nullopt;
+}
+
+void CheckpointManager::ReplaceCommunicator(Communicator& comm,
+                                            std::unique_ptr<Communicator> background_comm) {
+  if (closed_) throw InvalidArgumentError("CheckpointManager is closed");
+  if (saver_ && !background_comm) {
+    throw InvalidArgumentError(
+        "ReplaceCommunicator: this manager saves asynchronously and needs a new background "
+        "communicator too");
+  }
+  in_flight_.reset();  // its outcome is the old saver's to report, below
+  in_flight_step_ = -1;
+  comm_ = &comm;
+  std::exception_ptr error;
+  if (saver_) {
+    std::unique_ptr<AsyncCheckpointer> old = std::move(saver_);
+    saver_ = std::make_unique<AsyncCheckpointer>(std::move(background_comm), options_.async);
+    try {
+      old->Close();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  // The new communicator's first collective: every rank has switched.
+  comm_->Barrier("manager/replace-communicator");
+  if (error) std::rethrow_exception(error);
 }
 
 void CheckpointManager::CloseOrThrow() {

@@ -12,19 +12,34 @@
 //   <root>/latest             the newest *complete* step, as text; written atomically, and only
 //                             after that step's metadata is committed. A convenience for tools:
 //                             the manager itself trusts only the metadata it finds.
-// A step counts as complete exactly when its metadata exists and validates; a crash mid-save
-// leaves a step directory without metadata, which is never chosen and is removed by the next
-// clean-up. Retention keeps the newest `keep_last` complete steps and every step divisible by
-// `keep_every`; it never removes the newest complete step or a step being written (by this
-// manager, or by anyone holding the step's writer lock, see Store::TryLock).
+// A step's state, as rank 0 finds it in the store:
+//   complete    its metadata exists and validates;
+//   absent      its metadata provably does not exist (the store answered "no such object"):
+//               a save that never committed, or one still running;
+//   unreadable  anything else: the metadata could not be read (an I/O error), is damaged, or
+//               was written by a newer dcp (a newer format version).
+// Retention keeps the newest `keep_last` complete steps and every step divisible by
+// `keep_every`. It removes only what is provably not a checkpoint and not in flight: an *absent*
+// step older than the newest complete one, not being written by this manager, and whose
+// writer lock (Store::TryLock) it can take; the metadata's absence is checked again under that
+// lock. An unreadable step is never removed: it is kept and reported (retention_failures(),
+// last_retention_error(), unreadable_steps(), stderr), so a transient read error or a rollback
+// to an older dcp cannot delete a committed checkpoint.
 //
 // Retention is bookkeeping: when it fails (a file that cannot be removed, "latest" that cannot be
-// written) the failure is counted, logged on stderr and kept for retention_failures() and
-// last_retention_error(); it never fails, replaces or skips a save, and the next retention
-// retries.
+// written, a step that cannot be read) the failure is counted, logged on stderr and kept for
+// retention_failures() and last_retention_error(); it never fails, replaces or skips a save, and
+// the next retention retries.
+//
+// Steps increase across restarts too: Save(step) refuses (on every rank) a step older than a
+// complete or unreadable step found in the store, and refuses to replace a complete or
+// unreadable step of the same number unless ManagerOptions::allow_replacing_steps. A step whose
+// earlier attempt left no metadata (a crash) is simply written again.
 //
 // All ranks construct the manager and call its methods in the same order (SPMD); decisions
 // (which step is latest) are made by rank 0 and broadcast; files are removed by rank 0 only.
+// Every collective of the manager names its step, and every save passes it as SaveOptions::step,
+// so ranks that disagree about the step (one skipped a save) fail instead of pairing.
 #pragma once
 
 #include <cstdint>
@@ -98,6 +113,10 @@ class AsyncCheckpointIO : public CheckpointIO {
 struct ManagerOptions {
   int keep_last = 3;   // newest complete checkpoints kept (at least 1)
   int keep_every = 0;  // also keep steps divisible by this (0: none)
+  /// Let Save(step) replace a complete (or unreadable) checkpoint of the same step found in the
+  /// store (e.g. a job restored from step N that saves step N again). Off: AlreadyExistsError.
+  /// A step older than the newest complete one is refused either way.
+  bool allow_replacing_steps = false;
   SaveOptions save;    // per-save options (storage options, planner)
   AsyncOptions async;  // used when the manager has a background communicator
 };
@@ -112,7 +131,10 @@ class CheckpointManager {
                     ManagerOptions options = {});
   ~CheckpointManager();
 
-  /// Save `state` as `step` (asynchronously if configured). Steps must increase. Before
+  /// Save `state` as `step` (asynchronously if configured). Steps must increase, also across
+  /// restarts (see the header comment: a step older than one in the store is refused with a
+  /// CollectiveError whose failure has code kInvalidArgument; a step already complete there, with
+  /// kAlreadyExists unless allow_replacing_steps). Before
   /// starting, waits for the previous save (raising its error, if it failed, before this one
   /// starts), records it as latest, applies retention (whose failures are only reported, see
   /// above), and records the step's index entry (a failure to write it fails this call on
@@ -126,8 +148,22 @@ class CheckpointManager {
   std::optional<int64_t> LatestStep();
   /// Complete steps, ascending (rank 0's view, broadcast).
   std::vector<int64_t> CompleteSteps();
-  /// Load the newest complete step into `state`; returns it, or nullopt if there is none.
+  /// Load the newest step that loads into `state` and return it; nullopt when the store holds
+  /// no step. Candidates are the complete and unreadable steps, newest first: when one fails
+  /// to load (a CollectiveError on every rank alike), the next older one is tried, and the
+  /// fallback is said on stderr and in restore_fallbacks(). Throws the newest candidate's error
+  /// when none loads, and at once when the communicator is poisoned (every later candidate
+  /// would fail the same way). After a failed candidate the state's tensors may be partly
+  /// written; the step that loaded overwrites every entry it holds.
   std::optional<int64_t> Restore(StateDict& state, const LoadOptions& options = {});
+  /// The candidates the last Restore skipped, as "step N: <why it did not load>" lines.
+  const std::vector<std::string>& restore_fallbacks() const { return restore_fallbacks_; }
+  /// Go on with fresh communicators after one was poisoned (a timeout, a mismatch: see
+  /// dcp/communicator.h). Collective over the new `comm`. `background_comm` replaces the
+  /// asynchronous saver's (required when the manager saves asynchronously, ignored otherwise);
+  /// the old saver is closed first (its error, if it was never reported, is raised after the
+  /// replacement is done). `comm` must outlive the manager. InvalidArgumentError when closed.
+  void ReplaceCommunicator(Communicator& comm, std::unique_ptr<Communicator> background_comm = {});
   /// Directory of a step.
   std::string PathFor(int64_t step) const;
   /// Wait for the last save and stop, for the exit path: never throws. Returns true when
@@ -145,16 +181,20 @@ class CheckpointManager {
   int retention_failures() const { return retention_failures_; }
   /// The message of the latest failed retention pass; empty when none failed.
   const std::string& last_retention_error() const { return last_retention_error_; }
+  /// Steps the latest retention pass found unreadable and kept (same on every rank).
+  const std::vector<int64_t>& unreadable_steps() const { return unreadable_steps_; }
 
  private:
-  std::vector<int64_t> KnownSteps() const;         // rank 0 only: index entries and step dirs
-  std::vector<int64_t> ScanCompleteSteps() const;  // rank 0 only
-  void RemoveStep(int64_t step);                   // rank 0 only
-  void BeginStep(int64_t step);                    // collective: writes the index entry
-  void AfterSaveEnded();  // latest + retention, rank 0 acting; reports, never throws an Error
-  void Retain();
+  struct StepScan;
+  std::vector<int64_t> KnownSteps() const;  // rank 0 only: index entries and step dirs
+  StepScan ScanSteps() const;               // rank 0 only
+  StepScan Scan();                          // collective: rank 0's scan, broadcast
+  void RemoveStep(int64_t step, bool only_if_uncommitted);  // rank 0 only
+  void BeginStep(int64_t step);       // collective: checks the step, writes the index entry
+  void AfterSaveEnded(int64_t step);  // latest + retention, rank 0 acting; never throws an Error
+  void Retain(int64_t step);
   std::string root_;
-  Communicator& comm_;
+  Communicator* comm_;
   ManagerOptions options_;
   std::unique_ptr<AsyncCheckpointer> saver_;
   std::shared_ptr<AsyncSave> in_flight_;
@@ -164,6 +204,8 @@ class CheckpointManager {
   std::string close_error_;
   int retention_failures_ = 0;
   std::string last_retention_error_;
+  std::vector<int64_t> unreadable_steps_;
+  std::vector<std::string> restore_fallbacks_;
 };
 
 }  // namespace dcp

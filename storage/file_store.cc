@@ -8,11 +8,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <mutex>
+#include <sstream>
 
 #include "dcp/proto/error.h"
 #include "dcp/proto/random_name.h"
@@ -259,14 +262,37 @@ class FileWritable : public WritableObject {
 
 class FileReadable : public ReadableObject {
  public:
+  // Checkpoints hold regular files only: a FIFO or device in a checkpoint would block or never
+  // end, and a symbolic link may point anywhere outside it. O_NONBLOCK keeps the open of a FIFO
+  // from waiting for a writer; O_NOFOLLOW refuses a link as the object itself (the directory
+  // path above it may contain links). DCP_FOLLOW_SYMLINKS=1 follows links (still regular files).
   explicit FileReadable(std::string path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    static const bool follow = [] {
+      const char* env = std::getenv("DCP_FOLLOW_SYMLINKS");
+      return env != nullptr && std::string_view(env) == "1";
+    }();
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | (follow ? 0 : O_NOFOLLOW));
     if (fd_ < 0) {
       if (errno == ENOENT) throw NotFoundError("file '" + path_ + "' does not exist");
+      if (errno == ELOOP) {
+        throw CorruptionError("'" + path_ +
+                              "' is a symbolic link: a checkpoint holds regular files only "
+                              "(set DCP_FOLLOW_SYMLINKS=1 to follow links)");
+      }
       throw MakeIoError("open", path_, errno);
     }
     struct stat st;
-    if (::fstat(fd_, &st) != 0) throw MakeIoError("stat", path_, errno);
+    if (::fstat(fd_, &st) != 0) {
+      const int e = errno;
+      ::close(fd_);
+      throw MakeIoError("stat", path_, e);
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd_);
+      throw CorruptionError("'" + path_ +
+                            "' is not a regular file (a FIFO, device, socket or directory): a "
+                            "checkpoint holds regular files only");
+    }
     size_ = static_cast<uint64_t>(st.st_size);
   }
   ~FileReadable() override { ::close(fd_); }
@@ -370,6 +396,11 @@ class FileStore : public Store {
       if (errno == ENOENT || errno == ENOTDIR) return std::nullopt;
       throw MakeIoError("stat", Path(name), errno);
     }
+    if (!S_ISREG(st.st_mode)) {  // see FileReadable: objects are regular files
+      throw CorruptionError("'" + Path(name) +
+                            "' is not a regular file (a FIFO, device, socket or directory): a "
+                            "checkpoint holds regular files only");
+    }
     return static_cast<uint64_t>(st.st_size);
   }
   void PublishAtomically(const std::string& name, std::string_view bytes) override {
@@ -415,6 +446,16 @@ class FileStore : public Store {
   std::unique_ptr<StoreLock> TryLock(const std::string& holder) override {
     CreateRoot();
     const std::string path = Path(kLockObjectName);
+    if (const std::string why = NodeLocalLockReason(dir_); !why.empty()) {
+      const char* accept = std::getenv("DCP_FILE_LOCK");
+      if (accept == nullptr || std::string_view(accept) != "node-local") {
+        throw UnsupportedError(
+            uri() + ": its writer lock (flock on " + path +
+            ") cannot exclude jobs on other machines: " + why +
+            ". Mount it with local_lock=none (NFS) or -o flock (Lustre), or set "
+            "DCP_FILE_LOCK=node-local if every job writing there runs on this machine");
+      }
+    }
     // Each retry means a holder released (and unlinked) the file between our open and flock;
     // a bounded number of them keeps a pathological churn from spinning forever.
     for (int attempt = 0; attempt < 64; ++attempt) {
@@ -431,7 +472,15 @@ class FileStore : public Store {
           throw LockedError(uri(), who);
         }
         if (e == ENOLCK || e == EOPNOTSUPP || e == ENOSYS || e == EINVAL) {
-          return nullptr;  // a filesystem without flock (e.g. Lustre without -o flock)
+          // A filesystem without flock (e.g. Lustre without -o flock): no exclusion, said once.
+          static std::once_flag warned;
+          std::call_once(warned, [&] {
+            std::fprintf(stderr,
+                         "dcp: %s has no flock (%s): saves there run without a writer lock, so "
+                         "two jobs saving to one location are not excluded\n",
+                         dir_.c_str(), std::strerror(e));
+          });
+          return nullptr;
         }
         throw MakeIoError("lock", path, e);
       }
@@ -461,6 +510,61 @@ class FileStore : public Store {
 };
 
 }  // namespace
+
+std::string NodeLocalLockReason(std::string_view fs_type, std::string_view options) {
+  auto has = [&](std::string_view option) {
+    for (size_t p = 0; p <= options.size();) {
+      size_t c = options.find(',', p);
+      if (c == std::string_view::npos) c = options.size();
+      if (options.substr(p, c - p) == option) return true;
+      p = c + 1;
+    }
+    return false;
+  };
+  const std::string type(fs_type);
+  if (type == "nfs" || type == "nfs4") {
+    for (const char* o : {"local_lock=flock", "local_lock=all", "nolock"}) {
+      if (has(o)) return type + " mounted with " + o + " keeps flock locks on this client only";
+    }
+  }
+  if (type == "lustre" && has("localflock")) {
+    return "lustre mounted with localflock keeps flock locks on this client only";
+  }
+  return {};
+}
+
+std::string NodeLocalLockReason(const std::string& directory) {
+  try {
+    std::error_code ec;
+    std::string path = std::filesystem::weakly_canonical(directory, ec).string();
+    if (ec) path = directory;
+    // mountinfo: id parent major:minor root mount-point options [optional...] - type source
+    // super-options. The deepest mount point that contains the path is the one that holds it.
+    std::ifstream in("/proc/self/mountinfo");
+    std::string line, best_type, best_options;
+    size_t best_len = 0;
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string id, parent, dev, root, mount_point, mount_options, f;
+      if (!(fields >> id >> parent >> dev >> root >> mount_point >> mount_options)) continue;
+      while (fields >> f && f != "-") {
+      }
+      std::string type, source, super_options;
+      if (!(fields >> type >> source >> super_options)) continue;
+      const bool contains = path == mount_point || mount_point == "/" ||
+                            (path.rfind(mount_point, 0) == 0 && path.size() > mount_point.size() &&
+                             path[mount_point.size()] == '/');
+      if (contains && mount_point.size() >= best_len) {
+        best_len = mount_point.size();
+        best_type = type;
+        best_options = mount_options + "," + super_options;
+      }
+    }
+    return NodeLocalLockReason(best_type, best_options);
+  } catch (...) {
+    return {};  // no mount table to read: nothing says the lock is node-local
+  }
+}
 
 std::shared_ptr<Store> MakeFileStore(const std::string& directory) {
   FileStoreOptions options;

@@ -10,6 +10,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "dcp/storage/store.h"
 
@@ -24,5 +25,16 @@ struct FileStoreOptions {
 /// is the store behind file:// URIs).
 std::shared_ptr<Store> MakeFileStore(const std::string& directory);
 std::shared_ptr<Store> MakeFileStore(const std::string& directory, FileStoreOptions options);
+
+/// Why flock() on `directory` would not exclude writers on other machines, from the mount that
+/// holds it (/proc/self/mountinfo), or "" when nothing says so: NFS mounted with
+/// local_lock=flock, local_lock=all or nolock (locks kept by the client, invisible to other
+/// clients), Lustre with localflock. The file:// store's TryLock refuses such a directory with
+/// UnsupportedError unless DCP_FILE_LOCK=node-local is set (every writer on one machine), since
+/// its lock would promise an exclusion it cannot give. Never throws.
+std::string NodeLocalLockReason(const std::string& directory);
+/// The same decision from one mount's filesystem type and its mount and superblock options
+/// (comma-separated, as in mountinfo).
+std::string NodeLocalLockReason(std::string_view fs_type, std::string_view options);
 
 }  // namespace dcp
