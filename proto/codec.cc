@@ -830,30 +830,36 @@ std::string EncodeMetadataFile(const Metadata& md) {
   return out;
 }
 
-Metadata DecodeMetadataFile(std::string_view bytes, std::string_view source) {
+void CheckMetadataFileHeader(std::string_view bytes, uint64_t file_size, std::string_view source) {
   const std::string src(source);
   if (bytes.size() < kMetadataHeaderSize || std::memcmp(bytes.data(), kMagic, 4) != 0) {
     throw CorruptionError(src + ": not a dcp metadata file (bad magic or too short: " +
-                          std::to_string(bytes.size()) + " bytes)");
+                          std::to_string(file_size) + " bytes)");
   }
   if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
     throw UnsupportedError(src + ": unsupported metadata envelope '" +
                            std::string(bytes.substr(0, 8)) + "'");
   }
   const uint32_t version = static_cast<uint32_t>(GetLe(bytes.data() + 8, 4));
-  const uint32_t crc = static_cast<uint32_t>(GetLe(bytes.data() + 12, 4));
   const uint64_t len = GetLe(bytes.data() + 16, 8);
   if (version > kFormatVersion) {
     throw UnsupportedError(src + ": checkpoint format version " + std::to_string(version) +
                            " is newer than this library's " + std::to_string(kFormatVersion) +
                            "; upgrade dcp to read it");
   }
-  if (len != bytes.size() - kMetadataHeaderSize) {
-    throw CorruptionError(src + ": metadata payload length " + std::to_string(len) +
-                          " does not match the file (" +
-                          std::to_string(bytes.size() - kMetadataHeaderSize) +
-                          " bytes follow the header); the file is truncated or damaged");
+  if (file_size < kMetadataHeaderSize || len != file_size - kMetadataHeaderSize) {
+    throw CorruptionError(
+        src + ": metadata payload length " + std::to_string(len) + " does not match the file (" +
+        std::to_string(file_size - std::min<uint64_t>(file_size, kMetadataHeaderSize)) +
+        " bytes follow the header); the file is truncated or damaged");
   }
+}
+
+Metadata DecodeMetadataFile(std::string_view bytes, std::string_view source) {
+  const std::string src(source);
+  CheckMetadataFileHeader(bytes, bytes.size(), source);
+  const uint32_t version = static_cast<uint32_t>(GetLe(bytes.data() + 8, 4));
+  const uint32_t crc = static_cast<uint32_t>(GetLe(bytes.data() + 12, 4));
   const std::string_view payload = bytes.substr(kMetadataHeaderSize);
   const uint32_t actual = Crc32c(0, payload.data(), payload.size());
   if (actual != crc) {

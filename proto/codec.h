@@ -49,6 +49,12 @@ std::string EncodeMetadataFile(const Metadata& md);
 Metadata DecodeMetadataFile(std::string_view bytes, std::string_view source);
 /// Bytes of the envelope header (what a reader needs before the payload length is known).
 inline constexpr size_t kMetadataHeaderSize = 24;
+/// Check a metadata file's envelope header (its first kMetadataHeaderSize bytes, fewer when the
+/// file is shorter) against the file's size, before the payload is read: CorruptionError for a
+/// bad magic or a payload length that does not match `file_size`, UnsupportedError for a newer
+/// format version. A reader calls it first, so a huge or sparse file that is no metadata costs
+/// one small read.
+void CheckMetadataFileHeader(std::string_view head, uint64_t file_size, std::string_view source);
 
 /// The most raw bytes one stored byte of a zstd frame can decompress to (a 4-byte RLE block
 /// per 128 KiB of output); a zstd item claiming more raw bytes is refused by validation.

@@ -596,9 +596,28 @@ class StoreReader : public StorageReader {
       throw NotFoundError("no checkpoint at " + store_->uri() + " (" + kMetadataName +
                           " not found)");
     }
-    Metadata md = DecodeMetadataFile(store_->ReadAll(kMetadataName), where);
+    Metadata md = DecodeMetadataFile(ReadMetadataFile(where), where);
     CheckDataFiles(md);
     return md;
+  }
+
+  // The metadata file's bytes, its header checked first: a file that is not metadata (or a
+  // size that lies) costs one small read. The payload is read in pieces into a buffer that
+  // grows with what arrives, so memory follows the bytes actually delivered, not a claimed size.
+  std::string ReadMetadataFile(const std::string& where) {
+    auto in = store_->Open(kMetadataName);
+    const uint64_t size = in->size();
+    std::string bytes(std::min<uint64_t>(size, kMetadataHeaderSize), '\0');
+    in->ReadAt(0, bytes.data(), bytes.size());
+    CheckMetadataFileHeader(bytes, size, where);
+    constexpr uint64_t kPiece = uint64_t{64} << 20;
+    for (uint64_t at = bytes.size(); at < size;) {
+      const uint64_t n = std::min(kPiece, size - at);
+      bytes.resize(at + n);
+      in->ReadAt(at, bytes.data() + at, n);
+      at += n;
+    }
+    return bytes;
   }
 
   void SetUp(const Metadata& metadata, const StorageContext& ctx) override {
@@ -1179,16 +1198,8 @@ class StoreReader : public StorageReader {
     const TorchTensorRecord& rec = it->second;
     const auto& entry = Entry(item);
     TensorView dst = Destination(planner, item, entry);
-    const size_t esize = ElementSize(rec.dtype);
-    int64_t span = rec.sizes.empty() ? 1 : 0;
-    bool empty = false;
-    for (size_t d = 0; d < rec.sizes.size(); ++d) {
-      if (rec.sizes[d] == 0) empty = true;
-      span += (rec.sizes[d] - 1) * rec.strides[d];
-    }
-    if (!rec.sizes.empty()) span += 1;
-    if (!empty) {
-      const uint64_t n = static_cast<uint64_t>(span) * esize;
+    if (rec.span_bytes > 0) {  // checked by ResolveTorchTensorRecord to lie in the storage
+      const uint64_t n = rec.span_bytes;
       std::vector<char> buf = AllocateOrThrow([&] { return std::vector<char>(n); }, what, n);
       in.ReadAt(rec.values_begin(), buf.data(), n);
       TensorView src;

@@ -848,21 +848,36 @@ TorchTensorRecord ResolveTorchTensorRecord(ReadableObject& in, uint64_t offset, 
   if (rec.sizes.size() != rec.strides.size() || rec.storage_offset < 0) {
     r.Fail("has inconsistent sizes and strides");
   }
-  // Every element must lie inside the storage.
-  uint64_t last = static_cast<uint64_t>(rec.storage_offset);
+  // Every element must lie inside the storage. The numbers come from the file: every product
+  // and sum is checked, so no crafted size, stride or offset can wrap around to a small extent.
   bool empty = false;
+  uint64_t last = static_cast<uint64_t>(rec.storage_offset);  // the last element viewed
   for (size_t d = 0; d < rec.sizes.size(); ++d) {
     if (rec.sizes[d] < 0 || rec.strides[d] < 0) r.Fail("has a negative size or stride");
     if (rec.sizes[d] == 0) empty = true;
     const uint64_t step = static_cast<uint64_t>(rec.sizes[d] > 0 ? rec.sizes[d] - 1 : 0);
-    if (step && static_cast<uint64_t>(rec.strides[d]) > (uint64_t{1} << 62) / step) {
-      r.Fail("has an absurd stride");
+    uint64_t reach = 0;
+    if (__builtin_mul_overflow(step, static_cast<uint64_t>(rec.strides[d]), &reach) ||
+        __builtin_add_overflow(last, reach, &last)) {
+      r.Fail("has sizes and strides whose extent overflows");
     }
-    last += step * static_cast<uint64_t>(rec.strides[d]);
-    if (last > (uint64_t{1} << 62)) r.Fail("has an absurd extent");
   }
-  if (!empty && (last + 1) * esize > rec.storage_bytes) {
-    r.Fail("views elements beyond its storage (" + std::to_string(rec.storage_bytes) + " bytes)");
+  uint64_t end_bytes = 0;  // of the storage, one past the last element viewed
+  if (__builtin_add_overflow(last, uint64_t{1}, &end_bytes) ||
+      __builtin_mul_overflow(end_bytes, esize, &end_bytes)) {
+    r.Fail("has a storage offset and strides whose extent overflows");
+  }
+  if (empty) {
+    rec.span_bytes = 0;
+    if (static_cast<uint64_t>(rec.storage_offset) > rec.storage_bytes / esize) {
+      r.Fail("has a storage offset beyond its storage (" + std::to_string(rec.storage_bytes) +
+             " bytes)");
+    }
+  } else {
+    if (end_bytes > rec.storage_bytes) {
+      r.Fail("views elements beyond its storage (" + std::to_string(rec.storage_bytes) + " bytes)");
+    }
+    rec.span_bytes = end_bytes - static_cast<uint64_t>(rec.storage_offset) * esize;
   }
   rec.storage_begin = offset + zip.DataOffset(entry);
   return rec;

@@ -55,10 +55,14 @@ struct TorchTensorRecord {
   uint64_t storage_begin = 0;  // absolute offset of the storage bytes in the file
   uint64_t storage_bytes = 0;
   uint32_t zip_crc32 = 0;  // of the storage bytes (zip CRC-32)
+  /// Bytes from element 0 to one past the last element the view reaches (0 when it has no
+  /// elements); checked to lie inside the storage. What a strided reader reads, from
+  /// values_begin().
+  uint64_t span_bytes = 0;
   /// True when the values are the row-major bytes [storage_begin + storage_offset * esize,
   /// + numel * esize).
   bool row_major() const;
-  /// The absolute offset of element 0 when row_major().
+  /// The absolute offset of element 0 (inside the storage, checked).
   uint64_t values_begin() const;
 };
 

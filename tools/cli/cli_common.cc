@@ -273,9 +273,7 @@ void TensorStream::ResolveTorchRecord(ChunkState& cs) {
     return;
   }
   // Another layout: the span it views, read once, copied row-major into memory.
-  int64_t span = 1;
-  for (size_t d = 0; d < rec.sizes.size(); ++d) span += (rec.sizes[d] - 1) * rec.strides[d];
-  const uint64_t span_bytes = static_cast<uint64_t>(span) * ElementSize(rec.dtype);
+  const uint64_t span_bytes = rec.span_bytes;  // checked to lie inside the record's storage
   std::vector<char> raw =
       AllocateOrThrow([&] { return std::vector<char>(span_bytes); }, what, span_bytes);
   in.ReadAt(rec.values_begin(), raw.data(), raw.size());

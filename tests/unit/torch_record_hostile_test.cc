@@ -1,0 +1,138 @@
+// Crafted torch.save tensor records (issue 22): sizes, strides and storage offsets come from the
+// file, so an extent that wraps around 2^64 must be refused, never read (it loaded heap bytes or
+// the zip header as tensor values, or crashed). The records are built here byte by byte: a
+// protocol-2 pickle in a stored zip, as torch.save writes it.
+#include <catch2/catch.hpp>
+#include <cstring>
+
+#include "dcp/proto/error.h"
+#include "dcp/storage/torch_dcp.h"
+
+using namespace dcp;
+using Catch::Matchers::Contains;
+
+namespace {
+
+uint32_t ZipCrc32(std::string_view s) {
+  uint32_t c = 0xffffffffu;
+  for (unsigned char b : s) {
+    c ^= b;
+    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0xedb88320u & (0u - (c & 1u)));
+  }
+  return ~c;
+}
+
+void Le(std::string& out, uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+// A zip of stored entries, as torch.save writes it.
+std::string StoredZip(const std::vector<std::pair<std::string, std::string>>& entries) {
+  std::string out, central;
+  for (const auto& [name, data] : entries) {
+    const uint64_t at = out.size();
+    const uint32_t crc = ZipCrc32(data);
+    Le(out, 0x04034b50, 4);
+    Le(out, 20, 2), Le(out, 0, 2), Le(out, 0, 2), Le(out, 0, 2), Le(out, 0, 2);
+    Le(out, crc, 4), Le(out, data.size(), 4), Le(out, data.size(), 4);
+    Le(out, name.size(), 2), Le(out, 0, 2);
+    out += name + data;
+    Le(central, 0x02014b50, 4);
+    Le(central, 20, 2), Le(central, 20, 2), Le(central, 0, 2), Le(central, 0, 2);
+    Le(central, 0, 2), Le(central, 0, 2);
+    Le(central, crc, 4), Le(central, data.size(), 4), Le(central, data.size(), 4);
+    Le(central, name.size(), 2), Le(central, 0, 2), Le(central, 0, 2), Le(central, 0, 2);
+    Le(central, 0, 2), Le(central, 0, 4), Le(central, at, 4);
+    central += name;
+  }
+  const uint64_t cd_at = out.size();
+  out += central;
+  Le(out, 0x06054b50, 4);
+  Le(out, 0, 2), Le(out, 0, 2), Le(out, entries.size(), 2), Le(out, entries.size(), 2);
+  Le(out, central.size(), 4), Le(out, cd_at, 4), Le(out, 0, 2);
+  return out;
+}
+
+std::string PickleStr(const std::string& s) {
+  std::string out = "X";
+  Le(out, s.size(), 4);
+  return out + s;
+}
+std::string PickleInt(int64_t v) {
+  std::string out = "\x8a\x08";
+  Le(out, static_cast<uint64_t>(v), 8);
+  return out;
+}
+std::string PickleInts(const std::vector<int64_t>& v) {
+  std::string out = "(";
+  for (int64_t x : v) out += PickleInt(x);
+  return out + "t";
+}
+
+// torch._utils._rebuild_tensor_v2(storage, offset, sizes, strides, False, OrderedDict()) over a
+// FloatStorage of `numel` elements holding `storage`.
+std::string TensorRecord(int64_t offset, const std::vector<int64_t>& sizes,
+                         const std::vector<int64_t>& strides, const std::string& storage,
+                         const std::string& storage_class = "FloatStorage", size_t esize = 4) {
+  std::string pkl = "\x80\x02";
+  pkl += "ctorch._utils\n_rebuild_tensor_v2\n(";
+  pkl += "(" + PickleStr("storage") + "ctorch\n" + storage_class + "\n" + PickleStr("0") +
+         PickleStr("cpu") + PickleInt(static_cast<int64_t>(storage.size() / esize)) + "tQ";
+  pkl += PickleInt(offset) + PickleInts(sizes) + PickleInts(strides) + "\x89";
+  pkl += "ccollections\nOrderedDict\n)R";
+  pkl += "tR.";
+  return StoredZip({{"archive/data.pkl", pkl}, {"archive/data/0", storage}});
+}
+
+class Bytes : public ReadableObject {
+ public:
+  explicit Bytes(std::string s) : s_(std::move(s)) {}
+  void ReadAt(uint64_t offset, void* dst, size_t n) override {
+    if (offset > s_.size() || n > s_.size() - offset) throw CorruptionError("short read");
+    std::memcpy(dst, s_.data() + offset, n);
+  }
+  uint64_t size() const override { return s_.size(); }
+
+ private:
+  std::string s_;
+};
+
+TorchTensorRecord Resolve(const std::string& record) {
+  Bytes in(record);
+  return ResolveTorchTensorRecord(in, 0, record.size(), "crafted record");
+}
+
+}  // namespace
+
+TEST_CASE("torch record: honest layouts resolve with the span they view", "[torch_dcp][hostile]") {
+  const std::string storage(24, '\x01');  // 6 floats
+  TorchTensorRecord rows = Resolve(TensorRecord(0, {2, 3}, {3, 1}, storage));
+  CHECK(rows.row_major());
+  CHECK(rows.span_bytes == 24);
+  TorchTensorRecord cols = Resolve(TensorRecord(0, {3, 2}, {1, 3}, storage));
+  CHECK_FALSE(cols.row_major());
+  CHECK(cols.span_bytes == 24);
+  TorchTensorRecord tail = Resolve(TensorRecord(4, {2}, {1}, storage));
+  CHECK(tail.span_bytes == 8);
+  CHECK(tail.values_begin() == tail.storage_begin + 16);
+  TorchTensorRecord none = Resolve(TensorRecord(0, {0, 3}, {3, 1}, storage));
+  CHECK(none.span_bytes == 0);
+}
+
+TEST_CASE("torch record: sizes, strides and offsets whose extent wraps around are refused",
+          "[torch_dcp][hostile]") {
+  const std::string storage(8, '\x02');
+  const int64_t big = int64_t{1} << 62;
+  // A scalar whose storage offset times the element size wraps to a small number: its values
+  // would be read from before the storage (the zip header).
+  CHECK_THROWS_AS(Resolve(TensorRecord(big, {}, {}, storage)), CorruptionError);
+  // A stride whose reach times the element size wraps: (2^61 + 1) * 8 = 8 (mod 2^64).
+  CHECK_THROWS_AS(Resolve(TensorRecord(0, {2}, {int64_t{1} << 61}, storage, "DoubleStorage", 8)),
+                  CorruptionError);
+  // Reaches that add up past 2^64.
+  CHECK_THROWS_AS(Resolve(TensorRecord(INT64_MAX, {2, 2}, {big, big}, storage)), CorruptionError);
+  // An offset past the end of an empty view's storage.
+  CHECK_THROWS_AS(Resolve(TensorRecord(1000, {0}, {1}, storage)), CorruptionError);
+  // One element too many.
+  CHECK_THROWS_WITH(Resolve(TensorRecord(1, {2}, {1}, storage)), Contains("beyond its storage"));
+}
