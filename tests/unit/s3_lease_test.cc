@@ -67,11 +67,9 @@ struct Job {
 // The id of the checkpoint at `uri`, verified value by value; -1 when there is none. Throws
 // when the checkpoint is torn (metadata present, content unreadable or of several saves).
 int64_t CheckpointId(const std::string& uri) {
-  try {
-    ReadMetadata(uri);
-  } catch (const NotFoundError&) {
-    return -1;
-  }
+  // Present metadata is a checkpoint: whatever then fails to load (a missing data file
+  // included, which ReadMetadata reports as NotFoundError) is a torn one.
+  if (!OpenStore(uri)->Size(kMetadataName)) return -1;
   Job back(-1);
   Load(back.sd, uri);  // checksums verified
   const int64_t id = std::stoll(std::get<Blob>(*back.sd.Find("id")).bytes);
