@@ -293,7 +293,7 @@ TEST_CASE(
       };
       try {
         std::mt19937 jitter(static_cast<unsigned>(trials * 2 + j));
-        // One save in four stalls for longer than the lease before its first data upload (a
+        // One save in three stalls for longer than the lease before its first data upload (a
         // slow disk, a paused process): its lock must stay held through the stall, or the
         // other job takes over and each removes what the other wrote.
         static std::atomic<bool> stall{false};
@@ -305,7 +305,7 @@ TEST_CASE(
           return S3Fault::kNone;
         });
         for (int64_t id = (int64_t{trials} * 2 + j) * 100000;; ++id) {
-          stall = std::uniform_int_distribution<int>(0, 3)(jitter) == 0;
+          stall = std::uniform_int_distribution<int>(0, 2)(jitter) == 0;
           report('S', id);
           try {
             LocalCommunicator comm;
@@ -332,7 +332,11 @@ TEST_CASE(
     ::close(fds[1]);
     // Kill each job at its own random moment.
     int64_t kill_at[2];
-    for (int j = 0; j < 2; ++j) kill_at[j] = std::uniform_int_distribution<int64_t>(100, 2500)(rng);
+    // One job at any moment, the other late enough that a save stalled past the lease early
+    // in the trial can see the other job take over (and then resume) before the kill.
+    kill_at[0] = std::uniform_int_distribution<int64_t>(100, 2500)(rng);
+    kill_at[1] = std::uniform_int_distribution<int64_t>(1200, 2500)(rng);
+    if (rng() % 2) std::swap(kill_at[0], kill_at[1]);
     const int first = kill_at[0] <= kill_at[1] ? 0 : 1;
     const auto trial_start = Clock::now();
     int64_t killed_ns[2];
