@@ -902,43 +902,49 @@ class S3Lock : public StoreLock {
       if (released_) throw LeaseLostError(location_, "it was released");
       etag = etag_;
     }
-    const int64_t sent = NowMs();
-    const std::string record = LockRecord(sent + lease_ms_, tail_);
-    Call put{"PUT", key_};
-    put.headers = {{"if-match", etag}};
-    put.body = record.data();
-    put.body_size = record.size();
-    Response r = client_->Send(put);
-    std::string new_etag;
-    if (r.status / 100 == 2) {
-      new_etag = Unquote(r.headers["etag"]);
-    } else if (r.status != 412 && r.status != 404) {
-      client_->Throw(put, r);
-    }
-    if (new_etag.empty()) {
-      // 412/404: taken over or deleted, unless what is there is our own write (a retried
-      // request whose first attempt landed; or a server that sent no ETag).
+    for (int attempt = 0;; ++attempt) {
+      const int64_t sent = NowMs();
+      const std::string record = LockRecord(sent + lease_ms_, tail_);
+      Call put{"PUT", key_};
+      put.headers = {{"if-match", etag}};
+      put.body = record.data();
+      put.body_size = record.size();
+      Response r = client_->Send(put);
+      if (r.status / 100 == 2 && r.headers.count("etag")) {
+        std::lock_guard<std::mutex> lock(mu_);
+        etag_ = Unquote(r.headers["etag"]);
+        expires_ms_ = sent + lease_ms_;
+        return;
+      }
+      if (r.status / 100 != 2 && r.status != 412 && r.status != 404) client_->Throw(put, r);
+      // 412/404: taken over or deleted, unless what is there is still ours: the tail is unique
+      // to this lock, so a body with it is a write of ours whose answer we did not get (a
+      // request retried after its first attempt landed, an earlier renewal that failed on the
+      // way back) or that came without an ETag.
       Call get{"GET", key_};
       Response cur = client_->Send(get);
       if (cur.status / 100 != 2 && cur.status != 404) client_->Throw(get, cur);
-      if (cur.status / 100 == 2 && cur.body == record) {
-        new_etag = Unquote(cur.headers["etag"]);
-      } else {
-        const bool gone = cur.status == 404;
-        const std::string other = gone ? std::string() : LockTail(cur.body);
-        const std::string why =
-            gone ? "its lock object was deleted: another job took it over after the lease ran "
-                   "out, and released it"
-                 : "another job took the lock over after its lease ran out unrenewed";
-        std::lock_guard<std::mutex> lock(mu_);
-        lost_why_ = why;
-        lost_to_ = other;
-        throw LeaseLostError(location_, why, other);
+      if (cur.status / 100 == 2 && LockTail(cur.body) == tail_ && cur.headers.count("etag")) {
+        etag = Unquote(cur.headers["etag"]);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          etag_ = etag;
+          expires_ms_ = std::strtoll(cur.body.c_str(), nullptr, 10);
+        }
+        if (cur.body == record || attempt > 0) return;
+        continue;  // renew on top of our earlier write
       }
+      const bool gone = cur.status == 404;
+      const std::string other = gone ? std::string() : LockTail(cur.body);
+      const std::string why =
+          gone ? "its lock object was deleted: another job took it over after the lease ran "
+                 "out, and released it"
+               : "another job took the lock over after its lease ran out unrenewed";
+      std::lock_guard<std::mutex> lock(mu_);
+      lost_why_ = why;
+      lost_to_ = other;
+      throw LeaseLostError(location_, why, other);
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    etag_ = new_etag;
-    expires_ms_ = sent + lease_ms_;
   }
 
   // Renew every lease/3 (sooner after a failed attempt) until released or lost.
@@ -1141,25 +1147,25 @@ class S3Store : public Store {
     for (int round = 0; round < 5; ++round) {
       const int64_t sent = NowMs();
       const std::string record = LockRecord(sent + lease_ms, tail);
-      auto held = [&](const Response& r) -> std::unique_ptr<StoreLock> {
-        std::string etag = Unquote(r.headers.at("etag"));
-        return std::make_unique<S3Lock>(client_, uri(), key, tail, holder, etag, sent + lease_ms);
+      auto held = [&](const Response& r, int64_t expires) -> std::unique_ptr<StoreLock> {
+        return std::make_unique<S3Lock>(client_, uri(), key, tail, holder,
+                                        Unquote(r.headers.at("etag")), expires);
       };
       Call create{"PUT", key};
       create.headers = {{"if-none-match", "*"}};
       create.body = record.data();
       create.body_size = record.size();
       Response r = client_->Send(create);
-      if (r.status / 100 == 2 && r.headers.count("etag")) return held(r);
+      if (r.status / 100 == 2 && r.headers.count("etag")) return held(r, sent + lease_ms);
       if (r.status / 100 != 2 && r.status != 412) client_->Throw(create, r);
       // Held, or ours already (after a retry, or a server that sent no ETag). Read it.
       Call get{"GET", key};
       Response cur = client_->Send(get);
       if (cur.status == 404) continue;  // released meanwhile: try again
       if (cur.status / 100 != 2) client_->Throw(get, cur);
-      if (cur.body == record && cur.headers.count("etag")) return held(cur);
-      const int64_t expires =
-          std::strtoll(cur.body.substr(0, cur.body.find('\n')).c_str(), nullptr, 10);
+      const int64_t expires = std::strtoll(cur.body.c_str(), nullptr, 10);
+      // Ours: this call's write (of any round) whose answer was lost or had no ETag.
+      if (LockTail(cur.body) == tail && cur.headers.count("etag")) return held(cur, expires);
       const std::string other = LockTail(cur.body);
       if (expires > NowMs()) throw LockedError(uri(), other);
       // Expired: take it over, unless someone else just did (If-Match on the ETag we read).
@@ -1168,7 +1174,7 @@ class S3Store : public Store {
       take.body = record.data();
       take.body_size = record.size();
       Response t = client_->Send(take);
-      if (t.status / 100 == 2 && t.headers.count("etag")) return held(t);
+      if (t.status / 100 == 2 && t.headers.count("etag")) return held(t, sent + lease_ms);
       if (t.status / 100 == 2) continue;  // no ETag in the answer: read it back next round
       if (t.status == 412)
         throw LockedError(uri(), other + " (lease expired; taken over by another job)");
