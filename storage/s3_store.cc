@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -791,40 +792,212 @@ class S3Readable : public ReadableObject {
 
 // ---- the lock -------------------------------------------------------------------------------
 
+// The lock object's body: "<expiry, ms since the epoch>\n<holder> lock=<random id>". The tail
+// after the newline is the same for every renewal of one lock and unique to it.
+std::string LockRecord(int64_t expires_ms, const std::string& tail) {
+  return std::to_string(expires_ms) + "\n" + tail;
+}
+
+std::string LockTail(const std::string& body) {
+  const size_t nl = body.find('\n');
+  return nl == std::string::npos ? std::string() : body.substr(nl + 1);
+}
+
+// A held lease. Whether it is still ours is decided by the server, never by our clock: every
+// rewrite of the lock object is conditional on the ETag of our own last write (If-Match), and a
+// contender takes an expired lease over with a conditional write too, so a successful renewal
+// proves that nobody took the lock over since our previous one. The clock only bounds how long
+// we may act on a past confirmation without a new one (CheckHeld).
 class S3Lock : public StoreLock {
  public:
-  S3Lock(std::shared_ptr<Client> client, std::string key, std::string record, std::string holder)
+  S3Lock(std::shared_ptr<Client> client, std::string location, std::string key, std::string tail,
+         std::string holder, std::string etag, int64_t expires_ms)
       : client_(std::move(client)),
+        location_(std::move(location)),
         key_(std::move(key)),
-        record_(std::move(record)),
-        holder_(std::move(holder)) {}
+        tail_(std::move(tail)),
+        holder_(std::move(holder)),
+        lease_ms_(client_->options().lock_lease_seconds * 1000),
+        etag_(std::move(etag)),
+        expires_ms_(expires_ms) {
+    heartbeat_ = std::thread([this] { Heartbeat(); });
+  }
+
   ~S3Lock() override {
     try {
       Release();
     } catch (const Error&) {
-      // The lease frees it.
+      // The lease frees it (StoreLock's contract: call Release() to see the error).
     }
+    StopHeartbeat();
   }
+
   void Release() override {
-    if (released_) return;
-    released_ = true;
-    // Delete only our own lock: after our lease ran out another job may hold it. (S3 has no
-    // conditional DELETE everywhere; the window between the GET and the DELETE is one round
-    // trip after a whole lease has passed.)
+    StopHeartbeat();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (released_) return;
+      released_ = true;
+    }
+    // Delete only our own lock. RGW ignores If-Match on DELETE (it deletes whatever is there), so
+    // the body is compared first; the DELETE still carries If-Match, which servers that honour
+    // it (AWS S3) make exact. Where it is ignored, the window is the one round trip between the
+    // GET and the DELETE, and only after our lease ran out unrenewed.
     Call get{"GET", key_};
     Response r = client_->Send(get);
     if (r.status == 404) return;
     if (r.status / 100 != 2) client_->Throw(get, r);
-    if (r.body != record_) return;
+    if (LockTail(r.body) != tail_) return;
     Call del{"DELETE", key_};
-    client_->Ok(del);
+    del.headers = {{"if-match", Unquote(r.headers["etag"])}};
+    Response d = client_->Send(del);
+    if (d.status / 100 == 2 || d.status == 404 || d.status == 412) return;
+    client_->Throw(del, d);
   }
+
   std::string holder() const override { return holder_; }
 
+  void CheckHeld() override {
+    try {
+      Renew();
+    } catch (const LeaseLostError&) {
+      throw;
+    } catch (const Error& e) {
+      // The server could not be asked now: our last confirmed lease may still cover us.
+      if (NowMs() < Expires() - Margin()) return;
+      throw LeaseLostError(
+          location_, std::string("its lease could not be renewed before it ran out: ") + e.what());
+    }
+    if (NowMs() >= Expires() - Margin()) {
+      throw LeaseLostError(location_, "renewing its lease took longer than the lease (" +
+                                          std::to_string(lease_ms_ / 1000) +
+                                          " s) leaves to act on it");
+    }
+  }
+
+  void SuspendRenewalForTesting() {
+    std::lock_guard<std::mutex> lock(mu_);
+    suspended_ = true;
+  }
+
  private:
+  // The margin kept at the end of a lease for clock skew between hosts and the time a request
+  // takes to land: a quarter of the lease.
+  int64_t Margin() const { return lease_ms_ / 4; }
+
+  int64_t Expires() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return expires_ms_;
+  }
+
+  // Rewrite the lock object with a new expiry, If-Match the ETag of our last write. Throws
+  // LeaseLostError (and remembers it) when the object is no longer ours, IoError when the server
+  // could not be asked.
+  void Renew() {
+    std::lock_guard<std::mutex> serial(renew_mu_);  // each renewal matches the previous one's ETag
+    std::string etag;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!lost_why_.empty()) throw LeaseLostError(location_, lost_why_, lost_to_);
+      if (released_) throw LeaseLostError(location_, "it was released");
+      etag = etag_;
+    }
+    for (int attempt = 0;; ++attempt) {
+      const int64_t sent = NowMs();
+      const std::string record = LockRecord(sent + lease_ms_, tail_);
+      Call put{"PUT", key_};
+      put.headers = {{"if-match", etag}};
+      put.body = record.data();
+      put.body_size = record.size();
+      Response r = client_->Send(put);
+      if (r.status / 100 == 2 && r.headers.count("etag")) {
+        std::lock_guard<std::mutex> lock(mu_);
+        etag_ = Unquote(r.headers["etag"]);
+        expires_ms_ = sent + lease_ms_;
+        return;
+      }
+      if (r.status / 100 != 2 && r.status != 412 && r.status != 404) client_->Throw(put, r);
+      // 412/404: taken over or deleted, unless what is there is still ours: the tail is unique
+      // to this lock, so a body with it is a write of ours whose answer we did not get (a
+      // request retried after its first attempt landed, an earlier renewal that failed on the
+      // way back) or that came without an ETag.
+      Call get{"GET", key_};
+      Response cur = client_->Send(get);
+      if (cur.status / 100 != 2 && cur.status != 404) client_->Throw(get, cur);
+      if (cur.status / 100 == 2 && LockTail(cur.body) == tail_ && cur.headers.count("etag")) {
+        etag = Unquote(cur.headers["etag"]);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          etag_ = etag;
+          expires_ms_ = std::strtoll(cur.body.c_str(), nullptr, 10);
+        }
+        if (cur.body == record || attempt > 0) return;
+        continue;  // renew on top of our earlier write
+      }
+      const bool gone = cur.status == 404;
+      const std::string other = gone ? std::string() : LockTail(cur.body);
+      const std::string why =
+          gone ? "its lock object was deleted: another job took it over after the lease ran "
+                 "out, and released it"
+               : "another job took the lock over after its lease ran out unrenewed";
+      std::lock_guard<std::mutex> lock(mu_);
+      lost_why_ = why;
+      lost_to_ = other;
+      throw LeaseLostError(location_, why, other);
+    }
+  }
+
+  // Renew every lease/3 (sooner after a failed attempt) until released or lost.
+  void Heartbeat() {
+    const auto period = std::chrono::milliseconds(std::max<int64_t>(1, lease_ms_ / 3));
+    const auto retry = std::chrono::milliseconds(std::max<int64_t>(1, lease_ms_ / 12));
+    auto next = std::chrono::steady_clock::now() + period;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      if (cv_.wait_until(lock, next, [&] { return stop_; })) return;
+      if (suspended_) {
+        next = std::chrono::steady_clock::now() + period;
+        continue;
+      }
+      lock.unlock();
+      bool renewed = false;
+      try {
+        Renew();
+        renewed = true;
+      } catch (const LeaseLostError&) {
+        return;  // remembered in lost_why_: CheckHeld reports it
+      } catch (...) {
+        // A failed attempt (requests are retried by the client already): the lease still runs;
+        // try again soon. Nothing is lost by not reporting it here: CheckHeld renews itself
+        // before the commit and reports what fails then.
+      }
+      lock.lock();
+      next = std::chrono::steady_clock::now() + (renewed ? period : retry);
+    }
+  }
+
+  void StopHeartbeat() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (heartbeat_.joinable() && heartbeat_.get_id() != std::this_thread::get_id()) {
+      heartbeat_.join();
+    }
+  }
+
   std::shared_ptr<Client> client_;
-  std::string key_, record_, holder_;
-  bool released_ = false;
+  const std::string location_, key_, tail_, holder_;
+  const int64_t lease_ms_;
+  std::mutex renew_mu_;
+  std::mutex mu_;  // guards what follows
+  std::condition_variable cv_;
+  std::string etag_;
+  int64_t expires_ms_;
+  std::string lost_why_, lost_to_;  // set once the lock is known lost
+  bool released_ = false, stop_ = false, suspended_ = false;
+  std::thread heartbeat_;
 };
 
 // ---- the store ------------------------------------------------------------------------------
@@ -970,26 +1143,30 @@ class S3Store : public Store {
     CreateRoot();
     const std::string key = Key(kLockObjectName);
     const int64_t lease_ms = client_->options().lock_lease_seconds * 1000;
-    const std::string record =
-        std::to_string(NowMs() + lease_ms) + "\n" + holder + " lock=" + RandomHex(8);
+    const std::string tail = holder + " lock=" + RandomHex(8);
     for (int round = 0; round < 5; ++round) {
+      const int64_t sent = NowMs();
+      const std::string record = LockRecord(sent + lease_ms, tail);
+      auto held = [&](const Response& r, int64_t expires) -> std::unique_ptr<StoreLock> {
+        return std::make_unique<S3Lock>(client_, uri(), key, tail, holder,
+                                        Unquote(r.headers.at("etag")), expires);
+      };
       Call create{"PUT", key};
       create.headers = {{"if-none-match", "*"}};
       create.body = record.data();
       create.body_size = record.size();
-      bool retried = false;
-      Response r = client_->Send(create, &retried);
-      if (r.status / 100 == 2) return std::make_unique<S3Lock>(client_, key, record, holder);
-      if (r.status != 412) client_->Throw(create, r);
-      // Held, or (after a retry) ours already. Read it.
+      Response r = client_->Send(create);
+      if (r.status / 100 == 2 && r.headers.count("etag")) return held(r, sent + lease_ms);
+      if (r.status / 100 != 2 && r.status != 412) client_->Throw(create, r);
+      // Held, or ours already (after a retry, or a server that sent no ETag). Read it.
       Call get{"GET", key};
       Response cur = client_->Send(get);
       if (cur.status == 404) continue;  // released meanwhile: try again
       if (cur.status / 100 != 2) client_->Throw(get, cur);
-      if (cur.body == record) return std::make_unique<S3Lock>(client_, key, record, holder);
-      const size_t nl = cur.body.find('\n');
-      const int64_t expires = std::strtoll(cur.body.substr(0, nl).c_str(), nullptr, 10);
-      const std::string other = nl == std::string::npos ? "" : cur.body.substr(nl + 1);
+      const int64_t expires = std::strtoll(cur.body.c_str(), nullptr, 10);
+      // Ours: this call's write (of any round) whose answer was lost or had no ETag.
+      if (LockTail(cur.body) == tail && cur.headers.count("etag")) return held(cur, expires);
+      const std::string other = LockTail(cur.body);
       if (expires > NowMs()) throw LockedError(uri(), other);
       // Expired: take it over, unless someone else just did (If-Match on the ETag we read).
       Call take{"PUT", key};
@@ -997,7 +1174,8 @@ class S3Store : public Store {
       take.body = record.data();
       take.body_size = record.size();
       Response t = client_->Send(take);
-      if (t.status / 100 == 2) return std::make_unique<S3Lock>(client_, key, record, holder);
+      if (t.status / 100 == 2 && t.headers.count("etag")) return held(t, sent + lease_ms);
+      if (t.status / 100 == 2) continue;  // no ETag in the answer: read it back next round
       if (t.status == 412)
         throw LockedError(uri(), other + " (lease expired; taken over by another job)");
       client_->Throw(take, t);
@@ -1058,7 +1236,10 @@ S3Options S3Options::FromEnvironment(S3Options o) {
     throw InvalidArgumentError("DCP_S3_PARTS_IN_FLIGHT and DCP_S3_READ_AHEAD_PARTS must be >= 1");
   }
   if (o.max_retries < 0) o.max_retries = static_cast<int>(EnvInt("DCP_S3_MAX_RETRIES", 4));
-  if (o.lock_lease_seconds <= 0) o.lock_lease_seconds = EnvInt("DCP_S3_LOCK_LEASE_S", 86400);
+  if (o.lock_lease_seconds <= 0) o.lock_lease_seconds = EnvInt("DCP_S3_LOCK_LEASE_S", 60);
+  if (o.lock_lease_seconds <= 0) {
+    throw InvalidArgumentError("DCP_S3_LOCK_LEASE_S must be >= 1 (seconds)");
+  }
   if (!o.sign_payload) o.sign_payload = EnvInt("DCP_S3_SIGN_PAYLOAD", 0) != 0;
   return o;
 }
@@ -1094,5 +1275,11 @@ void SetS3FaultHookForTesting(std::function<S3Fault(const S3RequestInfo&)> hook)
 }
 
 uint64_t S3RequestCountForTesting() { return g_requests.load(); }
+
+void SuspendS3LockRenewalForTesting(StoreLock& lock) {
+  auto* s3 = dynamic_cast<S3Lock*>(&lock);
+  if (s3 == nullptr) throw InvalidArgumentError("not an s3:// lock");
+  s3->SuspendRenewalForTesting();
+}
 
 }  // namespace dcp

@@ -9,7 +9,7 @@
 //   AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL    e.g. http://127.0.0.1:7480 for an S3-compatible
 //                                              server (default https://s3.<region>.amazonaws.com)
 //   DCP_S3_PART_SIZE_MIB (8), DCP_S3_PARTS_IN_FLIGHT (3), DCP_S3_READ_AHEAD_PARTS (3),
-//   DCP_S3_MAX_RETRIES (4), DCP_S3_LOCK_LEASE_S (86400), DCP_S3_SIGN_PAYLOAD (0)
+//   DCP_S3_MAX_RETRIES (4), DCP_S3_LOCK_LEASE_S (60), DCP_S3_SIGN_PAYLOAD (0)
 // Requests use path-style addressing (endpoint/bucket/key), which every S3-compatible server
 // accepts.
 //
@@ -25,8 +25,23 @@
 //   PublishAtomically  a single PUT (atomic in S3). PublishNew: PUT with If-None-Match: *
 //            (the commit of a new checkpoint: two jobs cannot both commit).
 //   List     ListObjectsV2 under the prefix ("/"-delimited: only the prefix's own objects).
-//   TryLock  the lock object .dcp.lock created with If-None-Match: *, holding a lease; an expired
-//            lease is taken over with If-Match: <its ETag> (docs/STORAGE_BACKENDS.md).
+//   TryLock  the lock object .dcp.lock created with If-None-Match: *, holding a lease
+//            (lock_lease_seconds, 60 s by default); an expired lease is taken over with
+//            If-Match: <its ETag> (docs/STORAGE_BACKENDS.md). While held, a background thread
+//            per lock renews the lease every lease/3 by rewriting the object If-Match: <the ETag
+//            of our last write>, so a live holder keeps it however long a save takes, and a
+//            crashed holder's lock is free one lease after its last renewal.
+//            StoreLock::CheckHeld (called by the checkpoint writer right before it publishes
+//            metadata and before it removes dead files) renews once more, synchronously:
+//            LeaseLostError when the object is no longer ours (412: taken over after our lease
+//            ran out unrenewed, e.g. a frozen or partitioned process), or when it cannot be
+//            renewed and less than a quarter of the lease is left. The save then fails on every
+//            rank and the other job's checkpoint stays as it is. Release stops the thread and
+//            deletes the object only if it still holds our record (GET, compare, DELETE with
+//            If-Match; RGW ignores If-Match on DELETE, AWS S3 honours it). Contenders compare
+//            the expiry with their own clock: hosts' clocks must agree to well within a quarter
+//            of the lease. A lock is used from any thread; Release and CheckHeld may race the
+//            renewal thread (they are serialised with it).
 // Errors: HTTP 404 is NotFoundError; 403 an IoError naming the bucket and key and the
 // credentials' variables; other 4xx non-retryable IoErrors; 5xx, 429 and connection failures
 // retryable IoErrors, retried here (bounded exponential backoff) before they are thrown.
@@ -56,6 +71,8 @@ struct S3Options {
   int parts_in_flight = 0;   // uploads in flight per writer
   int read_ahead_parts = 0;  // ranged GETs in flight per reader's prefetch
   int max_retries = -1;      // retries after the first attempt of a retryable failure
+  /// The writer lock's lease (DCP_S3_LOCK_LEASE_S, default 60): a crashed holder's lock is
+  /// taken over this long after its last renewal; renewed every lease/3 while held.
   int64_t lock_lease_seconds = 0;
   /// Sign the payload's SHA-256 (x-amz-content-sha256) instead of UNSIGNED-PAYLOAD: the server
   /// then checks every body. Off by default: dcp checksums every item itself, and https
@@ -97,5 +114,9 @@ enum class S3Fault {
 void SetS3FaultHookForTesting(std::function<S3Fault(const S3RequestInfo&)> hook);
 /// Requests sent (or faulted) by every S3 store of the process so far.
 uint64_t S3RequestCountForTesting();
+/// Stop renewing `lock` (an s3:// TryLock's) from its background thread, as if its process
+/// were frozen: its lease then runs out and another job may take it over. CheckHeld still
+/// renews. InvalidArgumentError for another kind of lock. Tests only.
+void SuspendS3LockRenewalForTesting(StoreLock& lock);
 
 }  // namespace dcp

@@ -39,8 +39,27 @@ class LockedError : public AlreadyExistsError {
   const std::string& location() const { return location_; }
   const std::string& holder() const { return holder_; }
 
+ protected:
+  LockedError(const std::string& location, const std::string& holder, const std::string& message)
+      : AlreadyExistsError(message), location_(location), holder_(holder) {}
+
  private:
   std::string location_, holder_;
+};
+
+/// The writer lock a save held was lost before its commit: its lease (object stores) ran out
+/// without being renewed, or another job took the location over, or it could not be confirmed
+/// in time. The save must not commit; the location keeps what the other job wrote. A
+/// LockedError (code kAlreadyExists): another writer may own the location now. holder() names
+/// the new holder where it is known.
+class LeaseLostError : public LockedError {
+ public:
+  LeaseLostError(const std::string& location, const std::string& why,
+                 const std::string& new_holder = "")
+      : LockedError(location, new_holder,
+                    "the writer lock of checkpoint location " + location + " was lost (" + why +
+                        (new_holder.empty() ? std::string() : "; now held by " + new_holder) +
+                        "): this save must not commit, another job may own the location") {}
 };
 
 /// An object being written. It becomes visible under its name at Close() at the latest;
@@ -82,6 +101,14 @@ class StoreLock {
   virtual void Release() = 0;
   /// Who holds it, as written for other contenders (e.g. "host=n1 pid=42 save=ab12").
   virtual std::string holder() const = 0;
+  /// Confirm, right before a step that only the holder may take (the commit of a checkpoint,
+  /// the removal of dead files), that the lock is still this holder's and stays so for a while.
+  /// Returns only when it is confirmed; LeaseLostError when it was lost or cannot be confirmed
+  /// in time (a leased lock whose lease ran out and was taken over). The default does nothing:
+  /// a lock the kernel or the process holds (file://, mem://) cannot be lost while its holder
+  /// lives. Thread-safe. (Declared last so that the existing virtual functions keep their places
+  /// for built plugins.)
+  virtual void CheckHeld() {}
 };
 
 class Store {

@@ -362,6 +362,10 @@ class StoreWriter : public StorageWriter {
                                                                  : TorchDcpFlavor::kTorch113,
                                                              store_->uri())
                                     : EncodeMetadataFile(md);
+    // Fence: a lock that can be lost (a lease that ran out unrenewed and was taken over) must
+    // still be ours right before the commit; LeaseLostError here fails the save with nothing
+    // committed, and Abort follows.
+    if (lock_) lock_->CheckHeld();
     try {
       // A new checkpoint's metadata is created only if still absent where the store can say so
       // atomically (S3: If-None-Match: *), so two jobs cannot both commit even past the lock.
@@ -381,6 +385,20 @@ class StoreWriter : public StorageWriter {
                                         ? "the checkpoint was committed, then: "
                                         : "the commit may or may not have happened: ") +
                             e.what());
+    }
+    if (lock_) {
+      // Still ours after the publish: nobody took the lock over while it was under way, so
+      // the metadata landed under it. Lost: a slow publish may have landed after another job
+      // took over (and even after that job's clean-up), so what the location holds is unknown.
+      try {
+        lock_->CheckHeld();
+      } catch (const Error& e) {
+        ReleaseLock();
+        throw CommitError(Outcome::kUnknown, e.code(),
+                          std::string("the metadata was published, but the writer lock was lost "
+                                      "meanwhile: ") +
+                              e.what());
+      }
     }
     RemoveDeadFiles(referenced);
     ReleaseLock();
@@ -423,11 +441,17 @@ class StoreWriter : public StorageWriter {
       return torch() ? IsTorchDcpDataName(name) : IsDataObjectName(name);
     };
     try {
+      std::vector<std::string> dead;
       for (const auto& name : store_->List()) {
-        const bool dead =
-            referenced.count(name) == 0 && (lock_ ? is_data(name) || name.rfind(tmp_prefix, 0) == 0
-                                                  : replaced_.count(name) > 0 && is_data(name));
-        if (!dead) continue;
+        if (referenced.count(name) == 0 && (lock_ ? is_data(name) || name.rfind(tmp_prefix, 0) == 0
+                                                  : replaced_.count(name) > 0 && is_data(name))) {
+          dead.push_back(name);
+        }
+      }
+      // Files are dead only while no other writer can exist: with a lock that can be lost,
+      // confirm it after the listing (a lost lock leaves them for the next locked save).
+      if (lock_ && !dead.empty()) lock_->CheckHeld();
+      for (const auto& name : dead) {
         try {
           store_->Remove(name);
         } catch (const Error&) {
@@ -436,7 +460,8 @@ class StoreWriter : public StorageWriter {
         }
       }
     } catch (const Error&) {
-      // Listing failed after the commit: same as above, the garbage waits for the next save.
+      // Listing failed after the commit, or the lock could not be confirmed: as above, the
+      // garbage waits for the next save.
     }
   }
 

@@ -122,7 +122,9 @@ rgw get obj min window size = 16777216
 rgw init timeout = 60
 EOF
 
-c=(-c "$conf")
+# --fsid as well: Debian 12's ceph 16.2.15 CLI reconnects after reading the configuration with
+# a monmap of fsid 0, which the monitor refuses (EPERM "wrong fsid") unless given explicitly.
+c=(-c "$conf" --fsid "$fsid")
 t() { timeout "$@"; }
 
 log "monitor on 127.0.0.1:$mon_port, state in $dir"

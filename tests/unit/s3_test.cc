@@ -177,6 +177,7 @@ TEST_CASE("s3: an expired lock lease is taken over and a late release frees noth
     EnvGuard lease("DCP_S3_LOCK_LEASE_S", "1");
     crashed = OpenStore(root)->TryLock("crashed-job");
     REQUIRE(crashed);
+    SuspendS3LockRenewalForTesting(*crashed);  // crashed: its lease is no longer renewed
     CHECK_THROWS_AS(OpenStore(root)->TryLock("next-job"), LockedError);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(1300));

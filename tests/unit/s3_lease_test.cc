@@ -1,0 +1,444 @@
+// The s3:// writer lock's lease against the real test server: renewed while held (a lock
+// outlives many short leases), fenced at the commit (a holder whose lease was taken over fails
+// its save on every rank and the other job's checkpoint stays), released only while it is still
+// ours, freed one lease after its holder is killed, and SIGKILLs of overlapping jobs with short
+// leases never leave a torn checkpoint nor lose a committed one. Every test SKIPs, printing why,
+// where no server is running.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "dcp/dcp.h"
+#include "dcp/storage/registry.h"
+#include "dcp/storage/store_checkpoint.h"
+#include "support/s3_test_support.h"
+#include "support/test_support.h"
+#ifdef DCP_HAVE_S3
+#include "dcp/storage/s3_store.h"
+#endif
+
+using namespace dcp;
+using namespace dcp::testing;
+using Catch::Matchers::Contains;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+#ifdef DCP_HAVE_S3
+namespace {
+
+bool HaveServer() {
+  const std::string why = S3SkipReason();
+  if (!why.empty()) WARN("SKIPPED: " << why);
+  return why.empty();
+}
+
+struct LeaseGuard {
+  explicit LeaseGuard(const char* seconds) { ::setenv("DCP_S3_LOCK_LEASE_S", seconds, 1); }
+  ~LeaseGuard() { ::unsetenv("DCP_S3_LOCK_LEASE_S"); }
+};
+
+int64_t Ms(Clock::duration d) { return std::chrono::duration_cast<milliseconds>(d).count(); }
+
+// A job's state at save `id`: every value derives from id, so a mix of two saves is detected.
+struct Job {
+  TensorView a = TensorView::Allocate(DType::kFloat32, {256, 1024});
+  TensorView b = TensorView::Allocate(DType::kInt64, {1000});
+  StateDict sd;
+  explicit Job(int64_t id) {
+    if (id >= 0) {
+      FillRandom(a.data, a.nbytes(), static_cast<uint64_t>(id) * 10 + 1);
+      FillRandom(b.data, b.nbytes(), static_cast<uint64_t>(id) * 10 + 2);
+    }
+    sd.Set("a", a).Set("b", b).Set("id", Blob{id >= 0 ? std::to_string(id) : ""});
+  }
+};
+
+// The id of the checkpoint at `uri`, verified value by value; -1 when there is none. Throws
+// when the checkpoint is torn (metadata present, content unreadable or of several saves).
+int64_t CheckpointId(const std::string& uri) {
+  // Present metadata is a checkpoint: whatever then fails to load (a missing data file
+  // included, which ReadMetadata reports as NotFoundError) is a torn one.
+  if (!OpenStore(uri)->Size(kMetadataName)) return -1;
+  Job back(-1);
+  Load(back.sd, uri);  // checksums verified
+  const int64_t id = std::stoll(std::get<Blob>(*back.sd.Find("id")).bytes);
+  Job expect(id);
+  if (!SameElements(back.a, expect.a) || !SameElements(back.b, expect.b)) {
+    throw std::runtime_error("torn: the values are not those of save " + std::to_string(id));
+  }
+  return id;
+}
+
+void SaveJob(int64_t id, const std::string& uri, Communicator& comm) {
+  Job j(id);
+  SaveOptions so;
+  so.storage.overwrite = true;
+  so.storage.files_per_rank = 2;
+  Save(j.sd, uri, comm, so);
+}
+
+}  // namespace
+
+TEST_CASE("s3 lease: a held lock is renewed and outlives many short leases", "[s3][lock]") {
+  if (!HaveServer()) return;
+  const std::string root = S3TestRoot("renew");
+  LeaseGuard lease("2");
+  auto lock = OpenStore(root)->TryLock("long-save");
+  REQUIRE(lock);
+  // 7 s = 3.5 leases: without renewal the second TryLock would take it over after 2 s.
+  const auto start = Clock::now();
+  int refused = 0;
+  while (Clock::now() - start < milliseconds(7000)) {
+    const std::string msg = MessageOf<LockedError>([&] { OpenStore(root)->TryLock("other"); });
+    CHECK_THAT(msg, Contains("long-save"));
+    ++refused;
+    std::this_thread::sleep_for(milliseconds(400));
+  }
+  CHECK(refused >= 10);
+  CHECK_NOTHROW(lock->CheckHeld());
+  lock->Release();
+  CHECK(OpenStore(root)->TryLock("other"));
+}
+
+TEST_CASE(
+    "s3 lease: a holder whose lease was taken over fails its commit on every rank and the other "
+    "job's checkpoint stays",
+    "[s3][lock]") {
+  if (!HaveServer()) return;
+  const std::string root = S3TestRoot("fence");
+  RequireNoErrors(RunRanks(1, [&](int, Communicator& comm) { SaveJob(1, root, comm); }));
+  // Job A (2 ranks) overwrites it. While A writes its data, A is taken over: its lock object is
+  // replaced by an expired record (as if A had been frozen past its lease), and job B takes the
+  // lock over, saves, commits and releases. A must then fail its commit, on every rank.
+  std::atomic<bool> fired{false};
+  std::vector<std::exception_ptr> b_errors;
+  SetS3FaultHookForTesting([&](const S3RequestInfo& i) {
+    if (i.method == "PUT" && i.key.find("/data-") != std::string::npos && !fired.exchange(true)) {
+      auto store = OpenStore(root);
+      store->PublishAtomically(kLockObjectName, "1\nfrozen job A's lease, run out");
+      b_errors = RunRanks(1, [&](int, Communicator& comm) { SaveJob(2, root, comm); });
+    }
+    return S3Fault::kNone;
+  });
+  std::vector<std::exception_ptr> a_errors =
+      RunRanks(2, [&](int, Communicator& comm) { SaveJob(3, root, comm); });
+  SetS3FaultHookForTesting(nullptr);
+  REQUIRE(fired);
+  RequireNoErrors(b_errors);
+  REQUIRE(a_errors.size() == 2);
+  for (const auto& e : a_errors) {
+    REQUIRE(e);
+    try {
+      std::rethrow_exception(e);
+    } catch (const CollectiveError& c) {
+      CHECK(c.outcome() == Outcome::kFailed);
+      REQUIRE(c.failures().size() >= 1);
+      CHECK(c.failures()[0].code == ErrorCode::kAlreadyExists);
+      CHECK_THAT(c.failures()[0].message, Contains("was lost"));
+    }
+  }
+  CHECK(CheckpointId(root) == 2);  // B's checkpoint, whole
+  const Metadata md = ReadMetadata(root);
+  std::set<std::string> referenced;
+  for (const auto& [index, info] : md.storage) referenced.insert(info.relative_path);
+  for (const auto& n : OpenStore(root)->List()) {
+    if (IsDataObjectName(n)) CHECK(referenced.count(n) == 1);  // A's files were aborted
+  }
+}
+
+TEST_CASE("s3 lease: release deletes only its own lock and a lost lock says so", "[s3][lock]") {
+  if (!HaveServer()) return;
+  const std::string root = S3TestRoot("release");
+  LeaseGuard lease("2");
+  auto a = OpenStore(root)->TryLock("job-a");
+  REQUIRE(a);
+  SuspendS3LockRenewalForTesting(*a);  // frozen: its lease runs out
+  std::this_thread::sleep_for(milliseconds(2300));
+  auto b = OpenStore(root)->TryLock("job-b");  // taken over
+  REQUIRE(b);
+  std::string lost;
+  try {
+    a->CheckHeld();
+  } catch (const LeaseLostError& e) {
+    lost = e.what();
+    CHECK_THAT(e.holder(), Contains("job-b"));
+  }
+  CHECK_THAT(lost, Contains("was lost") && Contains(root));
+  a->Release();  // must not free B's lock
+  const std::string msg = MessageOf<LockedError>([&] { OpenStore(root)->TryLock("job-c"); });
+  CHECK_THAT(msg, Contains("job-b"));
+  // B's renewals go on after A's late release.
+  std::this_thread::sleep_for(milliseconds(2500));
+  CHECK_NOTHROW(b->CheckHeld());
+  CHECK_THROWS_AS(OpenStore(root)->TryLock("job-c"), LockedError);
+  b->Release();
+  CHECK(OpenStore(root)->TryLock("job-c"));
+}
+
+TEST_CASE("s3 lease: a killed holder's lock is taken over one lease after its last renewal",
+          "[s3][lock]") {
+  if (!HaveServer()) return;
+  {
+    // A crashed job's lock must be free in minutes, not a day.
+    ::unsetenv("DCP_S3_LOCK_LEASE_S");
+    const int64_t lease = S3Options::FromEnvironment({}).lock_lease_seconds;
+    CHECK(lease >= 10);
+    CHECK(lease <= 300);
+  }
+  const std::string root = S3TestRoot("killed");
+  LeaseGuard lease("2");
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::close(ready[0]);
+    try {
+      auto lock = OpenStore(root)->TryLock("killed-job");
+      const char ok = lock ? '1' : '0';
+      if (::write(ready[1], &ok, 1) != 1) ::_exit(4);
+      for (;;) std::this_thread::sleep_for(milliseconds(1000));  // holds it until killed
+    } catch (...) {
+      ::_exit(3);
+    }
+  }
+  ::close(ready[1]);
+  char ok = 0;
+  REQUIRE(::read(ready[0], &ok, 1) == 1);
+  ::close(ready[0]);
+  REQUIRE(ok == '1');
+  // Alive, it keeps the lock across 2.5 leases (its own process renews it).
+  const auto start = Clock::now();
+  while (Clock::now() - start < milliseconds(5000)) {
+    CHECK_THROWS_AS(OpenStore(root)->TryLock("next-job"), LockedError);
+    std::this_thread::sleep_for(milliseconds(500));
+  }
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  REQUIRE((WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL));
+  const auto killed = Clock::now();
+  std::unique_ptr<StoreLock> next;
+  while (!next && Clock::now() - killed < milliseconds(10000)) {
+    try {
+      next = OpenStore(root)->TryLock("next-job");
+    } catch (const LockedError&) {
+      std::this_thread::sleep_for(milliseconds(100));
+    }
+  }
+  REQUIRE(next);
+  const int64_t waited = Ms(Clock::now() - killed);
+  WARN("the killed holder's lock was taken over " << waited << " ms after the kill (lease 2 s)");
+  CHECK(waited <= 3500);  // at most one lease after its last renewal, plus the polling
+}
+
+// Two jobs at once save repeatedly to one location, each save with its own values; both are
+// killed at random moments; the next trial's jobs find the killed ones' locks (taken over after
+// the 1 s lease) and their unfinished saves. After each trial the location must hold a whole
+// checkpoint of one save (not torn), one that is not older than any save reported committed
+// (not lost), and never one whose save was reported failed.
+TEST_CASE(
+    "fault: s3 SIGKILL of overlapping jobs with short leases never tears or loses a "
+    "checkpoint",
+    "[fault][s3][crash]") {
+  if (!HaveServer()) return;
+  const std::string root = S3TestRoot("sigkill");
+  LeaseGuard lease("1");
+  TempDir dir("s3kill");
+  std::mt19937 rng(4242);
+  const auto start = Clock::now();
+  const auto now_ns = [] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+        .count();
+  };
+  // What is known of every save: started (ns, steady clock: one clock for every process of the
+  // host), ended and how, and the kill time of its job.
+  struct Known {
+    int64_t started = -1, ended = -1, killed = -1;
+    char result = '?';  // C committed, F failed (nothing committed), U unknown, ? not reported
+  };
+  std::map<int64_t, Known> saves;
+  int trials = 0, torn = 0, lost = 0, failed_but_there = 0, found = 0, none = 0;
+  int committed = 0, failed = 0, lock_refused = 0;
+  int64_t ever_committed = 0;
+  const auto elapsed = [&] { return Clock::now() - start; };
+  while ((trials < 50 || (elapsed() < std::chrono::seconds(60) && trials < 200)) &&
+         elapsed() < std::chrono::seconds(150)) {
+    int fds[2];
+    REQUIRE(::pipe(fds) == 0);
+    pid_t pids[2];
+    for (int j = 0; j < 2; ++j) {
+      pids[j] = ::fork();
+      REQUIRE(pids[j] >= 0);
+      if (pids[j] != 0) continue;
+      ::close(fds[0]);
+      // The job: save, report, save again, until killed. Lines are short single writes to a
+      // pipe, so they arrive whole.
+      auto report = [&](char what, int64_t id) {
+        char line[64];
+        const int n = std::snprintf(line, sizeof line, "%c %lld %lld\n", what,
+                                    static_cast<long long>(id), static_cast<long long>(now_ns()));
+        if (::write(fds[1], line, static_cast<size_t>(n)) != n) ::_exit(4);
+      };
+      try {
+        std::mt19937 jitter(static_cast<unsigned>(trials * 2 + j));
+        // One save in three stalls for longer than the lease before its first data upload (a
+        // slow disk, a paused process): its lock must stay held through the stall, or the
+        // other job takes over and each removes what the other wrote.
+        static std::atomic<bool> stall{false};
+        SetS3FaultHookForTesting([](const S3RequestInfo& i) {
+          if (i.method == "PUT" && i.key.find("/data-") != std::string::npos &&
+              stall.exchange(false)) {
+            std::this_thread::sleep_for(milliseconds(1400));
+          }
+          return S3Fault::kNone;
+        });
+        for (int64_t id = (int64_t{trials} * 2 + j) * 100000;; ++id) {
+          stall = std::uniform_int_distribution<int>(0, 2)(jitter) == 0;
+          report('S', id);
+          try {
+            LocalCommunicator comm;
+            SaveJob(id, root, comm);
+            report('C', id);
+          } catch (const CollectiveError& e) {
+            // L: refused by the other job's lock (nothing written); F: failed, nothing
+            // committed; U: the outcome is unknown.
+            const bool locked = e.failures()[0].code == ErrorCode::kAlreadyExists &&
+                                e.failures()[0].message.find("is locked by") != std::string::npos;
+            report(e.outcome() != Outcome::kFailed ? 'U' : locked ? 'L' : 'F', id);
+            std::this_thread::sleep_for(
+                milliseconds(std::uniform_int_distribution<int>(20, 120)(jitter)));
+          }
+        }
+      } catch (const std::exception& e) {
+        if (std::FILE* f = std::fopen((dir.path() + "/child-error").c_str(), "w")) {
+          std::fputs(e.what(), f);
+          std::fclose(f);
+        }
+        ::_exit(3);
+      }
+    }
+    ::close(fds[1]);
+    // Kill each job at its own random moment.
+    int64_t kill_at[2];
+    // One job at any moment, the other late enough that a save stalled past the lease early
+    // in the trial can see the other job take over (and then resume) before the kill.
+    kill_at[0] = std::uniform_int_distribution<int64_t>(100, 2500)(rng);
+    kill_at[1] = std::uniform_int_distribution<int64_t>(1200, 2500)(rng);
+    if (rng() % 2) std::swap(kill_at[0], kill_at[1]);
+    const int first = kill_at[0] <= kill_at[1] ? 0 : 1;
+    const auto trial_start = Clock::now();
+    int64_t killed_ns[2];
+    for (int k = 0; k < 2; ++k) {
+      const int j = k == 0 ? first : 1 - first;
+      std::this_thread::sleep_until(trial_start + milliseconds(kill_at[j]));
+      ::kill(pids[j], SIGKILL);
+      killed_ns[j] = now_ns();
+    }
+    for (int j = 0; j < 2; ++j) {
+      int status = 0;
+      ::waitpid(pids[j], &status, 0);
+      if (!(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)) {
+        std::string why;
+        if (std::FILE* f = std::fopen((dir.path() + "/child-error").c_str(), "r")) {
+          char buf[4096];
+          why.assign(buf, std::fread(buf, 1, sizeof buf, f));
+          std::fclose(f);
+        }
+        ::close(fds[0]);
+        FAIL("a saving job ended with status " << status << " instead of the kill: " << why);
+      }
+    }
+    std::string lines;
+    char buf[4096];
+    for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) lines.append(buf, n);
+    ::close(fds[0]);
+    std::istringstream in(lines);
+    char what;
+    long long id, t;
+    while (in >> what >> id >> t) {
+      Known& k = saves[id];
+      k.killed = killed_ns[(id / 100000) % 2];
+      if (what == 'S') {
+        k.started = t;
+      } else if (what == 'L') {
+        ++lock_refused;
+        k.ended = t;
+        k.result = 'F';
+      } else {
+        k.ended = t;
+        k.result = what;
+        committed += what == 'C';
+        failed += what == 'F';
+        if (what == 'C') ++ever_committed;
+      }
+    }
+    ++trials;
+    int64_t in_place = -1;
+    try {
+      in_place = CheckpointId(root);
+    } catch (const std::exception& e) {
+      ++torn;
+      FAIL_CHECK("trial " << trials << ": torn checkpoint: " << e.what());
+      continue;
+    }
+    if (in_place < 0) {
+      ++none;
+      if (ever_committed > 0) {
+        ++lost;
+        FAIL_CHECK("trial " << trials << ": a committed checkpoint was lost: none is in place");
+      }
+      continue;
+    }
+    ++found;
+    const auto it = saves.find(in_place);
+    if (it == saves.end()) {
+      FAIL_CHECK("trial " << trials << ": the checkpoint in place, save " << in_place
+                          << ", was never started");
+      continue;
+    }
+    if (it->second.result == 'F') {
+      ++failed_but_there;
+      FAIL_CHECK("trial " << trials << ": save " << in_place
+                          << " was reported failed but is the checkpoint in place");
+    }
+    // Its commit happened before it reported, or before its job was killed; a save reported
+    // committed that started after that moment committed later, so it must be what is there.
+    const int64_t committed_by = it->second.ended >= 0 ? it->second.ended : it->second.killed;
+    for (const auto& [other, k] : saves) {
+      if (other != in_place && k.result == 'C' && k.started > committed_by) {
+        ++lost;
+        FAIL_CHECK("trial " << trials << ": save " << other << " was reported committed after save "
+                            << in_place << " committed, but " << in_place << " is in place");
+        break;
+      }
+    }
+  }
+  WARN("s3 SIGKILL trials: " << trials << " in " << Ms(elapsed()) / 1000 << " s; saves reported "
+                             << "committed " << committed << ", failed " << failed
+                             << ", refused by the lock " << lock_refused
+                             << "; checkpoint found after " << found << " trials, none yet " << none
+                             << "; torn " << torn << ", lost " << lost << ", failed-but-in-place "
+                             << failed_but_there);
+  CHECK(trials >= 50);
+  CHECK(torn == 0);
+  CHECK(lost == 0);
+  CHECK(failed_but_there == 0);
+  CHECK(committed > 0);
+}
+#else
+TEST_CASE("s3 lease: backend", "[s3]") {
+  WARN("SKIPPED: dcp was built without the s3:// backend (libcurl or OpenSSL not found)");
+}
+#endif
