@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <vector>
 
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/codec.h"
@@ -180,10 +181,34 @@ class Reader {
 // ---------------------------------------------------------------------------------------------
 // minizip over a byte range of a ReadableObject
 
+// minizip reads a record a few bytes at a time (signatures, header fields, the directory entry
+// by entry, and backwards from the end for the end-of-directory record): tens of thousands of
+// reads for a small checkpoint, each a ranged GET on s3://. Small reads are therefore served
+// from one cached block: the first is the record's tail (where the directories are), later ones
+// the block at the position asked for. Reads of a block or more go straight through.
 struct Window {
+  static constexpr uint64_t kBlock = 64 << 10;
   ReadableObject* in;
   uint64_t base, size, pos = 0;
   std::exception_ptr error;
+  std::vector<char> cache;
+  uint64_t cache_at = 0;  // window offset of cache[0]
+
+  void Read(void* buf, uint64_t k) {
+    if (pos >= cache_at && pos + k <= cache_at + cache.size()) {
+      std::memcpy(buf, cache.data() + (pos - cache_at), k);
+      return;
+    }
+    if (k >= kBlock) {
+      in->ReadAt(base + pos, buf, k);
+      return;
+    }
+    const uint64_t tail = size > kBlock ? size - kBlock : 0;
+    cache_at = pos >= tail ? tail : pos;
+    cache.resize(std::min(kBlock, size - cache_at));
+    in->ReadAt(base + cache_at, cache.data(), cache.size());
+    std::memcpy(buf, cache.data() + (pos - cache_at), k);
+  }
 };
 
 voidpf ZOpen(voidpf, const void* path, int) { return const_cast<void*>(path); }
@@ -192,7 +217,7 @@ uLong ZRead(voidpf, voidpf stream, void* buf, uLong n) {
   const uint64_t k = std::min<uint64_t>(n, w->size - std::min(w->pos, w->size));
   if (k == 0) return 0;
   try {
-    w->in->ReadAt(w->base + w->pos, buf, k);
+    w->Read(buf, k);
   } catch (...) {
     w->error = std::current_exception();
     return 0;
@@ -220,7 +245,7 @@ constexpr size_t kMaxPickleBytes = size_t{1} << 20;
 class Archive {
  public:
   Archive(ReadableObject& in, uint64_t offset, uint64_t length, std::string what)
-      : window_{&in, offset, length, 0, nullptr}, what_(std::move(what)) {
+      : window_{&in, offset, length, 0, nullptr, {}, 0}, what_(std::move(what)) {
     zlib_filefunc64_def ff{};
     ff.zopen64_file = ZOpen;
     ff.zread_file = ZRead;

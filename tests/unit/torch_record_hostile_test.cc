@@ -97,6 +97,17 @@ class Bytes : public ReadableObject {
   std::string s_;
 };
 
+// Counts the reads a reader makes (each one a ranged GET on s3://).
+class CountingBytes : public Bytes {
+ public:
+  using Bytes::Bytes;
+  void ReadAt(uint64_t offset, void* dst, size_t n) override {
+    ++reads;
+    Bytes::ReadAt(offset, dst, n);
+  }
+  int reads = 0;
+};
+
 TorchTensorRecord Resolve(const std::string& record) {
   Bytes in(record);
   return ResolveTorchTensorRecord(in, 0, record.size(), "crafted record");
@@ -135,4 +146,17 @@ TEST_CASE("torch record: sizes, strides and offsets whose extent wraps around ar
   CHECK_THROWS_AS(Resolve(TensorRecord(1000, {0}, {1}, storage)), CorruptionError);
   // One element too many.
   CHECK_THROWS_WITH(Resolve(TensorRecord(1, {2}, {1}, storage)), Contains("beyond its storage"));
+}
+
+TEST_CASE("torch record: its directories are read in a few reads, not byte by byte",
+          "[torch_dcp][hostile]") {
+  // A small record (all of it in one block) and one whose storage is larger than a block.
+  for (size_t storage_bytes : {size_t{64}, size_t{1} << 20}) {
+    const std::string storage(storage_bytes, '\x03');
+    CountingBytes in(TensorRecord(0, {static_cast<int64_t>(storage_bytes / 4)}, {1}, storage));
+    TorchTensorRecord rec = ResolveTorchTensorRecord(in, 0, in.size(), "record");
+    CHECK(rec.span_bytes == storage_bytes);
+    INFO("storage of " << storage_bytes << " bytes: " << in.reads << " reads");
+    CHECK(in.reads <= 4);
+  }
 }
