@@ -2,6 +2,7 @@
 // the same way, or a stalled forwarder must not cost the others a whole timeout, nor turn a
 // committed save into an unknown one where the store is shared; the verdict goes out before the
 // coordinator's clean-up; metadata no reader could decode is refused before the commit.
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <deque>
@@ -92,13 +93,24 @@ class StallingComm : public PointToPointCommunicator {
   }
   std::string stall_phase;
   std::chrono::milliseconds stall{0};
+  // Every transport call, counted; each receive may take a while (a slow transport).
+  std::shared_ptr<std::atomic<int>> calls = std::make_shared<std::atomic<int>>(0);
+  std::shared_ptr<std::atomic<bool>> in_call = std::make_shared<std::atomic<bool>>(false);
+  std::chrono::milliseconds receive_delay{0};
 
  protected:
   void Send(int dest, int tag, std::string payload) override {
+    ++*calls;
     std::lock_guard<std::mutex> lock(m_->mu);
     m_->mail[{rank_, dest, tag}].push_back(std::move(payload));
   }
   std::optional<std::string> TryReceive(int source, int tag) override {
+    ++*calls;
+    if (receive_delay.count() > 0) {
+      *in_call = true;
+      std::this_thread::sleep_for(receive_delay);
+      *in_call = false;
+    }
     std::lock_guard<std::mutex> lock(m_->mu);
     auto it = m_->mail.find({source, rank_, tag});
     if (it == m_->mail.end() || it->second.empty()) return std::nullopt;
@@ -382,4 +394,74 @@ TEST_CASE("failfast: metadata above protobuf's 2 GiB limit is refused before the
   size_t files = 0;
   for (const auto& name : MakeMemStore("failfast-big")->List()) files += IsDataObjectName(name);
   CHECK(files == 0);  // the failed save removed its data
+}
+
+TEST_CASE("failfast: once Stop returns, no transport call is in progress or follows",
+          "[comm][fault]") {
+  // A shutdown stops a communicator another thread is using, then tears the transport down
+  // (MPI_Finalize). Before, Stop returned while a call that had passed its check was still in
+  // the transport.
+  auto boxes = std::make_shared<Mailboxes>();
+  StallingComm comm(boxes, 0, 2);
+  comm.set_timeout(30s);
+  comm.receive_delay = 300ms;
+  std::exception_ptr error;
+  std::thread user([&] {
+    try {
+      comm.Gather("x", 0, "test/gather");  // rank 1 never answers
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  while (!*comm.in_call) std::this_thread::sleep_for(1ms);
+  comm.Stop("test: shutdown");
+  CHECK_FALSE(*comm.in_call);  // Stop waited for the call in progress
+  const int calls = *comm.calls;
+  user.join();
+  CHECK(*comm.calls == calls);  // and none followed
+  CHECK_THAT(Text(error), Contains("test: shutdown"));
+}
+
+TEST_CASE("failfast: a saver detached at Close makes no transport call when it ends",
+          "[async][fault]") {
+  // The saves are stuck in storage when Close gives up on them; when storage returns, each
+  // saver fails its next collective and destroys its communicator without a transport call
+  // (with MPI: after MPI_Finalize; tests/mpi/async_close_finalize.cc runs that case).
+  ClearMemStore("failfast-detached");
+  auto store = std::make_shared<FaultInjectionStore>(MakeMemStore("failfast-detached"));
+  RegisterFaultScheme("slowappend", store);
+  store->Delay(FaultOp::kAppend, 1500ms);
+  auto boxes = std::make_shared<Mailboxes>();
+  std::vector<std::shared_ptr<std::atomic<int>>> calls(2);
+  std::vector<std::shared_ptr<AsyncSave>> handles(2);
+  std::vector<int> after_close(2);
+  std::vector<std::string> close_errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto comm = std::make_unique<StallingComm>(boxes, r, 2);
+      comm->set_timeout(30s);
+      calls[r] = comm->calls;
+      RankRows s = MakeShard(r, 2);
+      AsyncCheckpointer saver(std::move(comm));
+      handles[r] = saver.Save(s.sd, "slowappend://x");
+      std::this_thread::sleep_for(500ms);  // planned; now writing
+      try {
+        saver.Close(50ms);
+      } catch (const Error& e) {
+        close_errors[r] = e.what();
+      }
+      after_close[r] = *calls[r];
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK_THAT(close_errors[r], Contains("unfinished"));
+    REQUIRE(handles[r]->WaitFor(30s));
+    CHECK_THROWS_AS(handles[r]->Wait(), CollectiveError);  // it could not finish the protocol
+  }
+  std::this_thread::sleep_for(300ms);  // the savers destroy their communicators
+  for (int r = 0; r < 2; ++r) CHECK(*calls[r] == after_close[r]);
+  CHECK_FALSE(store->Size(kMetadataName));
 }
