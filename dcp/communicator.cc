@@ -362,24 +362,25 @@ void PointToPointCommunicator::FailTimeout(std::string_view what, const std::vec
   std::string names;
   for (int r : ranks) names += (names.empty() ? "" : ", ") + std::to_string(r);
   // Inside an operation the usual cause is a rank that never called it (only rank 0 saving,
-  // one rank saving while another loads): say so, since no rank can tell it from a stall.
-  const std::string hint =
-      op_ != 0 || adopting_op_
-          ? ": every rank must call dcp::Save and dcp::Load collectively, in the same order; "
-            "rank(s) " +
-                names + " did not join '" + std::string(what) +
-                "' (not called there, stalled or dead)"
-          : "";
+  // one rank saving while another loads): say so, since no rank can tell it from a stall. (Each
+  // failure names its own rank only: thousands of late ranks must not make the error quadratic.)
+  const bool in_op = op_ != 0 || adopting_op_;
+  const std::string rule =
+      "every rank must call dcp::Save and dcp::Load collectively, in the same order";
   std::vector<RankFailure> failures;
   for (int r : ranks) {
     failures.push_back({r, ErrorCode::kTimeout,
                         "rank " + std::to_string(r) + " did not answer within " +
                             std::to_string(timeout().count()) + " ms (seen by rank " +
-                            std::to_string(rank()) + ")" + hint,
+                            std::to_string(rank()) + ")" +
+                            (in_op ? ": it did not join '" + std::string(what) + "'; " + rule +
+                                         " (otherwise it stalled or died)"
+                                   : std::string()),
                         true});
   }
   Poison("rank(s) " + names + " did not answer '" + std::string(what) + "' within " +
-         std::to_string(timeout().count()) + " ms" + hint);
+         std::to_string(timeout().count()) + " ms" +
+         (in_op ? ": " + rule + "; rank(s) " + names + " did not join" : std::string()));
   throw CollectiveError(std::string(what), std::move(failures));
 }
 

@@ -240,8 +240,9 @@ TEST_CASE("failfast: a save only rank 0 calls names the ranks that did not join 
   RankRows s = MakeShard(0, 3);
   const std::string msg = dcp::testing::MessageOf<CollectiveError>(
       [&] { Save(s.sd, "mem://failfast-alone", group.communicator(0)); });
-  CHECK_THAT(msg, Contains("every rank must call dcp::Save and dcp::Load collectively") &&
-                      Contains("rank(s) 1, 2 did not join"));
+  CHECK_THAT(msg, Contains("failed on ranks 1, 2") && Contains("did not join 'save/plan'") &&
+                      Contains("every rank must call dcp::Save and dcp::Load collectively"));
+  CHECK_THAT(group.communicator(0).poison_reason(), Contains("rank(s) 1, 2 did not join"));
 }
 
 TEST_CASE("failfast: below a stalled forwarder a committed save still succeeds (shared store)",
