@@ -82,7 +82,9 @@ class Communicator {
   virtual void Barrier(std::string_view what) = 0;
 
   /// Deadline for a peer to answer one collective. Default 30 minutes (a save's write phase
-  /// can be long); tests use seconds.
+  /// can be long); tests use seconds. A rank that never joins an operation (e.g. only rank 0
+  /// calls dcp::Save) costs the others this long, and the error then says so; set it where the
+  /// communicator is made (e.g. MpiCommunicator's constructor).
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
 
