@@ -18,10 +18,10 @@
 // the operation that failed): no stale message can ever be paired with a later operation. The
 // remedy is a new communicator (e.g. a new MpiCommunicator; collective over the job).
 //
-// Poison notices (PointToPointCommunicator): a rank that is poisoned, or fails an operation's
-// opening (another operation, another target), tells the ranks that would otherwise wait for it:
-// rank 0 (the coordinator of every dcp operation) and its children in the opening's broadcast
-// tree. The notice travels on its own tag, outside the data stream, and holds whatever the
+// Poison notices (PointToPointCommunicator): a rank whose OpenOperation fails while it is
+// poisoned (from before, or by this failure: another operation, another target) tells the ranks
+// that would otherwise wait for it: rank 0 (the coordinator of every dcp operation) and its
+// children in the opening's broadcast tree. The notice travels on its own tag, outside the data stream, and holds whatever the
 // sequence numbers are (a poisoned rank never takes part again). A rank waiting to receive from
 // a rank that sent one fails at once with a CollectiveError naming the poisoned rank and its
 // original reason (and is poisoned in turn), instead of waiting for its deadline. So a save that
@@ -44,8 +44,8 @@
 // log2 N of them); a poisoned one fails it at once. A poisoned root still sends (see above); a
 // stopped rank sends nothing, not even failure frames, so its children fail at their deadline.
 //
-// Thread safety: one thread at a time per Communicator object, except Poison()/poisoned(), which
-// any thread may call (e.g. a shutdown stopping a background saver). Different Communicator
+// Thread safety: one thread at a time per Communicator object, except Poison(), Stop() and
+// poisoned(), which any thread may call (e.g. a shutdown stopping a background saver). Different Communicator
 // objects (e.g. one per background saver) may be used concurrently.
 #pragma once
 
