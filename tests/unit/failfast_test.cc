@@ -257,11 +257,11 @@ TEST_CASE("failfast: below a stalled forwarder a committed save still succeeds (
   std::vector<std::unique_ptr<StallingComm>> comms;
   for (int r = 0; r < n; ++r) {
     comms.push_back(std::make_unique<StallingComm>(boxes, r, n));
-    comms.back()->set_timeout(300ms);
+    comms.back()->set_timeout(1000ms);
   }
-  // Their deadline: 2 x 300 ms + 5 s, plus 560 ms per tree level below the first.
+  // Their deadline: 2 x 1 s + 5 s, plus 700 ms per tree level below the first (ranks 5, 6: one).
   comms[stalled]->stall_phase = "save/write";
-  comms[stalled]->stall = 7500ms;
+  comms[stalled]->stall = 9000ms;
   std::vector<std::exception_ptr> errors(n);
   std::vector<Metadata> md(n);
   std::vector<double> secs(n);
@@ -304,11 +304,11 @@ TEST_CASE("failfast: a rank that misses the verdict of an uncommitted save stays
   std::vector<std::unique_ptr<StallingComm>> comms;
   for (int r = 0; r < n; ++r) {
     comms.push_back(std::make_unique<StallingComm>(boxes, r, n));
-    comms.back()->set_timeout(300ms);
+    comms.back()->set_timeout(1000ms);
   }
-  // Their deadline: 2 x 300 ms + 5 s, plus 560 ms per tree level below the first.
+  // Their deadline: 2 x 1 s + 5 s, plus 700 ms per tree level below the first (ranks 5, 6: one).
   comms[stalled]->stall_phase = "save/write";
-  comms[stalled]->stall = 7500ms;
+  comms[stalled]->stall = 9000ms;
   class FailingFinish : public dcp::testing::ForwardingWriter {
    public:
     using ForwardingWriter::ForwardingWriter;
