@@ -3,11 +3,13 @@
 //   save no memory is allocated and every copy lands in warm, already-faulted pages (first-touch
 //   page faults cost ~25x a warm memcpy on this class of machine).
 // - One persistent background thread runs the saves. A shutdown that gives up on a stuck save
-//   first poisons the background communicator, so a save waiting on a peer fails within a poll
+//   first stops the background communicator, so a save waiting on a peer fails within a poll
 //   interval and the thread is joined: it must never go on polling MPI after the application
 //   finalises it. Only a thread stuck inside storage (not the communicator) is detached after a
-//   bounded wait; it owns a shared_ptr to everything it uses, and a poisoned communicator makes
-//   no further MPI call that receives.
+//   bounded wait; it owns a shared_ptr to everything it uses. Stop() returns only once no
+//   transport call is in progress, and a stopped communicator makes none afterwards, its
+//   destructor included (which may run on the detached thread after MPI_Finalize); staging
+//   buffers registered with a device runtime are then leaked rather than unregistered.
 // - A snapshot failure (say, a tensor that cannot be copied) still enters the protocol (the
 //   background save fails in its first phase), so every rank sees the same outcome.
 #include "dcp/async_checkpointer.h"
@@ -152,6 +154,15 @@ struct AsyncCheckpointer::Impl {
   std::shared_ptr<AsyncSave::State> last;  // the most recent save, running or ended
   std::thread worker;
   bool closed = false;
+  // Set when Close gave up on the thread: whatever it destroys last must make no device call.
+  std::atomic<bool> detached{false};
+
+  ~Impl() {
+    if (!detached.load()) return;
+    for (auto& [key, buffer] : staging) {
+      if (buffer && buffer->pinned_by) (void)buffer.release();  // NOLINT: see `detached`
+    }
+  }
 
   void* Buffer(const std::string& key, size_t bytes, size_t* allocations, const Device& source) {
     auto& slot = staging[key];
@@ -433,7 +444,10 @@ void AsyncCheckpointer::Close(std::chrono::milliseconds timeout) {
     if (ended) {
       impl_->worker.join();
     } else {
-      impl_->worker.detach();  // stuck in storage; its communicator makes no further call
+      // Stuck in storage. The communicator is stopped: the thread makes no further transport
+      // call, even when it ends after MPI_Finalize and destroys the communicator.
+      impl_->detached = true;
+      impl_->worker.detach();
     }
     throw Error(
         ErrorCode::kIo,

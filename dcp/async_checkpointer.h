@@ -116,7 +116,10 @@ class AsyncCheckpointer {
   std::optional<Metadata> Wait();
   /// Wait up to `timeout` for the in-flight save, then stop the background thread. Throws the
   /// save's unreported error, or an Error saying the checkpoint is unfinished if it did not end
-  /// in time. Idempotent; no Save() is accepted afterwards.
+  /// in time. Idempotent; no Save() is accepted afterwards. Once it returns, the background
+  /// thread makes no call into the communicator's transport (MPI, NCCL) nor any device call,
+  /// even when a save stuck in storage ends later and the thread then destroys what it owns:
+  /// the application may finalise MPI at once.
   void Close(std::chrono::milliseconds timeout = std::chrono::minutes(10));
 
   /// Bytes of staging memory held, and buffers allocated since construction.

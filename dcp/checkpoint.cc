@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string_view>
 #include <typeinfo>
@@ -24,6 +25,13 @@
 namespace dcp {
 
 namespace {
+
+// Every rank knows the save's operation id, so the save id derives from it.
+std::string SaveIdOf(uint64_t operation_id) {
+  char buf[17];
+  snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(operation_id));
+  return buf;
+}
 
 std::string NewSaveId() {
   std::random_device rd;
@@ -218,16 +226,31 @@ CacheProbe UnpackCacheProbe(std::string_view s) {
 // message (see Communicator::OpenOperation).
 class OperationScope {
  public:
-  OperationScope(Communicator& comm, std::string_view name, std::string_view target) : comm_(comm) {
-    comm.OpenOperation(name, target);
-  }
+  OperationScope(Communicator& comm, std::string_view name, std::string_view target)
+      : comm_(comm), id_(comm.OpenOperation(name, target)) {}
+  uint64_t id() const { return id_; }
   ~OperationScope() { comm_.EndOperation(); }
   OperationScope(const OperationScope&) = delete;
   OperationScope& operator=(const OperationScope&) = delete;
 
  private:
   Communicator& comm_;
+  uint64_t id_;
 };
+
+// After an unknown verdict: the save is committed when the metadata in place names this save
+// (its id is on every rank), which a rank sharing the store can read itself.
+std::optional<Metadata> CommittedMetadata(const StorageWriter& writer, const std::string& save_id,
+                                          const StorageOptions& options) noexcept {
+  if (save_id.empty()) return std::nullopt;
+  try {
+    Metadata md = ReadMetadata(writer.uri(), options);
+    if (md.save_id == save_id) return md;
+  } catch (...) {
+    // Not readable from this rank (a store it does not share, no metadata): still unknown.
+  }
+  return std::nullopt;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Read-once on load (planner/read_sharing.h): the root of a batch reads its items through a
@@ -475,9 +498,11 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
   DefaultSavePlanner default_planner;
   SavePlanner& planner = options.planner ? *options.planner : default_planner;
   const PlannerContext pctx{rank, size, rank == 0};
-  StorageContext sctx{rank, size, rank == 0, rank == 0 ? NewSaveId() : std::string()};
+  // The save id is set from the operation's id once it is open (every rank knows it).
+  StorageContext sctx{rank, size, rank == 0, std::string()};
   Metadata global_md;  // built on the coordinator
   std::string md_bytes;
+  bool committed = false;  // the coordinator's Finish committed
   SaveStats local_stats;
   SaveStats& stats = options.stats ? *options.stats : local_stats;
   stats = SaveStats();
@@ -489,6 +514,7 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
     OperationScope op(comm, "save",
                       options.step ? writer.uri() + " (step " + std::to_string(*options.step) + ")"
                                    : writer.uri());
+    sctx.save_id = SaveIdOf(op.id());
     SavePlan my_full;  // this rank's local plan, made once
     bool have_local = false;
     auto local_plan = [&]() -> const SavePlan& {
@@ -715,6 +741,7 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
             // coordinator's memory).
             FillStorageFromEncoded(global_md, locals);
             writer.Finish(global_md, {});
+            committed = true;
           } else {
             std::vector<std::vector<WriteResult>> results(locals.size());
             ParallelFor(locals.size(), [&](size_t r) {
@@ -722,17 +749,33 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
               std::string().swap(locals[r]);
             });
             writer.Finish(global_md, results);
+            committed = true;
           }
           std::vector<std::string> reply{EncodeMetadata(global_md)};
           global_md = Metadata();  // every rank, this one too, decodes the reply
           return reply;
         },
         /*decides_commit=*/true, /*same_reply=*/true);
+    // The verdict is out: only now the coordinator's post-commit housekeeping.
+    if (committed) writer.AfterCommitDelivered();
   } catch (const CollectiveError& e) {
+    if (committed) {  // the coordinator could not deliver a verdict of a committed save
+      writer.AfterCommitDelivered();
+      throw CollectiveError(e.phase(), e.failures(), Outcome::kCommitted);
+    }
+    // A rank that reported its writes and missed the verdict settles it from the commit record
+    // where it shares the store.
+    if (e.outcome() == Outcome::kUnknown) {
+      if (auto md = CommittedMetadata(writer, sctx.save_id, options.storage)) return *md;
+    }
     // Only a save known not to be committed may remove data (docs/PROTOCOL.md).
     if (e.outcome() == Outcome::kFailed) writer.Abort();
     throw;
   } catch (...) {
+    if (committed) {
+      writer.AfterCommitDelivered();
+      throw;
+    }
     writer.Abort();
     throw;
   }

@@ -1,5 +1,6 @@
 #include "dcp/communicator.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -119,6 +120,9 @@ void Communicator::Poison(const std::string& reason) noexcept {
 
 void Communicator::Stop(const std::string& reason) noexcept {
   Poison(reason);
+  // Under the transport lock: a transport call already past its stopped() check completes
+  // first, so once this returns the caller may tear the transport down (MPI_Finalize).
+  std::lock_guard<std::mutex> lock(transport_mu_);
   stopped_.store(true, std::memory_order_release);
 }
 
@@ -147,13 +151,17 @@ void Communicator::ThrowIfPoisoned(std::string_view what) const {
 // skipped or added a collective into an immediate, named error instead of a silent pairing of
 // different saves. A failure frame's payload is the failure list (EncodeFailures): a broadcast's
 // forwarding rank sends it down the tree instead of the message it could not get, so its subtree
-// fails at once with the real cause rather than each rank waiting for its own timeout.
+// fails at once with the real cause rather than each rank waiting for its own timeout. A poison
+// notice (kind 2, on kNoticeTag, sequence number 0) carries the same list: it is a statement
+// about the sender ("I will never take part again, because..."), true whatever collective the
+// receiver is in, hence outside the sequence.
 
 namespace {
 
 constexpr size_t kFrameHeader = 19;
 constexpr uint8_t kDataFrame = 0;
 constexpr uint8_t kFailureFrame = 1;
+constexpr uint8_t kNoticeFrame = 2;
 
 std::string EncodeFailures(const std::vector<RankFailure>& failures) {
   std::string out;
@@ -231,7 +239,7 @@ struct PointToPointCommunicator::Frame {
     const size_t n = static_cast<unsigned char>(bytes[17]) |
                      (static_cast<size_t>(static_cast<unsigned char>(bytes[18])) << 8);
     if (bytes.size() - kFrameHeader < n) return false;
-    if (f->kind != kDataFrame && f->kind != kFailureFrame) return false;
+    if (f->kind != kDataFrame && f->kind != kFailureFrame && f->kind != kNoticeFrame) return false;
     f->what = bytes.substr(kFrameHeader, n);
     f->payload_at = kFrameHeader + n;
     return true;
@@ -253,10 +261,75 @@ std::string PointToPointCommunicator::MakeFrame(uint64_t seq, std::string_view w
   return out;
 }
 
+bool PointToPointCommunicator::Transmit(int dest, int tag, std::string payload) {
+  std::lock_guard<std::mutex> lock(transport_mutex());
+  if (stopped()) return false;
+  Send(dest, tag, std::move(payload));
+  return true;
+}
+
+bool PointToPointCommunicator::TransmitShared(int dest, int tag,
+                                              const std::shared_ptr<const std::string>& payload) {
+  std::lock_guard<std::mutex> lock(transport_mutex());
+  if (stopped()) return false;
+  SendShared(dest, tag, payload);
+  return true;
+}
+
+std::optional<std::string> PointToPointCommunicator::Poll(int source, int tag) {
+  std::lock_guard<std::mutex> lock(transport_mutex());
+  if (stopped()) return std::nullopt;
+  return TryReceive(source, tag);
+}
+
+std::optional<std::string> PointToPointCommunicator::PollFrameOrNotice(int source) {
+  if (auto frame = Poll(source, kTag)) return frame;
+  return Poll(source, kNoticeTag);
+}
+
+void PointToPointCommunicator::AnnouncePoison(const std::vector<int>& dests) noexcept {
+  if (!poisoned() || stopped()) return;
+  try {
+    if (told_.size() != static_cast<size_t>(size()))
+      told_.assign(static_cast<size_t>(size()), false);
+    std::shared_ptr<const std::string> frame;
+    for (int d : dests) {
+      if (d == rank() || d < 0 || d >= size() || told_[static_cast<size_t>(d)]) continue;
+      if (!frame) {
+        // Poisoned by another rank's notice: pass on the failures naming that rank.
+        std::string failures = cause_;
+        if (failures.empty()) {
+          failures = EncodeFailures(
+              {{rank(), ErrorCode::kCollective,
+                "rank " + std::to_string(rank()) +
+                    " cannot take part: its communicator is unusable since an earlier failure (" +
+                    poison_reason() + ")",
+                false}});
+        }
+        frame = std::make_shared<const std::string>(
+            MakeFrame(0, "poison notice", failures, kNoticeFrame));
+      }
+      if (!TransmitShared(d, kNoticeTag, frame)) return;
+      told_[static_cast<size_t>(d)] = true;
+    }
+  } catch (...) {
+    // Best effort: a rank that misses the notice still fails, at its own deadline.
+  }
+}
+
+void PointToPointCommunicator::AnnounceOpenFailure() noexcept {
+  try {
+    std::vector<int> dests = TreeChildren(rank(), 0, size());
+    if (rank() != 0) dests.push_back(0);
+    AnnouncePoison(dests);
+  } catch (...) {
+  }
+}
+
 void PointToPointCommunicator::SendFrame(int dest, uint64_t seq, std::string_view what,
                                          std::string payload) {
   if (stopped()) ThrowIfPoisoned(what);  // a shutdown forbade any further transport call
-  Send(dest, kTag, MakeFrame(seq, what, payload, kDataFrame));
+  if (!Transmit(dest, kTag, MakeFrame(seq, what, payload, kDataFrame))) ThrowIfPoisoned(what);
 }
 
 void PointToPointCommunicator::SendFailure(const std::vector<int>& dests, uint64_t seq,
@@ -268,7 +341,9 @@ void PointToPointCommunicator::SendFailure(const std::vector<int>& dests, uint64
   try {
     auto frame = std::make_shared<const std::string>(
         MakeFrame(seq, what, EncodeFailures(failures), kFailureFrame));
-    for (int d : dests) SendShared(d, kTag, frame);
+    for (int d : dests) {
+      if (!TransmitShared(d, kTag, frame)) return;
+    }
   } catch (...) {
   }
 }
@@ -284,18 +359,28 @@ void PointToPointCommunicator::FailMismatch(int source, std::string_view what,
 }
 
 void PointToPointCommunicator::FailTimeout(std::string_view what, const std::vector<int>& ranks) {
-  std::vector<RankFailure> failures;
   std::string names;
+  for (int r : ranks) names += (names.empty() ? "" : ", ") + std::to_string(r);
+  // Inside an operation the usual cause is a rank that never called it (only rank 0 saving,
+  // one rank saving while another loads): say so, since no rank can tell it from a stall. (Each
+  // failure names its own rank only: thousands of late ranks must not make the error quadratic.)
+  const bool in_op = op_ != 0 || adopting_op_;
+  const std::string rule =
+      "every rank must call dcp::Save and dcp::Load collectively, in the same order";
+  std::vector<RankFailure> failures;
   for (int r : ranks) {
     failures.push_back({r, ErrorCode::kTimeout,
                         "rank " + std::to_string(r) + " did not answer within " +
                             std::to_string(timeout().count()) + " ms (seen by rank " +
-                            std::to_string(rank()) + ")",
+                            std::to_string(rank()) + ")" +
+                            (in_op ? ": it did not join '" + std::string(what) + "'; " + rule +
+                                         " (otherwise it stalled or died)"
+                                   : std::string()),
                         true});
-    names += (names.empty() ? "" : ", ") + std::to_string(r);
   }
   Poison("rank(s) " + names + " did not answer '" + std::string(what) + "' within " +
-         std::to_string(timeout().count()) + " ms");
+         std::to_string(timeout().count()) + " ms" +
+         (in_op ? ": " + rule + "; rank(s) " + names + " did not join" : std::string()));
   throw CollectiveError(std::string(what), std::move(failures));
 }
 
@@ -303,6 +388,17 @@ std::optional<size_t> PointToPointCommunicator::Accept(const std::string& bytes,
                                                        uint64_t seq, std::string_view what) {
   Frame f;
   if (!Frame::Parse(bytes, &f)) FailMismatch(source, what, "an unreadable message");
+  if (f.kind == kNoticeFrame) {
+    // `source` will never take part again (see the header comment): fail now, naming the rank
+    // that really failed, whatever collective either side is in.
+    std::vector<RankFailure> failures;
+    const std::string_view list = std::string_view(bytes).substr(f.payload_at);
+    if (!DecodeFailures(list, &failures)) FailMismatch(source, what, "an unreadable poison notice");
+    cause_ = std::string(list);
+    Poison("rank " + std::to_string(source) + " cannot take part in '" + std::string(what) +
+           "': " + failures.front().message);
+    throw CollectiveError(std::string(what), std::move(failures));
+  }
   if (f.seq < seq) return std::nullopt;  // a late message of an abandoned collective: drop it
   const std::string got =
       "'" + f.what + "' (" + OpName(f.op) + ", collective #" + std::to_string(f.seq) + ")";
@@ -318,6 +414,7 @@ std::optional<size_t> PointToPointCommunicator::Accept(const std::string& bytes,
     if (!DecodeFailures(std::string_view(bytes).substr(f.payload_at), &failures)) {
       FailMismatch(source, what, "an unreadable failure notice");
     }
+    cause_ = bytes.substr(f.payload_at);
     std::string names;
     for (const auto& x : failures) names += (names.empty() ? "" : ", ") + std::to_string(x.rank);
     Poison("rank " + std::to_string(source) + " reported that '" + std::string(what) +
@@ -340,7 +437,7 @@ std::string PointToPointCommunicator::ReceiveFrame(int source, uint64_t seq,
   int round = 0;
   while (true) {
     ThrowIfPoisoned(what);  // e.g. a shutdown stopping this collective from another thread
-    if (auto frame = TryReceive(source, kTag)) {
+    if (auto frame = PollFrameOrNotice(source)) {
       if (auto at = Accept(*frame, source, seq, what)) {
         *payload_at = *at;
         return std::move(*frame);
@@ -363,27 +460,30 @@ std::string PointToPointCommunicator::Receive(int source, uint64_t seq,
 
 uint64_t PointToPointCommunicator::OpenOperation(std::string_view name, std::string_view target) {
   const std::string what = std::string(name) + "/open";
-  ThrowIfPoisoned(what);
-  if (rank() == 0) {
-    op_ = NewOperationId();
-    std::string msg;
-    PutU64(msg, op_);
-    msg.append(target);
-    Broadcast(std::move(msg), 0, what);
-    return op_;
-  }
-  op_ = 0;
-  adopting_op_ = true;  // the open message carries the id this rank adopts
-  std::string msg;
   try {
-    msg = Broadcast({}, 0, what);
+    ThrowIfPoisoned(what);
+    if (rank() == 0) {
+      op_ = NewOperationId();
+      std::string msg;
+      PutU64(msg, op_);
+      msg.append(target);
+      Broadcast(std::move(msg), 0, what);
+      return op_;
+    }
+    op_ = 0;
+    adopting_op_ = true;  // the open message carries the id this rank adopts
+    std::string msg = Broadcast({}, 0, what);
+    adopting_op_ = false;
+    if (msg.size() < 8) FailMismatch(0, what, "a malformed operation id");
+    CheckTarget(what, std::string_view(msg).substr(8), target);
+    return op_;
   } catch (...) {
     adopting_op_ = false;
+    // Rank 0 would wait a whole timeout for this rank in the operation's first phase, and this
+    // rank's children in the open tree for the message it does not forward: tell them now.
+    AnnounceOpenFailure();
     throw;
   }
-  if (msg.size() < 8) FailMismatch(0, what, "a malformed operation id");
-  CheckTarget(what, std::string_view(msg).substr(8), target);
-  return op_;
 }
 
 std::vector<std::string> PointToPointCommunicator::Gather(std::string message, int root,
@@ -400,22 +500,54 @@ std::vector<std::string> PointToPointCommunicator::Gather(std::string message, i
   have[root] = true;
   const auto deadline = std::chrono::steady_clock::now() + timeout();
   int missing = size() - 1, round = 0;
+  auto take = [&](int r, std::string frame) {
+    if (auto at = Accept(frame, r, seq, what)) {
+      frame.erase(0, *at);
+      out[r] = std::move(frame);
+      have[r] = true;
+      --missing;
+    }
+  };
   while (missing > 0) {
     ThrowIfPoisoned(what);
     bool progress = false;
     for (int r = 0; r < size(); ++r) {
       if (have[r]) continue;
-      if (auto frame = TryReceive(r, kTag)) {
-        if (auto at = Accept(*frame, r, seq, what)) {
-          frame->erase(0, *at);
-          out[r] = std::move(*frame);
-          have[r] = true;
-          --missing;
-        }
+      if (auto frame = Poll(r, kTag)) {
+        take(r, std::move(*frame));
         progress = true;
       }
     }
     if (missing == 0) break;
+    if (!progress) {
+      // Idle: has a rank this one still waits for sent a poison notice? (Only when idle: the
+      // notice tag costs one more probe per missing rank.) Every notice present is reported.
+      std::vector<RankFailure> failures;
+      for (int r = 0; r < size(); ++r) {
+        if (have[r]) continue;
+        auto frame = Poll(r, kNoticeTag);
+        if (!frame) continue;
+        Frame f;
+        if (!Frame::Parse(*frame, &f) || f.kind != kNoticeFrame) {
+          take(r, std::move(*frame));  // a transport that does not keep tags apart
+          continue;
+        }
+        try {
+          Accept(*frame, r, seq, what);
+        } catch (const CollectiveError& e) {
+          for (const auto& x : e.failures()) {
+            const bool seen = std::any_of(failures.begin(), failures.end(),
+                                          [&](const RankFailure& y) { return y.rank == x.rank; });
+            if (!seen) failures.push_back(x);
+          }
+        }
+      }
+      if (!failures.empty()) {
+        cause_ = EncodeFailures(failures);
+        throw CollectiveError(std::string(what), std::move(failures));
+      }
+      if (missing == 0) break;
+    }
     if (std::chrono::steady_clock::now() >= deadline) {
       std::vector<int> late;
       for (int r = 0; r < size(); ++r) {
@@ -462,7 +594,9 @@ std::string PointToPointCommunicator::Broadcast(std::string message, int root,
     // One frame for every child: the frame has nothing rank-specific, and a large broadcast
     // (the metadata) must not cost the root one copy per child.
     auto frame = std::make_shared<const std::string>(MakeFrame(seq, what, message, kDataFrame));
-    for (int c : children) SendShared(c, kTag, frame);
+    for (int c : children) {
+      if (!TransmitShared(c, kTag, frame)) ThrowIfPoisoned(what);
+    }
     return message;
   }
   // Deeper ranks wait a little longer, so that when a rank above fails, its notice (a failure
@@ -492,7 +626,9 @@ std::string PointToPointCommunicator::Broadcast(std::string message, int root,
   size_t sent = 0;
   try {
     if (stopped()) ThrowIfPoisoned(what);
-    for (; sent < children.size(); ++sent) SendShared(children[sent], kTag, frame);
+    for (; sent < children.size(); ++sent) {
+      if (!TransmitShared(children[sent], kTag, frame)) ThrowIfPoisoned(what);
+    }
   } catch (...) {
     SendFailure({children.begin() + static_cast<std::ptrdiff_t>(sent), children.end()}, seq, what,
                 {CurrentExceptionAsFailure(rank())});

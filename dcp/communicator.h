@@ -18,6 +18,16 @@
 // the operation that failed): no stale message can ever be paired with a later operation. The
 // remedy is a new communicator (e.g. a new MpiCommunicator; collective over the job).
 //
+// Poison notices (PointToPointCommunicator): a rank whose OpenOperation fails while it is
+// poisoned (from before, or by this failure: another operation, another target) tells the ranks
+// that would otherwise wait for it: rank 0 (the coordinator of every dcp operation) and its
+// children in the opening's broadcast tree. The notice travels on its own tag, outside the data stream, and holds whatever the
+// sequence numbers are (a poisoned rank never takes part again). A rank waiting to receive from
+// a rank that sent one fails at once with a CollectiveError naming the poisoned rank and its
+// original reason (and is poisoned in turn), instead of waiting for its deadline. So a save that
+// follows a poisoned rank's failure (or that not every rank joins in the same way) fails on every
+// rank at once, with the real cause. A stopped communicator sends no notice.
+//
 // Broadcast (PointToPointCommunicator) fans out along a binomial tree rooted at `root`: the root
 // sends ceil(log2 N) frames, every other rank receives one from its parent and forwards that same
 // frame (one shared buffer) to its children, so no rank sends a large message (the metadata)
@@ -34,8 +44,8 @@
 // log2 N of them); a poisoned one fails it at once. A poisoned root still sends (see above); a
 // stopped rank sends nothing, not even failure frames, so its children fail at their deadline.
 //
-// Thread safety: one thread at a time per Communicator object, except Poison()/poisoned(), which
-// any thread may call (e.g. a shutdown stopping a background saver). Different Communicator
+// Thread safety: one thread at a time per Communicator object, except Poison(), Stop() and
+// poisoned(), which any thread may call (e.g. a shutdown stopping a background saver). Different Communicator
 // objects (e.g. one per background saver) may be used concurrently.
 #pragma once
 
@@ -72,7 +82,9 @@ class Communicator {
   virtual void Barrier(std::string_view what) = 0;
 
   /// Deadline for a peer to answer one collective. Default 30 minutes (a save's write phase
-  /// can be long); tests use seconds.
+  /// can be long); tests use seconds. A rank that never joins an operation (e.g. only rank 0
+  /// calls dcp::Save) costs the others this long, and the error then says so; set it where the
+  /// communicator is made (e.g. MpiCommunicator's constructor).
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
 
@@ -91,8 +103,12 @@ class Communicator {
   /// after (within a poll interval) with the poison error.
   void Poison(const std::string& reason) noexcept;
   bool poisoned() const noexcept { return poisoned_.load(std::memory_order_acquire); }
-  /// Poison and also refuse every send: for a shutdown that must know this communicator makes no
-  /// further call into its transport (e.g. before MPI_Finalize). Same thread-safety as Poison.
+  /// Poison and also refuse every transport call: for a shutdown that must know this
+  /// communicator makes no further call into its transport (e.g. before MPI_Finalize). In a
+  /// PointToPointCommunicator (MPI, in-process), when Stop returns no transport call is in
+  /// progress (it waits for one, which never blocks) and none will start on any thread; a
+  /// stopped MpiCommunicator's or NcclCommunicator's destructor makes none either. Same
+  /// thread-safety as Poison.
   void Stop(const std::string& reason) noexcept;
   bool stopped() const noexcept { return stopped_.load(std::memory_order_acquire); }
   /// Why it was poisoned ("" when it is not).
@@ -109,11 +125,15 @@ class Communicator {
   void ThrowIfPoisoned(std::string_view what) const;
   /// OpenOperation's check of rank 0's target against this rank's (poisons and throws).
   void CheckTarget(std::string_view what, std::string_view roots, std::string_view mine);
+  /// Held by a backend around each call into its transport; Stop takes it to set stopped(), so
+  /// a transport call that checked stopped() under it completes before Stop returns.
+  std::mutex& transport_mutex() const { return transport_mu_; }
 
  private:
   std::chrono::milliseconds timeout_{std::chrono::minutes(30)};
   std::atomic<bool> poisoned_{false};
   std::atomic<bool> stopped_{false};
+  mutable std::mutex transport_mu_;
   mutable std::mutex poison_mu_;
   std::string poison_reason_;
 };
@@ -124,7 +144,9 @@ class Communicator {
 /// and every message carries its number, the operation id and the phase name: a message with an
 /// older number is a late one of an abandoned collective and is dropped; one with a newer number,
 /// another operation or another phase means the ranks no longer run the same collective, which
-/// fails at once and poisons the communicator.
+/// fails at once and poisons the communicator. Poison notices (see the header comment) travel on
+/// a second tag, kNoticeTag. Every transport call is made under transport_mutex() after checking
+/// stopped(), so a stopped communicator makes none.
 class PointToPointCommunicator : public Communicator {
  public:
   std::vector<std::string> Gather(std::string message, int root, std::string_view what) override;
@@ -140,8 +162,9 @@ class PointToPointCommunicator : public Communicator {
   static std::chrono::milliseconds TreeMargin(std::chrono::milliseconds t);
 
  protected:
-  /// The one tag dcp's messages use.
+  /// The tag of dcp's frames, and of poison notices.
   static constexpr int kTag = 0;
+  static constexpr int kNoticeTag = 1;
   /// Queue `payload` for `dest`; must not block until the receiver reads it.
   virtual void Send(int dest, int tag, std::string payload) = 0;
   /// The same, for a payload sent to several ranks: a backend that can send from one shared
@@ -177,10 +200,27 @@ class PointToPointCommunicator : public Communicator {
   // effort, and nothing at all on a stopped communicator.
   void SendFailure(const std::vector<int>& dests, uint64_t seq, std::string_view what,
                    const std::vector<RankFailure>& failures) noexcept;
+  // The transport calls, made only while not stopped (under transport_mutex()): false / nullopt
+  // on a stopped communicator.
+  bool Transmit(int dest, int tag, std::string payload);
+  bool TransmitShared(int dest, int tag, const std::shared_ptr<const std::string>& payload);
+  std::optional<std::string> Poll(int source, int tag);
+  // A frame from `source`: its next data frame, or else its poison notice.
+  std::optional<std::string> PollFrameOrNotice(int source);
+  // A poisoned rank tells `dests` (those not yet told) why, once (see the header comment).
+  // Best effort; nothing on a stopped communicator or one that is not poisoned.
+  void AnnouncePoison(const std::vector<int>& dests) noexcept;
+  // OpenOperation failed on this rank: tell rank 0 and this rank's children in the open tree.
+  void AnnounceOpenFailure() noexcept;
   uint64_t NextSeq() { return ++seq_; }
   uint64_t seq_ = 0;
   uint64_t op_ = 0;           // the operation in progress (0: none)
   bool adopting_op_ = false;  // this rank is receiving the id of an operation being opened
+  std::vector<bool> told_;    // ranks this (poisoned) rank has sent its poison notice to
+  // Set when this rank was poisoned by another rank's failure notice or poison notice: the
+  // failures to pass on (naming the rank that really failed) instead of this rank's own,
+  // encoded as in a failure frame.
+  std::string cause_;
 };
 
 /// The trivial group of one rank.

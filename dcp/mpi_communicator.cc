@@ -28,6 +28,7 @@ struct MpiCommunicator::PendingSend {
 };
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::chrono::milliseconds timeout) {
+  set_timeout(timeout);
   // MPI_Comm_dup blocks until every rank joins; the non-blocking form lets a rank that never
   // joins become an error instead of a hang.
   MPI_Request request = MPI_REQUEST_NULL;
@@ -72,6 +73,15 @@ std::string MpiCommunicator::ConcurrentUseProblem() const {
 }
 
 MpiCommunicator::~MpiCommunicator() {
+  // A stopped communicator promised no further MPI call (MPI may be finalised by now, e.g. when
+  // a saver detached at shutdown ends later), and so does one outliving MPI: leave the sends
+  // and the communicator to MPI_Finalize.
+  int finalized = 0;
+  if (!stopped()) MPI_Finalized(&finalized);
+  if (stopped() || finalized) {
+    for (auto& p : pending_) p.release();  // NOLINT: intentionally leaked, see above
+    return;
+  }
   // Give in-flight sends a bounded time to complete; a send to a dead peer is left behind
   // (its buffer deliberately leaked) rather than freed under MPI's feet.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
@@ -83,9 +93,7 @@ MpiCommunicator::~MpiCommunicator() {
     MPI_Request_free(&p->request);
     p.release();  // NOLINT: intentionally leaked, see above
   }
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
 void MpiCommunicator::ReapCompletedSends() {

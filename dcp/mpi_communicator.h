@@ -4,8 +4,11 @@
 //
 // Collectives use MPI_Isend and MPI_Improbe/MPI_Mrecv polling, so a peer that never answers
 // becomes a CollectiveError after timeout() instead of a hang; MPI_Abort is never called.
-// MPI must be initialised before construction and finalised after destruction. A background
-// saver using its own MpiCommunicator concurrently with the training thread needs
+// MPI must be initialised before construction and finalised after destruction, unless the
+// communicator was stopped (Communicator::Stop, as AsyncCheckpointer::Close does): a stopped
+// MpiCommunicator makes no MPI call at all, its destructor included (its pending sends and its
+// MPI communicator are then left to MPI_Finalize), so it may be destroyed after MPI_Finalize. A
+// background saver using its own MpiCommunicator concurrently with the training thread needs
 // MPI_THREAD_MULTIPLE (see InitMpi).
 #pragma once
 
@@ -22,10 +25,13 @@ namespace dcp {
 
 class MpiCommunicator : public PointToPointCommunicator {
  public:
-  /// Duplicate `comm` (collective over `comm`, non-blocking: a rank that does not join within
-  /// `timeout` makes the constructor throw CollectiveError instead of hanging).
+  /// Duplicate `comm` (collective over `comm`). `timeout` is the deadline of every collective
+  /// (timeout(): how long a rank waits for a peer before the save or load fails naming it; a
+  /// save's write phase must fit in it; set_timeout changes it later), and of the construction
+  /// itself: a rank that does not join within it makes the constructor throw CollectiveError
+  /// instead of hanging.
   explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD,
-                           std::chrono::milliseconds timeout = std::chrono::minutes(5));
+                           std::chrono::milliseconds timeout = std::chrono::minutes(30));
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;

@@ -38,6 +38,9 @@ struct NcclCommunicator::Impl {
   size_t capacity = 0;
 
   ~Impl() {
+    // Stopped (e.g. a saver detached at shutdown, ending after the application tore NCCL and
+    // CUDA down): no further NCCL or CUDA call, so the resources are left to process exit.
+    if (self && self->stopped()) return;
     DeviceScope scope(device, std::nothrow);  // a destructor must not throw
     if (comm && !aborted) {  // (an aborted communicator was released by ncclCommAbort)
       // Non-blocking finalize: wait a bounded time for it, abort if a peer never joins.

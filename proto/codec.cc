@@ -6,6 +6,7 @@
 #include <google/protobuf/wire_format_lite.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -723,6 +724,27 @@ std::string EncodeMetadataAfter(const Metadata& md, size_t prefix) {
 }  // namespace
 
 std::string EncodeMetadata(const Metadata& md) { return EncodeMetadataAfter(md, 0); }
+
+namespace {
+std::atomic<uint64_t> g_metadata_limit_for_testing{0};
+}  // namespace
+
+uint64_t MetadataPayloadLimit() {
+  const uint64_t lowered = g_metadata_limit_for_testing.load();
+  return lowered != 0 ? lowered : static_cast<uint64_t>(std::numeric_limits<int>::max());
+}
+
+void SetMetadataPayloadLimitForTesting(uint64_t bytes) { g_metadata_limit_for_testing = bytes; }
+
+void CheckMetadataPayloadSize(uint64_t bytes, std::string_view where) {
+  const uint64_t limit = MetadataPayloadLimit();
+  if (bytes <= limit) return;
+  throw InvalidArgumentError(
+      std::string(where) + ": the checkpoint's metadata would be " + std::to_string(bytes) +
+      " bytes (" + std::to_string(bytes >> 20) + " MiB), above the " + std::to_string(limit) +
+      "-byte limit of protobuf, so no reader could decode it; nothing was committed. Save fewer, "
+      "larger entries or chunks (e.g. fewer ranks per tensor, or tensors merged)");
+}
 
 Metadata DecodeMetadata(std::string_view bytes, std::string_view source) {
   const std::string src(source);

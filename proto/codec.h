@@ -42,6 +42,15 @@ void FillStorageFromEncoded(Metadata& md, std::vector<std::string>& encoded_resu
 std::string EncodeMetadata(const Metadata& md);
 Metadata DecodeMetadata(std::string_view bytes, std::string_view source);
 
+/// Refuse (InvalidArgumentError naming the size and `where`) a metadata payload of `bytes`
+/// bytes that readers could not decode: protobuf, and so DecodeMetadata, stops at 2 GiB. A save
+/// checks it before committing, so such a checkpoint fails instead of being committed unreadable.
+void CheckMetadataPayloadSize(uint64_t bytes, std::string_view where);
+/// The limit CheckMetadataPayloadSize enforces (INT_MAX bytes). Tests may lower it (0 restores
+/// the default); not for production use.
+uint64_t MetadataPayloadLimit();
+void SetMetadataPayloadLimitForTesting(uint64_t bytes);
+
 /// The metadata file: magic "DCPMETA1", u32 format version, u32 CRC32C of the payload, u64
 /// payload length (all little-endian), then the protobuf payload. See docs/FORMAT.md.
 std::string EncodeMetadataFile(const Metadata& md);

@@ -92,7 +92,9 @@ struct StorageContext {
   int rank = 0;
   int world_size = 1;
   bool is_coordinator = true;
-  std::string save_id;  // set on the coordinator for saves
+  /// Saves: this save's id (the same on every rank); it names the data files and is recorded in
+  /// the committed metadata, so a rank can tell whether the metadata in place is this save's.
+  std::string save_id;
 };
 
 class StorageWriter {
@@ -128,6 +130,11 @@ class StorageWriter {
   /// Whether Finish accepts `metadata.storage` filled and `results` empty (see Finish). Default
   /// false: a writer that needs each rank's results gets them decoded, as before.
   virtual bool FinishTakesFilledStorage() const { return false; }
+  /// Coordinator only, after a successful Finish and after every rank was sent the verdict
+  /// (the committed metadata): housekeeping that must not delay the verdict, e.g. removing the
+  /// files of dead saves. Its failures are reported (not thrown): the save is committed
+  /// whatever happens here. Default: nothing.
+  virtual void AfterCommitDelivered() noexcept {}
   /// Discard what this rank wrote in the current save. Called only when the save is known not to
   /// be committed. Never throws; idempotent.
   virtual void Abort() noexcept = 0;

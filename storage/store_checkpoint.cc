@@ -10,8 +10,9 @@
 //      lightest), writes the buckets on as many threads as the memory budget allows, CRC32C-ing
 //      every item as it goes, and fsyncs each file.
 //   4. The coordinator, once every rank succeeded, publishes metadata.dcp atomically
-//      (temp + fsync + rename + directory fsync), then, still under the lock, removes the
-//      files of dead saves (unreferenced data files, metadata temporaries).
+//      (temp + fsync + rename + directory fsync). Once every rank was sent the verdict
+//      (AfterCommitDelivered), still under the lock, it removes the files of dead saves
+//      (unreferenced data files, metadata temporaries) and releases the lock.
 // A failed save calls Abort on every rank, which removes that rank's files of this save.
 #include "dcp/storage/store_checkpoint.h"
 
@@ -213,6 +214,8 @@ class StoreWriter : public StorageWriter {
     ctx_ = ctx;
     created_.clear();
     replaced_.clear();
+    referenced_.clear();
+    committed_ = false;
     lock_.reset();
     store_->CreateRoot();
     if (!ctx.is_coordinator) return;
@@ -362,6 +365,8 @@ class StoreWriter : public StorageWriter {
                                                                  : TorchDcpFlavor::kTorch113,
                                                              store_->uri())
                                     : EncodeMetadataFile(md);
+    // A payload no reader can decode must fail the save here, before the commit.
+    if (!torch()) CheckMetadataPayloadSize(encoded.size() - kMetadataHeaderSize, store_->uri());
     // Fence: a lock that can be lost (a lease that ran out unrenewed and was taken over) must
     // still be ours right before the commit; LeaseLostError here fails the save with nothing
     // committed, and Abort follows.
@@ -400,7 +405,15 @@ class StoreWriter : public StorageWriter {
                               e.what());
       }
     }
-    RemoveDeadFiles(referenced);
+    // The clean-up waits for AfterCommitDelivered: the ranks learn the verdict first.
+    referenced_ = std::move(referenced);
+    committed_ = true;
+  }
+
+  void AfterCommitDelivered() noexcept override {
+    if (committed_) RemoveDeadFiles(referenced_);
+    committed_ = false;
+    referenced_.clear();
     ReleaseLock();
   }
 
@@ -435,7 +448,14 @@ class StoreWriter : public StorageWriter {
   // decision is final and the metadata in place is the only one that counts). So are
   // metadata temporaries: no other publisher can be running. Without a lock only the replaced
   // checkpoint's files (read at SetUp) are known dead.
-  void RemoveDeadFiles(const std::set<std::string>& referenced) {
+  // Runs after the verdict went out, so a failure is reported here (stderr) and changes nothing.
+  void RemoveDeadFiles(const std::set<std::string>& referenced) noexcept {
+    auto report = [&](const std::string& what, const char* error) {
+      std::fprintf(stderr,
+                   "dcp: after committing %s, %s failed (%s); the checkpoint is committed and "
+                   "the next save there removes the leftover files\n",
+                   store_->uri().c_str(), what.c_str(), error);
+    };
     const std::string tmp_prefix = metadata_name_ + ".tmp.";
     auto is_data = [&](const std::string& name) {
       return torch() ? IsTorchDcpDataName(name) : IsDataObjectName(name);
@@ -454,14 +474,18 @@ class StoreWriter : public StorageWriter {
       for (const auto& name : dead) {
         try {
           store_->Remove(name);
-        } catch (const Error&) {
+        } catch (const std::exception& e) {
           // Leftover garbage does not make the committed checkpoint wrong; `dcp verify` lists
           // unreferenced files, and the next locked save removes them.
+          report("removing the dead file " + name, e.what());
         }
       }
-    } catch (const Error&) {
-      // Listing failed after the commit, or the lock could not be confirmed: as above, the
-      // garbage waits for the next save.
+    } catch (const std::exception& e) {
+      // Listing failed after the commit, or the lock could not be confirmed: the garbage waits
+      // for the next save.
+      report("listing the dead files", e.what());
+    } catch (...) {
+      report("the clean-up", "unknown error");
     }
   }
 
@@ -587,9 +611,11 @@ class StoreWriter : public StorageWriter {
   std::string metadata_name_;
   StorageContext ctx_;
   std::vector<std::string> created_;
-  std::unique_ptr<StoreLock> lock_;  // coordinator: held from SetUp to Finish/Abort
-  bool replacing_ = false;           // metadata existed at SetUp (an overwrite)
-  std::set<std::string> replaced_;   // unlocked overwrite: files of the replaced checkpoint
+  std::unique_ptr<StoreLock> lock_;   // coordinator: held from SetUp to AfterCommitDelivered/Abort
+  std::set<std::string> referenced_;  // coordinator: files of the committed metadata
+  bool committed_ = false;            // coordinator: Finish committed; clean-up pending
+  bool replacing_ = false;            // metadata existed at SetUp (an overwrite)
+  std::set<std::string> replaced_;    // unlocked overwrite: files of the replaced checkpoint
 };
 
 class StoreReader : public StorageReader {

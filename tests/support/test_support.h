@@ -98,6 +98,7 @@ class ForwardingWriter : public StorageWriter {
     inner_->Finish(md, r);
   }
   bool FinishTakesFilledStorage() const override { return inner_->FinishTakesFilledStorage(); }
+  void AfterCommitDelivered() noexcept override { inner_->AfterCommitDelivered(); }
   void Abort() noexcept override { inner_->Abort(); }
 
  protected:
