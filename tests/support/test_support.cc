@@ -125,4 +125,16 @@ std::map<std::string, std::string> ReadSafetensors(const std::string& path) {
   return out;
 }
 
+StepState::StepState() { sd.Nested("model").Set("w", w).Set("step", step); }
+
+void StepState::Fill(int64_t s) {
+  FillRandom(w.data, w.nbytes(), static_cast<uint64_t>(s));
+  *static_cast<int64_t*>(step.data) = s;
+}
+
+bool StepState::Holds(int64_t s) const {
+  TensorView expect = RandomTensor(DType::kFloat32, {32, 8}, static_cast<uint64_t>(s));
+  return *static_cast<int64_t*>(step.data) == s && SameElements(w, expect);
+}
+
 }  // namespace dcp::testing

@@ -44,6 +44,18 @@ TensorView Clone(const TensorView& v);
 /// Row range [begin, end) of `n` rows for `rank` of `world` (uneven when n % world != 0).
 std::pair<int64_t, int64_t> RowRange(int64_t n, int rank, int world);
 
+/// A small training state whose values follow from a step: "model.w" (float32 32x8, random
+/// values seeded by the step) and "model.step" (an int64 scalar), for checkpoint-lifecycle tests.
+struct StepState {
+  TensorView w = TensorView::Allocate(DType::kFloat32, {32, 8});
+  TensorView step = TensorView::Allocate(DType::kInt64, {});
+  StateDict sd;
+  StepState();
+  void Fill(int64_t s);
+  /// The state holds exactly what Fill(s) put there.
+  bool Holds(int64_t s) const;
+};
+
 /// Run fn(rank, comm) for `n` ranks as threads of an InProcessGroup; returns each rank's
 /// exception (nullptr when it succeeded).
 std::vector<std::exception_ptr> RunRanks(

@@ -124,6 +124,30 @@ class StallingComm : public PointToPointCommunicator {
   int rank_, size_;
 };
 
+// Every rank of `group` saves its shard to `uri` on a thread of its own: each rank's error
+// (nullptr on success) and how many seconds its save took.
+std::pair<std::vector<std::exception_ptr>, std::vector<double>> SaveOnEveryRank(
+    InProcessGroup& group, const std::string& uri) {
+  const int n = group.size();
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<double> secs(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      const auto t0 = std::chrono::steady_clock::now();
+      RankRows s = MakeShard(r, n);
+      try {
+        Save(s.sd, uri, group.communicator(r));
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+      secs[r] = Seconds(t0);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return {std::move(errors), std::move(secs)};
+}
+
 }  // namespace
 
 TEST_CASE("failfast: a poisoned rank fails the next save on every rank at once, naming it",
@@ -136,22 +160,7 @@ TEST_CASE("failfast: a poisoned rank fails the next save on every rank at once, 
   InProcessGroup group(n);
   for (int r = 0; r < n; ++r) group.communicator(r).set_timeout(30s);
   group.communicator(bad).Poison("test: the verdict of the previous save did not arrive");
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<double> secs(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      const auto t0 = std::chrono::steady_clock::now();
-      RankRows s = MakeShard(r, n);
-      try {
-        Save(s.sd, "mem://failfast-poisoned", group.communicator(r));
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-      secs[r] = Seconds(t0);
-    });
-  }
-  for (auto& t : threads) t.join();
+  const auto [errors, secs] = SaveOnEveryRank(group, "mem://failfast-poisoned");
   for (int r = 0; r < n; ++r) {
     INFO("rank " << r << " after " << secs[r] << " s: " << Text(errors[r]));
     CollectiveError e = AsCollective(errors[r], r);
@@ -170,22 +179,7 @@ TEST_CASE("failfast: a poisoned coordinator fails the next save on every rank at
   InProcessGroup group(n);
   for (int r = 0; r < n; ++r) group.communicator(r).set_timeout(30s);
   group.communicator(0).Poison("test: rank 0 was poisoned earlier");
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<double> secs(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      const auto t0 = std::chrono::steady_clock::now();
-      RankRows s = MakeShard(r, n);
-      try {
-        Save(s.sd, "mem://failfast-root", group.communicator(r));
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-      secs[r] = Seconds(t0);
-    });
-  }
-  for (auto& t : threads) t.join();
+  const auto [errors, secs] = SaveOnEveryRank(group, "mem://failfast-root");
   for (int r = 0; r < n; ++r) {
     INFO("rank " << r << " after " << secs[r] << " s: " << Text(errors[r]));
     CollectiveError e = AsCollective(errors[r], r);

@@ -125,21 +125,6 @@ std::shared_ptr<Store> Underlying(const std::string& chaos_uri) {
   return MakeMemStore("chaos/" + SplitUri(chaos_uri).second);
 }
 
-struct StepState {
-  TensorView w = TensorView::Allocate(DType::kFloat32, {16, 4});
-  TensorView step = TensorView::Allocate(DType::kInt64, {});
-  StateDict sd;
-  StepState() { sd.Nested("model").Set("w", w).Set("step", step); }
-  void Fill(int64_t s) {
-    FillRandom(w.data, w.nbytes(), static_cast<uint64_t>(s));
-    *static_cast<int64_t*>(step.data) = s;
-  }
-  bool Holds(int64_t s) const {
-    TensorView expect = RandomTensor(DType::kFloat32, {16, 4}, static_cast<uint64_t>(s));
-    return *static_cast<int64_t*>(step.data) == s && SameElements(w, expect);
-  }
-};
-
 // Complete steps under a manager's root, read without faults.
 std::set<int64_t> TrulyComplete(CheckpointManager& m, const std::vector<int64_t>& candidates) {
   std::set<int64_t> out;

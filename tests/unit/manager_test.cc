@@ -62,21 +62,6 @@ struct Faults {
   ~Faults() { g_fail_remove = g_fail_create = false; }
 };
 
-struct StepState {
-  TensorView w = TensorView::Allocate(DType::kFloat32, {32, 8});
-  TensorView step = TensorView::Allocate(DType::kInt64, {});
-  StateDict sd;
-  StepState() { sd.Nested("model").Set("w", w).Set("step", step); }
-  void Fill(int64_t s) {
-    FillRandom(w.data, w.nbytes(), static_cast<uint64_t>(s));
-    *static_cast<int64_t*>(step.data) = s;
-  }
-  bool Holds(int64_t s) const {
-    TensorView expect = RandomTensor(DType::kFloat32, {32, 8}, static_cast<uint64_t>(s));
-    return *static_cast<int64_t*>(step.data) == s && SameElements(w, expect);
-  }
-};
-
 std::string MessageOfAny(const std::function<void()>& f) {
   try {
     f();
