@@ -163,8 +163,7 @@ class Reader {
     if (!d) Fail(what + ": unknown dtype torch." + v->name());
     return *d;
   }
-
- private:
+  /// Take `bytes` of what is copied out of the pickle from the budget (CorruptionError past it).
   void Charge(size_t bytes, const std::string& what) const {
     if (bytes > budget_) {
       Fail(what +
@@ -174,6 +173,7 @@ class Reader {
     budget_ -= bytes;
   }
 
+ private:
   std::string source_;
   mutable size_t budget_;
 };
@@ -667,14 +667,17 @@ Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source)
           (path->kind != Kind::kTuple && path->kind != Kind::kList)) {
         continue;  // planner data of another planner: not ours to judge
       }
+      // Every key copied out is charged: one memoised long string referenced by many paths
+      // must not cost gigabytes (nor name itself in full in an error message).
       KeyPath kp;
       for (const auto& p : path->items) {
         if (p->kind == Kind::kStr) {
-          kp.push_back(p->str);
+          kp.push_back(r.Str(p.get(), "a planner_data key path"));
         } else if (p->kind == Kind::kInt) {
+          r.Charge(sizeof(int64_t), "a planner_data key path");
           kp.push_back(std::to_string(p->integer));
         } else {
-          r.Fail("planner_data of '" + key->str + "' holds a " + p->Describe());
+          r.Fail("planner_data of '" + key->str.substr(0, 256) + "' holds a " + p->Describe());
         }
       }
       if (kp.size() > 1) md.key_paths[key->str] = std::move(kp);

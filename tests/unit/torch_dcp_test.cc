@@ -139,7 +139,9 @@ TEST_CASE("pickle: the reader refuses what is not data", "[torchdcp]") {
 // A torch 2.x `.metadata` of one float32 tensor `fqn` of `n` 1-element chunks, every reference
 // to `fqn` being the same string, which the pickle memoises: a small file can name a long
 // string many times.
-std::string SharedValueMetadata(const std::string& fqn, int64_t n) {
+// `path_keys` > 0 adds planner_data giving `fqn` a key path of that many references to one
+// memoised 1 MiB key.
+std::string SharedValueMetadata(const std::string& fqn, int64_t n, int path_keys = 0) {
   using namespace pk;
   const std::string meta = "torch.distributed.checkpoint.metadata";
   auto dataclass = [&](const std::string& mod, const std::string& cls, ValuePtr state) {
@@ -170,9 +172,15 @@ std::string SharedValueMetadata(const std::string& fqn, int64_t n) {
                               Dict({{Str("properties"), props},
                                     {Str("size"), size({n})},
                                     {Str("chunks"), List(std::move(chunks))}}));
-  return Dump(*dataclass(meta, "Metadata",
-                         Dict({{Str("state_dict_metadata"), Dict({{name, tensor}})},
-                               {Str("storage_data"), Dict(std::move(storage))}})));
+  std::vector<std::pair<ValuePtr, ValuePtr>> fields = {
+      {Str("state_dict_metadata"), Dict({{name, tensor}})},
+      {Str("storage_data"), Dict(std::move(storage))}};
+  if (path_keys > 0) {
+    ValuePtr key = Str(std::string(1 << 20, 'k'));
+    fields.emplace_back(Str("planner_data"),
+                        Dict({{name, Tuple(std::vector<ValuePtr>(path_keys, key))}}));
+  }
+  return Dump(*dataclass(meta, "Metadata", Dict(std::move(fields))));
 }
 
 TEST_CASE("torch DCP metadata: shared values cannot make the reader copy gigabytes", "[torchdcp]") {
@@ -188,6 +196,13 @@ TEST_CASE("torch DCP metadata: shared values cannot make the reader copy gigabyt
   CHECK(amplified.size() < (size_t{1} << 20));
   CHECK_THAT(ErrorOf([&] { DecodeTorchDcpMetadata(amplified, "amplified"); }),
              Catch::Contains("amplified") && Catch::Contains("expands to far more"));
+  // planner_data: one memoised 1 MiB key referenced 4096 times as an entry's key path, a ~1 MB
+  // file whose key path would be 4 GiB (and its error message 1 GiB).
+  const std::string paths = SharedValueMetadata("w", 3, 4096);
+  CHECK(paths.size() < (size_t{2} << 20));
+  const std::string error = ErrorOf([&] { DecodeTorchDcpMetadata(paths, "paths"); });
+  CHECK_THAT(error, Catch::Contains("planner_data") && Catch::Contains("expands to far more"));
+  CHECK(error.size() < 4096);
 }
 
 struct Fixture {
