@@ -41,6 +41,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "dcp/proto/error.h"
@@ -1000,6 +1001,45 @@ class S3Lock : public StoreLock {
   std::thread heartbeat_;
 };
 
+// ---- listings -------------------------------------------------------------------------------
+
+// A listing is paged by the server, so a server that lies (a continuation token it already
+// gave, pages that never end, or end only after more keys than any checkpoint location holds)
+// could keep a reader listing forever and growing its memory. Each page is checked here:
+// CorruptionError, naming the location, ends such a listing.
+class ListingBounds {
+ public:
+  static constexpr uint64_t kMaxKeys = uint64_t{1} << 24;  // 16.7 M objects
+  static constexpr int kMaxEmptyPages = 100;               // truncated pages without a key
+
+  explicit ListingBounds(std::string what) : what_(std::move(what)) {}
+
+  // A truncated page of `keys` keys continues at `token`.
+  void NextPage(size_t keys, const std::string& token) {
+    keys_ += keys;
+    empty_pages_ = keys == 0 ? empty_pages_ + 1 : 0;
+    if (!tokens_.insert(token).second) {
+      Fail("the server repeated a continuation token (it would list forever)");
+    }
+    if (keys_ > kMaxKeys) {
+      Fail("the listing goes on past " + std::to_string(kMaxKeys) + " objects");
+    }
+    if (empty_pages_ > kMaxEmptyPages) {
+      Fail("the server sent " + std::to_string(empty_pages_) +
+           " truncated pages in a row without a key");
+    }
+  }
+
+ private:
+  [[noreturn]] void Fail(const std::string& why) const {
+    throw CorruptionError("listing " + what_ + ": " + why + "; the listing was abandoned");
+  }
+  std::string what_;
+  std::set<std::string> tokens_;
+  uint64_t keys_ = 0;
+  int empty_pages_ = 0;
+};
+
 // ---- the store ------------------------------------------------------------------------------
 
 class S3Store : public Store {
@@ -1081,6 +1121,7 @@ class S3Store : public Store {
     std::vector<std::string> names;
     const std::string pre = prefix_.empty() ? "" : prefix_ + "/";
     std::string token;
+    ListingBounds bounds(uri());
     for (;;) {
       Call c{"GET", ""};
       c.query = {{"list-type", "2"}, {"prefix", pre}, {"delimiter", "/"}};
@@ -1089,9 +1130,11 @@ class S3Store : public Store {
       if (r.status == 404 && ErrorCodeOf(r) == "NoSuchBucket") return names;  // nothing there
       if (r.status / 100 != 2) client_->Throw(c, r);
       size_t pos = 0;
+      size_t keys = 0;
       for (;;) {
         const std::string contents = XmlValue(r.body, "Contents", &pos);
         if (pos == std::string::npos) break;
+        ++keys;
         std::string key = XmlUnescape(XmlValue(contents, "Key"));
         if (key.size() > pre.size() && key.compare(0, pre.size(), pre) == 0) {
           key = key.substr(pre.size());
@@ -1101,6 +1144,7 @@ class S3Store : public Store {
       if (XmlValue(r.body, "IsTruncated") != "true") break;
       token = XmlUnescape(XmlValue(r.body, "NextContinuationToken"));
       if (token.empty()) break;
+      bounds.NextPage(keys, token);
     }
     return names;
   }
@@ -1116,6 +1160,7 @@ class S3Store : public Store {
     std::vector<std::string> keys;
     const std::string pre = prefix_.empty() ? "" : prefix_ + "/";
     std::string key_marker, id_marker;
+    ListingBounds bounds(uri() + " (incomplete uploads)");
     for (;;) {
       Call c{"GET", "", {{"uploads", ""}, {"prefix", pre}}};
       if (!key_marker.empty()) {
@@ -1125,16 +1170,18 @@ class S3Store : public Store {
       Response r = client_->Send(c);
       if (r.status == 404 && ErrorCodeOf(r) == "NoSuchBucket") return keys;
       if (r.status / 100 != 2) client_->Throw(c, r);
-      size_t pos = 0;
+      size_t pos = 0, page = 0;
       for (;;) {
         const std::string upload = XmlValue(r.body, "Upload", &pos);
         if (pos == std::string::npos) break;
+        ++page;
         keys.push_back(XmlUnescape(XmlValue(upload, "Key")));
       }
       if (XmlValue(r.body, "IsTruncated") != "true") break;
       key_marker = XmlUnescape(XmlValue(r.body, "NextKeyMarker"));
       id_marker = XmlUnescape(XmlValue(r.body, "NextUploadIdMarker"));
       if (key_marker.empty()) break;
+      bounds.NextPage(page, key_marker + "\n" + id_marker);
     }
     return keys;
   }
