@@ -35,6 +35,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -380,6 +381,25 @@ class Client {
     pool_.push_back(h);
   }
 
+  // The overall deadline of one request (see Once): its base, plus 1 ms per 256 bytes it
+  // sends or asks for (a ranged GET's range; other responses are small).
+  long DeadlineMs(const Call& c) const {
+    uint64_t bytes = c.body_size;
+    for (const auto& [k, v] : c.headers) {
+      unsigned long long first = 0, last = 0;
+      if (k == "range" && std::sscanf(v.c_str(), "bytes=%llu-%llu", &first, &last) == 2 &&
+          last >= first) {
+        bytes += last - first + 1;
+      }
+    }
+    // Completing a multipart upload makes the server assemble the object (minutes for a
+    // large one on some servers): ten bases.
+    const uint64_t base = static_cast<uint64_t>(o_.request_timeout_seconds) * 1000 *
+                          (c.method == "POST" ? 10 : 1);
+    const uint64_t ms = base + bytes / 256;
+    return static_cast<long>(std::min<uint64_t>(ms, uint64_t{1} << 40));
+  }
+
   Response Once(const Call& c, int attempt) {
     g_requests.fetch_add(1);
     const std::string canonical_query = sigv4::CanonicalQuery(c.query);
@@ -436,9 +456,12 @@ class Client {
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, list);
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, 10000L);
-    // A stalled transfer (under 1 KiB/s for 60 s) is a failure to retry, not a hang.
+    // A stalled transfer (under 1 KiB/s for 60 s) is a failure to retry, not a hang; and so is
+    // one that trickles just above that: every request has an overall deadline of
+    // request_timeout_seconds plus the time its bytes take at 256 KiB/s.
     curl_easy_setopt(h, CURLOPT_LOW_SPEED_LIMIT, 1024L);
     curl_easy_setopt(h, CURLOPT_LOW_SPEED_TIME, 60L);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, DeadlineMs(c));
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, &Client::WriteBody);
     curl_easy_setopt(h, CURLOPT_WRITEDATA, &t);
     curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, &Client::Header);
@@ -1288,6 +1311,12 @@ S3Options S3Options::FromEnvironment(S3Options o) {
     throw InvalidArgumentError("DCP_S3_LOCK_LEASE_S must be >= 1 (seconds)");
   }
   if (!o.sign_payload) o.sign_payload = EnvInt("DCP_S3_SIGN_PAYLOAD", 0) != 0;
+  if (o.request_timeout_seconds <= 0) {
+    o.request_timeout_seconds = EnvInt("DCP_S3_REQUEST_TIMEOUT_S", 60);
+  }
+  if (o.request_timeout_seconds <= 0) {
+    throw InvalidArgumentError("DCP_S3_REQUEST_TIMEOUT_S must be >= 1 (seconds)");
+  }
   return o;
 }
 

@@ -9,7 +9,8 @@
 //   AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL    e.g. http://127.0.0.1:7480 for an S3-compatible
 //                                              server (default https://s3.<region>.amazonaws.com)
 //   DCP_S3_PART_SIZE_MIB (8), DCP_S3_PARTS_IN_FLIGHT (3), DCP_S3_READ_AHEAD_PARTS (3),
-//   DCP_S3_MAX_RETRIES (4), DCP_S3_LOCK_LEASE_S (60), DCP_S3_SIGN_PAYLOAD (0)
+//   DCP_S3_MAX_RETRIES (4), DCP_S3_LOCK_LEASE_S (60), DCP_S3_SIGN_PAYLOAD (0),
+//   DCP_S3_REQUEST_TIMEOUT_S (60)
 // Requests use path-style addressing (endpoint/bucket/key), which every S3-compatible server
 // accepts.
 //
@@ -78,6 +79,11 @@ struct S3Options {
   /// then checks every body. Off by default: dcp checksums every item itself, and https
   /// protects the transport.
   bool sign_payload = false;
+  /// Every request's overall deadline (DCP_S3_REQUEST_TIMEOUT_S, default 60), plus the time
+  /// its bytes take at 256 KiB/s: a server that trickles (faster than the 1 KiB/s stall limit)
+  /// cannot hold a reader or writer forever. A request past it fails as a connection failure
+  /// would (retried, then an IoError).
+  int64_t request_timeout_seconds = 0;
 
   /// Fill every empty field from the environment and the defaults. InvalidArgumentError when
   /// the credentials are missing or a value is out of range.

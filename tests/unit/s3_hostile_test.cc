@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -24,12 +25,13 @@ using Catch::Matchers::Contains;
 namespace {
 
 // Answers each request (its first line, e.g. "GET /bucket?list-type=2&... HTTP/1.1") with
-// status 200 and the body `respond` returns, one request per connection. Stops (and joins) on
-// destruction.
+// status 200 and the body `respond` returns, one request per connection; with `trickle`, 128
+// bytes at a time, `trickle` apart. Stops (and joins) on destruction.
 class FakeS3 {
  public:
-  explicit FakeS3(std::function<std::string(const std::string&)> respond)
-      : respond_(std::move(respond)) {
+  explicit FakeS3(std::function<std::string(const std::string&)> respond,
+                  std::chrono::milliseconds trickle = std::chrono::milliseconds(0))
+      : respond_(std::move(respond)), trickle_(trickle) {
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
@@ -71,15 +73,19 @@ class FakeS3 {
           "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"
           "Content-Length: " +
           std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
-      for (size_t at = 0; at < reply.size();) {
-        const ssize_t k = ::send(c, reply.data() + at, reply.size() - at, MSG_NOSIGNAL);
+      for (size_t at = 0; at < reply.size() && !stop_;) {
+        const size_t n =
+            trickle_.count() > 0 ? std::min<size_t>(128, reply.size() - at) : reply.size() - at;
+        const ssize_t k = ::send(c, reply.data() + at, n, MSG_NOSIGNAL);
         if (k <= 0) break;
         at += static_cast<size_t>(k);
+        if (trickle_.count() > 0) std::this_thread::sleep_for(trickle_);
       }
       ::close(c);
     }
   }
   std::function<std::string(const std::string&)> respond_;
+  std::chrono::milliseconds trickle_;
   int fd_ = -1;
   int port_ = 0;
   std::thread thread_;
@@ -98,6 +104,7 @@ struct FakeEnvironment {
   ~FakeEnvironment() {
     ::unsetenv("AWS_ENDPOINT_URL_S3");
     ::unsetenv("DCP_S3_MAX_RETRIES");
+    ::unsetenv("DCP_S3_REQUEST_TIMEOUT_S");
   }
 };
 
@@ -128,5 +135,27 @@ TEST_CASE("s3 hostile: a listing of empty pages that never ends is abandoned",
   auto store = OpenStore("s3://bkt/p");
   CHECK_THROWS_WITH(store->List(), Contains("without a key"));
   CHECK(server.requests() < 200);
+}
+
+TEST_CASE("s3 hostile: a response trickled just above the stall limit is cut at its deadline",
+          "[hostile][s3fake]") {
+  // One page of 4,000 keys (~200 KB) at 2.5 KiB/s would take 80 s; the stall limit (1 KiB/s)
+  // never fires. The request's overall deadline does.
+  std::string keys;
+  for (int i = 0; i < 4000; ++i)
+    keys += "<Contents><Key>p/data-" + std::to_string(i) + "</Key></Contents>";
+  FakeS3 server(
+      [&](const std::string&) {
+        return "<?xml version=\"1.0\"?><ListBucketResult>" + keys +
+               "<IsTruncated>false</IsTruncated></ListBucketResult>";
+      },
+      std::chrono::milliseconds(50));
+  FakeEnvironment env(server.endpoint());
+  ::setenv("DCP_S3_REQUEST_TIMEOUT_S", "2", 1);
+  auto store = OpenStore("s3://bkt/p");
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(store->List(), IoError);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(secs < 20);
 }
 #endif
