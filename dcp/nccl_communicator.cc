@@ -40,7 +40,7 @@ struct NcclCommunicator::Impl {
   ~Impl() {
     // Stopped (e.g. a saver detached at shutdown, ending after the application tore NCCL and
     // CUDA down): no further NCCL or CUDA call, so the resources are left to process exit.
-    if (self && self->stopped()) return;
+    if (!MayCallNccl()) return;
     DeviceScope scope(device, std::nothrow);  // a destructor must not throw
     if (comm && !aborted) {  // (an aborted communicator was released by ncclCommAbort)
       // Non-blocking finalize: wait a bounded time for it, abort if a peer never joins.
@@ -71,8 +71,11 @@ struct NcclCommunicator::Impl {
     throw CollectiveError(std::string(what), std::move(failures));
   }
 
+  // A stopped communicator makes no NCCL call: its resources are left to process exit.
+  bool MayCallNccl() const { return !(self && self->stopped()); }
+
   [[noreturn]] void Abort(std::string_view what, ErrorCode code, const std::string& message) {
-    if (comm && !aborted) (void)ncclCommAbort(comm);
+    if (comm && !aborted && MayCallNccl()) (void)ncclCommAbort(comm);
     aborted = true;
     abort_reason = std::string(what) + ": " + message;
     if (self) self->Poison(abort_reason);  // the base contract: later collectives fail at once
@@ -81,8 +84,9 @@ struct NcclCommunicator::Impl {
 
   void CheckUsable(std::string_view what) {
     if (!aborted && self && self->poisoned()) {
-      // Poisoned from outside (e.g. a shutdown stopping a background saver): release NCCL too.
-      if (comm) (void)ncclCommAbort(comm);
+      // Poisoned from outside (e.g. a shutdown stopping a background saver): release NCCL too,
+      // unless stopped (the application may have torn NCCL down already).
+      if (comm && MayCallNccl()) (void)ncclCommAbort(comm);
       aborted = true;
       abort_reason = self->poison_reason();
     }
