@@ -395,8 +395,8 @@ std::shared_ptr<AsyncSave> AsyncCheckpointer::Save(const StateDict& state, const
   Impl::Job job;
   try {
     // Bound views (LibTorch parameters, optimizer fields) are snapshotted as they are now.
-    job.staged = HasBindings(state) ? impl_->Snapshot(ResolveBindings(state), m)
-                                    : impl_->Snapshot(state, m);
+    job.staged =
+        HasBindings(state) ? impl_->Snapshot(ResolveBindings(state), m) : impl_->Snapshot(state, m);
   } catch (...) {
     job.snapshot_error = std::current_exception();
   }
@@ -422,9 +422,11 @@ void AsyncCheckpointer::Close(std::chrono::milliseconds timeout) {
   impl_->closed = true;
   std::shared_ptr<AsyncSave::State> s = impl_->last;
   bool finished = true;
+  std::string uri;  // copied under the save's mutex: the worker rewrites its metrics when it ends
   if (s) {
     std::unique_lock<std::mutex> lock(s->mu);
     finished = s->cv.wait_for(lock, timeout, [&] { return s->done; });
+    uri = s->metrics.uri;
   }
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
@@ -434,7 +436,7 @@ void AsyncCheckpointer::Close(std::chrono::milliseconds timeout) {
   if (!finished) {
     // The save is stuck (a peer or the storage hangs). Stop its collectives, then join the
     // thread if it ends within a grace period (it does unless it hangs inside storage).
-    impl_->comm->Stop("the AsyncCheckpointer was closed while a save to " + s->metrics.uri +
+    impl_->comm->Stop("the AsyncCheckpointer was closed while a save to " + uri +
                       " was still running");
     // A collective notices within a poll interval; a thread inside storage does not end here.
     std::unique_lock<std::mutex> lock(s->mu);
@@ -449,11 +451,11 @@ void AsyncCheckpointer::Close(std::chrono::milliseconds timeout) {
       impl_->detached = true;
       impl_->worker.detach();
     }
-    throw Error(
-        ErrorCode::kIo,
-        "checkpoint " + s->metrics.uri + " is unfinished: the background save did not end within " +
-            std::to_string(timeout.count()) + " ms; it has no metadata unless it completes later",
-        true);
+    throw Error(ErrorCode::kIo,
+                "checkpoint " + uri + " is unfinished: the background save did not end within " +
+                    std::to_string(timeout.count()) +
+                    " ms; it has no metadata unless it completes later",
+                true);
   }
   impl_->worker.join();
   impl_->WaitLast();
