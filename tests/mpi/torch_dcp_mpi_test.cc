@@ -3,6 +3,7 @@
 // against its expected safetensors; and a checkpoint dcp writes in torch's layout at N ranks
 // loads back resharded.
 #include <catch2/catch.hpp>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -141,6 +142,12 @@ TEST_CASE("mpi: a PyTorch DCP checkpoint dcp writes at N ranks loads back reshar
     SaveOptions so;
     so.storage.overwrite = true;
     Save(rows.sd, scheme + dir + "/ck", Comm(), so);
+    // DCP_TEST_TORCHDCP_OUT keeps a copy of this multi-rank torchdcp:// save for an outside reader
+    // (tests/gpu/torch2_load_check.py: torch 2.x's own loader, on the GPU machine).
+    if (const char* keep = std::getenv("DCP_TEST_TORCHDCP_OUT");
+        keep != nullptr && std::string_view(scheme) == "torchdcp://") {
+      Save(rows.sd, std::string(scheme) + keep, Comm(), so);
+    }
     Request cols;
     MakeRequest(entries, 1, cols);
     Load(cols.sd, dir + "/ck", Comm());

@@ -5,6 +5,8 @@
 // param-group options and a scheduler's step count resume exactly.
 #define CATCH_CONFIG_PREFIX_ALL
 #include <catch2/catch.hpp>
+#include <sstream>
+#include <type_traits>
 
 #include "dcp/dcp.h"
 #include "dcp/storage/mem_store.h"
@@ -14,6 +16,20 @@
 using namespace dcp;
 
 namespace {
+
+// The state entry of parameter p in a LibTorch optimizer. Optimizer::state() is keyed by the
+// parameter's TensorImpl pointer in LibTorch 2.x and by that pointer printed as a string in 1.13.
+template <typename State, typename Optimizer>
+State& ParamState(Optimizer& opt, const torch::Tensor& p) {
+  using Key = typename std::decay_t<decltype(opt.state())>::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream key;
+    key << p.unsafeGetTensorImpl();
+    return static_cast<State&>(*opt.state().at(key.str()));
+  } else {
+    return static_cast<State&>(*opt.state().at(static_cast<Key>(p.unsafeGetTensorImpl())));
+  }
+}
 
 struct Net : torch::nn::Module {
   Net() {
@@ -134,8 +150,7 @@ CATCH_TEST_CASE("torch: optimizer views follow replaced state entries and option
       .weight_decay(0.01);
   Save(sd, "mem://" + name);
   auto saved = Saved("mem://" + name);
-  auto& st = static_cast<torch::optim::AdamParamState&>(
-      *opt.state().at(c10::guts::to_string(net.fc1->weight.unsafeGetTensorImpl())));
+  auto& st = ParamState<torch::optim::AdamParamState>(opt, net.fc1->weight);
   CATCH_CHECK(torch::equal(saved.at("state.fc1.weight.exp_avg"), st.exp_avg()));
   CATCH_CHECK(saved.at("state.fc1.weight.step").item<int64_t>() == 3);
   CATCH_CHECK(saved.at("param_groups.0.lr").item<double>() == 0.25);
@@ -195,10 +210,8 @@ CATCH_TEST_CASE("torch: param-group options and the scheduler resume exactly", "
   {
     auto now = net2.parameters();
     for (size_t i = 0; i < now.size(); ++i) CATCH_CHECK(torch::equal(now[i], at_save[i]));
-    auto& s1 = static_cast<torch::optim::AdamWParamState&>(
-        *opt.state().at(c10::guts::to_string(net.fc1->weight.unsafeGetTensorImpl())));
-    auto& s2 = static_cast<torch::optim::AdamWParamState&>(
-        *opt2.state().at(c10::guts::to_string(net2.fc1->weight.unsafeGetTensorImpl())));
+    auto& s1 = ParamState<torch::optim::AdamWParamState>(opt, net.fc1->weight);
+    auto& s2 = ParamState<torch::optim::AdamWParamState>(opt2, net2.fc1->weight);
     CATCH_CHECK(s2.step() == 5);
     (void)s1;
   }
