@@ -24,15 +24,17 @@ uint32_t Crc32(uint32_t crc, const void* data, size_t len) {
   return crc32_gzip_refl(crc, static_cast<const unsigned char*>(data), len);
 }
 
-// Combination by polynomial arithmetic modulo the (reflected) Castagnoli polynomial: appending
-// len_b bytes multiplies A's CRC register by x^(8 len_b); the initial and final inversions of
-// the standard CRC cancel out in the XOR. (The method of zlib's crc32_combine; ISA-L has no
-// combine for CRC32C, hence this short hand-written version, tested against ISA-L.)
+// Combination by polynomial arithmetic modulo the (reflected) CRC polynomial: appending len_b
+// bytes multiplies A's CRC register by x^(8 len_b); the initial and final inversions of the
+// standard CRC cancel out in the XOR. (The method of zlib's crc32_combine; ISA-L has no
+// combine, hence this short hand-written version, tested against ISA-L.)
 namespace {
 
-constexpr uint32_t kCastagnoliReflected = 0x82F63B78u;
+constexpr uint32_t kCastagnoliReflected = 0x82F63B78u;  // CRC32C
+constexpr uint32_t kIeeeReflected = 0xEDB88320u;        // CRC-32 (zip, gzip)
 
 // a * b modulo P, bit-reflected representation (x^0 is the top bit).
+template <uint32_t P>
 uint32_t MultModP(uint32_t a, uint32_t b) {
   uint32_t m = 1u << 31, p = 0;
   for (;;) {
@@ -41,28 +43,30 @@ uint32_t MultModP(uint32_t a, uint32_t b) {
       if ((a & (m - 1)) == 0) break;
     }
     m >>= 1;
-    b = (b & 1) ? (b >> 1) ^ kCastagnoliReflected : b >> 1;
+    b = (b & 1) ? (b >> 1) ^ P : b >> 1;
   }
   return p;
 }
 
+template <uint32_t P>
 struct PowerTable {
   uint32_t x2n[32];  // x^(2^n) mod P
   PowerTable() {
     uint32_t p = 1u << 30;  // x^1
     for (auto& e : x2n) {
       e = p;
-      p = MultModP(p, p);
+      p = MultModP<P>(p, p);
     }
   }
 };
 
 // x^(n * 2^k) mod P.
+template <uint32_t P>
 uint32_t X2nModP(uint64_t n, unsigned k) {
-  static const PowerTable table;
+  static const PowerTable<P> table;
   uint32_t p = 1u << 31;  // x^0
   while (n) {
-    if (n & 1) p = MultModP(table.x2n[k & 31], p);
+    if (n & 1) p = MultModP<P>(table.x2n[k & 31], p);
     n >>= 1;
     ++k;
   }
@@ -72,7 +76,11 @@ uint32_t X2nModP(uint64_t n, unsigned k) {
 }  // namespace
 
 uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
-  return MultModP(X2nModP(len_b, 3), crc_a) ^ crc_b;
+  return MultModP<kCastagnoliReflected>(X2nModP<kCastagnoliReflected>(len_b, 3), crc_a) ^ crc_b;
+}
+
+uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  return MultModP<kIeeeReflected>(X2nModP<kIeeeReflected>(len_b, 3), crc_a) ^ crc_b;
 }
 
 }  // namespace dcp

@@ -19,4 +19,7 @@ uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 /// Crc32(0, "123456789", 9) == 0xCBF43926. For PyTorch's torch.save archives.
 uint32_t Crc32(uint32_t crc, const void* data, size_t len);
 
+/// CRC-32 of A followed by B, as Crc32cCombine.
+uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
 }  // namespace dcp

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
 
 namespace dcp {
@@ -33,6 +34,14 @@ void FillStorage(Metadata& md, const std::vector<std::vector<WriteResult>>& resu
     }
     md.storage.emplace_hint(md.storage.end(), order[i]->index, order[i]->storage);
   }
+}
+
+std::optional<uint32_t> StoredCrc(const StorageInfo& info) {
+  return info.zip_crc32 ? info.zip_crc32 : info.crc32c;
+}
+
+uint32_t ItemCrc(const StorageInfo& info, uint32_t crc, const void* data, size_t n) {
+  return info.zip_crc32 ? Crc32(crc, data, n) : Crc32c(crc, data, n);
 }
 
 }  // namespace dcp

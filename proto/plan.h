@@ -96,7 +96,17 @@ struct StorageInfo {
   std::optional<uint32_t> crc32c;       // of the stored bytes
   std::vector<std::string> transforms;  // applied in order on save; empty = raw bytes
   uint64_t raw_length = 0;              // length before transforms
+  /// Instead of crc32c, for a torch.save record's storage read as a plain item: the CRC-32 its
+  /// zip entry stores (set by the reader, never encoded).
+  std::optional<uint32_t> zip_crc32;
 };
+
+/// The checksum `info` stores for its bytes: the zip CRC-32 of a torch.save record's storage, else
+/// its crc32c (nullopt: none).
+std::optional<uint32_t> StoredCrc(const StorageInfo& info);
+/// Extend the running checksum `crc` (0 to start) of `info`'s bytes by [data, data + n): CRC-32
+/// when `info` carries a zip CRC-32, else CRC32C.
+uint32_t ItemCrc(const StorageInfo& info, uint32_t crc, const void* data, size_t n);
 
 struct WriteResult {
   MetadataIndex index;

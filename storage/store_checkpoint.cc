@@ -50,8 +50,19 @@ constexpr uint64_t kReadPieceBytes = uint64_t{32} << 20;
 // what held warm (page-cache) loads below the speed of a plain read.
 constexpr size_t kHotReadBytes = size_t{1} << 20;
 
+// The running checksum of one item as it is read: CRC32C for dcp's own items, CRC-32 for the
+// storage of a torch.save record (its zip entry's CRC), so that every load path checks both.
+struct RunningCrc {
+  bool zip = false;
+  uint32_t value = 0;
+  void Add(const void* p, size_t n) { value = zip ? Crc32(value, p, n) : Crc32c(value, p, n); }
+};
+
+bool HasCrc(const StorageInfo& info) { return StoredCrc(info).has_value(); }
+RunningCrc NewCrc(const StorageInfo& info) { return {info.zip_crc32.has_value(), 0}; }
+
 // Read n bytes at `offset` of `in` into dst; with `crc`, fold each step into *crc as it lands.
-void ReadHot(ReadableObject& in, uint64_t offset, void* dst, size_t n, uint32_t* crc) {
+void ReadHot(ReadableObject& in, uint64_t offset, void* dst, size_t n, RunningCrc* crc) {
   if (crc == nullptr) {
     in.ReadAt(offset, dst, n);
     return;
@@ -62,7 +73,7 @@ void ReadHot(ReadableObject& in, uint64_t offset, void* dst, size_t n, uint32_t*
   for (size_t pos = 0; pos < n; pos += kHotReadBytes) {
     const size_t k = std::min(kHotReadBytes, n - pos);
     in.ReadAt(offset + pos, p + pos, k);
-    *crc = Crc32c(*crc, p + pos, k);
+    crc->Add(p + pos, k);
   }
 }
 
@@ -100,7 +111,7 @@ class DeviceStaging {
   // (n <= kDevicePieceBytes), CRC-ing into *crc as it lands. `on_copied` runs on this thread
   // once the copy has finished (at a later call or at Drain).
   void Read(ReadableObject& in, uint64_t offset, const TensorView& dst, uint64_t at, size_t n,
-            uint32_t* crc, std::function<void()> on_copied) {
+            RunningCrc* crc, std::function<void()> on_copied) {
     Slot& s = slots_[next_];
     Finish(s);  // the slot's previous copy, issued two pieces ago
     next_ ^= 1;
@@ -703,7 +714,7 @@ class StoreReader : public StorageReader {
         size_t item;
         TensorView dst;
         uint64_t piece_bytes;
-        std::vector<uint32_t> crcs;
+        std::vector<RunningCrc> crcs;
         std::atomic<size_t> remaining{0};
       };
       struct Task {
@@ -751,7 +762,7 @@ class StoreReader : public StorageReader {
           sp->dst = dst;
           sp->piece_bytes = piece_bytes;
           const size_t pieces = (info.length + piece_bytes - 1) / piece_bytes;
-          sp->crcs.assign(pieces, 0);
+          sp->crcs.assign(pieces, NewCrc(info));
           sp->remaining = pieces;
           for (size_t k = 0; k < pieces; ++k) {
             const uint64_t b = k * piece_bytes,
@@ -825,11 +836,11 @@ class StoreReader : public StorageReader {
           if (--sp.remaining != 0) return;
           const ReadItem& item = plan.items[sp.item];
           const StorageInfo& info = Info(item);
-          uint32_t crc = sp.crcs[0];
+          uint32_t crc = sp.crcs[0].value;
           for (size_t k = 1; k < sp.crcs.size(); ++k) {
-            crc =
-                Crc32cCombine(crc, sp.crcs[k],
-                              std::min<uint64_t>(sp.piece_bytes, info.length - k * sp.piece_bytes));
+            const uint64_t n = std::min<uint64_t>(sp.piece_bytes, info.length - k * sp.piece_bytes);
+            crc = sp.crcs[k].zip ? Crc32Combine(crc, sp.crcs[k].value, n)
+                                 : Crc32cCombine(crc, sp.crcs[k].value, n);
           }
           VerifyCrc(item, info, crc);
           planner.CommitTensor(item, sp.dst);
@@ -850,7 +861,7 @@ class StoreReader : public StorageReader {
             Split& sp = *task.split;
             const ReadItem& item = plan.items[sp.item];
             const StorageInfo& info = Info(item);
-            uint32_t* crc = options_.verify_checksums ? &sp.crcs[task.piece] : nullptr;
+            RunningCrc* crc = options_.verify_checksums ? &sp.crcs[task.piece] : nullptr;
             if (sp.dst.device.is_cpu()) {
               ReadHot(in, info.offset + task.begin, static_cast<char*>(sp.dst.data) + task.begin,
                       task.length, crc);
@@ -946,15 +957,18 @@ class StoreReader : public StorageReader {
       if (!results[i].rec) continue;  // not reached after an error elsewhere
       const ReadItem& item = *todo[i];
       TorchTensorRecord& rec = *results[i].rec;
-      if (!rec.row_major()) {
+      if (!rec.covers_storage()) {
         strided_.emplace(item.storage_index, std::move(rec));
         continue;
       }
+      // The values are the whole storage: read as a plain item, checked against the zip
+      // entry's CRC-32 on every path a plain item takes (whole, split, device, partial).
       StorageInfo plain;
       plain.relative_path = Info(item).relative_path;
       plain.offset = rec.values_begin();
       plain.length = static_cast<uint64_t>(StoredChunk(item).numel()) * ElementSize(rec.dtype);
       plain.raw_length = plain.length;
+      plain.zip_crc32 = rec.zip_crc32;
       resolved_.emplace(item.storage_index, std::move(plain));
     }
   }
@@ -1010,8 +1024,10 @@ class StoreReader : public StorageReader {
   }
 
   void Verify(const ReadItem& item, const StorageInfo& info, const void* data, size_t n) const {
-    if (!options_.verify_checksums || !info.crc32c) return;
-    VerifyCrc(item, info, Crc32c(0, data, n));
+    if (!options_.verify_checksums || !HasCrc(info)) return;
+    RunningCrc crc = NewCrc(info);
+    crc.Add(data, n);
+    VerifyCrc(item, info, crc.value);
   }
 
   const TensorMetadata& Entry(const ReadItem& item) const {
@@ -1037,12 +1053,13 @@ class StoreReader : public StorageReader {
   }
 
   void VerifyCrc(const ReadItem& item, const StorageInfo& info, uint32_t actual) const {
-    if (!options_.verify_checksums || !info.crc32c || actual == *info.crc32c) return;
+    const std::optional<uint32_t> stored = StoredCrc(info);
+    if (!options_.verify_checksums || !stored || actual == *stored) return;
     throw CorruptionError("checksum mismatch for " + item.storage_index.ToString() + " in '" +
                           store_->uri() + "/" + info.relative_path + "' at offset " +
                           std::to_string(info.offset) + " (" + std::to_string(info.length) +
-                          " bytes): stored crc32c " + std::to_string(*info.crc32c) + ", computed " +
-                          std::to_string(actual));
+                          " bytes): stored " + (info.zip_crc32 ? "zip CRC-32 " : "crc32c ") +
+                          std::to_string(*stored) + ", computed " + std::to_string(actual));
   }
 
   // Copy the box [box_off, +box_len) of a stored C-contiguous chunk of shape `sizes` (starting
@@ -1052,7 +1069,7 @@ class StoreReader : public StorageReader {
   // accumulated into *crc.
   void ReadBox(ReadableObject& in, uint64_t base, DType dtype, const Shape& sizes,
                const Shape& box_off, const Shape& box_len, const TensorView& dst,
-               std::vector<char>& scratch, uint32_t* crc) const {
+               std::vector<char>& scratch, RunningCrc* crc) const {
     const size_t esize = ElementSize(dtype);
     const size_t rank = sizes.size();
     // One byte range: leading dims of length 1, then one partial dim, then full dims.
@@ -1069,7 +1086,7 @@ class StoreReader : public StorageReader {
         // The lowest address of a dense view is its data pointer: strides are non-negative
         // (IsDense) and the view starts at its first element.
         in.ReadAt(base + first * esize, dst.data, n);
-        if (crc) *crc = Crc32c(*crc, dst.data, n);
+        if (crc) crc->Add(dst.data, n);
       }
       return;
     }
@@ -1079,7 +1096,7 @@ class StoreReader : public StorageReader {
 
   void ReadBoxDim(ReadableObject& in, uint64_t base, DType dtype, size_t esize, const Shape& sizes,
                   const Shape& box_off, const Shape& box_len, const TensorView& dst,
-                  std::vector<char>& scratch, uint32_t* crc, Shape& prefix) const {
+                  std::vector<char>& scratch, RunningCrc* crc, Shape& prefix) const {
     const size_t d = prefix.size();
     // Byte offset of the sub-block selected by `prefix`, and bytes per index along dim d.
     const Shape strides = ContiguousStrides(sizes);
@@ -1096,7 +1113,7 @@ class StoreReader : public StorageReader {
         EnsureScratch(scratch, bytes);
         in.ReadAt(base + (off + static_cast<uint64_t>(box_off[d] + i) * strides[d]) * esize,
                   scratch.data(), bytes);
-        if (crc) *crc = Crc32c(*crc, scratch.data(), bytes);
+        if (crc) crc->Add(scratch.data(), bytes);
         CopySlabIntoBox(dst, scratch.data(), dtype, sizes, box_off, box_len, prefix, d, i, n);
       }
       return;
@@ -1136,44 +1153,44 @@ class StoreReader : public StorageReader {
       const bool whole = item.lengths == chunk.sizes;
       if (whole && dst.is_contiguous() && dst.device.is_cpu() && info.length == dst.nbytes()) {
         // The common case: the stored chunk lands directly in its destination.
-        const bool check = options_.verify_checksums && info.crc32c.has_value();
-        uint32_t crc = 0;
+        const bool check = options_.verify_checksums && HasCrc(info);
+        RunningCrc crc = NewCrc(info);
         ReadHot(in, info.offset, dst.data, info.length, check ? &crc : nullptr);
-        if (check) VerifyCrc(item, info, crc);
+        if (check) VerifyCrc(item, info, crc.value);
       } else if (whole && !dst.device.is_cpu() && info.length == dst.nbytes()) {
         // A device destination: read piece by piece into pinned buffers, each piece's
         // host-to-device copy overlapping the next read (proto/device.h).
-        uint32_t crc = 0;
+        RunningCrc crc = NewCrc(info);
         uint64_t pos = info.offset;
         StreamFromHost(dst, kDevicePieceBytes, [&](void* buf, size_t n) {
           ReadHot(in, pos, buf, n, &crc);
           pos += n;
         });
-        VerifyCrc(item, info, crc);
+        VerifyCrc(item, info, crc.value);
       } else {
         if (info.length != static_cast<uint64_t>(chunk.numel()) * esize) {
           throw CorruptionError("stored item " + item.storage_index.ToString() + " in '" + name +
                                 "' has " + std::to_string(info.length) + " bytes, expected " +
                                 std::to_string(chunk.numel() * esize));
         }
-        uint32_t crc = 0;
+        RunningCrc crc = NewCrc(info);
         ReadBox(in, info.offset, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst,
                 scratch, whole ? &crc : nullptr);
         if (whole) {
-          VerifyCrc(item, info, crc);
-        } else if (options_.verify_partial_reads && options_.verify_checksums && info.crc32c &&
+          VerifyCrc(item, info, crc.value);
+        } else if (options_.verify_partial_reads && options_.verify_checksums && HasCrc(info) &&
                    verified.insert(item.storage_index).second) {
-          // Stream the whole stored item through the scratch buffer to check its CRC32C.
-          uint32_t c = 0;
+          // Stream the whole stored item through the scratch buffer to check its CRC.
+          RunningCrc c = NewCrc(info);
           for (uint64_t pos = 0; pos < info.length;) {
             const size_t n =
                 static_cast<size_t>(std::min<uint64_t>(ScratchLimit(), info.length - pos));
             EnsureScratch(scratch, n);
             in.ReadAt(info.offset + pos, scratch.data(), n);
-            c = Crc32c(c, scratch.data(), n);
+            c.Add(scratch.data(), n);
             pos += n;
           }
-          VerifyCrc(item, info, c);
+          VerifyCrc(item, info, c.value);
         }
       }
       planner.CommitTensor(item, dst);
@@ -1229,8 +1246,9 @@ class StoreReader : public StorageReader {
 
   // A PyTorch DCP byte entry (the record is torch.save bytes: a pickled Python bytes object
   // is unwrapped to its payload, anything else is the blob) or a tensor record whose values
-  // are not row-major: the span of storage it views is read into memory (at most the record's
-  // length, which CheckDataFiles bounded by the file) and copied through its strides.
+  // are not its whole storage, row-major: the storage is read into memory (at most the
+  // record's length, which CheckDataFiles bounded by the file), checked against its zip CRC-32
+  // and copied through the record's strides. Either way every zip CRC is checked.
   void ReadTorchRecord(LoadPlanner& planner, const ReadItem& item, const StorageInfo& info,
                        ReadableObject& in, const std::string& name) {
     const std::string what =
@@ -1239,6 +1257,9 @@ class StoreReader : public StorageReader {
       std::string bytes =
           AllocateOrThrow([&] { return std::string(info.length, '\0'); }, what, info.length);
       in.ReadAt(info.offset, bytes.data(), bytes.size());
+      if (options_.verify_checksums && IsTorchSaveArchive(bytes)) {
+        CheckTorchArchiveCrcs(bytes, what);
+      }
       std::string payload;
       if (TorchSaveBytesPayload(bytes, &payload)) bytes = std::move(payload);
       planner.LoadBytes(item, std::move(bytes));
@@ -1249,12 +1270,11 @@ class StoreReader : public StorageReader {
     const TorchTensorRecord& rec = it->second;
     const auto& entry = Entry(item);
     TensorView dst = Destination(planner, item, entry);
+    const std::vector<char> storage =
+        ReadTorchRecordStorage(in, rec, what, options_.verify_checksums);
     if (rec.span_bytes > 0) {  // checked by ResolveTorchTensorRecord to lie in the storage
-      const uint64_t n = rec.span_bytes;
-      std::vector<char> buf = AllocateOrThrow([&] { return std::vector<char>(n); }, what, n);
-      in.ReadAt(rec.values_begin(), buf.data(), n);
       TensorView src;
-      src.data = buf.data();
+      src.data = const_cast<char*>(storage.data()) + (rec.values_begin() - rec.storage_begin);
       src.dtype = rec.dtype;
       src.shape = rec.sizes;
       src.strides = rec.strides;

@@ -241,6 +241,7 @@ int ZError(voidpf, voidpf stream) { return static_cast<Window*>(stream)->error ?
 
 constexpr size_t kMaxEntries = 1024;
 constexpr size_t kMaxPickleBytes = size_t{1} << 20;
+constexpr uint64_t kMaxInflatedBytes = uint64_t{64} << 20;  // deflated entries, per record
 
 class Archive {
  public:
@@ -270,6 +271,20 @@ class Archive {
       rc = unzGoToNextFile(zip_);
     }
     if (rc != UNZ_END_OF_LIST_OF_FILE) Fail("has a damaged central directory");
+    // Inflation is bounded: torch.save stores tensor data uncompressed (DataOffset refuses it
+    // otherwise), so only small entries may be deflated. Entries sharing one deflate stream (a
+    // zip bomb) could otherwise claim far more than deflate's 1032:1 of the record.
+    uint64_t inflated = 0;
+    for (const auto& [name, info] : entries_) {
+      if (info.compression_method != 0) {
+        inflated += std::min<uint64_t>(info.uncompressed_size, kMaxInflatedBytes + 1);
+      }
+    }
+    if (inflated > kMaxInflatedBytes || inflated / 1032 > length) {
+      Fail("has compressed entries that claim " + std::to_string(inflated) +
+           " bytes inflated from a " + std::to_string(length) +
+           "-byte record (limit: 1032 times the record, at most 64 MiB)");
+    }
   }
   Archive(const Archive&) = delete;
   Archive& operator=(const Archive&) = delete;
@@ -339,13 +354,20 @@ class Archive {
   }
   // Read a whole entry of any size through minizip in pieces (CRC-checked at the end).
   void CheckEntry(const std::string& name) {
+    const unz_file_info64* info = Find(name);
+    if (!info) Fail("has no entry " + name);
     Open(name);
     std::vector<char> buf(1 << 20);
     int n;
-    while ((n = unzReadCurrentFile(zip_, buf.data(), buf.size())) > 0) {
-    }
+    uint64_t total = 0;
+    while ((n = unzReadCurrentFile(zip_, buf.data(), buf.size())) > 0) total += n;
     const int closed = unzCloseCurrentFile(zip_);
     if (n < 0) Fail("entry " + name + " cannot be read (minizip error " + std::to_string(n) + ")");
+    // minizip checks the CRC only of an entry read to its claimed size: a shorter one would pass.
+    if (total != info->uncompressed_size) {
+      Fail("entry " + name + " holds " + std::to_string(total) + " bytes but claims " +
+           std::to_string(info->uncompressed_size));
+    }
     if (closed == UNZ_CRCERROR) Fail("entry " + name + " fails its CRC-32");
     if (closed != UNZ_OK) Fail("entry " + name + " cannot be read");
   }
@@ -810,6 +832,28 @@ uint64_t TorchTensorRecord::values_begin() const {
   return storage_begin + static_cast<uint64_t>(storage_offset) * ElementSize(dtype);
 }
 
+bool TorchTensorRecord::covers_storage() const {
+  uint64_t numel = 1;
+  for (int64_t n : sizes) numel *= static_cast<uint64_t>(n);  // checked inside the storage
+  return row_major() && storage_offset == 0 && numel * ElementSize(dtype) == storage_bytes;
+}
+
+std::vector<char> ReadTorchRecordStorage(ReadableObject& in, const TorchTensorRecord& rec,
+                                         const std::string& what, bool verify) {
+  const uint64_t n = rec.storage_bytes;
+  std::vector<char> buf = AllocateOrThrow([&] { return std::vector<char>(n); }, what, n);
+  if (n > 0) in.ReadAt(rec.storage_begin, buf.data(), n);
+  if (verify) {
+    const uint32_t crc = Crc32(0, buf.data(), n);
+    if (crc != rec.zip_crc32) {
+      throw CorruptionError("checksum mismatch in the storage of " + what + " (" +
+                            std::to_string(n) + " bytes): its zip entry says CRC-32 " +
+                            std::to_string(rec.zip_crc32) + ", computed " + std::to_string(crc));
+    }
+  }
+  return buf;
+}
+
 TorchTensorRecord ResolveTorchTensorRecord(ReadableObject& in, uint64_t offset, uint64_t length,
                                            const std::string& what) {
   Archive zip(in, offset, length, what);
@@ -918,6 +962,11 @@ void CheckTorchArchiveCrcs(ReadableObject& in, uint64_t offset, uint64_t length,
     (void)info;
     zip.CheckEntry(name);
   }
+}
+
+void CheckTorchArchiveCrcs(std::string_view archive, const std::string& what) {
+  StringObject in(archive);
+  CheckTorchArchiveCrcs(in, 0, archive.size(), what);
 }
 
 bool IsTorchSaveArchive(std::string_view bytes) {

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "dcp/proto/plan.h"
 #include "dcp/proto/tensor.h"
@@ -64,7 +65,17 @@ struct TorchTensorRecord {
   bool row_major() const;
   /// The absolute offset of element 0 (inside the storage, checked).
   uint64_t values_begin() const;
+  /// True when the values are the whole storage, row-major: a plain read of the values then reads
+  /// exactly the bytes the zip CRC-32 covers, and can check it as it streams.
+  bool covers_storage() const;
 };
+
+/// The whole storage of `rec`, read from `in` and checked against its zip CRC-32 when `verify`
+/// (CorruptionError naming `what`). For records whose values are not the whole storage, row-major:
+/// their values are then viewed at values_begin() - storage_begin in the returned bytes. The
+/// buffer is at most the record's length, which the caller has bounded by the file.
+std::vector<char> ReadTorchRecordStorage(ReadableObject& in, const TorchTensorRecord& rec,
+                                         const std::string& what, bool verify);
 
 /// Locate the tensor in the torch.save archive at [offset, offset + length) of `in`. `what`
 /// names the record in errors. Reads the archive's directories and its small pickle only.
@@ -75,6 +86,8 @@ TorchTensorRecord ResolveTorchTensorRecord(ReadableObject& in, uint64_t offset, 
 /// each entry's CRC-32 (CorruptionError naming `what` and the entry on a mismatch). For verify.
 void CheckTorchArchiveCrcs(ReadableObject& in, uint64_t offset, uint64_t length,
                            const std::string& what);
+/// The same for an archive held in memory (a PyTorch DCP byte entry, read whole).
+void CheckTorchArchiveCrcs(std::string_view archive, const std::string& what);
 
 /// True when `bytes` look like a torch.save archive (a zip starting with a local header).
 bool IsTorchSaveArchive(std::string_view bytes);

@@ -127,14 +127,16 @@ case "$mode" in
     # that only 3.25 accepts, cannot land. (GCC 13 + CMake 4 + LibTorch 2.x are checked on GPU
     # machines, docs/GPU.md.) Everything but the LibTorch adapter is built (Debian's LibTorch
     # 1.13 headers themselves do not compile with clang-16: c10::IValue is incomplete in
-    # ivalue_inl.h), and the unit tests run once more.
+    # ivalue_inl.h), and the unit tests run once more. -O1 without debug info: clang's warnings
+    # come from its front end, and the stage builds in about half the time.
     clang16="$build-clang16"
     cmake_new=$(newest_cmake)
     log "clang-16 stage with $("$cmake_new" --version | head -1)"
     if [ ! -f "$clang16/build.ninja" ]; then
       log "configuring $clang16 (clang-16)"
       CC=clang-16 CXX=clang++-16 "$cmake_new" -S "$root" -B "$clang16" -G Ninja \
-        -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDCP_WITH_CUDA=OFF -DDCP_WITH_TORCH=OFF
+        -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -DNDEBUG" \
+        -DDCP_WITH_CUDA=OFF -DDCP_WITH_TORCH=OFF
     fi
     "$cmake_new" --build "$clang16" -j "$jobs"
     (cd "$clang16" && "${cmake_new%cmake}ctest" --output-on-failure -j "$jobs" -L unit \

@@ -283,6 +283,26 @@ def test_hostile(good):
             os.truncate(path, w0["offset"] + 4)
         contains(bounded("verify", d, expect=1), damage if damage == "missing" else "truncated")
         contains(convert(d, 1), w0["file"])
+    # A PyTorch DCP checkpoint (torch 2.11's fixture) with one bit flipped in a tensor's storage:
+    # every command that reads values checks the record's zip CRC-32, as verify does (1).
+    fixtures = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures",
+                            "pytorch-dcp-2.11")
+    d = os.path.join(args.workdir, "torch-flipped")
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(os.path.join(fixtures, "single_dtypes"), d)
+    raw = open(os.path.join(fixtures, "single_dtypes.expected.safetensors"), "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    spec = json.loads(raw[8:8 + n])["dtypes.float32"]
+    values = raw[8 + n + spec["data_offsets"][0]:8 + n + spec["data_offsets"][1]]
+    data = os.path.join(d, "__0_0.distcp")
+    blob = bytearray(open(data, "rb").read())
+    at = blob.find(values)
+    check(at > 0 and blob.find(values, at + 1) < 0, "the values of dtypes.float32 are not unique")
+    blob[at + 7] ^= 0x10
+    open(data, "wb").write(bytes(blob))
+    for out in (bounded("verify", d, expect=1), convert(d, 1),
+                bounded("diff", d, os.path.join(fixtures, "single_dtypes"), "--values", expect=1)):
+        contains(out, "dtypes.float32", "CRC")
     # A blob the data backs (a sparse 2 GiB file) but memory cannot: a resource error naming the
     # entry, the file and the size (7), not a bare std::bad_alloc.
     d = hostile("alloc-2g")

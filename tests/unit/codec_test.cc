@@ -283,14 +283,14 @@ TEST_CASE("codec: WriteResults round trip", "[codec][plan]") {
   std::vector<WriteResult> results(3);
   results[0].index = {"model.w", {2, 3}, 2};
   results[0].size_in_bytes = 24;
-  results[0].storage = {"sub/__2_0.distcp", 4096, 24, 0u, {}, 24};  // a CRC of 0 is a value
+  results[0].storage = {"sub/__2_0.distcp", 4096, 24, 0u, {}, 24, std::nullopt};  // a CRC of 0 is a value
   results[1].index = {"rng", {}, std::nullopt};
   results[1].size_in_bytes = 5;
-  results[1].storage = {"__0_0.distcp", 0, 5, std::nullopt, {}, 5};
+  results[1].storage = {"__0_0.distcp", 0, 5, std::nullopt, {}, 5, std::nullopt};
   results[2].index = {"big", {0}, 0};
   results[2].size_in_bytes = uint64_t{3} << 33;
-  results[2].storage = {"__1_0.distcp", uint64_t{1} << 35, 1234,
-                        0xDEADBEEFu,    {"zstd"},          uint64_t{3} << 33};
+  results[2].storage = {"__1_0.distcp", uint64_t{1} << 35, 1234, 0xDEADBEEFu, {"zstd"},
+                        uint64_t{3} << 33, std::nullopt};
 
   const auto back = DecodeWriteResults(EncodeWriteResults(results));
   REQUIRE(back.size() == results.size());
@@ -601,4 +601,20 @@ TEST_CASE("codec: Crc32cCombine equals the CRC of the concatenation", "[codec][c
                  p3 = Crc32c(0, buf.data() + 6000, buf.size() - 6000);
   CHECK(Crc32cCombine(Crc32cCombine(p1, p2, 5000), p3, buf.size() - 6000) == whole);
   CHECK(Crc32cCombine(0xE3069283u, 0, 0) == 0xE3069283u);
+}
+
+TEST_CASE("codec: Crc32Combine (zip's CRC-32) equals the CRC of the concatenation", "[codec][crc]") {
+  CHECK(Crc32(0, "123456789", 9) == 0xCBF43926u);
+  std::vector<char> buf(1 << 20);
+  dcp::testing::FillRandom(buf.data(), buf.size(), 78);
+  const uint32_t whole = Crc32(0, buf.data(), buf.size());
+  for (size_t split : {size_t{0}, size_t{1}, size_t{4096}, size_t{333333}, buf.size()}) {
+    INFO("split " << split);
+    const uint32_t a = Crc32(0, buf.data(), split);
+    const uint32_t b = Crc32(0, buf.data() + split, buf.size() - split);
+    CHECK(Crc32Combine(a, b, buf.size() - split) == whole);
+    if (split > 0 && split < buf.size()) {
+      CHECK(Crc32cCombine(a, b, buf.size() - split) != whole);  // the polynomials differ
+    }
+  }
 }

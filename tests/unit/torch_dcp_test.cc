@@ -381,6 +381,70 @@ TEST_CASE("torch DCP: a transposed tensor is stored with its strides and reshard
   CHECK(std::memcmp(bottom.data(), want.data() + 48, 48) == 0);
 }
 
+// A copy of fixture `name` with one bit flipped in the storage of `fqn`'s record (its first
+// chunk), located through the record's own zip directory.
+std::string FlipStorageBit(const std::string& name, const std::string& fqn, const TempDir& dir) {
+  const std::string out = dir.path() + "/" + name;
+  std::filesystem::copy(kFixtures + "/" + name, out);
+  const Metadata md = ReadMetadata(out);
+  const auto& tm = std::get<TensorMetadata>(md.entries.at(fqn));
+  const StorageInfo& info = md.storage.at(MetadataIndex{fqn, tm.chunks[0].offsets, 0});
+  auto store = OpenStore("file://" + out);
+  auto in = store->Open(info.relative_path);
+  const TorchTensorRecord rec = ResolveTorchTensorRecord(*in, info.offset, info.length, fqn);
+  REQUIRE(rec.storage_bytes > 0);
+  const std::string file = out + "/" + info.relative_path;
+  std::string bytes = ReadFileBytes(file);
+  bytes[rec.storage_begin + rec.storage_bytes / 2] ^= 0x10;
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  return out;
+}
+
+TEST_CASE("torch DCP: a flipped bit in a record's storage fails every load path (as verify does)",
+          "[torchdcp][hostile]") {
+  TempDir dir("tdcp-crc");
+  SECTION("row-major, whole (load_all and a destination of the stored shape)") {
+    const std::string ck = FlipStorageBit("single_dtypes", "dtypes.float32", dir);
+    StateDict sd;
+    LoadOptions lo;
+    lo.load_all = true;
+    CHECK_THAT(ErrorOf([&] { Load(sd, ck, lo); }),
+               Catch::Contains("checksum mismatch") && Catch::Contains("dtypes.float32") &&
+                   Catch::Contains("zip CRC-32"));
+    std::vector<float> w(15);
+    StateDict one;
+    one.Nested("dtypes").Set("float32",
+                             TensorView::FromContiguous(w.data(), DType::kFloat32, {5, 3}));
+    LoadOptions partial;
+    partial.allow_partial_load = true;
+    CHECK_THAT(ErrorOf([&] { Load(one, ck, partial); }), Catch::Contains("checksum mismatch"));
+  }
+  SECTION("row-major, resharded (a box of the stored chunk, verified once per rank)") {
+    const std::string ck = FlipStorageBit("dist4_dtensor", "rows", dir);
+    std::vector<float> part(2 * 7);
+    StateDict sd;
+    ShardedTensor st;
+    st.dtype = DType::kFloat32;
+    st.global_shape = {13, 7};
+    st.local_shards.push_back(
+        {TensorView::FromContiguous(part.data(), DType::kFloat32, {2, 7}), {1, 0}});
+    sd.Set("rows", st);
+    LoadOptions lo;
+    lo.allow_partial_load = true;
+    CHECK_THAT(ErrorOf([&] { Load(sd, ck, lo); }), Catch::Contains("checksum mismatch"));
+  }
+  SECTION("strided (a transposed record, read through its strides)") {
+    const std::string ck = FlipStorageBit("single_dtypes", "transposed", dir);
+    std::vector<float> t(24);
+    StateDict sd;
+    sd.Set("transposed", TensorView::FromContiguous(t.data(), DType::kFloat32, {4, 6}));
+    LoadOptions lo;
+    lo.allow_partial_load = true;
+    CHECK_THAT(ErrorOf([&] { Load(sd, ck, lo); }),
+               Catch::Contains("checksum mismatch") && Catch::Contains("transposed"));
+  }
+}
+
 TEST_CASE("torch DCP: damaged records fail naming the record", "[torchdcp]") {
   TempDir dir("tdcp");
   const std::string out = dir.path() + "/ck";

@@ -160,3 +160,60 @@ TEST_CASE("torch record: its directories are read in a few reads, not byte by by
     CHECK(in.reads <= 4);
   }
 }
+
+namespace {
+
+// A zip whose entries are deflated (method 8), each `copies` times in the central directory and
+// all pointing at one local header: the data of each copy is one stored deflate block holding
+// `data`, and each claims `claimed` uncompressed bytes (data.size() when honest).
+std::string DeflatedZip(const std::string& name, const std::string& data, size_t copies,
+                        uint64_t claimed) {
+  std::string deflated = "\x01";  // BFINAL, a stored block
+  Le(deflated, data.size(), 2), Le(deflated, ~data.size() & 0xffff, 2);
+  deflated += data;
+  const uint32_t crc = ZipCrc32(data);
+  std::string out, central;
+  Le(out, 0x04034b50, 4);
+  Le(out, 20, 2), Le(out, 0, 2), Le(out, 8, 2), Le(out, 0, 2), Le(out, 0, 2);
+  Le(out, crc, 4), Le(out, deflated.size(), 4), Le(out, claimed, 4);
+  Le(out, name.size(), 2), Le(out, 0, 2);
+  out += name + deflated;
+  for (size_t i = 0; i < copies; ++i) {
+    const std::string n = copies == 1 ? name : name + std::to_string(i);
+    Le(central, 0x02014b50, 4);
+    Le(central, 20, 2), Le(central, 20, 2), Le(central, 0, 2), Le(central, 8, 2);
+    Le(central, 0, 2), Le(central, 0, 2);
+    Le(central, crc, 4), Le(central, deflated.size(), 4), Le(central, claimed, 4);
+    Le(central, n.size(), 2), Le(central, 0, 2), Le(central, 0, 2), Le(central, 0, 2);
+    Le(central, 0, 2), Le(central, 0, 4), Le(central, 0, 4);
+    central += n;
+  }
+  const uint64_t cd_at = out.size();
+  out += central;
+  Le(out, 0x06054b50, 4);
+  Le(out, 0, 2), Le(out, 0, 2), Le(out, copies, 2), Le(out, copies, 2);
+  Le(out, central.size(), 4), Le(out, cd_at, 4), Le(out, 0, 2);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("torch record: deflated entries cannot claim more than deflate's ratio of the record",
+          "[torch_dcp][hostile]") {
+  // An honest deflated entry is read and its CRC-32 checked.
+  const std::string honest = DeflatedZip("archive/version", "3\n", 1, 2);
+  Bytes in(honest);
+  CHECK_NOTHROW(CheckTorchArchiveCrcs(in, 0, honest.size(), "honest"));
+  // 1,000 entries sharing one deflate stream, each claiming 1 GiB: ~1 TiB to inflate from a
+  // record of a few dozen KiB. Refused from the directory alone, before any inflation.
+  const std::string bomb = DeflatedZip("archive/x", std::string(64, '\0'), 1000, uint64_t{1} << 30);
+  Bytes b(bomb);
+  CHECK_THROWS_WITH(CheckTorchArchiveCrcs(b, 0, bomb.size(), "bomb"),
+                    Contains("bomb has compressed entries that claim") &&
+                        Contains("1032 times the record"));
+  // Within the budget but lying about the size: minizip inflates no more than the claim, and the
+  // entry then fails its length or CRC.
+  const std::string liar = DeflatedZip("archive/version", "3\n", 1, 4096);
+  Bytes l(liar);
+  CHECK_THROWS_AS(CheckTorchArchiveCrcs(l, 0, liar.size(), "liar"), CorruptionError);
+}

@@ -208,8 +208,10 @@ std::unique_ptr<ZstdItemReader> OpenZstd(Store& store, ReadableObject& obj, cons
                                    const StorageInfo& info, uint32_t actual) {
   throw CorruptionError("checksum mismatch for " + what + " in '" + uri + "/" + info.relative_path +
                         "' at offset " + std::to_string(info.offset) + " (" +
-                        std::to_string(info.length) + " bytes): stored crc32c " +
-                        std::to_string(*info.crc32c) + ", computed " + std::to_string(actual));
+                        std::to_string(info.length) + " bytes): stored " +
+                        (info.zip_crc32 ? "zip CRC-32 " : "crc32c ") +
+                        std::to_string(StoredCrc(info).value_or(0)) + ", computed " +
+                        std::to_string(actual));
 }
 
 }  // namespace
@@ -268,19 +270,18 @@ void TensorStream::ResolveTorchRecord(ChunkState& cs) {
   cs.resolved->relative_path = info.relative_path;
   cs.resolved->length = cs.resolved->raw_length = nbytes;
   cs.info = cs.resolved.get();
-  if (rec.row_major()) {
+  if (rec.covers_storage()) {
+    // Streamed like a plain item, checked against the zip entry's CRC-32 at its end.
     cs.resolved->offset = rec.values_begin();
+    cs.resolved->zip_crc32 = rec.zip_crc32;
     return;
   }
-  // Another layout: the span it views, read once, copied row-major into memory.
-  const uint64_t span_bytes = rec.span_bytes;  // checked to lie inside the record's storage
-  std::vector<char> raw =
-      AllocateOrThrow([&] { return std::vector<char>(span_bytes); }, what, span_bytes);
-  in.ReadAt(rec.values_begin(), raw.data(), raw.size());
+  // Another layout: the whole storage, read once and CRC-checked, copied row-major into memory.
+  const std::vector<char> raw = ReadTorchRecordStorage(in, rec, what, /*verify=*/true);
   cs.memory = std::make_shared<std::vector<char>>(
       AllocateOrThrow([&] { return std::vector<char>(nbytes); }, what, nbytes));
   TensorView src;
-  src.data = raw.data();
+  src.data = const_cast<char*>(raw.data()) + (rec.values_begin() - rec.storage_begin);
   src.dtype = rec.dtype;
   src.shape = rec.sizes;
   src.strides = rec.strides;
@@ -313,8 +314,8 @@ bool TensorStream::Next(const char*& data, size_t& nbytes) {
     } else {
       Object(cs.info->relative_path).ReadAt(cs.info->offset, piece_.data(), esize);
     }
-    const uint32_t crc = Crc32c(0, piece_.data(), esize);
-    if (cs.info->crc32c && crc != *cs.info->crc32c) {
+    const uint32_t crc = ItemCrc(*cs.info, 0, piece_.data(), esize);
+    if (StoredCrc(*cs.info) && crc != *StoredCrc(*cs.info)) {
       ChecksumMismatch(fqn_ + "[]", store_.uri(), *cs.info, crc);
     }
     data = piece_.data();
@@ -370,9 +371,10 @@ bool TensorStream::Next(const char*& data, size_t& nbytes) {
       } else {
         Object(cs.info->relative_path).ReadAt(cs.info->offset + begin, scratch_.data(), len);
       }
-      cs.crc = Crc32c(cs.crc, scratch_.data(), len);
+      cs.crc = ItemCrc(*cs.info, cs.crc, scratch_.data(), len);
       cs.consumed += len;
-      if (cs.consumed == cs.info->length && cs.info->crc32c && cs.crc != *cs.info->crc32c) {
+      if (cs.consumed == cs.info->length && StoredCrc(*cs.info) &&
+          cs.crc != *StoredCrc(*cs.info)) {
         ChecksumMismatch(fqn_ + ShapeToString(c.offsets), store_.uri(), *cs.info, cs.crc);
       }
     }
