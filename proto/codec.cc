@@ -153,8 +153,7 @@ uint64_t GetLe(const char* p, int n) {
 //   by their start there finds a new chunk's only possible overlaps (its neighbours).
 // - 3 or more: mark the cells of the grid formed by every chunk boundary (each cell is marked
 //   at most once before an overlap stops the scan), when that grid has at most 2^24 cells;
-//   beyond, a sweep along the dimension with the most distinct starts (quadratic only for
-//   absurdly irregular layouts of 3-D or larger tensors).
+//   beyond, a sweep along the dimension where it compares the fewest pairs, within a bound.
 std::optional<std::pair<size_t, size_t>> FindOverlap(const std::vector<ChunkMeta>& chunks,
                                                      const Shape& shape) {
   std::vector<size_t> order;
@@ -248,13 +247,32 @@ std::optional<std::pair<size_t, size_t>> FindOverlap(const std::vector<ChunkMeta
     }
     return std::nullopt;
   }
-  size_t dim = dims[0], best = 0;
+  // The sweep compares each chunk with the chunks alive at its start: along each dimension that
+  // count is known from the sorted starts and ends alone (a chunk ending at or before a start
+  // also began before it), so the cheapest dimension is chosen before any comparison. A layout
+  // that is costly along every dimension (no real sharding is: they are grids) is refused
+  // rather than validated in quadratic time.
+  constexpr uint64_t kMaxComparisons = uint64_t{1} << 27;
+  size_t dim = dims[0];
+  uint64_t best = UINT64_MAX;
   for (size_t d : dims) {
-    std::vector<int64_t> starts;
-    for (size_t i : order) starts.push_back(start(i, d));
+    std::vector<int64_t> starts, ends;
+    for (size_t i : order) starts.push_back(start(i, d)), ends.push_back(end(i, d));
     std::sort(starts.begin(), starts.end());
-    const size_t distinct = std::unique(starts.begin(), starts.end()) - starts.begin();
-    if (distinct > best) best = distinct, dim = d;
+    std::sort(ends.begin(), ends.end());
+    uint64_t cost = 0;
+    size_t ended = 0;
+    for (size_t k = 0; k < starts.size(); ++k) {
+      while (ended < ends.size() && ends[ended] <= starts[k]) ++ended;
+      cost += k - std::min(k, ended);
+    }
+    if (cost < best) best = cost, dim = d;
+  }
+  if (best > kMaxComparisons) {
+    throw CorruptionError(std::to_string(order.size()) +
+                          " chunks in an irregular layout of 3 or more dimensions: validating "
+                          "it would take " + std::to_string(best) + " comparisons (limit " +
+                          std::to_string(kMaxComparisons) + ")");
   }
   std::sort(order.begin(), order.end(),
             [&](size_t a, size_t b) { return start(a, dim) < start(b, dim); });
@@ -949,7 +967,13 @@ void ValidateMetadata(const Metadata& md, std::string_view source) {
     }
     // Disjoint chunks whose sizes add up to the volume cover it exactly; overlapping ones may
     // add up to it too while leaving a gap.
-    if (auto overlap = FindOverlap(t->chunks, t->shape)) {
+    std::optional<std::pair<size_t, size_t>> overlap;
+    try {
+      overlap = FindOverlap(t->chunks, t->shape);
+    } catch (const CorruptionError& e) {
+      fail("tensor '" + fqn + "': " + e.what());
+    }
+    if (overlap) {
       fail("tensor '" + fqn + "' chunks " + t->chunks[overlap->first].ToString() + " and " +
            t->chunks[overlap->second].ToString() + " overlap");
     }

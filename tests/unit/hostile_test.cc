@@ -411,6 +411,59 @@ TEST_CASE("hostile: validation is O(n log n) in the chunks of a tensor", "[hosti
   }
 }
 
+// Metadata of one float32 tensor "t" of `shape` stored as `chunks` (offsets, sizes), one item each.
+Metadata ChunkLayout(const Shape& shape, const std::vector<std::pair<Shape, Shape>>& chunks) {
+  Metadata md;
+  TensorMetadata t{DType::kFloat32, shape, {}};
+  uint64_t offset = 0;
+  for (const auto& [at, sizes] : chunks) {
+    t.chunks.push_back({at, sizes});
+    StorageInfo info;
+    info.relative_path = "data-0-r0-b0.data";
+    info.offset = offset;
+    info.length = info.raw_length = static_cast<uint64_t>(NumElements(sizes)) * 4;
+    info.crc32c = 0;
+    offset += info.length;
+    md.storage.emplace(MetadataIndex{"t", at, {}}, info);
+  }
+  md.entries["t"] = std::move(t);
+  return md;
+}
+
+TEST_CASE("hostile: irregular 3-D layouts validate in bounded time", "[hostile][codec]") {
+  // Slab i (thickness 1 along dim 0) cut at i + 1 along dims 1 and 2: 100k chunks whose
+  // boundaries form a grid of ~10^13 cells, and a sweep along dim 1 or 2 (the most distinct
+  // starts) keeps ~n chunks alive: 174 s before; along dim 0 at most 4 are.
+  const int64_t n = 25000;
+  std::vector<std::pair<Shape, Shape>> chunks;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = i + 1;
+    for (auto [y0, y1] : {std::pair{int64_t{0}, p}, std::pair{p, n + 1}}) {
+      for (auto [z0, z1] : {std::pair{int64_t{0}, p}, std::pair{p, n + 1}}) {
+        if (y1 > y0 && z1 > z0) chunks.push_back({{i, y0, z0}, {1, y1 - y0, z1 - z0}});
+      }
+    }
+  }
+  Metadata md = ChunkLayout({n, n + 1, n + 1}, chunks);
+  CHECK_CHEAP(Measure([&] { CHECK_NOTHROW(ValidateMetadata(md, "test")); }));
+  // Three families of sticks, each family long along one dimension: a sweep along any of them
+  // keeps one family alive (~10^8 comparisons). Refused, cheaply, naming the tensor.
+  const int64_t m = 150, l = 3 * m;
+  chunks.clear();
+  for (int64_t a = 0; a < m; ++a) {
+    for (int64_t b = 0; b < m; ++b) {
+      chunks.push_back({{0, a, b}, {l, 1, 1}});
+      chunks.push_back({{a, 0, m + b}, {1, l, 1}});
+      chunks.push_back({{m + a, m + b, 0}, {1, 1, l}});
+    }
+  }
+  md = ChunkLayout({l, l, l}, chunks);
+  CHECK_CHEAP(Measure([&] {
+    CHECK_THROWS_WITH(ValidateMetadata(md, "test"),
+                      Contains("tensor 't'") && Contains("irregular layout"));
+  }));
+}
+
 TEST_CASE("hostile: an empty shard at another rank's offset saves and loads at any world size",
           "[hostile][reshard][empty]") {
   const std::string name = "hostile-empty-shard";
