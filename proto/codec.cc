@@ -297,7 +297,16 @@ std::string JoinKeys(const KeyPath& path) {
 // form a tree: no empty path or key, no two entries at one path, no entry below another.
 void ValidateKeyPaths(const Metadata& md, const std::string& src) {
   auto fail = [&](const std::string& what) { throw CorruptionError(src + ": " + what); };
+  // A load rebuilds one nested state dict per level (and a flatten walks them recursively): a
+  // path as deep as a crafted 8 MiB name has dots would exhaust the stack and cost O(depth^2).
+  auto check_depth = [&](const std::string& fqn, size_t depth) {
+    if (depth > kMaxKeyPathDepth) {
+      fail("entry " + ClippedName(fqn) + " is nested " + std::to_string(depth) +
+           " levels deep (limit " + std::to_string(kMaxKeyPathDepth) + ")");
+    }
+  };
   for (const auto& [fqn, path] : md.key_paths) {
+    check_depth(fqn, path.size());
     if (!md.entries.count(fqn)) fail("key path of '" + fqn + "' names no entry");
     if (path.empty()) fail("entry '" + fqn + "' has an empty key path");
     for (const auto& k : path) {
@@ -316,6 +325,7 @@ void ValidateKeyPaths(const Metadata& md, const std::string& src) {
       paths.emplace_back(it->second, &fqn);
       continue;
     }
+    check_depth(fqn, static_cast<size_t>(std::count(fqn.begin(), fqn.end(), '.')) + 1);
     KeyPath path;
     for (size_t pos = 0;;) {
       const size_t dot = fqn.find('.', pos);

@@ -44,4 +44,9 @@ uint32_t ItemCrc(const StorageInfo& info, uint32_t crc, const void* data, size_t
   return info.zip_crc32 ? Crc32(crc, data, n) : Crc32c(crc, data, n);
 }
 
+std::string ClippedName(const std::string& name) {
+  if (name.size() <= 200) return "'" + name + "'";
+  return "'" + name.substr(0, 120) + "...' (" + std::to_string(name.size()) + " bytes)";
+}
+
 }  // namespace dcp

@@ -122,6 +122,13 @@ struct TensorMetadata {
 struct BytesMetadata {};
 using EntryMetadata = std::variant<TensorMetadata, BytesMetadata>;
 
+/// The deepest nesting a checkpoint's entries may have (key path length, or dots + 1 of an fqn
+/// without one): a load rebuilds one nested state dict per level.
+inline constexpr size_t kMaxKeyPathDepth = 256;
+
+/// `name` quoted for an error message, its middle elided past 200 bytes (names come from files).
+std::string ClippedName(const std::string& name);
+
 /// Current on-disk format version written by this library (see docs/FORMAT.md).
 inline constexpr uint32_t kFormatVersion = 1;
 

@@ -331,6 +331,24 @@ TEST_CASE("hostile: inconsistent key paths and nested relative paths are invalid
          m.key_paths["rng.state"] = {"rng", "state"};
        },
        "'rng.state'"},
+      {"an entry nested a million levels deep (load_all overflowed the stack in O(depth^2))",
+       [](Metadata& m) {
+         std::string deep = "x";
+         for (int i = 0; i < (1 << 20); ++i) deep += ".x";
+         m.entries[deep] = BytesMetadata{};
+         m.storage[MetadataIndex{deep, {}, {}}] = m.storage.at(MetadataIndex{"rng", {}, {}});
+       },
+       "nested 1048577 levels deep"},
+      {"a key path 257 levels deep",
+       [](Metadata& m) {
+         KeyPath path(257, "k");
+         std::string fqn = "k";
+         for (int i = 1; i < 257; ++i) fqn += ".k";
+         m.entries[fqn] = BytesMetadata{};
+         m.storage[MetadataIndex{fqn, {}, {}}] = m.storage.at(MetadataIndex{"rng", {}, {}});
+         m.key_paths[fqn] = path;
+       },
+       "nested 257 levels deep (limit 256)"},
       {"a relative path with a '/'",
        [](Metadata& m) {
          m.storage.at(MetadataIndex{"rng", {}, {}}).relative_path =
