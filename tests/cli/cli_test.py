@@ -272,6 +272,13 @@ def test_hostile(good):
     d = hostile("tmp")
     contains(bounded("verify", d, expect=0), "leftover temporary metadata file "
              "'metadata.dcp.tmp.0123abcd'", "OK:")
+    # Stray data files: the first 20 named with their sizes (a HEAD each on s3://), the rest counted.
+    d = fresh("hostile-strays")
+    for i in range(25):
+        open(os.path.join(d, f"data-stray{i:02d}-r0-b0.data"), "wb").write(b"x")
+    out = bounded("verify", d, expect=0)
+    contains(out, "... and 5 more unreferenced data files", "OK:")
+    check(out.count("unreferenced data file '") == 20, out)
     # Same damage, same exit code: a missing and a truncated data file are 1 in verify and convert.
     for damage in ("missing", "truncated"):
         d = fresh("hostile-" + damage)

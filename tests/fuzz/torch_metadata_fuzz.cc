@@ -1,14 +1,18 @@
 // libFuzzer target: PyTorch DCP inputs are untrusted. A `.metadata` pickle (restricted unpickler,
-// then the mapping onto dcp's Metadata and its validation) and a torch.save record (minizip over
-// the archive, then the tensor pickle) must each either succeed or throw a dcp::Error: never
-// crash, hang, read out of bounds or allocate absurdly. The first byte picks the target.
+// then the mapping onto dcp's Metadata and its validation), a torch.save record read as a load
+// reads it (minizip over the archive, the tensor pickle, its storage and CRC-32, a strided copy of
+// its values) and a record's every entry inflated and checked as verify does must each either
+// succeed or throw a dcp::Error: never crash, hang, read out of bounds or allocate absurdly. The
+// first byte picks the target.
 // Built with clang when DCP_FUZZ is on; `tools/setup.sh test` runs it over tests/fuzz/torch_corpus.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string_view>
+#include <vector>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/tensor.h"
 #include "dcp/storage/pickle.h"
 #include "dcp/storage/torch_dcp.h"
 
@@ -33,16 +37,36 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string_view bytes(reinterpret_cast<const char*>(data) + 1, size - 1);
   try {
-    switch (data[0] % 3) {
+    switch (data[0] % 4) {
       case 0:
         dcp::DecodeTorchDcpMetadata(bytes, "fuzz");
         break;
       case 1: {
+        // A record as a load reads it: resolved, its storage read and CRC-checked, and its
+        // values copied through its strides into a row-major tensor (as a strided load does).
         BytesObject in(bytes);
-        dcp::ResolveTorchTensorRecord(in, 0, bytes.size(), "fuzz");
+        const dcp::TorchTensorRecord rec =
+            dcp::ResolveTorchTensorRecord(in, 0, bytes.size(), "fuzz");
+        const std::vector<char> storage = dcp::ReadTorchRecordStorage(in, rec, "fuzz", true);
+        const int64_t numel = dcp::NumElements(rec.sizes);
+        if (rec.span_bytes > 0 && numel <= (int64_t{64} << 20) / 8) {  // stride 0 is legal
+          std::vector<char> dst(static_cast<size_t>(numel) * dcp::ElementSize(rec.dtype));
+          dcp::TensorView src;
+          src.data = const_cast<char*>(storage.data()) + (rec.values_begin() - rec.storage_begin);
+          src.dtype = rec.dtype;
+          src.shape = rec.sizes;
+          src.strides = rec.strides;
+          dcp::CopyTensor(dcp::TensorView::FromContiguous(dst.data(), rec.dtype, rec.sizes), src);
+        }
         break;
       }
-      default:
+      case 3: {
+        // Every entry of a record inflated and CRC-checked, as `dcp verify` does.
+        BytesObject in(bytes);
+        dcp::CheckTorchArchiveCrcs(in, 0, bytes.size(), "fuzz");
+        break;
+      }
+      case 2:
         dcp::pickle::Load(
             bytes, [](std::string_view, std::string_view) { return true; }, "fuzz");
         break;
