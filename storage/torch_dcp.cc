@@ -185,29 +185,41 @@ class Reader {
 // by entry, and backwards from the end for the end-of-directory record): tens of thousands of
 // reads for a small checkpoint, each a ranged GET on s3://. Small reads are therefore served
 // from one cached block: the first is the record's tail (where the directories are), later ones
-// the block at the position asked for. Reads of a block or more go straight through.
+// the blocks at the positions asked for, up to four kept (a record's small entries sit at its head
+// and its tail, and verify alternates between them). Reads of a block or more go straight through.
 struct Window {
   static constexpr uint64_t kBlock = 64 << 10;
+  static constexpr size_t kBlocks = 4;
+  struct Block {
+    uint64_t at = 0;  // window offset of bytes[0]
+    std::vector<char> bytes;
+  };
   ReadableObject* in;
   uint64_t base, size, pos = 0;
   std::exception_ptr error;
-  std::vector<char> cache;
-  uint64_t cache_at = 0;  // window offset of cache[0]
+  std::vector<Block> cache;  // most recently used last
 
   void Read(void* buf, uint64_t k) {
-    if (pos >= cache_at && pos + k <= cache_at + cache.size()) {
-      std::memcpy(buf, cache.data() + (pos - cache_at), k);
-      return;
+    for (size_t i = 0; i < cache.size(); ++i) {
+      Block& b = cache[i];
+      if (pos >= b.at && pos + k <= b.at + b.bytes.size()) {
+        std::memcpy(buf, b.bytes.data() + (pos - b.at), k);
+        std::rotate(cache.begin() + static_cast<std::ptrdiff_t>(i),
+                    cache.begin() + static_cast<std::ptrdiff_t>(i) + 1, cache.end());
+        return;
+      }
     }
     if (k >= kBlock) {
       in->ReadAt(base + pos, buf, k);
       return;
     }
+    if (cache.size() == kBlocks) cache.erase(cache.begin());
+    Block& b = cache.emplace_back();
     const uint64_t tail = size > kBlock ? size - kBlock : 0;
-    cache_at = pos >= tail ? tail : pos;
-    cache.resize(std::min(kBlock, size - cache_at));
-    in->ReadAt(base + cache_at, cache.data(), cache.size());
-    std::memcpy(buf, cache.data() + (pos - cache_at), k);
+    b.at = pos >= tail ? tail : pos;
+    b.bytes.resize(std::min(kBlock, size - b.at));
+    in->ReadAt(base + b.at, b.bytes.data(), b.bytes.size());
+    std::memcpy(buf, b.bytes.data() + (pos - b.at), k);
   }
 };
 
@@ -246,7 +258,7 @@ constexpr uint64_t kMaxInflatedBytes = uint64_t{64} << 20;  // deflated entries,
 class Archive {
  public:
   Archive(ReadableObject& in, uint64_t offset, uint64_t length, std::string what)
-      : window_{&in, offset, length, 0, nullptr, {}, 0}, what_(std::move(what)) {
+      : window_{&in, offset, length, 0, nullptr, {}}, what_(std::move(what)) {
     zlib_filefunc64_def ff{};
     ff.zopen64_file = ZOpen;
     ff.zread_file = ZRead;
@@ -356,6 +368,22 @@ class Archive {
   void CheckEntry(const std::string& name) {
     const unz_file_info64* info = Find(name);
     if (!info) Fail("has no entry " + name);
+    if (info->compression_method == 0) {
+      // A stored entry (all tensor data): its bytes in large reads, not minizip's 16 KiB ones
+      // (each a ranged GET on s3://).
+      const uint64_t at = DataOffset(name), n = info->uncompressed_size;
+      std::vector<char> buf(std::min<uint64_t>(n, uint64_t{8} << 20));
+      uint32_t crc = 0;
+      for (uint64_t pos = 0; pos < n;) {
+        const uint64_t k = std::min<uint64_t>(buf.size(), n - pos);
+        window_.pos = at + pos;
+        window_.Read(buf.data(), k);  // small ones from the cached block, large ones directly
+        crc = Crc32(crc, buf.data(), k);
+        pos += k;
+      }
+      if (crc != static_cast<uint32_t>(info->crc)) Fail("entry " + name + " fails its CRC-32");
+      return;
+    }
     Open(name);
     std::vector<char> buf(1 << 20);
     int n;
@@ -854,9 +882,9 @@ std::vector<char> ReadTorchRecordStorage(ReadableObject& in, const TorchTensorRe
   return buf;
 }
 
-TorchTensorRecord ResolveTorchTensorRecord(ReadableObject& in, uint64_t offset, uint64_t length,
-                                           const std::string& what) {
-  Archive zip(in, offset, length, what);
+namespace {
+
+TorchTensorRecord ResolveRecord(Archive& zip, uint64_t offset, const std::string& what) {
   const std::string prefix = zip.Prefix();
   if (zip.Find(prefix + "byteorder")) {
     const std::string order = zip.ReadSmall(prefix + "byteorder", 16);
@@ -955,13 +983,22 @@ TorchTensorRecord ResolveTorchTensorRecord(ReadableObject& in, uint64_t offset, 
   return rec;
 }
 
+}  // namespace
+
+TorchTensorRecord ResolveTorchTensorRecord(ReadableObject& in, uint64_t offset, uint64_t length,
+                                           const std::string& what) {
+  Archive zip(in, offset, length, what);
+  return ResolveRecord(zip, offset, what);
+}
+
 void CheckTorchArchiveCrcs(ReadableObject& in, uint64_t offset, uint64_t length,
-                           const std::string& what) {
+                           const std::string& what, TorchTensorRecord* record) {
   Archive zip(in, offset, length, what);
   for (const auto& [name, info] : zip.entries()) {
     (void)info;
     zip.CheckEntry(name);
   }
+  if (record) *record = ResolveRecord(zip, offset, what);
 }
 
 void CheckTorchArchiveCrcs(std::string_view archive, const std::string& what) {

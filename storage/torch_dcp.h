@@ -83,9 +83,11 @@ TorchTensorRecord ResolveTorchTensorRecord(ReadableObject& in, uint64_t offset, 
                                            const std::string& what);
 
 /// Read every entry of the archive at [offset, offset + length) through minizip, which checks
-/// each entry's CRC-32 (CorruptionError naming `what` and the entry on a mismatch). For verify.
+/// each entry's CRC-32 and that it holds the bytes it claims (CorruptionError naming `what` and
+/// the entry otherwise). For verify. With `record`, the archive is also resolved as a tensor
+/// record into it from the same read of its directory (ResolveTorchTensorRecord's checks).
 void CheckTorchArchiveCrcs(ReadableObject& in, uint64_t offset, uint64_t length,
-                           const std::string& what);
+                           const std::string& what, TorchTensorRecord* record = nullptr);
 /// The same for an archive held in memory (a PyTorch DCP byte entry, read whole).
 void CheckTorchArchiveCrcs(std::string_view archive, const std::string& what);
 

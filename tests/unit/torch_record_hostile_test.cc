@@ -158,6 +158,13 @@ TEST_CASE("torch record: its directories are read in a few reads, not byte by by
     CHECK(rec.span_bytes == storage_bytes);
     INFO("storage of " << storage_bytes << " bytes: " << in.reads << " reads");
     CHECK(in.reads <= 4);
+    // Verify's check of every entry resolves the record from the same directory read.
+    CountingBytes v(TensorRecord(0, {static_cast<int64_t>(storage_bytes / 4)}, {1}, storage));
+    TorchTensorRecord checked;
+    CheckTorchArchiveCrcs(v, 0, v.size(), "record", &checked);
+    CHECK(checked.storage_begin == rec.storage_begin);
+    INFO("verify: " << v.reads << " reads");
+    CHECK(v.reads <= 3);  // the blocks at its tail and head, then the storage in one read
   }
 }
 

@@ -243,12 +243,13 @@ int Verify(const std::string& path) {
             // record must hold the dtype and shape the metadata gives its chunk.
             const std::string what =
                 name(*it.index) + " in '" + file + "' at offset " + std::to_string(info.offset);
-            CheckTorchArchiveCrcs(*obj, info.offset, info.length, what);
-            if (!it.index->offset.empty() ||
-                std::holds_alternative<TensorMetadata>(md.entries.at(it.index->fqn))) {
+            const bool tensor =
+                !it.index->offset.empty() ||
+                std::holds_alternative<TensorMetadata>(md.entries.at(it.index->fqn));
+            TorchTensorRecord rec;  // resolved from the same read of the record's directory
+            CheckTorchArchiveCrcs(*obj, info.offset, info.length, what, tensor ? &rec : nullptr);
+            if (tensor) {
               const auto& tm = std::get<TensorMetadata>(md.entries.at(it.index->fqn));
-              const TorchTensorRecord rec =
-                  ResolveTorchTensorRecord(*obj, info.offset, info.length, what);
               Shape sizes;
               for (const auto& c : tm.chunks) {
                 if (c.offsets == it.index->offset) sizes = c.sizes;
