@@ -101,9 +101,15 @@ def test_basic():
     contains(out, "OK:", "12 stored items")
     check("\r" not in out, "progress bar drawn although stderr is not a terminal")
 
-    # diff: metadata equal; values differ in model.w only.
-    _, out = dcp("diff", a, b)
-    contains(out, "no differences")
+    # diff: metadata equal; values differ in model.w only. Without --values the stored checksums
+    # stand in for the values (it said "no differences" here).
+    _, out = dcp("diff", a, b, expect=1)
+    contains(out, "values differ: model.w: 1 of ", "chunks by stored checksum", "1 difference(s)")
+    check("model.c" not in out, out)
+    _, out = dcp("diff", a, a)
+    contains(out, "no differences (", "compared by stored checksum")
+    _, out = dcp("--version")
+    check(out.startswith("dcp ") and out.strip()[4:5].isdigit(), out)
     _, out = dcp("diff", a, b, "--values", expect=1)
     contains(out, "values differ: model.w: 1 of 30 elements, max abs diff 0.5", "1 difference(s)")
     _, out = dcp("diff", a, a, "--values")

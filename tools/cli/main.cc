@@ -391,6 +391,33 @@ void CompareValues(DType dtype, const char* a, const char* b, size_t nbytes, dou
   }
 }
 
+// Without --values, the stored checksums of an entry's items stand in for its values: items
+// stored raw on both sides with a CRC32C compare by it (equal CRCs: equal bytes, but for a 2^-32
+// chance). Anything else (compressed items, PyTorch records, no checksum) cannot be compared so.
+enum class CrcVerdict { kEqual, kDiffer, kUnknown };
+
+CrcVerdict CompareByCrc(const Metadata& ma, const Metadata& mb, const std::string& fqn,
+                        const std::vector<Shape>& offsets, size_t* differing) {
+  CrcVerdict verdict = CrcVerdict::kEqual;
+  for (const Shape& at : offsets) {
+    const auto ia = ma.storage.lower_bound(MetadataIndex{fqn, at, {}});
+    const auto ib = mb.storage.lower_bound(MetadataIndex{fqn, at, {}});
+    if (ia == ma.storage.end() || ib == mb.storage.end() || ia->first.fqn != fqn ||
+        ib->first.fqn != fqn || ia->first.offset != at || ib->first.offset != at) {
+      return CrcVerdict::kUnknown;
+    }
+    const StorageInfo &a = ia->second, &b = ib->second;
+    if (!a.transforms.empty() || !b.transforms.empty() || !a.crc32c || !b.crc32c) {
+      return CrcVerdict::kUnknown;
+    }
+    if (*a.crc32c != *b.crc32c) {
+      verdict = CrcVerdict::kDiffer;
+      ++*differing;
+    }
+  }
+  return verdict;
+}
+
 int Diff(const std::string& pa, const std::string& pb, bool values, double atol, double rtol) {
   const Checkpoint a = OpenCheckpoint(pa);
   const Checkpoint b = OpenCheckpoint(pb);
@@ -410,7 +437,7 @@ int Diff(const std::string& pa, const std::string& pb, bool values, double atol,
   for (const auto& [fqn, e] : b.md.entries) {
     if (!a.md.entries.count(fqn)) report("only in B: " + fqn);
   }
-  size_t compared = 0;
+  size_t compared = 0, not_compared = 0;
   for (const auto& fqn : common) {
     const auto& ea = a.md.entries.at(fqn);
     const auto& eb = b.md.entries.at(fqn);
@@ -432,6 +459,11 @@ int Diff(const std::string& pa, const std::string& pb, bool values, double atol,
         // Raw lengths: the same blob may be stored compressed in one and raw in the other.
         report("size differs: " + fqn + ": " + std::to_string(ItemInfo(a.md, fqn, {}).raw_length) +
                " vs " + std::to_string(ItemInfo(b.md, fqn, {}).raw_length) + " bytes");
+      } else {
+        size_t differing = 0;
+        const CrcVerdict v = CompareByCrc(a.md, b.md, fqn, {Shape{}}, &differing);
+        if (v == CrcVerdict::kDiffer) report("bytes differ: " + fqn + " (stored checksums)");
+        if (v == CrcVerdict::kUnknown) ++not_compared;
       }
       continue;
     }
@@ -451,7 +483,8 @@ int Diff(const std::string& pa, const std::string& pb, bool values, double atol,
                 [](const ChunkMeta& x, const ChunkMeta& y) { return x.offsets < y.offsets; });
       return v;
     };
-    if (comparable && sorted(ta->chunks) != sorted(tb->chunks)) {
+    const bool same_chunks = sorted(ta->chunks) == sorted(tb->chunks);
+    if (comparable && !same_chunks) {
       const std::string s = "chunking differs: " + fqn + ": " + std::to_string(ta->chunks.size()) +
                             " vs " + std::to_string(tb->chunks.size()) + " chunks";
       if (values) {
@@ -459,6 +492,18 @@ int Diff(const std::string& pa, const std::string& pb, bool values, double atol,
       } else {
         report(s);
       }
+    }
+    if (!values && comparable && same_chunks) {
+      std::vector<Shape> offsets;
+      for (const auto& c : ta->chunks) offsets.push_back(c.offsets);
+      size_t differing = 0;
+      const CrcVerdict v = CompareByCrc(a.md, b.md, fqn, offsets, &differing);
+      if (v == CrcVerdict::kDiffer) {
+        report("values differ: " + fqn + ": " + std::to_string(differing) + " of " +
+               std::to_string(offsets.size()) +
+               " chunks by stored checksum (--values for the elements)");
+      }
+      if (v == CrcVerdict::kUnknown) ++not_compared;
     }
     if (!values || !comparable) continue;
     if (compared == 0) CheckDataFiles(a), CheckDataFiles(b);  // before the first value read
@@ -490,8 +535,18 @@ int Diff(const std::string& pa, const std::string& pb, bool values, double atol,
     std::printf("%d difference(s)\n", differences);
     return kFailed;
   }
-  std::printf("no differences (%zu entries%s)\n", a.md.entries.size(),
-              values ? (", " + std::to_string(compared) + " compared by value").c_str() : "");
+  if (values) {
+    std::printf("no differences (%zu entries, %zu compared by value)\n", a.md.entries.size(),
+                compared);
+  } else if (not_compared == 0) {
+    std::printf("no differences (%zu entries, compared by stored checksum)\n",
+                a.md.entries.size());
+  } else {
+    std::printf("no differences in layout or stored checksums (%zu entries); %zu entries have no "
+                "comparable checksums (compressed, PyTorch records, none stored): --values compares "
+                "them\n",
+                a.md.entries.size(), not_compared);
+  }
   return kOk;
 }
 
@@ -565,6 +620,7 @@ int Main(int argc, char** argv) {
       "dcp: inspect, verify, diff and convert dcp checkpoints.\n"
       "PATH is a directory, file://DIR, mem://NAME or a URI of a registered scheme."};
   app.footer(ExitCodeHelp());
+  app.set_version_flag("--version", std::string("dcp ") + LibraryVersion());
   app.require_subcommand(1);
   app.fallthrough();
   std::vector<std::string> plugins;
