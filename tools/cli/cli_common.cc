@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <string_view>
+#include <utility>
 
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/codec.h"
@@ -30,7 +32,45 @@ std::string ExitCodeHelp() {
          "  4  incomplete checkpoint (data files but no metadata.dcp: the save did not finish)\n"
          "  5  corrupt metadata (checksum, truncation, inconsistent contents)\n"
          "  6  unsupported (newer format version, unknown transform, feature not in this build)\n"
-         "  7  I/O error, out of memory (naming the entry, file and size), or other error\n";
+         "  7  I/O error, out of memory (naming the entry, file and size), or other error\n"
+         "With --json, an error prints {\"error\": {\"category\", \"exit_code\", \"message\"}} on\n"
+         "stdout (categories: damaged_data, usage, not_checkpoint, incomplete_checkpoint,\n"
+         "corrupt_metadata, unsupported, io_error) and the message on stderr.\n";
+}
+
+const char* ExitCategory(int code) {
+  switch (code) {
+    case kOk:
+      return "ok";
+    case kFailed:
+      return "damaged_data";
+    case kUsage:
+      return "usage";
+    case kNotCheckpoint:
+      return "not_checkpoint";
+    case kIncomplete:
+      return "incomplete_checkpoint";
+    case kCorruptMetadata:
+      return "corrupt_metadata";
+    case kUnsupported:
+      return "unsupported";
+    default:
+      return "io_error";
+  }
+}
+
+std::string NameCliFlags(std::string message) {
+  // The library's wording stays (its tests match it); a CLI user sets these through flags.
+  static constexpr std::pair<std::string_view, std::string_view> kFlags[] = {
+      {"pass overwrite to replace it", "use --overwrite to replace it"},
+      {"compression_level ", "--compress-level "},
+  };
+  for (const auto& [field, flag] : kFlags) {
+    for (size_t at = 0; (at = message.find(field, at)) != std::string::npos; at += flag.size()) {
+      message.replace(at, field.size(), flag);
+    }
+  }
+  return message;
 }
 
 int ExitCodeFor(ErrorCode code) {
@@ -48,14 +88,20 @@ int ExitCodeFor(ErrorCode code) {
   }
 }
 
-CliError ClassifyCurrentException() {
+namespace {
+
+CliError ClassifyUnnamed() {
   try {
     throw;
   } catch (const CliError& e) {
     return e;
   } catch (const CollectiveError& e) {
-    // A single-process save or load: report the failure's own kind.
+    // A single-process save or load: report the failure's own kind, and with one failure that
+    // left nothing behind, its own message ("rank 0" means nothing to a CLI user).
     const ErrorCode code = e.failures().empty() ? ErrorCode::kIo : e.failures()[0].code;
+    if (e.failures().size() == 1 && e.outcome() == Outcome::kFailed) {
+      return {ExitCodeFor(code), e.failures()[0].message};
+    }
     return {ExitCodeFor(code), e.what()};
   } catch (const Error& e) {
     // Metadata damage is diagnosed by OpenCheckpoint; what reaches here is damaged or missing
@@ -68,6 +114,14 @@ CliError ClassifyCurrentException() {
   } catch (const std::exception& e) {
     return {kIoError, e.what()};
   }
+}
+
+}  // namespace
+
+CliError ClassifyCurrentException() {
+  CliError e = ClassifyUnnamed();
+  e.message = NameCliFlags(std::move(e.message));
+  return e;
 }
 
 Checkpoint OpenCheckpoint(const std::string& path) {
@@ -100,6 +154,7 @@ Checkpoint OpenCheckpoint(const std::string& path) {
       try {
         c.md = DecodeTorchDcpMetadata(c.store->ReadAll(kTorchDcpMetadataName),
                                       c.store->uri() + "/" + kTorchDcpMetadataName);
+        c.format = "torchdcp";
       } catch (const CorruptionError& e) {
         throw CliError{kCorruptMetadata, std::string("corrupt metadata: ") + e.what()};
       } catch (const UnsupportedError& e) {
@@ -128,6 +183,7 @@ Checkpoint OpenCheckpoint(const std::string& path) {
   }
   try {
     c.md = DecodeMetadataFile(c.store->ReadAll(kMetadataName), where);
+    c.format = "dcp";
   } catch (const CorruptionError& e) {
     const bool foreign = std::strstr(e.what(), "not a dcp metadata file") != nullptr;
     throw CliError{foreign ? kNotCheckpoint : kCorruptMetadata,

@@ -34,6 +34,8 @@ enum Exit : int {
 
 /// The text for `dcp --help`.
 std::string ExitCodeHelp();
+/// The name of an exit code's category in `--json` output ("usage", "damaged_data", ...).
+const char* ExitCategory(int code);
 
 /// A failure with the exit code it maps to.
 struct CliError {
@@ -49,12 +51,19 @@ struct CliError {
 int ExitCodeFor(ErrorCode code);
 
 /// Map the exception being handled (call inside a catch block) to a CliError (via ExitCodeFor
-/// for dcp errors; a bare std::bad_alloc is kIoError, "out of memory").
+/// for dcp errors; a bare std::bad_alloc is kIoError, "out of memory"). The message names the
+/// CLI's flags where the library's names its option fields (NameCliFlags), and a one-process
+/// save's failure is reported as itself, without the collective wrapper.
 CliError ClassifyCurrentException();
+/// `message` with the library option fields it names replaced by the `dcp` flags that set them
+/// ("pass overwrite to replace it" -> "use --overwrite to replace it", "compression_level" ->
+/// "--compress-level").
+std::string NameCliFlags(std::string message);
 
 /// An opened checkpoint: its store and its validated metadata.
 struct Checkpoint {
   std::string uri;
+  std::string format;  // "dcp", or "torchdcp" for a PyTorch DCP directory
   std::shared_ptr<Store> store;
   Metadata md;
 };
