@@ -1,10 +1,12 @@
 // dcp: inspect, verify, diff and convert checkpoints from the command line.
 //
 //   dcp inspect PATH [--filter GLOB] [--json]
-//   dcp verify PATH
-//   dcp diff A B [--values] [--atol X] [--rtol Y]
-//   dcp convert SRC DST [--from FMT] [--to FMT] [--overwrite] [--compress zstd]
+//   dcp verify PATH [--json]
+//   dcp diff A B [--values] [--atol X] [--rtol Y] [--json]
+//   dcp convert SRC DST [--from FMT] [--to FMT] [--overwrite] [--compress zstd] [--json]
 //   --plugin LIB (repeatable) loads a storage backend before anything else.
+//   --json prints one JSON document on stdout, with the same exit code as without it; an error
+//   prints {"error": {"category", "exit_code", "message"}} there (and the message on stderr).
 // Needs neither MPI nor LibTorch (only the torch.save conversion needs LibTorch).
 #include <fnmatch.h>
 
@@ -12,10 +14,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
 #include "dcp/checkpoint.h"
@@ -168,8 +172,9 @@ int Inspect(const std::string& path, const std::string& filter, bool json) {
 // item that has one, transforms this build can read, a zstd frame header that declares the
 // item's raw_length. Each problem carries the ErrorCode load would raise for it, so the exit
 // code (ExitCodeFor, shared with convert and diff) is the same for the same damage: an
-// unreadable transform (6) outranks damage (1).
-int Verify(const std::string& path) {
+// unreadable transform (6) outranks damage (1). With `json`, the same findings (the text
+// lines' wording as each one's message) go out as one document instead of lines.
+int Verify(const std::string& path, bool json) {
   const Checkpoint c = OpenCheckpoint(path);
   const Metadata& md = c.md;
   Store& store = *c.store;
@@ -183,17 +188,28 @@ int Verify(const std::string& path) {
     std::sort(items.begin(), items.end(),
               [](const Item& a, const Item& b) { return a.info->offset < b.info->offset; });
   }
-  std::vector<std::string> problems, warnings;
+  // One finding: `kind` and the file and item it concerns for --json, `message` for both.
+  struct Finding {
+    std::string kind, file;
+    const MetadataIndex* index;
+    std::string message;
+    int exit = kOk;
+    // For --json: the size of a named file; the items or files a counting warning stands for.
+    std::optional<uint64_t> bytes{}, count{};
+  };
+  std::vector<Finding> problems, warnings;
   int exit = kOk;
-  auto problem = [&](ErrorCode code, const std::string& what) {
-    problems.push_back(what);
+  auto problem = [&](ErrorCode code, std::string kind, const std::string& file,
+                     const MetadataIndex* index, const std::string& what) {
     const int e = ExitCodeFor(code);
+    problems.push_back({std::move(kind), file, index, what, e});
     if (exit == kOk || e == kUnsupported) exit = e;
   };
   auto name = [](const MetadataIndex& i) {
     return "'" + i.fqn + "'" + (i.offset.empty() ? "" : " chunk " + ShapeToString(i.offset));
   };
   size_t unchecked = 0, checked = 0;
+  uint64_t bytes_read = 0;
   constexpr size_t kPiece = size_t{8} << 20;
   std::vector<char> buf;
   {
@@ -203,14 +219,16 @@ int Verify(const std::string& path) {
       try {
         size = store.Size(file);
       } catch (const Error& e) {
-        problem(e.code(), "cannot stat file '" + file + "': " + e.what());
+        problem(e.code(), "stat_failed", file, nullptr,
+                "cannot stat file '" + file + "': " + e.what());
         continue;
       }
       if (!size) {
         for (const Item& it : items) {
-          problem(ErrorCode::kNotFound, "missing file '" + file + "': " + name(*it.index) + " (" +
-                                            std::to_string(it.info->length) + " bytes at offset " +
-                                            std::to_string(it.info->offset) + ") cannot be read");
+          problem(ErrorCode::kNotFound, "missing_file", file, it.index,
+                  "missing file '" + file + "': " + name(*it.index) + " (" +
+                      std::to_string(it.info->length) + " bytes at offset " +
+                      std::to_string(it.info->offset) + ") cannot be read");
           progress.Add(it.info->length);
         }
         continue;
@@ -219,7 +237,7 @@ int Verify(const std::string& path) {
       for (const Item& it : items) {
         const StorageInfo& info = *it.info;
         if (info.offset > *size || info.length > *size - info.offset) {
-          problem(ErrorCode::kCorruption,
+          problem(ErrorCode::kCorruption, "truncated_file", file, it.index,
                   "truncated file '" + file + "' (" + std::to_string(*size) + " bytes): " +
                       name(*it.index) + " needs bytes [" + std::to_string(info.offset) + ", " +
                       std::to_string(info.offset + info.length) + ")");
@@ -231,8 +249,9 @@ int Verify(const std::string& path) {
         if (!info.transforms.empty() && !IsZstdItem(info) && !torch_record) {
           std::string t;
           for (const auto& x : info.transforms) t += (t.empty() ? "" : ",") + x;
-          problem(ErrorCode::kUnsupported, name(*it.index) + " in '" + file + "' uses transform '" +
-                                               t + "', which this build cannot read");
+          problem(ErrorCode::kUnsupported, "unsupported_transform", file, it.index,
+                  name(*it.index) + " in '" + file + "' uses transform '" + t +
+                      "', which this build cannot read");
           progress.Add(info.length);
           continue;
         }
@@ -243,11 +262,11 @@ int Verify(const std::string& path) {
             // record must hold the dtype and shape the metadata gives its chunk.
             const std::string what =
                 name(*it.index) + " in '" + file + "' at offset " + std::to_string(info.offset);
-            const bool tensor =
-                !it.index->offset.empty() ||
-                std::holds_alternative<TensorMetadata>(md.entries.at(it.index->fqn));
+            const bool tensor = !it.index->offset.empty() || std::holds_alternative<TensorMetadata>(
+                                                                 md.entries.at(it.index->fqn));
             TorchTensorRecord rec;  // resolved from the same read of the record's directory
             CheckTorchArchiveCrcs(*obj, info.offset, info.length, what, tensor ? &rec : nullptr);
+            bytes_read += info.length;
             if (tensor) {
               const auto& tm = std::get<TensorMetadata>(md.entries.at(it.index->fqn));
               Shape sizes;
@@ -255,7 +274,7 @@ int Verify(const std::string& path) {
                 if (c.offsets == it.index->offset) sizes = c.sizes;
               }
               if (rec.dtype != tm.dtype || rec.sizes != sizes) {
-                problem(ErrorCode::kCorruption,
+                problem(ErrorCode::kCorruption, "record_mismatch", file, it.index,
                         what + " holds " + std::string(DTypeName(rec.dtype)) +
                             ShapeToString(rec.sizes) + ", the metadata says " +
                             std::string(DTypeName(tm.dtype)) + ShapeToString(sizes));
@@ -276,6 +295,7 @@ int Verify(const std::string& path) {
             obj->ReadAt(info.offset + done, buf.data(), n);
             crc = Crc32c(crc, buf.data(), n);
             done += n;
+            bytes_read += n;
             progress.Add(n);
           }
           if (!info.crc32c) {
@@ -287,69 +307,119 @@ int Verify(const std::string& path) {
                           "computed %08x",
                           file.c_str(), static_cast<unsigned long long>(info.offset),
                           static_cast<unsigned long long>(info.length), *info.crc32c, crc);
-            problem(ErrorCode::kCorruption, "checksum mismatch: " + name(*it.index) + line);
+            problem(ErrorCode::kCorruption, "checksum_mismatch", file, it.index,
+                    "checksum mismatch: " + name(*it.index) + line);
           } else {
             ++checked;
           }
         } catch (const Error& e) {
-          problem(e.code(), "cannot read " + name(*it.index) + " from '" + file + "' at offset " +
-                                std::to_string(info.offset) + ": " + e.what());
+          problem(e.code(), "read_failed", file, it.index,
+                  "cannot read " + name(*it.index) + " from '" + file + "' at offset " +
+                      std::to_string(info.offset) + ": " + e.what());
         }
       }
     }
   }
   if (unchecked) {
-    warnings.push_back(std::to_string(unchecked) + " of " + std::to_string(md.storage.size()) +
-                       " items carried no checksum: their contents were not verified");
+    warnings.push_back({"no_checksum", "", nullptr,
+                        std::to_string(unchecked) + " of " + std::to_string(md.storage.size()) +
+                            " items carried no checksum: their contents were not verified",
+                        kOk, std::nullopt, unchecked});
   }
+  // Stray files are named one by one (each costs a HEAD on s3://) up to a bound, then counted:
+  // a listing of 700k crafted names must not cost 700k requests and lines.
+  constexpr size_t kNamedStrays = 20;
+  size_t strays = 0;
   try {
-    // Stray files are named one by one (each costs a HEAD on s3://) up to a bound, then counted:
-    // a listing of 700k crafted names must not cost 700k requests and lines.
-    constexpr size_t kNamedStrays = 20;
-    size_t strays = 0;
     for (const auto& n : store.List()) {
       if ((IsDataObjectName(n) || IsTorchDcpDataName(n)) && !by_file.count(n)) {
         if (++strays > kNamedStrays) continue;
         const auto size = store.Size(n);
-        warnings.push_back("unreferenced data file '" + n + "' (" +
-                           std::to_string(size.value_or(0)) +
-                           " bytes; left by an interrupted or replaced save, safe to delete)");
+        warnings.push_back({"unreferenced_file", n, nullptr,
+                            "unreferenced data file '" + n + "' (" +
+                                std::to_string(size.value_or(0)) +
+                                " bytes; left by an interrupted or replaced save, safe to delete)",
+                            kOk, size.value_or(0), std::nullopt});
       } else if (n.rfind(std::string(kMetadataName) + ".tmp.", 0) == 0 ||
                  n.rfind(std::string(kTorchDcpMetadataName) + ".tmp.", 0) == 0) {
         // A commit's temporary metadata that never became metadata.dcp (the save died between
         // writing and renaming it): not part of the checkpoint, so a warning, not damage.
         const auto size = store.Size(n);
-        warnings.push_back("leftover temporary metadata file '" + n + "' (" +
-                           std::to_string(size.value_or(0)) +
-                           " bytes; left by an interrupted commit, safe to delete)");
+        warnings.push_back({"leftover_temporary_metadata", n, nullptr,
+                            "leftover temporary metadata file '" + n + "' (" +
+                                std::to_string(size.value_or(0)) +
+                                " bytes; left by an interrupted commit, safe to delete)",
+                            kOk, size.value_or(0), std::nullopt});
       }
     }
     if (strays > kNamedStrays) {
-      warnings.push_back("... and " + std::to_string(strays - kNamedStrays) +
-                         " more unreferenced data files");
+      warnings.push_back(
+          {"more_unreferenced_files", "", nullptr,
+           "... and " + std::to_string(strays - kNamedStrays) + " more unreferenced data files",
+           kOk, std::nullopt, strays - kNamedStrays});
     }
   } catch (const Error& e) {
-    warnings.push_back(std::string("cannot list the checkpoint's objects: ") + e.what());
+    warnings.push_back({"list_failed", "", nullptr,
+                        std::string("cannot list the checkpoint's objects: ") + e.what()});
   }
-  for (const auto& w : warnings) std::printf("warning: %s\n", w.c_str());
+  std::string summary;
   if (!problems.empty()) {
-    for (const auto& p : problems) std::printf("error: %s\n", p.c_str());
-    std::printf("FAILED: %s: %zu problem(s) in %zu stored items\n", c.store->uri().c_str(),
-                problems.size(), md.storage.size());
+    summary = "FAILED: " + c.store->uri() + ": " + std::to_string(problems.size()) +
+              " problem(s) in " + std::to_string(md.storage.size()) + " stored items";
+  } else {
+    const std::string checksums =
+        unchecked == 0
+            ? "checksums (CRC32C, or zip CRC-32 for PyTorch DCP records), sizes and chunk "
+              "tiling verified"
+        : checked == 0
+            ? "sizes and chunk tiling verified; NO item carried a checksum, so no "
+              "contents were verified"
+            : "sizes and chunk tiling verified; checksums verified for " + std::to_string(checked) +
+                  " items, " + std::to_string(unchecked) + " carried none";
+    summary = "OK: " + c.store->uri() + ": " + std::to_string(md.entries.size()) + " entries, " +
+              std::to_string(md.storage.size()) + " stored items, " +
+              FormatBytes(md.TotalStoredBytes()) + " in " + std::to_string(by_file.size()) +
+              " files; " + checksums;
+  }
+  if (json) {
+    auto finding = [](const Finding& f) {
+      ordered_json j = {{"kind", f.kind}};
+      j["file"] = f.file.empty() ? ordered_json() : ordered_json(f.file);
+      j["entry"] = f.index ? ordered_json(f.index->fqn) : ordered_json();
+      // A tensor chunk's offsets; null for a blob or a finding about a whole file.
+      j["chunk"] =
+          f.index && !f.index->offset.empty() ? ordered_json(f.index->offset) : ordered_json();
+      if (f.exit != kOk) j["category"] = ExitCategory(f.exit);
+      if (f.bytes) j["bytes"] = *f.bytes;
+      if (f.count) j["count"] = *f.count;
+      j["message"] = f.message;
+      return j;
+    };
+    ordered_json jp = ordered_json::array(), jw = ordered_json::array();
+    for (const auto& p : problems) jp.push_back(finding(p));
+    for (const auto& w : warnings) jw.push_back(finding(w));
+    const ordered_json j = {{"ok", problems.empty()},
+                            {"exit_code", exit},
+                            {"checkpoint", c.store->uri()},
+                            {"format", c.format},
+                            {"entries", md.entries.size()},
+                            {"items", md.storage.size()},
+                            {"files", by_file.size()},
+                            {"stored_bytes", md.TotalStoredBytes()},
+                            {"bytes_read", bytes_read},
+                            {"items_checksum_verified", checked},
+                            {"items_without_checksum", unchecked},
+                            {"unreferenced_files", strays},
+                            {"problems", std::move(jp)},
+                            {"warnings", std::move(jw)},
+                            {"summary", summary}};
+    std::cout << j.dump(2) << "\n";
     return exit;
   }
-  const std::string checksums =
-      unchecked == 0 ? "checksums (CRC32C, or zip CRC-32 for PyTorch DCP records), sizes and chunk "
-                       "tiling verified"
-      : checked == 0
-          ? "sizes and chunk tiling verified; NO item carried a checksum, so no "
-            "contents were verified"
-          : "sizes and chunk tiling verified; checksums verified for " + std::to_string(checked) +
-                " items, " + std::to_string(unchecked) + " carried none";
-  std::printf("OK: %s: %zu entries, %zu stored items, %s in %zu files; %s\n",
-              c.store->uri().c_str(), md.entries.size(), md.storage.size(),
-              FormatBytes(md.TotalStoredBytes()).c_str(), by_file.size(), checksums.c_str());
-  return kOk;
+  for (const auto& w : warnings) std::printf("warning: %s\n", w.message.c_str());
+  for (const auto& p : problems) std::printf("error: %s\n", p.message.c_str());
+  std::printf("%s\n", summary.c_str());
+  return exit;
 }
 
 // ---- diff ----
@@ -396,18 +466,35 @@ void CompareValues(DType dtype, const char* a, const char* b, size_t nbytes, dou
 // chance). Anything else (compressed items, PyTorch records, no checksum) cannot be compared so.
 enum class CrcVerdict { kEqual, kDiffer, kUnknown };
 
+// Why `info` (of side A or B) has no checksum that stands for its values.
+std::string NoComparableCrc(const StorageInfo& info, const char* side) {
+  if (IsZstdItem(info)) return std::string("compressed (zstd) in ") + side;
+  if (info.transforms.size() == 1 && info.transforms[0] == kTorchSaveTransform) {
+    return std::string("a PyTorch DCP record in ") + side;
+  }
+  if (!info.transforms.empty()) return std::string("stored with a transform in ") + side;
+  return std::string("no stored checksum in ") + side;
+}
+
+// On kUnknown, `why` says which item of which side has no comparable checksum.
 CrcVerdict CompareByCrc(const Metadata& ma, const Metadata& mb, const std::string& fqn,
-                        const std::vector<Shape>& offsets, size_t* differing) {
+                        const std::vector<Shape>& offsets, size_t* differing, std::string* why) {
   CrcVerdict verdict = CrcVerdict::kEqual;
   for (const Shape& at : offsets) {
     const auto ia = ma.storage.lower_bound(MetadataIndex{fqn, at, {}});
     const auto ib = mb.storage.lower_bound(MetadataIndex{fqn, at, {}});
     if (ia == ma.storage.end() || ib == mb.storage.end() || ia->first.fqn != fqn ||
         ib->first.fqn != fqn || ia->first.offset != at || ib->first.offset != at) {
+      *why = "no stored item for chunk " + ShapeToString(at);
       return CrcVerdict::kUnknown;
     }
     const StorageInfo &a = ia->second, &b = ib->second;
-    if (!a.transforms.empty() || !b.transforms.empty() || !a.crc32c || !b.crc32c) {
+    if (!a.transforms.empty() || !a.crc32c) {
+      *why = NoComparableCrc(a, "A");
+      return CrcVerdict::kUnknown;
+    }
+    if (!b.transforms.empty() || !b.crc32c) {
+      *why = NoComparableCrc(b, "B");
       return CrcVerdict::kUnknown;
     }
     if (*a.crc32c != *b.crc32c) {
@@ -418,64 +505,97 @@ CrcVerdict CompareByCrc(const Metadata& ma, const Metadata& mb, const std::strin
   return verdict;
 }
 
-int Diff(const std::string& pa, const std::string& pb, bool values, double atol, double rtol) {
+// With `json`, the differences (each with its text line as message), the entries the stored
+// checksums could not compare and a summary go out as one document instead of lines.
+int Diff(const std::string& pa, const std::string& pb, bool values, double atol, double rtol,
+         bool json) {
   const Checkpoint a = OpenCheckpoint(pa);
   const Checkpoint b = OpenCheckpoint(pb);
+  ordered_json jdiffs = ordered_json::array(), jnotes = ordered_json::array(),
+               jnot_compared = ordered_json::array();
   int differences = 0;
-  auto report = [&](const std::string& s) {
-    std::printf("%s\n", s.c_str());
+  auto report = [&](const char* kind, const std::string& fqn, const std::string& s,
+                    ordered_json details = ordered_json::object()) {
+    if (json) {
+      jdiffs.push_back(
+          {{"entry", fqn}, {"kind", kind}, {"details", std::move(details)}, {"message", s}});
+    } else {
+      std::printf("%s\n", s.c_str());
+    }
     ++differences;
   };
   std::vector<std::string> common;
   for (const auto& [fqn, e] : a.md.entries) {
     if (!b.md.entries.count(fqn)) {
-      report("only in A: " + fqn);
+      report("only_in_a", fqn, "only in A: " + fqn);
     } else {
       common.push_back(fqn);
     }
   }
   for (const auto& [fqn, e] : b.md.entries) {
-    if (!a.md.entries.count(fqn)) report("only in B: " + fqn);
+    if (!a.md.entries.count(fqn)) report("only_in_b", fqn, "only in B: " + fqn);
   }
-  size_t compared = 0, not_compared = 0;
+  size_t compared = 0, by_crc = 0, not_compared = 0;
+  auto uncompared = [&](const std::string& fqn, const std::string& why) {
+    ++not_compared;
+    jnot_compared.push_back({{"entry", fqn}, {"reason", why}});
+  };
+  auto kind_name = [](bool tensor) { return tensor ? "tensor" : "bytes"; };
   for (const auto& fqn : common) {
     const auto& ea = a.md.entries.at(fqn);
     const auto& eb = b.md.entries.at(fqn);
     const auto* ta = std::get_if<TensorMetadata>(&ea);
     const auto* tb = std::get_if<TensorMetadata>(&eb);
     if (!ta != !tb) {
-      report(std::string("kind differs: ") + fqn + ": " + (ta ? "tensor" : "bytes") + " vs " +
-             (tb ? "tensor" : "bytes"));
+      report("kind", fqn,
+             std::string("kind differs: ") + fqn + ": " + kind_name(ta) + " vs " + kind_name(tb),
+             {{"a", kind_name(ta)}, {"b", kind_name(tb)}});
       continue;
     }
     if (!ta) {  // blobs
+      const uint64_t la = ItemInfo(a.md, fqn, {}).raw_length;
+      const uint64_t lb = ItemInfo(b.md, fqn, {}).raw_length;
       if (values) {
         if (compared == 0) CheckDataFiles(a), CheckDataFiles(b);  // before the first value read
         ++compared;
         if (ReadBlob(*a.store, a.md, fqn) != ReadBlob(*b.store, b.md, fqn)) {
-          report("bytes differ: " + fqn);
+          report("values", fqn, "bytes differ: " + fqn, {{"bytes_a", la}, {"bytes_b", lb}});
         }
-      } else if (ItemInfo(a.md, fqn, {}).raw_length != ItemInfo(b.md, fqn, {}).raw_length) {
+      } else if (la != lb) {
         // Raw lengths: the same blob may be stored compressed in one and raw in the other.
-        report("size differs: " + fqn + ": " + std::to_string(ItemInfo(a.md, fqn, {}).raw_length) +
-               " vs " + std::to_string(ItemInfo(b.md, fqn, {}).raw_length) + " bytes");
+        report("size", fqn,
+               "size differs: " + fqn + ": " + std::to_string(la) + " vs " + std::to_string(lb) +
+                   " bytes",
+               {{"bytes_a", la}, {"bytes_b", lb}});
       } else {
         size_t differing = 0;
-        const CrcVerdict v = CompareByCrc(a.md, b.md, fqn, {Shape{}}, &differing);
-        if (v == CrcVerdict::kDiffer) report("bytes differ: " + fqn + " (stored checksums)");
-        if (v == CrcVerdict::kUnknown) ++not_compared;
+        std::string why;
+        const CrcVerdict v = CompareByCrc(a.md, b.md, fqn, {Shape{}}, &differing, &why);
+        if (v == CrcVerdict::kDiffer) {
+          report("checksum", fqn, "bytes differ: " + fqn + " (stored checksums)",
+                 {{"differing_items", 1}, {"items", 1}});
+        }
+        if (v == CrcVerdict::kUnknown) {
+          uncompared(fqn, why);
+        } else {
+          ++by_crc;
+        }
       }
       continue;
     }
     bool comparable = true;
     if (ta->dtype != tb->dtype) {
-      report("dtype differs: " + fqn + ": " + std::string(DTypeName(ta->dtype)) + " vs " +
-             std::string(DTypeName(tb->dtype)));
+      report("dtype", fqn,
+             "dtype differs: " + fqn + ": " + std::string(DTypeName(ta->dtype)) + " vs " +
+                 std::string(DTypeName(tb->dtype)),
+             {{"a", DTypeName(ta->dtype)}, {"b", DTypeName(tb->dtype)}});
       comparable = false;
     }
     if (ta->shape != tb->shape) {
-      report("shape differs: " + fqn + ": " + ShapeToString(ta->shape) + " vs " +
-             ShapeToString(tb->shape));
+      report("shape", fqn,
+             "shape differs: " + fqn + ": " + ShapeToString(ta->shape) + " vs " +
+                 ShapeToString(tb->shape),
+             {{"a", ta->shape}, {"b", tb->shape}});
       comparable = false;
     }
     auto sorted = [](std::vector<ChunkMeta> v) {
@@ -487,23 +607,38 @@ int Diff(const std::string& pa, const std::string& pb, bool values, double atol,
     if (comparable && !same_chunks) {
       const std::string s = "chunking differs: " + fqn + ": " + std::to_string(ta->chunks.size()) +
                             " vs " + std::to_string(tb->chunks.size()) + " chunks";
+      const ordered_json details = {{"chunks_a", ta->chunks.size()},
+                                    {"chunks_b", tb->chunks.size()}};
       if (values) {
-        std::printf("%s (layout only; values compared below)\n", s.c_str());
+        // Layout only: the values are compared below, so not a difference of its own.
+        if (json) {
+          jnotes.push_back(
+              {{"entry", fqn}, {"kind", "chunking"}, {"details", details}, {"message", s}});
+        } else {
+          std::printf("%s (layout only; values compared below)\n", s.c_str());
+        }
       } else {
-        report(s);
+        report("chunking", fqn, s, details);
       }
     }
     if (!values && comparable && same_chunks) {
       std::vector<Shape> offsets;
       for (const auto& c : ta->chunks) offsets.push_back(c.offsets);
       size_t differing = 0;
-      const CrcVerdict v = CompareByCrc(a.md, b.md, fqn, offsets, &differing);
+      std::string why;
+      const CrcVerdict v = CompareByCrc(a.md, b.md, fqn, offsets, &differing, &why);
       if (v == CrcVerdict::kDiffer) {
-        report("values differ: " + fqn + ": " + std::to_string(differing) + " of " +
-               std::to_string(offsets.size()) +
-               " chunks by stored checksum (--values for the elements)");
+        report("checksum", fqn,
+               "values differ: " + fqn + ": " + std::to_string(differing) + " of " +
+                   std::to_string(offsets.size()) +
+                   " chunks by stored checksum (--values for the elements)",
+               {{"differing_chunks", differing}, {"chunks", offsets.size()}});
       }
-      if (v == CrcVerdict::kUnknown) ++not_compared;
+      if (v == CrcVerdict::kUnknown) {
+        uncompared(fqn, why);
+      } else {
+        ++by_crc;
+      }
     }
     if (!values || !comparable) continue;
     if (compared == 0) CheckDataFiles(a), CheckDataFiles(b);  // before the first value read
@@ -517,37 +652,61 @@ int Diff(const std::string& pa, const std::string& pb, bool values, double atol,
     }
     if (d.differing) {
       char line[256];
+      ordered_json details = {{"differing_elements", d.differing},
+                              {"compared_elements", d.compared}};
       if (d.numeric) {
         std::snprintf(line, sizeof line,
                       "values differ: %s: %llu of %llu elements, max abs diff %.6g, max rel diff "
                       "%.6g",
                       fqn.c_str(), static_cast<unsigned long long>(d.differing),
                       static_cast<unsigned long long>(d.compared), d.max_abs, d.max_rel);
+        // JSON has no infinity (NaN against a number, a difference from 0): null stands for it.
+        details["max_abs_diff"] = std::isinf(d.max_abs) ? ordered_json() : ordered_json(d.max_abs);
+        details["max_rel_diff"] = std::isinf(d.max_rel) ? ordered_json() : ordered_json(d.max_rel);
       } else {
         std::snprintf(line, sizeof line, "values differ: %s: %llu of %llu elements (bytewise)",
                       fqn.c_str(), static_cast<unsigned long long>(d.differing),
                       static_cast<unsigned long long>(d.compared));
+        details["bytewise"] = true;
       }
-      report(line);
+      report("values", fqn, line, std::move(details));
     }
   }
+  std::string summary;
   if (differences) {
-    std::printf("%d difference(s)\n", differences);
-    return kFailed;
-  }
-  if (values) {
-    std::printf("no differences (%zu entries, %zu compared by value)\n", a.md.entries.size(),
-                compared);
+    summary = std::to_string(differences) + " difference(s)";
+  } else if (values) {
+    summary = "no differences (" + std::to_string(a.md.entries.size()) + " entries, " +
+              std::to_string(compared) + " compared by value)";
   } else if (not_compared == 0) {
-    std::printf("no differences (%zu entries, compared by stored checksum)\n",
-                a.md.entries.size());
+    summary = "no differences (" + std::to_string(a.md.entries.size()) +
+              " entries, compared by stored checksum)";
   } else {
-    std::printf("no differences in layout or stored checksums (%zu entries); %zu entries have no "
-                "comparable checksums (compressed, PyTorch records, none stored): --values compares "
-                "them\n",
-                a.md.entries.size(), not_compared);
+    summary = "no differences in layout or stored checksums (" +
+              std::to_string(a.md.entries.size()) + " entries); " + std::to_string(not_compared) +
+              " entries have no comparable checksums (compressed, PyTorch records, none stored): "
+              "--values compares them";
   }
-  return kOk;
+  const int exit = differences ? kFailed : kOk;
+  if (!json) {
+    std::printf("%s\n", summary.c_str());
+    return exit;
+  }
+  ordered_json j = {{"identical", differences == 0},
+                    {"exit_code", exit},
+                    {"a", a.store->uri()},
+                    {"b", b.store->uri()},
+                    {"mode", values ? "values" : "checksums"}};
+  if (values) j["tolerances"] = {{"atol", atol}, {"rtol", rtol}};
+  j["differences"] = std::move(jdiffs);
+  if (values) j["layout_notes"] = std::move(jnotes);
+  j["not_compared"] = std::move(jnot_compared);
+  j["summary"] = {{"entries_a", a.md.entries.size()}, {"entries_b", b.md.entries.size()},
+                  {"common_entries", common.size()},  {"differences", differences},
+                  {"compared_by_value", compared},    {"compared_by_checksum", by_crc},
+                  {"not_compared", not_compared},     {"message", summary}};
+  std::cout << j.dump(2) << "\n";
+  return exit;
 }
 
 // ---- convert ----
@@ -587,7 +746,7 @@ void ConvertCheckpoint(const std::string& src, std::string dst, const std::strin
 }
 
 int Convert(const std::string& src, const std::string& dst, std::string from, std::string to,
-            const ConvertOptions& o) {
+            const ConvertOptions& o, bool json) {
   if (from.empty()) from = GuessFormat(src);
   if (to.empty()) to = GuessFormat(dst);
   if (o.compress != "none" && to != "dcp") {
@@ -611,8 +770,45 @@ int Convert(const std::string& src, const std::string& dst, std::string from, st
                                " (supported: dcp or torchdcp <-> safetensors, dcp <-> "
                                "torchdcp, dcp or torchdcp -> torch, torch -> dcp)"};
   }
-  std::printf("converted %s (%s) -> %s (%s)\n", src.c_str(), from.c_str(), dst.c_str(), to.c_str());
+  // What was written, read back from the result: a checkpoint's metadata (its data bytes), or
+  // the file's size and the source checkpoint's entry count (a file's entries are its source's).
+  size_t entries = 0;
+  uint64_t bytes = 0;
+  if (to == "dcp" || to == "torchdcp") {
+    const Checkpoint out = OpenCheckpoint(
+        to == "torchdcp" && dst.find("://") == std::string::npos ? "torchdcp://" + dst : dst);
+    entries = out.md.entries.size();
+    bytes = out.md.TotalStoredBytes();
+  } else {
+    entries = OpenCheckpoint(src).md.entries.size();
+    bytes = std::filesystem::file_size(dst);
+  }
+  if (json) {
+    const ordered_json j = {{"ok", true},
+                            {"source", src},
+                            {"destination", dst},
+                            {"from", from},
+                            {"to", to},
+                            {"compression", o.compress},
+                            {"overwrite", o.overwrite},
+                            {"entries", entries},
+                            {"bytes_written", bytes}};
+    std::cout << j.dump(2) << "\n";
+  } else {
+    std::printf("converted %s (%s) -> %s (%s): %zu entries, %llu bytes\n", src.c_str(),
+                from.c_str(), dst.c_str(), to.c_str(), entries,
+                static_cast<unsigned long long>(bytes));
+  }
   return kOk;
+}
+
+// For --json: an error as one JSON document on stdout (the message stays on stderr too, for a
+// person watching), with the exit code it has without --json.
+void PrintJsonError(const CliError& e) {
+  const ordered_json j = {
+      {"error",
+       {{"category", ExitCategory(e.code)}, {"exit_code", e.code}, {"message", e.message}}}};
+  std::cout << j.dump(2) << "\n";
 }
 
 int Main(int argc, char** argv) {
@@ -639,6 +835,7 @@ int Main(int argc, char** argv) {
   auto* verify = app.add_subcommand(
       "verify", "read every stored item; check checksums, sizes and chunk tiling");
   verify->add_option("PATH", path, "checkpoint location")->required();
+  verify->add_flag("--json", json, "print one JSON document (problems, warnings, counts)");
 
   bool values = false;
   double atol = 0, rtol = 0;
@@ -648,6 +845,7 @@ int Main(int argc, char** argv) {
   diff->add_flag("--values", values, "compare values too: per-tensor max abs and rel difference");
   diff->add_option("--atol", atol, "absolute tolerance for float values (default 0)");
   diff->add_option("--rtol", rtol, "relative tolerance for float values (default 0)");
+  diff->add_flag("--json", json, "print one JSON document (differences, entries not compared)");
 
   std::string from, to;
   ConvertOptions co;
@@ -675,25 +873,32 @@ int Main(int argc, char** argv) {
   size_t budget_mib = 64, budget_bytes = 0;
   convert->add_option("--piece-mib", budget_mib, "memory bound per streamed piece (default 64)");
   convert->add_option("--piece-bytes", budget_bytes, "the same in bytes (overrides --piece-mib)");
+  convert->add_flag("--json", json, "print one JSON document (formats, entries, bytes written)");
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
+    // A bad command line may not have parsed --json itself: it counts where it was given.
+    if (rc != 0 && std::any_of(argv + 1, argv + argc,
+                               [](const char* a) { return std::strcmp(a, "--json") == 0; })) {
+      PrintJsonError({kUsage, e.what()});
+    }
     return rc == 0 ? kOk : kUsage;
   }
   try {
     for (const auto& p : plugins) LoadStoragePlugin(p);
     if (inspect->parsed()) return Inspect(path, filter, json);
-    if (verify->parsed()) return Verify(path);
-    if (diff->parsed()) return Diff(path, other, values, atol, rtol);
+    if (verify->parsed()) return Verify(path, json);
+    if (diff->parsed()) return Diff(path, other, values, atol, rtol, json);
     if (convert->parsed()) {
       co.budget_bytes = budget_bytes ? budget_bytes : std::max<size_t>(1, budget_mib) << 20;
-      return Convert(path, other, from, to, co);
+      return Convert(path, other, from, to, co, json);
     }
   } catch (...) {
     const CliError e = ClassifyCurrentException();
     std::fprintf(stderr, "dcp: error: %s\n", e.message.c_str());
+    if (json) PrintJsonError(e);
     return e.code;
   }
   return kUsage;
