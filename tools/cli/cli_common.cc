@@ -90,6 +90,13 @@ int ExitCodeFor(ErrorCode code) {
 
 namespace {
 
+// Metadata damage is diagnosed by OpenCheckpoint; a dcp error that reaches here is damaged or
+// missing data, an unknown transform, or an error of the storage or the machine.
+CliError FromDcpError(ErrorCode code, const std::string& message) {
+  const bool damage = code == ErrorCode::kCorruption || code == ErrorCode::kNotFound;
+  return {ExitCodeFor(code), (damage ? "damaged data: " : "") + message};
+}
+
 CliError ClassifyUnnamed() {
   try {
     throw;
@@ -100,15 +107,11 @@ CliError ClassifyUnnamed() {
     // left nothing behind, its own message ("rank 0" means nothing to a CLI user).
     const ErrorCode code = e.failures().empty() ? ErrorCode::kIo : e.failures()[0].code;
     if (e.failures().size() == 1 && e.outcome() == Outcome::kFailed) {
-      return {ExitCodeFor(code), e.failures()[0].message};
+      return FromDcpError(code, e.failures()[0].message);
     }
     return {ExitCodeFor(code), e.what()};
   } catch (const Error& e) {
-    // Metadata damage is diagnosed by OpenCheckpoint; what reaches here is damaged or missing
-    // data, an unknown transform, or an error of the storage or the machine.
-    const int exit = ExitCodeFor(e.code());
-    const bool damage = e.code() == ErrorCode::kCorruption || e.code() == ErrorCode::kNotFound;
-    return {exit, std::string(damage ? "damaged data: " : "") + e.what()};
+    return FromDcpError(e.code(), e.what());
   } catch (const std::bad_alloc& e) {
     return {kIoError, std::string("out of memory: ") + e.what()};
   } catch (const std::exception& e) {

@@ -733,6 +733,9 @@ std::string GuessFormat(const std::string& path) {
 // a load of everything, then a save. Holds the whole checkpoint in memory.
 void ConvertCheckpoint(const std::string& src, std::string dst, const std::string& to,
                        const ConvertOptions& o) {
+  // Diagnosed as every other command does (a missing source is "not a checkpoint", 3), before
+  // the load, whose own error would say only "not found".
+  CheckDataFiles(OpenCheckpoint(src));
   StateDict sd;
   LoadOptions lo;
   lo.load_all = true;
