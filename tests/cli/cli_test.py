@@ -211,7 +211,233 @@ def test_basic():
     contains(out, "Exit codes", "incomplete checkpoint")
     dcp("frobnicate", expect=2)
 
+    test_json(a, b)
+    test_flag_hints(a)
     test_hostile(a)
+
+
+def dcp_json(*a, expect=0):
+    """Run `dcp A... --json`: check the exit code and that stdout is exactly one JSON document."""
+    cmd = [str(args.dcp), *map(str, a), "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    what = " ".join(cmd)
+    check(p.returncode == expect,
+          f"{what}: exit {p.returncode}, expected {expect}\n{p.stdout}{p.stderr}")
+    try:
+        doc = json.loads(p.stdout)
+    except json.JSONDecodeError as e:
+        sys.exit(f"FAIL: {what}: stdout is not one JSON document ({e}):\n{p.stdout}")
+    return doc, p.stderr
+
+
+def write_safetensors(path, tensors):
+    """A safetensors file from {name: (dtype, shape, raw bytes)} (standard library only)."""
+    header, data = {}, b""
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode()
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)) + text + data)
+
+
+def test_json(a, b):
+    """--json on verify, diff and convert: one document, the same exit codes as the text form,
+    and values that match the checkpoints (not only the keys)."""
+    info = inspect_json(a)
+    stored = sum(e["bytes"] for e in info["entries"])
+
+    # verify: a sound checkpoint.
+    doc, err = dcp_json("verify", a)
+    check(doc["ok"] is True and doc["exit_code"] == 0 and doc["format"] == "dcp", str(doc))
+    check(doc["checkpoint"] == info["uri"] and doc["checkpoint"].endswith("/a"), str(doc))
+    check((doc["entries"], doc["items"], doc["files"]) == (9, 12, 2), str(doc))
+    check(doc["stored_bytes"] == stored and doc["bytes_read"] == stored, f"{doc} vs {stored}")
+    check(doc["items_checksum_verified"] == 12 and doc["items_without_checksum"] == 0, str(doc))
+    check(doc["problems"] == [] and doc["warnings"] == [] and doc["unreferenced_files"] == 0,
+          str(doc))
+    check(doc["summary"].startswith("OK: ") and err == "", doc["summary"] + err)
+
+    # verify: a flipped byte in model.w's chunk [3, 0] is one problem naming file, entry, chunk.
+    d = fresh("json-flip")
+    w0 = w_chunk(d)
+    path = os.path.join(d, w0["file"])
+    data = bytearray(open(path, "rb").read())
+    data[w0["offset"] + 7] ^= 0x01
+    open(path, "wb").write(data)
+    doc, _ = dcp_json("verify", d, expect=1)
+    check(doc["ok"] is False and doc["exit_code"] == 1 and len(doc["problems"]) == 1, str(doc))
+    p = doc["problems"][0]
+    check(p["kind"] == "checksum_mismatch" and p["file"] == w0["file"] and
+          p["entry"] == "model.w" and p["chunk"] == [3, 0] and p["category"] == "damaged_data",
+          str(p))
+    check(p["message"].startswith("checksum mismatch: 'model.w' chunk [3, 0]") and
+          f"at offset {w0['offset']}" in p["message"], p["message"])
+    check(doc["items_checksum_verified"] == 11 and doc["summary"].startswith("FAILED: "), str(doc))
+    # ...and diff --values, which reads it, fails with a JSON error of the same exit code.
+    doc, err = dcp_json("diff", d, a, "--values", expect=1)
+    check(list(doc) == ["error"] and doc["error"]["category"] == "damaged_data" and
+          doc["error"]["exit_code"] == 1 and "checksum mismatch" in doc["error"]["message"],
+          str(doc))
+    contains(err, "dcp: error: damaged data", "model.w")
+
+    # verify: a missing data file is a problem per item it held, each naming the file.
+    d = fresh("json-missing")
+    w0 = w_chunk(d)
+    held = [(e["fqn"], c.get("offsets", [])) for e in inspect_json(d)["entries"]
+            for c in e["chunks"] if c["file"] == w0["file"]]
+    os.remove(os.path.join(d, w0["file"]))
+    doc, _ = dcp_json("verify", d, expect=1)
+    check(len(doc["problems"]) == len(held) and
+          all(p["kind"] == "missing_file" and p["file"] == w0["file"] for p in doc["problems"]),
+          f"{doc['problems']} vs {held}")
+    check(sorted((p["entry"], p["chunk"] or []) for p in doc["problems"]) == sorted(held),
+          f"{doc['problems']} vs {held}")
+    check(doc["bytes_read"] < stored, str(doc))
+
+    # verify: 25 stray data files are warnings (still ok): 20 named with their sizes, 5 counted.
+    d = fresh("json-strays")
+    strays = {f"data-stray{i:02d}-r0-b0.data" for i in range(25)}
+    for name in strays:
+        open(os.path.join(d, name), "wb").write(b"xyz")
+    doc, _ = dcp_json("verify", d)
+    check(doc["ok"] is True and doc["exit_code"] == 0 and doc["unreferenced_files"] == 25,
+          str(doc))
+    named = [w for w in doc["warnings"] if w["kind"] == "unreferenced_file"]
+    check(len(named) == 20 and all(w["file"] in strays and w["bytes"] == 3 for w in named),
+          str(named))
+    more = [w for w in doc["warnings"] if w["kind"] == "more_unreferenced_files"]
+    check(len(more) == 1 and more[0]["count"] == 5 and
+          more[0]["message"] == "... and 5 more unreferenced data files", str(more))
+    check(len(doc["warnings"]) == 21, str(doc["warnings"]))
+
+    # verify: an unknown transform is unsupported (6), in the problem and the exit code.
+    d = os.path.join(args.workdir, "json-rot13")
+    shutil.rmtree(d, ignore_errors=True)
+    run(args.fixture, d, "--hostile", "rot13", expect=0)
+    doc, _ = dcp_json("verify", d, expect=6)
+    check(doc["exit_code"] == 6 and [p["kind"] for p in doc["problems"]] ==
+          ["unsupported_transform"] and doc["problems"][0]["entry"] == "rng" and
+          doc["problems"][0]["category"] == "unsupported", str(doc))
+
+    # diff: no differences, by stored checksum.
+    doc, _ = dcp_json("diff", a, a)
+    check(doc["identical"] is True and doc["exit_code"] == 0 and doc["mode"] == "checksums",
+          str(doc))
+    check("tolerances" not in doc and doc["differences"] == [] and doc["not_compared"] == [],
+          str(doc))
+    s = doc["summary"]
+    check((s["entries_a"], s["entries_b"], s["common_entries"], s["differences"],
+           s["compared_by_checksum"], s["compared_by_value"]) == (9, 9, 9, 0, 9, 0), str(s))
+
+    # diff: model.w differs (checksums, then values with and without tolerance).
+    doc, _ = dcp_json("diff", a, b, expect=1)
+    check(doc["identical"] is False and doc["exit_code"] == 1, str(doc))
+    check([(x["entry"], x["kind"], x["details"]) for x in doc["differences"]] ==
+          [("model.w", "checksum", {"differing_chunks": 1, "chunks": 2})], str(doc["differences"]))
+    check(doc["summary"]["differences"] == 1, str(doc["summary"]))
+    doc, _ = dcp_json("diff", a, b, "--values", "--atol", "0.1", expect=1)
+    check(doc["mode"] == "values" and doc["tolerances"] == {"atol": 0.1, "rtol": 0.0}, str(doc))
+    check(len(doc["differences"]) == 1, str(doc["differences"]))
+    x = doc["differences"][0]
+    check(x["entry"] == "model.w" and x["kind"] == "values", str(x))
+    det = x["details"]
+    check(det["differing_elements"] == 1 and det["compared_elements"] == 30 and
+          det["max_abs_diff"] == 0.5 and abs(det["max_rel_diff"] - 0.5 / 12.75) < 1e-9, str(det))
+    check(doc["summary"]["compared_by_value"] == 9, str(doc["summary"]))
+    doc, _ = dcp_json("diff", a, b, "--values", "--atol", "0.6", "--rtol", "0.01")
+    check(doc["identical"] is True and doc["differences"] == [] and
+          doc["tolerances"] == {"atol": 0.6, "rtol": 0.01}, str(doc))
+
+    # diff: entries whose items are compressed on one side cannot be compared by checksum.
+    z = fresh("json-z", zstd=True)
+    compressed = sorted({e["fqn"] for e in inspect_json(z)["entries"]
+                         if any(c["transforms"] == ["zstd"] for c in e["chunks"])})
+    doc, _ = dcp_json("diff", a, z)
+    check(doc["identical"] is True and compressed and
+          sorted(n["entry"] for n in doc["not_compared"]) == compressed and
+          all(n["reason"] == "compressed (zstd) in B" for n in doc["not_compared"]), str(doc))
+    check(doc["summary"]["not_compared"] == len(compressed) and
+          doc["summary"]["compared_by_checksum"] == 9 - len(compressed), str(doc["summary"]))
+
+    # diff: entries only in one side, a dtype and a shape difference (checkpoints converted from
+    # hand-written safetensors files).
+    f32 = struct.pack("<2f", 1, 2)
+    sa = os.path.join(args.workdir, "json-a.safetensors")
+    sb = os.path.join(args.workdir, "json-b.safetensors")
+    write_safetensors(sa, {"x": ("F32", [2], f32), "y": ("F32", [2], f32),
+                           "same": ("F32", [2], f32), "gone": ("F32", [2], f32)})
+    write_safetensors(sb, {"x": ("F64", [2], struct.pack("<2d", 1, 2)),
+                           "y": ("F32", [1], f32[:4]), "same": ("F32", [2], f32),
+                           "new": ("I8", [1], b"\x07")})
+    da, db = os.path.join(args.workdir, "json-da"), os.path.join(args.workdir, "json-db")
+    for st, dd in ((sa, da), (sb, db)):
+        shutil.rmtree(dd, ignore_errors=True)
+        doc, _ = dcp_json("convert", st, dd)
+        check(doc["from"] == "safetensors" and doc["to"] == "dcp" and doc["entries"] == 4, str(doc))
+    for extra in ([], ["--values"]):
+        doc, _ = dcp_json("diff", da, db, *extra, expect=1)
+        got = sorted((x["entry"], x["kind"]) for x in doc["differences"])
+        check(got == [("gone", "only_in_a"), ("new", "only_in_b"), ("x", "dtype"), ("y", "shape")],
+              f"{extra}: {got}")
+        by = {x["entry"]: x for x in doc["differences"]}
+        check(by["x"]["details"] == {"a": "float32", "b": "float64"} and
+              by["y"]["details"] == {"a": [2], "b": [1]}, str(by))
+        check(doc["summary"]["differences"] == 4 and doc["summary"]["common_entries"] == 3,
+              str(doc["summary"]))
+
+    # convert: to safetensors (a file) and to dcp (a checkpoint), with what was written.
+    st = os.path.join(args.workdir, "json.safetensors")
+    if os.path.exists(st):
+        os.remove(st)
+    doc, _ = dcp_json("convert", a, st)
+    check(doc == {"ok": True, "source": a, "destination": st, "from": "dcp", "to": "safetensors",
+                  "compression": "none", "overwrite": False, "entries": 9,
+                  "bytes_written": os.path.getsize(st)}, str(doc))
+    back = os.path.join(args.workdir, "json-back")
+    shutil.rmtree(back, ignore_errors=True)
+    doc, _ = dcp_json("convert", st, back, "--compress", "zstd")
+    check(doc["from"] == "safetensors" and doc["to"] == "dcp" and doc["entries"] == 9 and
+          doc["compression"] == "zstd", str(doc))
+    check(doc["bytes_written"] == sum(e["bytes"] for e in inspect_json(back)["entries"]), str(doc))
+
+    # Errors: a JSON error object on stdout, the message on stderr, the usual exit code.
+    missing = os.path.join(args.workdir, "json-nosuch")
+    for cmd in (("verify", missing), ("diff", a, missing), ("inspect", missing),
+                ("convert", missing, st + ".x")):
+        doc, err = dcp_json(*cmd, expect=3)
+        check(list(doc) == ["error"] and doc["error"]["category"] == "not_checkpoint" and
+              doc["error"]["exit_code"] == 3 and "not a checkpoint" in doc["error"]["message"],
+              f"{cmd}: {doc}")
+        contains(err, "dcp: error: " + doc["error"]["message"])
+    doc, _ = dcp_json("convert", a, st, expect=2)  # exists
+    check(doc["error"]["category"] == "usage" and "--overwrite" in doc["error"]["message"],
+          str(doc))
+    doc, _ = dcp_json("verify", expect=2)  # a bad command line
+    check(doc["error"]["category"] == "usage" and doc["error"]["exit_code"] == 2, str(doc))
+    d = fresh("json-incomplete")
+    os.remove(os.path.join(d, "metadata.dcp"))
+    doc, _ = dcp_json("verify", d, expect=4)
+    check(doc["error"]["category"] == "incomplete_checkpoint", str(doc))
+
+
+def test_flag_hints(a):
+    """Errors the library raises naming its option fields name the CLI's flags instead."""
+    dst = fresh("hint-dst")
+    for run_it in (lambda: dcp("convert", a, dst, expect=2),
+                   lambda: (0, dcp_json("convert", a, dst, expect=2)[0]["error"]["message"])):
+        _, out = run_it()
+        contains(out, "a checkpoint already exists at", "use --overwrite to replace it")
+        check("pass overwrite" not in out and "rank 0" not in out, out)
+    dcp("convert", a, dst, "--overwrite")
+    st = os.path.join(args.workdir, "hint.safetensors")
+    if os.path.exists(st):
+        os.remove(st)
+    dcp("convert", a, st)
+    _, out = dcp("convert", st, os.path.join(args.workdir, "hint-z"), "--compress", "zstd",
+                 "--compress-level", "99", expect=2)
+    contains(out, "--compress-level 99 is outside zstd's range")
+    check("compression_level" not in out, out)
 
 
 def bounded(*a, expect, limit_as=None):
