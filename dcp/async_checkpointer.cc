@@ -383,7 +383,7 @@ AsyncCheckpointer::~AsyncCheckpointer() {
 }
 
 std::shared_ptr<AsyncSave> AsyncCheckpointer::Save(const StateDict& state, const std::string& uri,
-                                                   const SaveOptions* options) {
+                                                   const SaveOptions& options) {
   if (impl_->closed) throw InvalidArgumentError("AsyncCheckpointer is closed");
   const auto t0 = Clock::now();
   impl_->WaitLast();  // one save in flight at most; surfaces its unreported error
@@ -404,7 +404,7 @@ std::shared_ptr<AsyncSave> AsyncCheckpointer::Save(const StateDict& state, const
   m.staging_gbps = m.staging_s > 0 ? m.staged_bytes / m.staging_s / 1e9 : 0;
   m.blocking_s = Since(t0);
   job.uri = uri;
-  job.save = options ? *options : impl_->options.save;
+  job.save = options;
   job.result = result;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);

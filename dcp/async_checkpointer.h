@@ -60,8 +60,8 @@ struct SaveMetrics {
   std::string ToString() const;
 };
 
+/// How the checkpointer stages and runs saves; what each save writes is its SaveOptions.
 struct AsyncOptions {
-  SaveOptions save;
   /// Threads copying into staging (the caller's thread is one of them).
   int copy_threads = 2;
   /// Try to page-lock staging buffers (mlock). Failing to lock is not an error.
@@ -109,9 +109,9 @@ class AsyncCheckpointer {
 
   /// Snapshot `state` and start saving it to `uri` in the background. Throws the previous
   /// save's unreported error instead of starting (then the next call starts normally).
-  /// `options` overrides the constructor's SaveOptions for this save.
+  /// `options` is copied: the caller may change or destroy it at once.
   std::shared_ptr<AsyncSave> Save(const StateDict& state, const std::string& uri,
-                                  const SaveOptions* options = nullptr);
+                                  const SaveOptions& options = {});
   /// Wait for the in-flight save, if any; returns its Metadata, throws its unreported error.
   std::optional<Metadata> Wait();
   /// Wait up to `timeout` for the in-flight save, then stop the background thread. Throws the

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -10,6 +11,7 @@
 #include <set>
 
 #include "dcp/proto/error.h"
+#include "dcp/storage/format/layout.h"
 #include "dcp/storage/registry.h"
 #include "dcp/storage/store_checkpoint.h"
 
@@ -49,7 +51,7 @@ std::optional<int64_t> ParseStep(std::string name) {
 bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted = false) {
   std::shared_ptr<Store> store = OpenStore(uri);
   auto [scheme, location] = SplitUri(uri);
-  if (!store->Size(kMetadataName) && store->List().empty()) {
+  if (!DetectLayout(*store) && store->List().empty()) {
     if (scheme == "file") {
       std::error_code ec;
       std::filesystem::remove(location, ec);  // an empty directory at most; absent is fine
@@ -58,8 +60,9 @@ bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted = fa
   }
   std::unique_ptr<StoreLock> lock =
       store->TryLock("checkpoint removal pid=" + std::to_string(::getpid()));
-  if (only_if_uncommitted && store->Size(kMetadataName)) return false;
-  store->Remove(kMetadataName);
+  const CheckpointLayout* layout = DetectLayout(*store);
+  if (only_if_uncommitted && layout) return false;
+  if (layout) store->Remove(layout->metadata_name());
   for (const auto& name : store->List()) {
     if (name != kLockObjectName) store->Remove(name);
   }
@@ -70,6 +73,17 @@ bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted = fa
   }
   // Other backends have no containers to remove (an empty mem:// bucket, kv:// shard folders).
   return true;
+}
+
+// The step the "latest" file names, if it exists and names one.
+std::optional<int64_t> LatestFileStep(Store& root) {
+  if (!root.Size("latest")) return std::nullopt;
+  const std::string text = root.ReadAll("latest");
+  int64_t step = 0;
+  const char* end = text.data() + text.size();
+  auto [p, ec] = std::from_chars(text.data(), end, step);
+  if (ec != std::errc() || p == text.data()) return std::nullopt;
+  return step;
 }
 
 std::string StepName(int64_t step) {
@@ -202,7 +216,7 @@ void AsyncCheckpointIO::SaveCheckpoint(const StateDict& state, const std::string
                                        const StorageOptions& options) {
   SaveOptions so;
   so.storage = options;
-  saver_.Save(state, path, &so);
+  saver_.Save(state, path, so);
 }
 
 void AsyncCheckpointIO::LoadCheckpoint(const std::string& path, StateDict& state,
@@ -277,9 +291,7 @@ CheckpointManager::CheckpointManager(std::string root, Communicator& comm,
 CheckpointManager::~CheckpointManager() { Close(); }  // reports on stderr, never throws
 
 std::string CheckpointManager::PathFor(int64_t step) const {
-  const auto [scheme, location] = SplitUri(root_);
-  const std::string path = location + "/" + StepName(step);
-  return scheme == "file" ? path : scheme + "://" + path;
+  return JoinUri(root_, StepName(step));
 }
 
 std::vector<int64_t> CheckpointManager::KnownSteps() const {
@@ -301,7 +313,7 @@ CheckpointManager::StepScan CheckpointManager::ScanSteps() const {
     } catch (const NotFoundError& e) {
       // Absent only when the store says so itself; a read that failed otherwise proves nothing.
       try {
-        if (!OpenStore(path)->Size(kMetadataName)) {
+        if (!DetectLayout(*OpenStore(path))) {
           scan.absent.push_back(step);
           continue;
         }
@@ -371,13 +383,17 @@ void CheckpointManager::Retain(int64_t step) {
     };
     if (!complete.empty()) {
       const int64_t newest = complete.back();
-      // "latest" names only a committed step, and never goes back behind a step that may be one.
-      if (scan.unreadable.empty() || scan.unreadable.back().first < newest) {
-        OpenStore(root_)->PublishAtomically("latest", std::to_string(newest) + "\n");
-      }
       std::set<int64_t> keep(complete.end() - std::min<size_t>(complete.size(), options_.keep_last),
                              complete.end());
       keep.insert(newest);
+      // "latest" names only a committed step, and never goes back behind a step that may be one.
+      if (scan.unreadable.empty() || scan.unreadable.back().first < newest) {
+        OpenStore(root_)->PublishAtomically("latest", std::to_string(newest) + "\n");
+      } else if (auto named = LatestFileStep(*OpenStore(root_))) {
+        // "latest" stays behind: the step it names stays too, however many newer ones exist.
+        // (A read that fails throws: this retention then removes nothing.)
+        keep.insert(*named);
+      }
       for (int64_t s : complete) {
         if (options_.keep_every > 0 && s % options_.keep_every == 0) keep.insert(s);
       }
@@ -429,7 +445,7 @@ void CheckpointManager::BeginStep(int64_t step) {
         ReadMetadata(PathFor(s));
         state = "complete";
       } catch (const NotFoundError&) {
-        if (!OpenStore(PathFor(s))->Size(kMetadataName)) continue;  // a crashed attempt
+        if (!DetectLayout(*OpenStore(PathFor(s)))) continue;  // a crashed attempt
         state = "present but unreadable";
       } catch (const Error& e) {
         state = std::string("unreadable (") + e.what() + ")";
@@ -467,7 +483,7 @@ std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict
   so.step = step;
   if (saver_) {
     in_flight_step_ = step;
-    in_flight_ = saver_->Save(state, PathFor(step), &so);
+    in_flight_ = saver_->Save(state, PathFor(step), so);
     return in_flight_;
   }
   // Synchronous: a finished handle, for a uniform return type.

@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <set>
+#include <string_view>
 
 #include "dcp/proto/error.h"
 #include "dcp/storage/file_store.h"
@@ -12,6 +15,7 @@
 #ifdef DCP_HAVE_S3
 #include "dcp/storage/s3_store.h"
 #endif
+#include "dcp/storage/backend_options.h"
 #include "dcp/storage/store_checkpoint.h"
 
 namespace dcp {
@@ -33,10 +37,18 @@ std::unique_ptr<StoreLock> Store::TryLock(const std::string&) { return nullptr; 
 
 namespace {
 
+// A scheme that is another scheme's store written in a given format (torchdcp:// = file:// with
+// format=torchdcp), kept for the URIs users already have.
+struct FormatAlias {
+  std::string scheme;
+  CheckpointFormat format;
+};
+
 struct Registry {
   std::mutex mu;
   std::map<std::string, StorageBackend> backends;
-  std::map<std::string, std::function<std::shared_ptr<Store>(const std::string&)>> stores;
+  std::map<std::string, StoreOpener> stores;
+  std::map<std::string, FormatAlias> aliases;
 };
 
 void RegisterInto(Registry& reg, StorageBackend backend, bool replace) {
@@ -44,66 +56,175 @@ void RegisterInto(Registry& reg, StorageBackend backend, bool replace) {
     throw InvalidArgumentError("storage backend '" + backend.scheme +
                                "' needs a scheme, a writer factory and a reader factory");
   }
-  if (!replace && reg.backends.count(backend.scheme)) {
+  if (!replace && (reg.backends.count(backend.scheme) || reg.aliases.count(backend.scheme))) {
     throw AlreadyExistsError("storage scheme '" + backend.scheme + "' is already registered");
   }
+  reg.aliases.erase(backend.scheme);
   reg.backends[backend.scheme] = std::move(backend);
 }
 
-void RegisterStoreInto(Registry& reg, const std::string& scheme,
-                       std::function<std::shared_ptr<Store>(const std::string&)> open,
-                       bool replace) {
+void RegisterStoreInto(Registry& reg, const std::string& scheme, StoreOpener open, bool replace) {
   StorageBackend b;
   b.scheme = scheme;
   b.make_writer = [open](const std::string& loc, const StorageOptions& o) {
-    return MakeStoreWriter(open(loc), o);
+    return MakeStoreWriter(open(loc, o.backend), o);
   };
   b.make_reader = [open](const std::string& loc, const StorageOptions& o) {
-    return MakeStoreReader(open(loc), o);
+    return MakeStoreReader(open(loc, o.backend), o);
   };
   RegisterInto(reg, std::move(b), replace);
   reg.stores[scheme] = std::move(open);
 }
+
+std::shared_ptr<Store> OpenFile(const std::string& location, const BackendOptionMap& options) {
+  BackendOptionReader reader("file://", options);
+  const auto direct_io = reader.Bool("direct_io");
+  reader.Done();
+  if (!direct_io) return MakeFileStore(location);  // DCP_DIRECT_IO decides
+  FileStoreOptions o;
+  o.direct_io = *direct_io;
+  return MakeFileStore(location, o);
+}
+
+#ifdef DCP_HAVE_S3
+// Credentials stay in the environment (AWS_*): a URI ends up in logs and error messages.
+std::shared_ptr<Store> OpenS3(const std::string& location, const BackendOptionMap& options) {
+  BackendOptionReader reader("s3://", options);
+  S3Options o;
+  if (auto v = reader.String("endpoint")) o.endpoint = *v;
+  if (auto v = reader.String("region")) o.region = *v;
+  if (auto v = reader.Int("part_size_mib", 5, 5 << 10)) o.part_size = uint64_t(*v) << 20;
+  if (auto v = reader.Int("parts_in_flight", 1, 1024)) o.parts_in_flight = int(*v);
+  if (auto v = reader.Int("read_ahead_parts", 1, 1024)) o.read_ahead_parts = int(*v);
+  if (auto v = reader.Int("max_retries", 0, 100)) o.max_retries = int(*v);
+  if (auto v = reader.Int("lock_lease_s", 1, 86400)) o.lock_lease_seconds = *v;
+  if (auto v = reader.Bool("sign_payload")) o.sign_payload = *v;
+  if (auto v = reader.Int("request_timeout_s", 1, 86400)) o.request_timeout_seconds = *v;
+  for (const char* secret : {"access_key_id", "secret_access_key", "session_token"}) {
+    if (options.count(secret)) {
+      throw InvalidArgumentError(std::string("s3:// takes credentials from the environment "
+                                             "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                                             "AWS_SESSION_TOKEN), not as the option ") +
+                                 secret);
+    }
+  }
+  reader.Done();
+  return MakeS3Store(location, o);
+}
+#endif
 
 // Built-ins are registered on first use rather than by static initialisers, so they exist
 // whatever the link order and however the library is loaded.
 Registry& GetRegistry() {
   static Registry* reg = [] {
     auto* r = new Registry();
+    RegisterStoreInto(*r, "file", OpenFile, false);
     RegisterStoreInto(
-        *r, "file", [](const std::string& loc) { return MakeFileStore(loc); }, false);
-    RegisterStoreInto(
-        *r, "mem", [](const std::string& loc) { return MakeMemStore(loc); }, false);
+        *r, "mem",
+        [](const std::string& loc, const BackendOptionMap& options) {
+          BackendOptionReader("mem://", options).Done();
+          return MakeMemStore(loc);
+        },
+        false);
 #ifdef DCP_HAVE_S3
     // s3://bucket/prefix (storage/s3_store.h); configured from the AWS_* environment.
-    RegisterStoreInto(
-        *r, "s3", [](const std::string& loc) { return MakeS3Store(loc); }, false);
+    RegisterStoreInto(*r, "s3", OpenS3, false);
 #endif
-    // PyTorch DCP directories: written in torch's layout (2.x, or 1.13 for old torch); read
-    // like any directory (file:// recognises them too).
-    for (const auto& [scheme, format] :
-         {std::pair{"torchdcp", CheckpointFormat::kTorchDcp},
-          std::pair{"torchdcp113", CheckpointFormat::kTorchDcp113}}) {
-      StorageBackend b;
-      b.scheme = scheme;
-      b.make_writer = [format = format](const std::string& loc, const StorageOptions& o) {
-        return MakeStoreWriter(MakeFileStore(loc), o, format);
-      };
-      b.make_reader = [](const std::string& loc, const StorageOptions& o) {
-        return MakeStoreReader(MakeFileStore(loc), o);
-      };
-      RegisterInto(*r, std::move(b), false);
-      r->stores[scheme] = [](const std::string& loc) { return MakeFileStore(loc); };
-    }
+    r->aliases["torchdcp"] = {"file", CheckpointFormat::kTorchDcp};
+    r->aliases["torchdcp113"] = {"file", CheckpointFormat::kTorchDcp113};
     return r;
   }();
   return *reg;
 }
 
-std::string KnownSchemes(Registry& reg) {
+// Called with reg.mu held.
+std::string KnownSchemes(const Registry& reg) {
+  std::set<std::string> names;
+  for (const auto& [name, b] : reg.backends) names.insert(name);
+  for (const auto& [name, a] : reg.aliases) names.insert(name);
   std::string s;
-  for (const auto& [name, b] : reg.backends) s += (s.empty() ? "" : ", ") + name + "://";
+  for (const auto& name : names) s += (s.empty() ? "" : ", ") + name + "://";
   return s;
+}
+
+int HexDigit(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+std::string PercentDecode(std::string_view s, const std::string& uri) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '%') {
+      out += s[i];
+      continue;
+    }
+    if (i + 2 >= s.size() || HexDigit(s[i + 1]) < 0 || HexDigit(s[i + 2]) < 0) {
+      throw InvalidArgumentError("malformed %-escape in the query of '" + uri + "'");
+    }
+    out += static_cast<char>(HexDigit(s[i + 1]) * 16 + HexDigit(s[i + 2]));
+    i += 2;
+  }
+  return out;
+}
+
+// What opening `uri` with `options` means: the backend's scheme, its location, and the options
+// with the URI's query and the alias's format applied.
+struct Resolved {
+  std::string scheme;
+  std::string location;
+  StorageOptions options;
+};
+
+Resolved Resolve(Registry& reg, const std::string& uri, const StorageOptions& given) {
+  ParsedUri parsed = ParseUri(uri);
+  Resolved r{std::move(parsed.scheme), std::move(parsed.location), given};
+  std::optional<CheckpointFormat> format;
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    auto alias = reg.aliases.find(r.scheme);
+    if (alias != reg.aliases.end()) {
+      r.scheme = alias->second.scheme;
+      format = alias->second.format;
+    }
+  }
+  for (auto& [key, value] : parsed.query) {
+    if (key == "format") {
+      const CheckpointFormat f = ParseCheckpointFormat(value);
+      if (format && *format != f) {
+        throw InvalidArgumentError("'" + uri + "' names two formats");
+      }
+      format = f;
+      continue;
+    }
+    auto [it, fresh] = r.options.backend.emplace(key, value);
+    if (!fresh && it->second != value) {
+      throw InvalidArgumentError("backend option " + key + " is '" + it->second +
+                                 "' in the options and '" + value + "' in '" + uri + "'");
+    }
+  }
+  if (format) {
+    if (given.format != CheckpointFormat::kDcp && given.format != *format) {
+      throw InvalidArgumentError("'" + uri + "' asks for format " +
+                                 std::string(CheckpointFormatName(*format)) +
+                                 " and the options for " +
+                                 std::string(CheckpointFormatName(given.format)));
+    }
+    r.options.format = *format;
+  }
+  return r;
+}
+
+StorageBackend FindBackend(Registry& reg, const std::string& scheme, const std::string& uri) {
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.backends.find(scheme);
+  if (it == reg.backends.end()) {
+    throw InvalidArgumentError("no storage backend for '" + uri +
+                               "' (registered: " + KnownSchemes(reg) + ")");
+  }
+  return it->second;
 }
 
 }  // namespace
@@ -115,77 +236,112 @@ void RegisterStorageBackend(StorageBackend backend, bool replace) {
   RegisterInto(reg, std::move(backend), replace);
 }
 
-void RegisterStoreBackend(const std::string& scheme,
-                          std::function<std::shared_ptr<Store>(const std::string& location)> open,
-                          bool replace) {
+void RegisterStoreBackend(const std::string& scheme, StoreOpener open, bool replace) {
   Registry& reg = GetRegistry();
   std::lock_guard<std::mutex> lock(reg.mu);
   RegisterStoreInto(reg, scheme, std::move(open), replace);
 }
 
+void RegisterStoreBackend(const std::string& scheme,
+                          std::function<std::shared_ptr<Store>(const std::string& location)> open,
+                          bool replace) {
+  RegisterStoreBackend(
+      scheme,
+      StoreOpener([open = std::move(open), scheme](const std::string& location,
+                                                   const BackendOptionMap& options) {
+        BackendOptionReader(scheme + "://", options).Done();
+        return open(location);
+      }),
+      replace);
+}
+
 std::vector<std::string> RegisteredSchemes() {
   Registry& reg = GetRegistry();
-  std::lock_guard<std::mutex> lock(reg.mu);
   std::vector<std::string> out;
-  for (const auto& [name, b] : reg.backends) out.push_back(name);
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    for (const auto& [name, b] : reg.backends) out.push_back(name);
+    for (const auto& [name, a] : reg.aliases) out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
   return out;
 }
 
-std::pair<std::string, std::string> SplitUri(const std::string& uri) {
+ParsedUri ParseUri(const std::string& uri) {
+  ParsedUri p;
   const size_t pos = uri.find("://");
-  if (pos == std::string::npos) return {"file", uri};
-  std::string scheme = uri.substr(0, pos);
-  std::transform(scheme.begin(), scheme.end(), scheme.begin(), ::tolower);
-  return {scheme, uri.substr(pos + 3)};
+  if (pos == std::string::npos) {
+    p.scheme = "file";
+    p.location = uri;  // a plain path: '?' is part of it
+    return p;
+  }
+  p.scheme = uri.substr(0, pos);
+  std::transform(p.scheme.begin(), p.scheme.end(), p.scheme.begin(), ::tolower);
+  const size_t q = uri.find('?', pos + 3);
+  p.location = uri.substr(pos + 3, q == std::string::npos ? std::string::npos : q - pos - 3);
+  if (q == std::string::npos) return p;
+  std::string_view query(uri);
+  query.remove_prefix(q + 1);
+  while (!query.empty()) {
+    const size_t amp = query.find('&');
+    const std::string_view param = query.substr(0, amp);
+    query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
+    if (param.empty()) continue;
+    const size_t eq = param.find('=');
+    if (eq == std::string_view::npos || eq == 0) {
+      throw InvalidArgumentError("query parameter '" + std::string(param) + "' of '" + uri +
+                                 "' is not key=value");
+    }
+    std::string key = PercentDecode(param.substr(0, eq), uri);
+    if (p.query.count(key)) {
+      throw InvalidArgumentError("query parameter '" + key + "' appears twice in '" + uri + "'");
+    }
+    p.query[std::move(key)] = PercentDecode(param.substr(eq + 1), uri);
+  }
+  return p;
+}
+
+std::pair<std::string, std::string> SplitUri(const std::string& uri) {
+  ParsedUri p = ParseUri(uri);
+  return {std::move(p.scheme), std::move(p.location)};
+}
+
+std::string JoinUri(const std::string& uri, const std::string& child) {
+  const size_t pos = uri.find("://");
+  const size_t q = pos == std::string::npos ? std::string::npos : uri.find('?', pos + 3);
+  if (q == std::string::npos) return uri + "/" + child;
+  return uri.substr(0, q) + "/" + child + uri.substr(q);
 }
 
 std::unique_ptr<StorageWriter> OpenStorageWriter(const std::string& uri,
                                                  const StorageOptions& options) {
-  auto [scheme, location] = SplitUri(uri);
   Registry& reg = GetRegistry();
-  StorageBackend backend;
-  {
-    std::lock_guard<std::mutex> lock(reg.mu);
-    auto it = reg.backends.find(scheme);
-    if (it == reg.backends.end()) {
-      throw InvalidArgumentError("no storage backend for '" + uri +
-                                 "' (registered: " + KnownSchemes(reg) + ")");
-    }
-    backend = it->second;
-  }
-  return backend.make_writer(location, options);
+  Resolved r = Resolve(reg, uri, options);
+  return FindBackend(reg, r.scheme, uri).make_writer(r.location, r.options);
 }
 
 std::unique_ptr<StorageReader> OpenStorageReader(const std::string& uri,
                                                  const StorageOptions& options) {
-  auto [scheme, location] = SplitUri(uri);
   Registry& reg = GetRegistry();
-  StorageBackend backend;
-  {
-    std::lock_guard<std::mutex> lock(reg.mu);
-    auto it = reg.backends.find(scheme);
-    if (it == reg.backends.end()) {
-      throw InvalidArgumentError("no storage backend for '" + uri +
-                                 "' (registered: " + KnownSchemes(reg) + ")");
-    }
-    backend = it->second;
-  }
-  return backend.make_reader(location, options);
+  Resolved r = Resolve(reg, uri, options);
+  return FindBackend(reg, r.scheme, uri).make_reader(r.location, r.options);
 }
 
-std::shared_ptr<Store> OpenStore(const std::string& uri) {
-  auto [scheme, location] = SplitUri(uri);
+std::shared_ptr<Store> OpenStore(const std::string& uri, const BackendOptionMap& options) {
   Registry& reg = GetRegistry();
-  std::function<std::shared_ptr<Store>(const std::string&)> open;
+  StorageOptions given;
+  given.backend = options;
+  Resolved r = Resolve(reg, uri, given);
+  StoreOpener open;
   {
     std::lock_guard<std::mutex> lock(reg.mu);
-    auto it = reg.stores.find(scheme);
+    auto it = reg.stores.find(r.scheme);
     if (it == reg.stores.end()) {
       throw InvalidArgumentError("'" + uri + "' is not served by a Store-based backend");
     }
     open = it->second;
   }
-  return open(location);
+  return open(r.location, r.options.backend);
 }
 
 void LoadStoragePlugin(const std::string& library_path) {

@@ -3,9 +3,25 @@
 //   file:///abs/path, or a plain path   a directory on a POSIX filesystem (built in)
 //   mem://name                          process-local memory, shared by every rank in the process
 //                                       (built in; for tests, tools, and as the tutorial)
+//   s3://bucket/prefix                  S3 or an S3-compatible server (built in when libcurl and
+//                                       OpenSSL are found; storage/s3_store.h)
+//   torchdcp://path, torchdcp113://path file:// writing the PyTorch DCP format (aliases of
+//                                       file://path?format=torchdcp and ...=torchdcp113)
 // User code registers more with RegisterStorageBackend (a full StorageWriter/Reader) or
-// RegisterStoreBackend (a Store; the checkpoint protocol comes for free). LoadStoragePlugin
-// dlopen()s a shared library whose initialiser registers backends.
+// RegisterStoreBackend (a Store; the checkpoint protocol and every format come for free).
+// LoadStoragePlugin dlopen()s a shared library whose initialiser registers backends.
+//
+// A URI with a scheme may carry a query: `scheme://location?key=value&key=value` (values
+// %-escaped where needed). `format` (dcp, torchdcp, torchdcp113) chooses the layout a writer
+// writes, on any Store-based backend; every other key is a backend option (StorageOptions::backend
+// gives the same from code):
+//   file://   direct_io=0|1 (default: on, or DCP_DIRECT_IO)
+//   s3://     endpoint, region, part_size_mib, parts_in_flight, read_ahead_parts, max_retries,
+//             lock_lease_s, sign_payload, request_timeout_s (defaults: the DCP_S3_* / AWS_*
+//             environment, storage/s3_store.h); credentials only from the environment
+//   mem://    none
+// A key the backend does not know is an InvalidArgumentError naming it. A plain path (no
+// "://") has no query: '?' is part of the path.
 //
 // Thread-safe: registration and lookup may happen from any thread.
 #pragma once
@@ -16,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "dcp/storage/backend_options.h"
 #include "dcp/storage/storage.h"
 #include "dcp/storage/store.h"
 
@@ -33,15 +50,34 @@ struct StorageBackend {
 
 /// Register a backend. AlreadyExistsError when the scheme is taken, unless `replace`.
 void RegisterStorageBackend(StorageBackend backend, bool replace = false);
-/// Register a Store-based backend: `open(location)` returns the store for a location.
+/// Opens the store at `location` with the backend options (from the URI's query and
+/// StorageOptions::backend). It reads them through a BackendOptionReader and calls Done(), so
+/// an unknown key is refused.
+using StoreOpener = std::function<std::shared_ptr<Store>(const std::string& location,
+                                                         const BackendOptionMap& options)>;
+/// Register a Store-based backend: `open` returns the store for a location; every format can
+/// then be written there.
+void RegisterStoreBackend(const std::string& scheme, StoreOpener open, bool replace = false);
+/// The same for a backend without options (any option given is refused).
 void RegisterStoreBackend(const std::string& scheme,
                           std::function<std::shared_ptr<Store>(const std::string& location)> open,
                           bool replace = false);
-/// Schemes currently registered, sorted.
+/// Schemes currently registered (aliases included), sorted.
 std::vector<std::string> RegisteredSchemes();
 
-/// Split "scheme://location"; a string without "://" is a file path ("file", path).
+struct ParsedUri {
+  std::string scheme;  // lowercase; "file" for a plain path
+  std::string location;
+  BackendOptionMap query;  // decoded
+};
+/// Split "scheme://location?query"; a string without "://" is a file path ("file", path).
+/// InvalidArgumentError for a malformed query.
+ParsedUri ParseUri(const std::string& uri);
+/// ParseUri's scheme and location (the query dropped).
 std::pair<std::string, std::string> SplitUri(const std::string& uri);
+/// `uri` with `child` appended to its location, its query kept: JoinUri("s3://b/x?a=1", "y") is
+/// "s3://b/x/y?a=1".
+std::string JoinUri(const std::string& uri, const std::string& child);
 
 /// Writer/reader for a URI. InvalidArgumentError for an unknown scheme (the message lists the
 /// registered ones).
@@ -50,8 +86,10 @@ std::unique_ptr<StorageWriter> OpenStorageWriter(const std::string& uri,
 std::unique_ptr<StorageReader> OpenStorageReader(const std::string& uri,
                                                  const StorageOptions& options = {});
 /// The Store behind a Store-based URI (file://, mem://, or one registered with
-/// RegisterStoreBackend); InvalidArgumentError for schemes registered as full backends.
-std::shared_ptr<Store> OpenStore(const std::string& uri);
+/// RegisterStoreBackend), with the URI's query and `options` as backend options (`format` is
+/// accepted and has no effect on a store); InvalidArgumentError for schemes registered as full
+/// backends.
+std::shared_ptr<Store> OpenStore(const std::string& uri, const BackendOptionMap& options = {});
 
 /// Load a shared library that registers backends from a static initialiser or from an
 /// exported `extern "C" void dcp_register_storage()`. IoError naming the library on failure.

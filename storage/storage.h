@@ -17,6 +17,7 @@
 #include <future>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dcp/planner/planner.h"
@@ -27,9 +28,22 @@ namespace dcp {
 /// Per-item compression of stored bytes on save (see StorageOptions::compression).
 enum class Compression : uint8_t { kNone = 0, kZstd = 1 };
 
-/// Options every backend understands; backend-specific settings go in `extra`.
+/// How a checkpoint is laid out (docs/FORMAT.md, docs/TORCH_DCP.md). Any format can be written
+/// to any Store-based backend; a reader detects the format of what it finds.
+enum class CheckpointFormat : uint8_t {
+  kDcp,          // dcp's own (docs/FORMAT.md)
+  kTorchDcp,     // torch.distributed.checkpoint as torch 2.x writes it
+  kTorchDcp113,  // torch 1.13's torch.distributed._shard.checkpoint
+};
+/// "dcp", "torchdcp", "torchdcp113": the names URIs (`?format=`) and the CLI use.
+std::string_view CheckpointFormatName(CheckpointFormat format);
+/// The format named `name`; InvalidArgumentError listing the names otherwise.
+CheckpointFormat ParseCheckpointFormat(std::string_view name);
+
 /// Staging one writer of the generic Store protocol may hold at once (see memory_budget_bytes).
 constexpr size_t kWriterStagingBytes = size_t{80} << 20;
+
+/// Options every backend understands; settings of one backend go in `backend`.
 
 struct StorageOptions {
   /// Replace an existing checkpoint at the same location (atomically: the old one stays
@@ -85,7 +99,15 @@ struct StorageOptions {
   /// An item stays compressed only when its compressed size is at most this fraction of its
   /// raw size (in (0, 1]); otherwise it is stored raw.
   double compression_max_ratio = 0.9;
-  std::map<std::string, std::string> extra;
+  /// Writers: the layout to write (Store-based backends write every format; a backend with its
+  /// own writer refuses one it cannot write). Readers detect the format and ignore this. A
+  /// URI's `?format=` query sets it too (registry.h).
+  CheckpointFormat format = CheckpointFormat::kDcp;
+  /// Settings of the URI's backend, as key -> value strings (registry.h lists the built-in
+  /// ones: file:// and s3://). A URI's query (`s3://bucket/ckpt?part_size_mib=16`) adds to
+  /// them. A key the backend does not know fails the save or load with InvalidArgumentError
+  /// naming it: nothing here is silently ignored.
+  std::map<std::string, std::string> backend;
 };
 
 struct StorageContext {

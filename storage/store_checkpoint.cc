@@ -33,6 +33,7 @@
 #include "dcp/proto/device.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/random_name.h"
+#include "dcp/storage/format/layout.h"
 #include "dcp/storage/slab_copy.h"
 #include "dcp/storage/torch_dcp.h"
 #include "dcp/storage/zstd_transform.h"
@@ -170,53 +171,18 @@ void GiveScratch(std::vector<char> v) {
   if (scratch_pool.size() < 4) scratch_pool.push_back(std::move(v));
 }
 
-// Stream a tensor view (host or device, any strides) into `out` in row-major order, CRC-ing
-// each piece right after it is appended. Contiguous host views go straight from tensor memory;
-// strided ones through a reused staging buffer; device views through pinned buffers whose
-// device-to-host copy of the next piece overlaps this append (proto/device.h).
-// A large piece's CRC runs on a helper thread while this thread appends the same bytes: both
-// only read them, and a large O_DIRECT write leaves the CPU idle while the device DMAs.
-uint32_t AppendTensor(WritableObject& out, const TensorView& view) {
-  constexpr size_t kOverlapMinBytes = 1 << 20;  // below this a thread costs more than it saves
-  uint32_t crc = 0;
-  StreamToHost(view, kDevicePieceBytes, [&](const void* data, size_t n) {
-    if (n < kOverlapMinBytes) {
-      out.Append(data, n);
-      crc = Crc32c(crc, data, n);
-      return;
-    }
-    // The future's destructor waits, so `data` outlives the CRC even if Append throws.
-    auto pending =
-        std::async(std::launch::async, [seed = crc, data, n] { return Crc32c(seed, data, n); });
-    out.Append(data, n);
-    crc = pending.get();
-  });
-  return crc;
-}
-
-// A tensor must still have the dtype and shape it was planned with.
-void CheckUnchanged(const WriteItem& item, const ResolvedData& data) {
-  if (data.tensor.shape != item.chunk.sizes || data.tensor.dtype != item.dtype) {
-    throw InvalidArgumentError(
-        "tensor " + item.index.ToString() + " changed during the save: plan has " +
-        std::string(DTypeName(item.dtype)) + ShapeToString(item.chunk.sizes) + ", data is " +
-        data.tensor.ToString());
-  }
-}
-
 class StoreWriter : public StorageWriter {
  public:
-  StoreWriter(std::shared_ptr<Store> store, StorageOptions options, CheckpointFormat format)
-      : store_(std::move(store)), options_(std::move(options)), format_(format) {
+  StoreWriter(std::shared_ptr<Store> store, StorageOptions options)
+      : store_(std::move(store)),
+        options_(std::move(options)),
+        layout_(LayoutFor(options_.format)),
+        metadata_name_(layout_.metadata_name()) {
     if (options_.files_per_rank < 1) {
       throw InvalidArgumentError("files_per_rank must be at least 1");
     }
     ValidateCompressionOptions(options_);
-    if (torch() && options_.compression != Compression::kNone) {
-      throw InvalidArgumentError("compression cannot be used for a PyTorch DCP checkpoint at " +
-                                 store_->uri() + " (torch cannot read dcp's zstd items)");
-    }
-    metadata_name_ = torch() ? kTorchDcpMetadataName : kMetadataName;
+    layout_.CheckWriteOptions(options_, store_->uri());
   }
 
   std::string uri() const override { return store_->uri(); }
@@ -236,11 +202,14 @@ class StoreWriter : public StorageWriter {
     // the plan phase, so none of its ranks writes anything.
     lock_ = store_->TryLock(LockHolder(ctx));
     if (!lock_) WarnNoLock();
-    const char* other = torch() ? kMetadataName : kTorchDcpMetadataName;
-    if (store_->Size(other)) {
+    for (const CheckpointLayout* other : AllLayouts()) {
+      if (other->metadata_name() == metadata_name_ || !store_->Size(other->metadata_name())) {
+        continue;
+      }
       lock_.reset();
-      throw AlreadyExistsError(store_->uri() + " holds a checkpoint of the other format (" + other +
-                               "); a " + (torch() ? "PyTorch DCP" : "dcp") +
+      throw AlreadyExistsError(store_->uri() + " holds a " + std::string(other->display_name()) +
+                               " checkpoint (" + other->metadata_name() + "); a " +
+                               std::string(layout_.display_name()) +
                                " checkpoint cannot replace it there: remove it or save elsewhere");
     }
     const bool exists = store_->Size(metadata_name_).has_value();
@@ -267,17 +236,9 @@ class StoreWriter : public StorageWriter {
   std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan> plans) override {
     const std::string save = ctx_.save_id.empty() ? RandomHex(8) : ctx_.save_id;
     for (size_t r = 0; r < plans.size(); ++r) {
-      plans[r].storage_data = torch() ? "__" + std::to_string(r) + "_." + save
-                                      : "data-" + save + "-r" + std::to_string(r);
+      plans[r].storage_data = layout_.FilePrefix(save, r);
     }
     return plans;
-  }
-
-  // Data file `bucket` of a rank whose plan's storage_data is `prefix`.
-  std::string DataFileName(const std::string& prefix, size_t bucket) const {
-    if (!torch()) return prefix + "-b" + std::to_string(bucket) + ".data";
-    const size_t dot = prefix.find('.');  // "__<rank>_" "." "<save>"
-    return prefix.substr(0, dot) + std::to_string(bucket) + prefix.substr(dot) + ".distcp";
   }
 
   std::future<std::vector<WriteResult>> WriteData(const SavePlan& plan,
@@ -303,7 +264,7 @@ class StoreWriter : public StorageWriter {
     for (auto& b : buckets) std::sort(b.begin(), b.end());  // plan order within a file
     for (size_t b = 0; b < nb; ++b) {
       if (!buckets[b].empty()) {
-        created_.push_back(DataFileName(plan.storage_data, b));
+        created_.push_back(layout_.DataFileName(plan.storage_data, b));
       }
     }
     return std::async(std::launch::async, [this, &plan, &planner, buckets = std::move(buckets)] {
@@ -322,7 +283,7 @@ class StoreWriter : public StorageWriter {
         for (size_t i; (i = next.fetch_add(1)) < to_write.size();) {
           const size_t b = to_write[i];
           try {
-            results[b] = WriteBucket(plan, planner, DataFileName(plan.storage_data, b), buckets[b]);
+            results[b] = WriteBucket(plan, planner, layout_.DataFileName(plan.storage_data, b), buckets[b]);
           } catch (...) {
             std::lock_guard<std::mutex> lock(mu);
             if (!first_error) first_error = std::current_exception();
@@ -369,15 +330,7 @@ class StoreWriter : public StorageWriter {
     }
     // Every entry must have been written; checking here keeps a bad plan from committing.
     ValidateMetadata(md, store_->uri());
-    const std::string encoded = torch()
-                                    ? EncodeTorchDcpMetadata(md,
-                                                             format_ == CheckpointFormat::kTorchDcp
-                                                                 ? TorchDcpFlavor::kTorch2
-                                                                 : TorchDcpFlavor::kTorch113,
-                                                             store_->uri())
-                                    : EncodeMetadataFile(md);
-    // A payload no reader can decode must fail the save here, before the commit.
-    if (!torch()) CheckMetadataPayloadSize(encoded.size() - kMetadataHeaderSize, store_->uri());
+    const std::string encoded = layout_.EncodeMetadata(md, store_->uri());
     // Fence: a lock that can be lost (a lease that ran out unrenewed and was taken over) must
     // still be ours right before the commit; LeaseLostError here fails the save with nothing
     // committed, and Abort follows.
@@ -468,9 +421,7 @@ class StoreWriter : public StorageWriter {
                    store_->uri().c_str(), what.c_str(), error);
     };
     const std::string tmp_prefix = metadata_name_ + ".tmp.";
-    auto is_data = [&](const std::string& name) {
-      return torch() ? IsTorchDcpDataName(name) : IsDataObjectName(name);
-    };
+    auto is_data = [&](const std::string& name) { return layout_.IsDataFile(name); };
     try {
       std::vector<std::string> dead;
       for (const auto& name : store_->List()) {
@@ -500,13 +451,7 @@ class StoreWriter : public StorageWriter {
     }
   }
 
-  bool torch() const { return format_ != CheckpointFormat::kDcp; }
-
-  Metadata ReadOwnMetadata() const {
-    const std::string where = store_->uri() + "/" + metadata_name_;
-    return torch() ? DecodeTorchDcpMetadata(store_->ReadAll(metadata_name_), where)
-                   : DecodeMetadataFile(store_->ReadAll(metadata_name_), where);
-  }
+  Metadata ReadOwnMetadata() const { return layout_.ReadMetadata(*store_); }
 
   void ReleaseLock() noexcept {
     if (!lock_) return;
@@ -538,7 +483,7 @@ class StoreWriter : public StorageWriter {
   std::vector<WriteResult> WriteBucket(const SavePlan& plan, const SavePlanner& planner,
                                        const std::string& name, const std::vector<size_t>& items) {
     auto out = store_->Create(name);
-    ZstdItemCompressor compressor(options_);  // stores items raw unless options_.compression
+    const auto encoder = layout_.NewItemEncoder(options_);
     std::vector<WriteResult> results;
     results.reserve(items.size());
     for (size_t i : items) {
@@ -548,36 +493,7 @@ class StoreWriter : public StorageWriter {
       r.index = item.index;
       r.storage.relative_path = name;
       r.storage.offset = out->size();
-      if (torch()) {
-        WriteTorchRecord(*out, item, data, r);
-        results.push_back(std::move(r));
-        continue;
-      }
-      uint32_t crc;
-      if (item.is_tensor()) CheckUnchanged(item, data);
-      // The item's raw bytes into `sink` (the data file, or the compressor feeding it).
-      auto append = [&](WritableObject& sink) {
-        if (item.is_tensor()) {
-          try {
-            return AppendTensor(sink, data.tensor);
-          } catch (const DeviceError& e) {
-            throw DeviceError("tensor '" + item.index.fqn + "': " + e.what());
-          }
-        }
-        sink.Append(data.bytes.data(), data.bytes.size());
-        return Crc32c(0, data.bytes.data(), data.bytes.size());
-      };
-      const uint64_t raw = item.is_tensor() ? data.tensor.nbytes() : data.bytes.size();
-      if (auto stored_crc = compressor.Compress(
-              *out, raw, [&](WritableObject& sink) { append(sink); }, item.index.ToString())) {
-        crc = *stored_crc;  // of the compressed bytes, as stored
-        r.storage.transforms = {kZstdTransform};
-      } else {
-        crc = append(*out);
-      }
-      r.storage.length = out->size() - r.storage.offset;
-      r.storage.raw_length = raw;
-      r.storage.crc32c = crc;
+      encoder->Append(*out, item, data, r.storage);
       r.size_in_bytes = r.storage.length;
       results.push_back(std::move(r));
     }
@@ -586,40 +502,10 @@ class StoreWriter : public StorageWriter {
     return results;
   }
 
-  // One torch.save record: a tensor's archive, or a blob as it is when it is a torch.save
-  // archive (e.g. read from a PyTorch DCP checkpoint) and wrapped as a pickled Python bytes
-  // object otherwise (the reader unwraps it, so blobs round-trip exactly).
-  void WriteTorchRecord(WritableObject& out, const WriteItem& item, const ResolvedData& data,
-                        WriteResult& r) {
-    r.storage.transforms = {kTorchSaveTransform};
-    if (item.is_tensor()) {
-      CheckUnchanged(item, data);
-      try {
-        r.storage.length =
-            AppendTorchTensorRecord(out, data.tensor, format_ == CheckpointFormat::kTorchDcp);
-      } catch (const DeviceError& e) {
-        throw DeviceError("tensor '" + item.index.fqn + "': " + e.what());
-      } catch (const UnsupportedError& e) {
-        throw UnsupportedError("tensor '" + item.index.fqn + "': " + e.what());
-      }
-      r.storage.raw_length = data.tensor.nbytes();
-    } else {
-      std::string payload;
-      const bool as_is =
-          IsTorchSaveArchive(data.bytes) && !TorchSaveBytesPayload(data.bytes, &payload);
-      const std::string wrapped = as_is ? std::string() : TorchSaveOfBytes(data.bytes);
-      const std::string_view record = as_is ? data.bytes : std::string_view(wrapped);
-      out.Append(record.data(), record.size());
-      r.storage.length = record.size();
-      r.storage.raw_length = record.size();
-    }
-    r.size_in_bytes = r.storage.length;
-  }
-
   std::shared_ptr<Store> store_;
   StorageOptions options_;
-  CheckpointFormat format_;
-  std::string metadata_name_;
+  const CheckpointLayout& layout_;
+  const std::string metadata_name_;
   StorageContext ctx_;
   std::vector<std::string> created_;
   std::unique_ptr<StoreLock> lock_;   // coordinator: held from SetUp to AfterCommitDelivered/Abort
@@ -637,49 +523,19 @@ class StoreReader : public StorageReader {
   std::string uri() const override { return store_->uri(); }
 
   Metadata ReadMetadata() override {
-    const std::string where = store_->uri() + "/" + kMetadataName;
-    if (!store_->Size(kMetadataName) && store_->Size(kTorchDcpMetadataName)) {
-      // A PyTorch DCP directory (storage/torch_dcp.h).
-      Metadata md = DecodeTorchDcpMetadata(store_->ReadAll(kTorchDcpMetadataName),
-                                           store_->uri() + "/" + kTorchDcpMetadataName);
+    if (const CheckpointLayout* layout = DetectLayout(*store_)) {
+      Metadata md = layout->ReadMetadata(*store_);
       CheckDataFiles(md);
       return md;
     }
-    if (!store_->Size(kMetadataName)) {
-      const auto names = store_->List();
-      const bool has_data = std::any_of(names.begin(), names.end(), [](const std::string& n) {
-        return IsDataObjectName(n) || IsTorchDcpDataName(n);
-      });
-      if (has_data) {
-        throw NotFoundError("incomplete checkpoint at " + store_->uri() +
-                            ": data files are present but " + kMetadataName +
-                            " is missing (the save did not finish)");
-      }
-      throw NotFoundError("no checkpoint at " + store_->uri() + " (" + kMetadataName +
-                          " not found)");
+    const auto names = store_->List();
+    if (std::any_of(names.begin(), names.end(), IsAnyDataFile)) {
+      throw NotFoundError("incomplete checkpoint at " + store_->uri() +
+                          ": data files are present but " + kMetadataName +
+                          " is missing (the save did not finish)");
     }
-    Metadata md = DecodeMetadataFile(ReadMetadataFile(where), where);
-    CheckDataFiles(md);
-    return md;
-  }
-
-  // The metadata file's bytes, its header checked first: a file that is not metadata (or a
-  // size that lies) costs one small read. The payload is read in pieces into a buffer that
-  // grows with what arrives, so memory follows the bytes actually delivered, not a claimed size.
-  std::string ReadMetadataFile(const std::string& where) {
-    auto in = store_->Open(kMetadataName);
-    const uint64_t size = in->size();
-    std::string bytes(std::min<uint64_t>(size, kMetadataHeaderSize), '\0');
-    in->ReadAt(0, bytes.data(), bytes.size());
-    CheckMetadataFileHeader(bytes, size, where);
-    constexpr uint64_t kPiece = uint64_t{64} << 20;
-    for (uint64_t at = bytes.size(); at < size;) {
-      const uint64_t n = std::min(kPiece, size - at);
-      bytes.resize(at + n);
-      in->ReadAt(at, bytes.data() + at, n);
-      at += n;
-    }
-    return bytes;
+    throw NotFoundError("no checkpoint at " + store_->uri() + " (" + kMetadataName +
+                        " not found)");
   }
 
   void SetUp(const Metadata& metadata, const StorageContext& ctx) override {
@@ -1293,15 +1149,9 @@ class StoreReader : public StorageReader {
 
 }  // namespace
 
-bool IsDataObjectName(const std::string& name) {
-  return name.rfind("data-", 0) == 0 && name.size() > 10 &&
-         name.compare(name.size() - 5, 5, ".data") == 0;
-}
-
 std::unique_ptr<StorageWriter> MakeStoreWriter(std::shared_ptr<Store> store,
-                                               const StorageOptions& options,
-                                               CheckpointFormat format) {
-  return std::make_unique<StoreWriter>(std::move(store), options, format);
+                                               const StorageOptions& options) {
+  return std::make_unique<StoreWriter>(std::move(store), options);
 }
 
 std::unique_ptr<StorageReader> MakeStoreReader(std::shared_ptr<Store> store,

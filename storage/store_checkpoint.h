@@ -17,25 +17,19 @@ namespace dcp {
 
 inline constexpr char kMetadataName[] = "metadata.dcp";
 
-/// What a writer writes. Readers read every format (a PyTorch DCP directory is recognised by its
-/// `.metadata`, storage/torch_dcp.h).
-enum class CheckpointFormat : uint8_t {
-  kDcp,          // dcp's own (docs/FORMAT.md)
-  kTorchDcp,     // torch.distributed.checkpoint as torch 2.x writes it
-  kTorchDcp113,  // torch 1.13's torch.distributed._shard.checkpoint
-};
-
-/// The checkpoint protocol over `store`. A PyTorch DCP writer keeps the protocol (lock, atomic
-/// commit of `.metadata` last, clean-up) and writes torch's layout: `__<rank>_<n>.<save>.distcp`
-/// files of torch.save records; it refuses compression (torch cannot read it) and a location
-/// that holds a checkpoint of the other format (InvalidArgumentError, AlreadyExistsError).
+/// The checkpoint protocol over `store`, writing the layout `options.format` names
+/// (storage/format/layout.h). A PyTorch DCP writer keeps the protocol (lock, atomic commit of
+/// `.metadata` last, clean-up) and writes torch's layout: `__<rank>_<n>.<save>.distcp` files of
+/// torch.save records; it refuses compression (torch cannot read it). Every writer refuses a
+/// location that holds a checkpoint of another format (AlreadyExistsError).
 std::unique_ptr<StorageWriter> MakeStoreWriter(std::shared_ptr<Store> store,
-                                               const StorageOptions& options,
-                                               CheckpointFormat format = CheckpointFormat::kDcp);
+                                               const StorageOptions& options);
+/// The reader of every layout: it detects the format from the metadata file it finds.
 std::unique_ptr<StorageReader> MakeStoreReader(std::shared_ptr<Store> store,
                                                const StorageOptions& options);
 
-/// True for names the writer creates for data (so tools and clean-up never touch user files).
+/// True for names the dcp layout's writer creates for data (so tools and clean-up never touch
+/// user files).
 bool IsDataObjectName(const std::string& name);
 
 }  // namespace dcp

@@ -623,12 +623,11 @@ int main(int argc, char** argv) {
   double compute_alone = 0, compute_during = 0;
   {
     AsyncOptions ao;
-    ao.save = so;
     AsyncCheckpointer saver(std::make_unique<LocalCommunicator>(), ao);
-    saver.Save(state, dir + "/async")->Wait();
+    saver.Save(state, dir + "/async", so)->Wait();
     const size_t allocated = saver.staging_allocations();
     for (int r = 0; r < repeats; ++r) {
-      auto h = saver.Save(state, dir + "/async");
+      auto h = saver.Save(state, dir + "/async", so);
       const SaveMetrics m0 = h->metrics();
       blocking_s.push_back(m0.blocking_s);
       staging_gbps.push_back(m0.staging_gbps);
@@ -642,7 +641,7 @@ int main(int argc, char** argv) {
     std::vector<float> work(1 << 18, 1.0f);
     std::vector<double> during, alone;
     for (int r = 0; r < std::max(repeats, 3); ++r) {
-      auto h = saver.Save(state, dir + "/async");
+      auto h = saver.Save(state, dir + "/async", so);
       std::atomic<bool> done{false};
       std::thread watcher([&] {
         h->WaitFor(std::chrono::minutes(10));

@@ -269,9 +269,8 @@ int main(int argc, char** argv) {
       background = std::make_unique<LocalCommunicator>();
 #endif
       AsyncOptions ao;
-      ao.save = so;
       AsyncCheckpointer saver(std::move(background), ao);
-      saver.Save(src.sd, dir + "/checkpoint-async")->Wait();  // first save allocates staging
+      saver.Save(src.sd, dir + "/checkpoint-async", so)->Wait();  // first save allocates staging
       // The same bytes copied with memcpy into warm buffers: the floor for a snapshot.
       const auto m0 = Clock::now();
       for (size_t i = 0; i < src.buffers.size(); ++i) {
@@ -279,7 +278,7 @@ int main(int argc, char** argv) {
       }
       memcpy_s = Seconds(m0, Clock::now());
       comm->Barrier("demo");
-      auto handle = saver.Save(src.sd, dir + "/checkpoint-async");
+      auto handle = saver.Save(src.sd, dir + "/checkpoint-async", so);
       async_block_s = handle->metrics().blocking_s;
       auto flip = [&] {
         for (auto& t : src.buffers) {

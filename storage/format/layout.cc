@@ -1,0 +1,78 @@
+#include "dcp/storage/format/layout.h"
+
+#include "dcp/proto/error.h"
+
+namespace dcp {
+
+// Defined by each layout's own file.
+const CheckpointLayout& DcpLayout();
+const CheckpointLayout& TorchDcpLayout();
+const CheckpointLayout& TorchDcp113Layout();
+
+std::string_view CheckpointFormatName(CheckpointFormat format) {
+  switch (format) {
+    case CheckpointFormat::kDcp:
+      return "dcp";
+    case CheckpointFormat::kTorchDcp:
+      return "torchdcp";
+    case CheckpointFormat::kTorchDcp113:
+      return "torchdcp113";
+  }
+  return "?";
+}
+
+CheckpointFormat ParseCheckpointFormat(std::string_view name) {
+  for (CheckpointFormat f :
+       {CheckpointFormat::kDcp, CheckpointFormat::kTorchDcp, CheckpointFormat::kTorchDcp113}) {
+    if (CheckpointFormatName(f) == name) return f;
+  }
+  throw InvalidArgumentError("unknown checkpoint format '" + std::string(name) +
+                             "' (known: dcp, torchdcp, torchdcp113)");
+}
+
+void CheckpointLayout::CheckWriteOptions(const StorageOptions&, const std::string&) const {}
+
+const CheckpointLayout& LayoutFor(CheckpointFormat format) {
+  switch (format) {
+    case CheckpointFormat::kDcp:
+      return DcpLayout();
+    case CheckpointFormat::kTorchDcp:
+      return TorchDcpLayout();
+    case CheckpointFormat::kTorchDcp113:
+      return TorchDcp113Layout();
+  }
+  throw InvalidArgumentError("unknown checkpoint format " +
+                             std::to_string(static_cast<int>(format)));
+}
+
+// The torch 1.13 layout differs from 2.x only in how its metadata is written; a reader needs
+// one entry for both (same metadata name, same decoder).
+const std::vector<const CheckpointLayout*>& AllLayouts() {
+  static const std::vector<const CheckpointLayout*> all = {&DcpLayout(), &TorchDcpLayout()};
+  return all;
+}
+
+const CheckpointLayout* DetectLayout(Store& store) {
+  for (const CheckpointLayout* layout : AllLayouts()) {
+    if (store.Size(layout->metadata_name())) return layout;
+  }
+  return nullptr;
+}
+
+bool IsAnyDataFile(const std::string& name) {
+  for (const CheckpointLayout* layout : AllLayouts()) {
+    if (layout->IsDataFile(name)) return true;
+  }
+  return false;
+}
+
+void CheckUnchanged(const WriteItem& item, const ResolvedData& data) {
+  if (data.tensor.shape != item.chunk.sizes || data.tensor.dtype != item.dtype) {
+    throw InvalidArgumentError(
+        "tensor " + item.index.ToString() + " changed during the save: plan has " +
+        std::string(DTypeName(item.dtype)) + ShapeToString(item.chunk.sizes) + ", data is " +
+        data.tensor.ToString());
+  }
+}
+
+}  // namespace dcp

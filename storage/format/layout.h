@@ -1,0 +1,66 @@
+// How a checkpoint is laid out in a store: its metadata file, its data file names, and how one
+// item becomes bytes in a data file. The checkpoint protocol (storage/store_checkpoint.cc: lock,
+// overwrite, commit, clean-up) is the same for every layout and runs over any Store, so every
+// format can be written to every store. Internal: not installed.
+//
+// Layouts are stateless and shared; they are thread-safe. An ItemEncoder serves one data file
+// on one thread.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dcp/planner/planner.h"
+#include "dcp/storage/storage.h"
+#include "dcp/storage/store.h"
+
+namespace dcp {
+
+/// Appends items to one data file, each at the file's current end.
+class ItemEncoder {
+ public:
+  virtual ~ItemEncoder() = default;
+  /// Append `item` (bytes from `data`) to `out` and describe it in `info`: length, raw_length,
+  /// transforms and checksum. The caller sets info.relative_path and info.offset.
+  virtual void Append(WritableObject& out, const WriteItem& item, const ResolvedData& data,
+                      StorageInfo& info) = 0;
+};
+
+class CheckpointLayout {
+ public:
+  virtual ~CheckpointLayout() = default;
+  virtual CheckpointFormat format() const = 0;
+  /// For messages: "dcp", "PyTorch DCP".
+  virtual std::string_view display_name() const = 0;
+  /// The commit marker: the file whose atomic appearance makes the checkpoint exist.
+  virtual const std::string& metadata_name() const = 0;
+  /// InvalidArgumentError naming `uri` for options this layout cannot honour.
+  virtual void CheckWriteOptions(const StorageOptions& options, const std::string& uri) const;
+  /// The prefix of rank `rank`'s data file names in save `save_id` (a plan's storage_data).
+  virtual std::string FilePrefix(const std::string& save_id, size_t rank) const = 0;
+  /// Data file `bucket` of a rank whose prefix is `prefix`.
+  virtual std::string DataFileName(const std::string& prefix, size_t bucket) const = 0;
+  /// True for names this layout's writer creates for data (clean-up never touches others).
+  virtual bool IsDataFile(const std::string& name) const = 0;
+  /// The committed metadata's bytes. `uri` names the checkpoint in errors.
+  virtual std::string EncodeMetadata(const Metadata& md, const std::string& uri) const = 0;
+  /// Read and decode the metadata file of `store` (untrusted: bounded, validated).
+  virtual Metadata ReadMetadata(Store& store) const = 0;
+  virtual std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions& options) const = 0;
+};
+
+/// The layout a writer of `format` writes (static lifetime).
+const CheckpointLayout& LayoutFor(CheckpointFormat format);
+/// Every layout a reader recognises, in detection order (dcp first).
+const std::vector<const CheckpointLayout*>& AllLayouts();
+/// The layout of the checkpoint committed in `store`, or nullptr when there is none.
+const CheckpointLayout* DetectLayout(Store& store);
+/// True when some layout's writer would create `name` for data.
+bool IsAnyDataFile(const std::string& name);
+
+/// A tensor must still have the dtype and shape it was planned with (InvalidArgumentError).
+void CheckUnchanged(const WriteItem& item, const ResolvedData& data);
+
+}  // namespace dcp
