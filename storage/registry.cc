@@ -10,7 +10,7 @@
 #include "dcp/storage/file_store.h"
 #include "dcp/storage/mem_store.h"
 #ifdef DCP_HAVE_S3
-#include "dcp/storage/s3_store.h"
+#include "dcp/storage/s3/s3_store.h"
 #endif
 #include "dcp/storage/store_checkpoint.h"
 
@@ -75,7 +75,7 @@ Registry& GetRegistry() {
     RegisterStoreInto(
         *r, "mem", [](const std::string& loc) { return MakeMemStore(loc); }, false);
 #ifdef DCP_HAVE_S3
-    // s3://bucket/prefix (storage/s3_store.h); configured from the AWS_* environment.
+    // s3://bucket/prefix (storage/s3/s3_store.h); configured from the AWS_* environment.
     RegisterStoreInto(
         *r, "s3", [](const std::string& loc) { return MakeS3Store(loc); }, false);
 #endif

@@ -16,7 +16,7 @@
 #include "support/s3_test_support.h"
 #include "support/test_support.h"
 #ifdef DCP_HAVE_S3
-#include "dcp/storage/s3_store.h"
+#include "dcp/storage/s3/s3_store.h"
 #endif
 
 using namespace dcp;

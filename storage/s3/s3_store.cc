@@ -1,5 +1,5 @@
 // The s3:// backend. Client library: libcurl (Debian's libcurl4-openssl-dev), with our own
-// SigV4 (storage/s3_sigv4.cc, OpenSSL's HMAC/SHA-256). Why not a full SDK: Debian 12 packages
+// SigV4 (storage/s3/s3_sigv4.cc, OpenSSL's HMAC/SHA-256). Why not a full SDK: Debian 12 packages
 // no AWS C++ SDK; libs3 is old (2017) and synchronous per request with its own threading
 // model; libcurl is maintained, everywhere, does HTTP/1.1 keep-alive, TLS and proxies, and the
 // S3 subset a checkpoint needs is ten requests. Signing is the only part where being wrong is
@@ -25,7 +25,7 @@
 //  * The commit: the checkpoint protocol publishes metadata.dcp last; for a new checkpoint with
 //    Store::PublishNew (If-None-Match: *), so even two jobs that both bypassed the lock cannot
 //    both commit: the second gets 412 -> AlreadyExistsError.
-#include "dcp/storage/s3_store.h"
+#include "dcp/storage/s3/s3_store.h"
 
 #include <curl/curl.h>
 #include <pthread.h>
@@ -47,7 +47,7 @@
 
 #include "dcp/proto/error.h"
 #include "dcp/proto/random_name.h"
-#include "dcp/storage/s3_sigv4.h"
+#include "dcp/storage/s3/s3_sigv4.h"
 
 namespace dcp {
 
