@@ -14,7 +14,7 @@
 // Requests use path-style addressing (endpoint/bucket/key), which every S3-compatible server
 // accepts.
 //
-// How the Store maps onto S3 (see storage/s3/s3_store.cc for why):
+// How the Store maps onto S3 (the files of storage/s3/ say why):
 //   Create   a multipart upload: parts of part_size bytes, up to parts_in_flight uploading while
 //            the next one fills, so one writer holds at most part_size x (parts_in_flight + 1)
 //            bytes (32 MiB by default: the store-buffer share of kWriterStagingBytes). An object
