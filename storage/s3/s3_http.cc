@@ -116,8 +116,8 @@ Response Client::Send(const Call& c, bool* retried) {
     try {
       Response r = Once(c, attempt);
       if (!Retryable(r.status)) return r;
-      last = "HTTP " + std::to_string(r.status) + " " + ErrorCode(r) + " " +
-             XmlValue(r.body, "Message");
+      const S3ErrorBody error = ParseS3Error(r.body);
+      last = "HTTP " + std::to_string(r.status) + " " + error.code + " " + error.message;
     } catch (const TransportFailure& t) {
       last = t.what;
     }
@@ -143,14 +143,14 @@ std::string Client::Describe(const std::string& key) const {
   return "s3://" + bucket_ + (key.empty() ? "" : "/" + key);
 }
 
-std::string Client::ErrorCode(const Response& r) { return XmlValue(r.body, "Code"); }
+std::string Client::ErrorCode(const Response& r) { return ParseS3Error(r.body).code; }
 
 void Client::Throw(const Call& c, const Response& r) const {
-  const std::string code = ErrorCode(r);
+  const S3ErrorBody error = ParseS3Error(r.body);
+  const std::string& code = error.code;
   const std::string where = Describe(c.key);
-  const std::string detail =
-      "HTTP " + std::to_string(r.status) + (code.empty() ? "" : " " + code) +
-      (XmlValue(r.body, "Message").empty() ? "" : ": " + XmlValue(r.body, "Message"));
+  const std::string detail = "HTTP " + std::to_string(r.status) + (code.empty() ? "" : " " + code) +
+                             (error.message.empty() ? "" : ": " + error.message);
   if (r.status == 404) {
     if (code == "NoSuchBucket") {
       throw NotFoundError("bucket s3://" + bucket_ + " does not exist (" + detail + ")");
@@ -199,7 +199,8 @@ size_t Client::WriteBody(char* data, size_t size, size_t nmemb, void* user) {
     std::memcpy(t->call->dst + r.dst_bytes, data, n);
     r.dst_bytes += n;
   } else {
-    if (t->response->body.size() + n > (size_t{64} << 20)) return 0;  // no unbounded bodies
+    // No unbounded bodies: what is kept is XML (errors, results) or a small object.
+    if (t->response->body.size() + n > kMaxXmlBytes) return 0;
     t->response->body.append(data, n);
   }
   return n;

@@ -107,7 +107,7 @@ class S3Writable : public WritableObject {
             std::strtoull(h.headers["content-length"].c_str(), nullptr, 10) != size_) {
           client_->Throw(c, r);
         }
-      } else if (r.status / 100 != 2 || r.body.find("<Error>") != std::string::npos) {
+      } else if (r.status / 100 != 2 || IsS3ErrorBody(r.body)) {
         // S3 may answer 200 and put the error in the body (the completion failed late).
         if (r.status / 100 == 2) r.status = 500;
         client_->Throw(c, r);
@@ -129,12 +129,7 @@ class S3Writable : public WritableObject {
     if (upload_id_.empty()) {
       Call c{"POST", key_, {{"uploads", ""}}};
       Response r = client_->Ok(c);
-      upload_id_ = XmlValue(r.body, "UploadId");
-      if (upload_id_.empty()) {
-        throw IoError(
-            "s3: CreateMultipartUpload of " + client_->Describe(key_) + " returned no UploadId",
-            true);
-      }
+      upload_id_ = ParseInitiateMultipartUpload(r.body, client_->Describe(key_));
     }
     Reap(static_cast<size_t>(client_->options().parts_in_flight) - 1);
     std::string part;

@@ -155,22 +155,17 @@ class S3Store : public Store {
       Response r = client_->Send(c);
       if (r.status == 404 && ErrorCodeOf(r) == "NoSuchBucket") return names;  // nothing there
       if (r.status / 100 != 2) client_->Throw(c, r);
-      size_t pos = 0;
-      size_t keys = 0;
-      for (;;) {
-        const std::string contents = XmlValue(r.body, "Contents", &pos);
-        if (pos == std::string::npos) break;
-        ++keys;
-        std::string key = XmlUnescape(XmlValue(contents, "Key"));
+      ListObjectsPage page = ParseListObjectsV2(r.body, uri());
+      for (std::string& key : page.keys) {
         if (key.size() > pre.size() && key.compare(0, pre.size(), pre) == 0) {
           key = key.substr(pre.size());
-          if (key != kLockObjectName) names.push_back(key);
+          if (key != kLockObjectName) names.push_back(std::move(key));
         }
       }
-      if (XmlValue(r.body, "IsTruncated") != "true") break;
-      token = XmlUnescape(XmlValue(r.body, "NextContinuationToken"));
+      if (!page.truncated) break;
+      token = std::move(page.next_token);
       if (token.empty()) break;
-      bounds.NextPage(keys, token);
+      bounds.NextPage(page.keys.size(), token);
     }
     return names;
   }
@@ -186,7 +181,8 @@ class S3Store : public Store {
     std::vector<std::string> keys;
     const std::string pre = prefix_.empty() ? "" : prefix_ + "/";
     std::string key_marker, id_marker;
-    ListingBounds bounds(uri() + " (incomplete uploads)");
+    const std::string what = uri() + " (incomplete uploads)";
+    ListingBounds bounds(what);
     for (;;) {
       Call c{"GET", "", {{"uploads", ""}, {"prefix", pre}}};
       if (!key_marker.empty()) {
@@ -196,18 +192,13 @@ class S3Store : public Store {
       Response r = client_->Send(c);
       if (r.status == 404 && ErrorCodeOf(r) == "NoSuchBucket") return keys;
       if (r.status / 100 != 2) client_->Throw(c, r);
-      size_t pos = 0, page = 0;
-      for (;;) {
-        const std::string upload = XmlValue(r.body, "Upload", &pos);
-        if (pos == std::string::npos) break;
-        ++page;
-        keys.push_back(XmlUnescape(XmlValue(upload, "Key")));
-      }
-      if (XmlValue(r.body, "IsTruncated") != "true") break;
-      key_marker = XmlUnescape(XmlValue(r.body, "NextKeyMarker"));
-      id_marker = XmlUnescape(XmlValue(r.body, "NextUploadIdMarker"));
+      ListUploadsPage page = ParseListMultipartUploads(r.body, what);
+      keys.insert(keys.end(), page.keys.begin(), page.keys.end());
+      if (!page.truncated) break;
+      key_marker = std::move(page.next_key_marker);
+      id_marker = std::move(page.next_upload_id_marker);
       if (key_marker.empty()) break;
-      bounds.NextPage(page, key_marker + "\n" + id_marker);
+      bounds.NextPage(page.keys.size(), key_marker + "\n" + id_marker);
     }
     return keys;
   }

@@ -1,6 +1,7 @@
 // s3://bucket/prefix: checkpoints in an S3-compatible object store (AWS S3, Ceph RADOS Gateway,
-// MinIO, ...), over libcurl with AWS SigV4 signing (storage/s3/s3_sigv4.h). Built when libcurl and
-// OpenSSL's libcrypto are found (DCP_HAVE_S3); otherwise the scheme is not registered.
+// MinIO, ...), over libcurl with AWS SigV4 signing (storage/s3/s3_sigv4.h). Built when libcurl,
+// OpenSSL's libcrypto and tinyxml2 are found (DCP_HAVE_S3); otherwise the scheme is not
+// registered.
 //
 // Configuration, from the usual environment variables unless S3Options says otherwise:
 //   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY   credentials (required)

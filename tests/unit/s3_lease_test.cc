@@ -439,6 +439,6 @@ TEST_CASE(
 }
 #else
 TEST_CASE("s3 lease: backend", "[s3]") {
-  WARN("SKIPPED: dcp was built without the s3:// backend (libcurl or OpenSSL not found)");
+  WARN("SKIPPED: dcp was built without the s3:// backend (libcurl, OpenSSL or tinyxml2 not found)");
 }
 #endif

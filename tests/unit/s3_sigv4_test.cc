@@ -136,6 +136,6 @@ TEST_CASE("sigv4: the S3 API reference examples", "[s3][sigv4]") {
 }
 #else
 TEST_CASE("sigv4: AWS test suite", "[s3][sigv4]") {
-  WARN("SKIPPED: dcp was built without libcurl/OpenSSL, so without the s3:// backend");
+  WARN("SKIPPED: dcp was built without libcurl/OpenSSL/tinyxml2, so without the s3:// backend");
 }
 #endif
