@@ -1,8 +1,9 @@
 # dcp_add_library(name SOURCES ... HEADERS ... [PUBLIC_DEPS ...] [PRIVATE_DEPS ...])
 # One shared library per folder. Every header of ours is included under the dcp/ prefix, in the
 # tree and by users: "dcp/<file>.h" for the dcp/ folder, "dcp/<folder>/<file>.h" for proto/,
-# planner/ and storage/. They install to include/dcp/ and include/dcp/<folder>/, and the exported
-# include dir is include/, so an application's own "proto/error.h" can never be mistaken for ours.
+# planner/ and storage/ ("dcp/<folder>/<sub>/<file>.h" for a header in a sub-folder). They install
+# to include/dcp/ and include/dcp/<folder>/[<sub>/], and the exported include dir is include/,
+# so an application's own "proto/error.h" can never be mistaken for ours.
 # In the build tree, include/dcp/<folder> links to the source folder (see dcp_include_root).
 function(dcp_include_root)
   set(root ${PROJECT_BINARY_DIR}/include/dcp)
@@ -31,8 +32,14 @@ function(dcp_add_library name)
     RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
   file(RELATIVE_PATH folder ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_SOURCE_DIR})
   if(folder STREQUAL "dcp")
-    install(FILES ${ARG_HEADERS} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/dcp)
+    set(destination ${CMAKE_INSTALL_INCLUDEDIR}/dcp)
   else()
-    install(FILES ${ARG_HEADERS} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/dcp/${folder})
+    set(destination ${CMAKE_INSTALL_INCLUDEDIR}/dcp/${folder})
   endif()
+  # A header in a sub-folder keeps it ("s3/s3_store.h" -> include/dcp/storage/s3/), as its
+  # include path in the tree does.
+  foreach(header IN LISTS ARG_HEADERS)
+    get_filename_component(subfolder ${header} DIRECTORY)
+    install(FILES ${header} DESTINATION ${destination}/${subfolder})
+  endforeach()
 endfunction()

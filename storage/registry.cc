@@ -13,7 +13,7 @@
 #include "dcp/storage/file_store.h"
 #include "dcp/storage/mem_store.h"
 #ifdef DCP_HAVE_S3
-#include "dcp/storage/s3_store.h"
+#include "dcp/storage/s3/s3_store.h"
 #endif
 #include "dcp/storage/backend_options.h"
 #include "dcp/storage/store_checkpoint.h"
@@ -127,7 +127,8 @@ Registry& GetRegistry() {
         },
         false);
 #ifdef DCP_HAVE_S3
-    // s3://bucket/prefix (storage/s3_store.h); configured from the AWS_* environment.
+    // s3://bucket/prefix (storage/s3/s3_store.h); configured from the AWS_* environment and
+    // the URI's options.
     RegisterStoreInto(*r, "s3", OpenS3, false);
 #endif
     r->aliases["torchdcp"] = {"file", CheckpointFormat::kTorchDcp};

@@ -32,7 +32,7 @@ packages=(
   libtorch-dev
   clang libclang-rt-14-dev clang-16   # clang-16: the newest compiler Debian 12 packages (a CI stage)
   python3 python3-numpy python3-torch   # CLI tests: independent safetensors reader, torch.load
-  libcurl4-openssl-dev libssl-dev       # the s3:// backend (libcurl, OpenSSL's SigV4 HMAC/SHA-256)
+  libcurl4-openssl-dev libssl-dev libtinyxml2-dev   # the s3:// backend (libcurl, OpenSSL's SigV4 HMAC/SHA-256, S3's XML)
   radosgw ceph-mon ceph-osd ceph-common uuid-runtime curl   # s3:// tests: a real Ceph RGW on loopback
 )
 

@@ -20,7 +20,7 @@ inline constexpr char kS3TestBucket[] = "dcp-test";
 /// Why s3:// tests cannot run here, or "" when they can.
 inline std::string S3SkipReason() {
 #ifndef DCP_HAVE_S3
-  return "dcp was built without the s3:// backend (libcurl or OpenSSL not found)";
+  return "dcp was built without the s3:// backend (libcurl, OpenSSL or tinyxml2 not found)";
 #else
   const char* endpoint = std::getenv("DCP_TEST_S3_ENDPOINT");
   if (endpoint == nullptr || *endpoint == '\0') {

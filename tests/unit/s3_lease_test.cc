@@ -25,7 +25,7 @@
 #include "support/s3_test_support.h"
 #include "support/test_support.h"
 #ifdef DCP_HAVE_S3
-#include "dcp/storage/s3_store.h"
+#include "dcp/storage/s3/s3_store.h"
 #endif
 
 using namespace dcp;
@@ -439,6 +439,6 @@ TEST_CASE(
 }
 #else
 TEST_CASE("s3 lease: backend", "[s3]") {
-  WARN("SKIPPED: dcp was built without the s3:// backend (libcurl or OpenSSL not found)");
+  WARN("SKIPPED: dcp was built without the s3:// backend (libcurl, OpenSSL or tinyxml2 not found)");
 }
 #endif

@@ -16,7 +16,7 @@
 #include "support/s3_test_support.h"
 #include "support/test_support.h"
 #ifdef DCP_HAVE_S3
-#include "dcp/storage/s3_store.h"
+#include "dcp/storage/s3/s3_store.h"
 #endif
 
 using namespace dcp;
@@ -325,6 +325,6 @@ TEST_CASE("s3: a writer destroyed without Close aborts its multipart upload", "[
 }
 #else
 TEST_CASE("s3: backend", "[s3]") {
-  WARN("SKIPPED: dcp was built without the s3:// backend (libcurl or OpenSSL not found)");
+  WARN("SKIPPED: dcp was built without the s3:// backend (libcurl, OpenSSL or tinyxml2 not found)");
 }
 #endif

@@ -1,0 +1,17 @@
+// The s3:// writer lock (internal): a lock object holding a lease, renewed while held.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "dcp/storage/s3/s3_http.h"
+#include "dcp/storage/store.h"
+
+namespace dcp::s3 {
+
+// Store::TryLock of the store at `location` (for messages): takes the lock object `key` for
+// `holder`, or an expired one over. LockedError while another job's lease runs.
+std::unique_ptr<StoreLock> AcquireLock(std::shared_ptr<Client> client, const std::string& location,
+                                       const std::string& key, const std::string& holder);
+
+}  // namespace dcp::s3

@@ -1,0 +1,347 @@
+// The s3:// backend's objects: the multipart writer (S3Writable) and the ranged reader with its
+// prefetch window (S3Readable).
+//
+// Design notes (the why):
+//  * Writes: S3 has no append, so an object is a multipart upload. Parts go up in parallel
+//    (parts_in_flight) while the writer fills the next; the bound keeps memory at
+//    part_size x (parts_in_flight + 1). The object appears atomically at
+//    CompleteMultipartUpload, which gives the Store rule "invisible until Close" for free; a
+//    writer destroyed without Close aborts the upload so no orphaned parts stay billed.
+//  * Reads: dcp reads large items as Prefetch(range) then 1 MiB ReadAt steps (so the CRC runs
+//    cache-hot). One GET per 1 MiB step would be latency-bound; Prefetch starts part_size
+//    ranged GETs ahead (a sliding window of read_ahead_parts) and ReadAt serves from them. A
+//    ReadAt that no window covers is a ranged GET straight into the destination, split into
+//    parallel ranges when large.
+#include "dcp/storage/s3/s3_object.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <future>
+#include <utility>
+#include <vector>
+
+#include "dcp/proto/error.h"
+#include "dcp/storage/s3/s3_xml.h"
+
+namespace dcp::s3 {
+
+namespace {
+
+class S3Writable : public WritableObject {
+ public:
+  S3Writable(std::shared_ptr<Client> client, std::string key)
+      : client_(std::move(client)), key_(std::move(key)) {
+    part_size_ = client_->options().part_size;
+  }
+
+  ~S3Writable() override {
+    if (closed_) return;
+    // Abandoned: let the parts in flight end, then abort so nothing partial stays.
+    for (auto& p : inflight_) {
+      try {
+        p.etag.get();
+      } catch (...) {
+      }
+    }
+    if (!upload_id_.empty()) {
+      try {
+        Call c{"DELETE", key_, {{"uploadId", upload_id_}}};
+        client_->Send(c);
+      } catch (...) {
+        // Best effort: a bucket lifecycle rule (AbortIncompleteMultipartUpload) cleans up
+        // what a failed abort leaves.
+      }
+    }
+  }
+
+  void Append(const void* data, size_t n) override {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      if (buffer_.capacity() < part_size_) buffer_.reserve(part_size_);
+      const size_t take = std::min(n, part_size_ - buffer_.size());
+      buffer_.append(p, take);
+      p += take;
+      n -= take;
+      size_ += take;
+      if (buffer_.size() == part_size_) ShipPart();
+    }
+  }
+
+  // Parts already shipped are on the server once their PUT returned; the object itself becomes
+  // durable (and visible) at Close. Sync surfaces any failed part now.
+  void Sync() override {
+    for (auto& p : inflight_) p.etag.wait();
+    Reap(0);
+  }
+
+  void Close() override {
+    if (closed_) return;
+    if (upload_id_.empty()) {
+      // Smaller than one part: one PUT.
+      Call c{"PUT", key_};
+      c.body = buffer_.data();
+      c.body_size = buffer_.size();
+      client_->Ok(c);
+    } else {
+      if (!buffer_.empty()) ShipPart();
+      Reap(0);
+      std::string xml = "<CompleteMultipartUpload>";
+      for (size_t i = 0; i < etags_.size(); ++i) {
+        xml += "<Part><PartNumber>" + std::to_string(i + 1) + "</PartNumber><ETag>" + etags_[i] +
+               "</ETag></Part>";
+      }
+      xml += "</CompleteMultipartUpload>";
+      Call c{"POST", key_, {{"uploadId", upload_id_}}};
+      c.body = xml.data();
+      c.body_size = xml.size();
+      bool retried = false;
+      Response r = client_->Send(c, &retried);
+      if (r.status == 404 && retried && Client::ErrorCode(r) == "NoSuchUpload") {
+        // Our first attempt completed it and its answer was lost: the object is there.
+        Call head{"HEAD", key_};
+        Response h = client_->Send(head);
+        if (h.status / 100 != 2 ||
+            std::strtoull(h.headers["content-length"].c_str(), nullptr, 10) != size_) {
+          client_->Throw(c, r);
+        }
+      } else if (r.status / 100 != 2 || IsS3ErrorBody(r.body)) {
+        // S3 may answer 200 and put the error in the body (the completion failed late).
+        if (r.status / 100 == 2) r.status = 500;
+        client_->Throw(c, r);
+      }
+    }
+    closed_ = true;
+    buffer_ = std::string();
+  }
+
+  uint64_t size() const override { return size_; }
+
+ private:
+  struct Part {
+    size_t index;
+    std::future<std::string> etag;
+  };
+
+  void ShipPart() {
+    if (upload_id_.empty()) {
+      Call c{"POST", key_, {{"uploads", ""}}};
+      Response r = client_->Ok(c);
+      upload_id_ = ParseInitiateMultipartUpload(r.body, client_->Describe(key_));
+    }
+    Reap(static_cast<size_t>(client_->options().parts_in_flight) - 1);
+    std::string part;
+    if (!spare_.empty()) {
+      part = std::move(spare_.back());
+      spare_.pop_back();
+    }
+    part.swap(buffer_);
+    buffer_.clear();
+    const size_t index = etags_.size() + inflight_.size();
+    auto shared = std::make_shared<std::string>(std::move(part));
+    auto client = client_;
+    const std::string key = key_, upload = upload_id_;
+    inflight_.push_back(
+        {index, std::async(std::launch::async, [client, key, upload, index, shared] {
+           Call c{"PUT", key, {{"partNumber", std::to_string(index + 1)}, {"uploadId", upload}}};
+           c.body = shared->data();
+           c.body_size = shared->size();
+           Response r = client->Ok(c);
+           const std::string etag = r.headers["etag"];
+           if (etag.empty()) {
+             throw IoError("s3: UploadPart " + std::to_string(index + 1) + " of " +
+                               client->Describe(key) + " returned no ETag",
+                           true);
+           }
+           return etag;
+         })});
+    parts_.push_back(shared);
+  }
+
+  // Wait until at most `keep` parts are in flight, oldest first; record their ETags.
+  void Reap(size_t keep) {
+    while (inflight_.size() > keep) {
+      Part p = std::move(inflight_.front());
+      inflight_.pop_front();
+      auto buf = parts_.front();
+      parts_.pop_front();
+      etags_.push_back(p.etag.get());  // rethrows a failed part
+      if (buf.use_count() == 1) spare_.push_back(std::move(*buf));
+    }
+  }
+
+  std::shared_ptr<Client> client_;
+  std::string key_;
+  size_t part_size_;
+  std::string buffer_;
+  std::vector<std::string> spare_;
+  std::string upload_id_;
+  std::deque<Part> inflight_;
+  std::deque<std::shared_ptr<std::string>> parts_;
+  std::vector<std::string> etags_;
+  uint64_t size_ = 0;
+  bool closed_ = false;
+};
+
+class S3Readable : public ReadableObject {
+ public:
+  S3Readable(std::shared_ptr<Client> client, std::string key, uint64_t size)
+      : client_(std::move(client)), key_(std::move(key)), size_(size) {}
+  ~S3Readable() override {
+    for (auto& c : window_) c.data.wait();
+  }
+
+  void ReadAt(uint64_t offset, void* dst, size_t n) override {
+    if (offset > size_ || n > size_ - offset) {
+      throw CorruptionError("object '" + client_->Describe(key_) + "' is truncated: need " +
+                            std::to_string(n) + " bytes at offset " + std::to_string(offset) +
+                            " but it has " + std::to_string(size_));
+    }
+    if (n == 0) return;
+    char* out = static_cast<char*>(dst);
+    // Serve what the prefetch window holds, in order.
+    while (n > 0 && !window_.empty()) {
+      Chunk& c = window_.front();
+      if (offset >= c.offset + c.size) {  // passed it: drop
+        window_.pop_front();
+        TopUp();
+        continue;
+      }
+      if (offset < c.offset) break;  // a backward jump: not in the window
+      const std::string* bytes = nullptr;
+      try {
+        bytes = &c.data.get();
+      } catch (const Error&) {
+        // A failed prefetch: drop the window, the direct read below retries on its own.
+        window_.clear();
+        break;
+      }
+      const size_t take = std::min<uint64_t>(n, c.offset + c.size - offset);
+      std::memcpy(out, bytes->data() + (offset - c.offset), take);
+      out += take;
+      offset += take;
+      n -= take;
+      if (offset >= c.offset + c.size) {
+        window_.pop_front();
+        TopUp();
+      }
+    }
+    if (n > 0) Direct(offset, out, n);
+  }
+
+  uint64_t size() const override { return size_; }
+
+  void Prefetch(uint64_t offset, uint64_t n) noexcept override {
+    try {
+      if (offset >= size_) return;
+      n = std::min(n, size_ - offset);
+      if (!window_.empty() && offset >= window_.front().offset && offset <= ahead_end_) {
+        // Inside or right after what is coming (the next piece of a sequential read): extend the
+        // window instead of restarting it, so the stream of GETs has no gap between pieces.
+        ahead_end_ = std::max(ahead_end_, offset + n);
+        TopUp();
+        return;
+      }
+      window_.clear();  // futures of std::async wait in their destructors
+      next_ = offset;
+      ahead_end_ = offset + n;
+      TopUp();
+    } catch (...) {
+      // A hint: the reads that follow fetch directly.
+    }
+  }
+
+ private:
+  struct Chunk {
+    uint64_t offset;
+    uint64_t size;
+    std::shared_future<std::string> data;
+  };
+
+  void TopUp() {
+    const uint64_t part = client_->options().part_size;
+    while (window_.size() < static_cast<size_t>(client_->options().read_ahead_parts) &&
+           next_ < ahead_end_) {
+      const uint64_t len = std::min(part, ahead_end_ - next_);
+      auto client = client_;
+      const std::string key = key_;
+      const uint64_t off = next_;
+      window_.push_back({off, len, std::async(std::launch::async, [client, key, off, len] {
+                                     std::string buf(len, '\0');
+                                     Get(*client, key, off, buf.data(), len);
+                                     return buf;
+                                   }).share()});
+      next_ += len;
+    }
+  }
+
+  // A ranged GET straight into dst; large ranges split across parallel requests.
+  void Direct(uint64_t offset, char* dst, size_t n) {
+    const uint64_t part = client_->options().part_size;
+    if (n <= part) {
+      Get(*client_, key_, offset, dst, n);
+      return;
+    }
+    const size_t width = static_cast<size_t>(std::max(1, client_->options().read_ahead_parts));
+    std::deque<std::future<void>> running;
+    for (uint64_t pos = 0; pos < n; pos += part) {
+      if (running.size() >= width) {
+        running.front().get();
+        running.pop_front();
+      }
+      const uint64_t len = std::min<uint64_t>(part, n - pos);
+      running.push_back(std::async(std::launch::async, [this, offset, dst, pos, len] {
+        Get(*client_, key_, offset + pos, dst + pos, len);
+      }));
+    }
+    std::exception_ptr first;
+    for (auto& f : running) {
+      try {
+        f.get();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
+  static void Get(Client& client, const std::string& key, uint64_t offset, char* dst, uint64_t n) {
+    // A short body (a connection cut mid-response that curl did not notice) is retried too.
+    for (int attempt = 0;; ++attempt) {
+      Call c{"GET", key};
+      c.headers = {
+          {"range", "bytes=" + std::to_string(offset) + "-" + std::to_string(offset + n - 1)}};
+      c.dst = dst;
+      c.dst_size = n;
+      Response r = client.Ok(c);
+      if (r.dst_bytes == n) return;
+      if (attempt >= client.options().max_retries) {
+        throw IoError("s3: GET " + client.Describe(key) + " returned " +
+                          std::to_string(r.dst_bytes) + " of " + std::to_string(n) +
+                          " bytes at offset " + std::to_string(offset),
+                      true);
+      }
+    }
+  }
+
+  std::shared_ptr<Client> client_;
+  std::string key_;
+  uint64_t size_;
+  std::deque<Chunk> window_;
+  uint64_t next_ = 0, ahead_end_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<WritableObject> MakeWritable(std::shared_ptr<Client> client, std::string key) {
+  return std::make_unique<S3Writable>(std::move(client), std::move(key));
+}
+
+std::unique_ptr<ReadableObject> MakeReadable(std::shared_ptr<Client> client, std::string key,
+                                             uint64_t size) {
+  return std::make_unique<S3Readable>(std::move(client), std::move(key), size);
+}
+
+}  // namespace dcp::s3
