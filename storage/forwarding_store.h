@@ -21,7 +21,9 @@
 //  * Thread safety: that of the target; ForwardingStore keeps no state of its own.
 //
 // ForwardingWritableObject and ForwardingReadableObject do the same for the objects a decorator
-// returns from Create and Open; they own the wrapped object.
+// returns from Create and Open. They own the wrapped object, which outlives the subclass's
+// members: a subclass whose members keep the wrapped object's store alive resets target_ in its
+// destructor.
 #pragma once
 
 #include <cstdint>
