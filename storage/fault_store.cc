@@ -34,60 +34,64 @@ const char* FaultOpName(FaultOp op) {
 
 namespace {
 
-class FaultWritable : public WritableObject {
+class FaultWritable : public ForwardingWritableObject {
  public:
   FaultWritable(std::shared_ptr<FaultInjectionStore> store, std::string name,
                 std::unique_ptr<WritableObject> inner)
-      : store_(std::move(store)), name_(std::move(name)), inner_(std::move(inner)) {}
+      : ForwardingWritableObject(std::move(inner)),
+        store_(std::move(store)),
+        name_(std::move(name)) {}
+  // The wrapped object goes first, while store_ still keeps the stores under it alive.
+  ~FaultWritable() override { target_.reset(); }
   void Append(const void* data, size_t n) override {
     if (store_->Before(FaultOp::kAppend, name_)) {  // a short write: half the bytes land
-      inner_->Append(data, n / 2);
-      store_->RecordWrite(name_, inner_->size(), false, false);
+      target_->Append(data, n / 2);
+      store_->RecordWrite(name_, target_->size(), false, false);
       throw MakeIoError("injected short write", store_->uri() + "/" + name_, EIO);
     }
-    inner_->Append(data, n);
-    store_->RecordWrite(name_, inner_->size(), false, false);
+    target_->Append(data, n);
+    store_->RecordWrite(name_, target_->size(), false, false);
   }
   void Sync() override {
     store_->Before(FaultOp::kSync, name_);
-    inner_->Sync();
-    store_->RecordWrite(name_, inner_->size(), true, false);
+    target_->Sync();
+    store_->RecordWrite(name_, target_->size(), true, false);
   }
   void Close() override {
     store_->Before(FaultOp::kClose, name_);
-    inner_->Close();
-    store_->RecordWrite(name_, inner_->size(), false, true);
+    target_->Close();
+    store_->RecordWrite(name_, target_->size(), false, true);
   }
-  uint64_t size() const override { return inner_->size(); }
 
  private:
   std::shared_ptr<FaultInjectionStore> store_;
   std::string name_;
-  std::unique_ptr<WritableObject> inner_;
 };
 
-class FaultReadable : public ReadableObject {
+class FaultReadable : public ForwardingReadableObject {
  public:
   FaultReadable(std::shared_ptr<FaultInjectionStore> store, std::string name,
                 std::unique_ptr<ReadableObject> inner)
-      : store_(std::move(store)), name_(std::move(name)), inner_(std::move(inner)) {}
-  void Prefetch(uint64_t offset, uint64_t n) noexcept override { inner_->Prefetch(offset, n); }
+      : ForwardingReadableObject(std::move(inner)),
+        store_(std::move(store)),
+        name_(std::move(name)) {}
+  // The wrapped object goes first, as in FaultWritable.
+  ~FaultReadable() override { target_.reset(); }
   void ReadAt(uint64_t offset, void* dst, size_t n) override {
     store_->Before(FaultOp::kRead, name_);
-    inner_->ReadAt(offset, dst, n);
+    target_->ReadAt(offset, dst, n);
     store_->RecordRead(n);
   }
-  uint64_t size() const override { return inner_->size(); }
 
  private:
   std::shared_ptr<FaultInjectionStore> store_;
   std::string name_;
-  std::unique_ptr<ReadableObject> inner_;
 };
 
 }  // namespace
 
-FaultInjectionStore::FaultInjectionStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
+FaultInjectionStore::FaultInjectionStore(std::shared_ptr<Store> inner)
+    : ForwardingStore(std::move(inner)) {}
 
 void FaultInjectionStore::FailNth(FaultOp op, int n, FaultKind kind) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -130,14 +134,14 @@ void FaultInjectionStore::CrashLocked() {
   crashed_ = true;
   // Keep only what was made durable: the synced prefix of each object written through us.
   for (const auto& [name, d] : written_) {
-    if (!inner_->Size(name)) continue;
+    if (!target_->Size(name)) continue;
     if (!d.ever_synced || d.synced == 0) {
-      inner_->Remove(name);
+      target_->Remove(name);
       continue;
     }
     std::string keep(d.synced, '\0');
-    inner_->Open(name)->ReadAt(0, keep.data(), keep.size());
-    auto w = inner_->Create(name);
+    target_->Open(name)->ReadAt(0, keep.data(), keep.size());
+    auto w = target_->Create(name);
     w->Append(keep.data(), keep.size());
     w->Sync();
     w->Close();
@@ -151,7 +155,7 @@ bool FaultInjectionStore::Before(FaultOp op, const std::string& name) {
     std::lock_guard<std::mutex> lock(mu_);
     if (crashed_)
       throw MakeIoError(std::string(FaultOpName(op)) + " after power loss",
-                        inner_->uri() + "/" + name, EIO);
+                        target_->uri() + "/" + name, EIO);
     const int n = ++counts_[op];
     auto it = faults_.find({op, n});
     if (it != faults_.end()) fault = it->second;
@@ -161,7 +165,7 @@ bool FaultInjectionStore::Before(FaultOp op, const std::string& name) {
   }
   if (delay.count() > 0) std::this_thread::sleep_for(delay);
   if (!fault) return false;
-  const std::string where = inner_->uri() + "/" + name;
+  const std::string where = target_->uri() + "/" + name;
   const std::string what = std::string("injected ") + FaultOpName(op);
   switch (*fault) {
     case FaultKind::kIoError:
@@ -186,30 +190,23 @@ void FaultInjectionStore::RecordWrite(const std::string& name, uint64_t size, bo
   }
 }
 
-std::string FaultInjectionStore::uri() const { return inner_->uri(); }
-void FaultInjectionStore::CreateRoot() { inner_->CreateRoot(); }
-
 std::unique_ptr<WritableObject> FaultInjectionStore::Create(const std::string& name) {
   Before(FaultOp::kCreate, name);
   {
     std::lock_guard<std::mutex> lock(mu_);
     written_[name] = Durability{};
   }
-  return std::make_unique<FaultWritable>(shared_from_this(), name, inner_->Create(name));
+  return std::make_unique<FaultWritable>(shared_from_this(), name, target_->Create(name));
 }
 
 std::unique_ptr<ReadableObject> FaultInjectionStore::Open(const std::string& name) {
   Before(FaultOp::kOpen, name);
-  return std::make_unique<FaultReadable>(shared_from_this(), name, inner_->Open(name));
-}
-
-std::optional<uint64_t> FaultInjectionStore::Size(const std::string& name) {
-  return inner_->Size(name);
+  return std::make_unique<FaultReadable>(shared_from_this(), name, target_->Open(name));
 }
 
 void FaultInjectionStore::PublishAtomically(const std::string& name, std::string_view bytes) {
   Before(FaultOp::kPublish, name);
-  inner_->PublishAtomically(name, bytes);
+  target_->PublishAtomically(name, bytes);
   {
     std::lock_guard<std::mutex> lock(mu_);
     written_.erase(name);  // durable once published
@@ -217,17 +214,13 @@ void FaultInjectionStore::PublishAtomically(const std::string& name, std::string
   Before(FaultOp::kPublishSync, name);  // visible now; a failure here is one after the rename
 }
 
-std::vector<std::string> FaultInjectionStore::List() { return inner_->List(); }
+void FaultInjectionStore::PublishNew(const std::string& name, std::string_view bytes) {
+  Store::PublishNew(name, bytes);
+}
 
 void FaultInjectionStore::Remove(const std::string& name) {
   Before(FaultOp::kRemove, name);
-  inner_->Remove(name);
-}
-
-// The lock is the inner store's: faults model data-path failures, and a crashed process's lock
-// is the inner backend's to recover.
-std::unique_ptr<StoreLock> FaultInjectionStore::TryLock(const std::string& holder) {
-  return inner_->TryLock(holder);
+  target_->Remove(name);
 }
 
 void RegisterFaultScheme(const std::string& scheme, std::shared_ptr<FaultInjectionStore> store) {

@@ -9,7 +9,9 @@
 // real device gives (IoError with errno EIO/ENOSPC), so the code under test cannot tell them
 // apart. Crash() models a machine losing power: every object keeps only the bytes that were
 // Sync()ed, objects never synced are gone, PublishAtomically is durable when it returns, and
-// every later operation fails until Reset().
+// every later operation fails until Reset(). uri, CreateRoot, Size, List and TryLock go to the
+// wrapped store without faults (it is a ForwardingStore): faults model data-path failures, and a
+// crashed process's lock is the wrapped backend's to recover.
 //
 // Thread-safe: saves use several threads at once.
 #pragma once
@@ -21,7 +23,7 @@
 #include <mutex>
 #include <string>
 
-#include "dcp/storage/store.h"
+#include "dcp/storage/forwarding_store.h"
 
 namespace dcp {
 
@@ -47,7 +49,8 @@ enum class FaultKind {
 
 const char* FaultOpName(FaultOp op);
 
-class FaultInjectionStore : public Store, public std::enable_shared_from_this<FaultInjectionStore> {
+class FaultInjectionStore : public ForwardingStore,
+                            public std::enable_shared_from_this<FaultInjectionStore> {
  public:
   explicit FaultInjectionStore(std::shared_ptr<Store> inner);
 
@@ -65,27 +68,23 @@ class FaultInjectionStore : public Store, public std::enable_shared_from_this<Fa
   void Reset();
   bool crashed() const;
 
-  std::string uri() const override;
-  void CreateRoot() override;
   std::unique_ptr<WritableObject> Create(const std::string& name) override;
   std::unique_ptr<ReadableObject> Open(const std::string& name) override;
-  std::optional<uint64_t> Size(const std::string& name) override;
   void PublishAtomically(const std::string& name, std::string_view bytes) override;
-  std::vector<std::string> List() override;
+  /// Through this store's PublishAtomically (Store's default), so that publish faults reach a
+  /// new checkpoint's commit too.
+  void PublishNew(const std::string& name, std::string_view bytes) override;
   void Remove(const std::string& name) override;
-  /// Forwarded to the wrapped store (no faults are injected into locking).
-  std::unique_ptr<StoreLock> TryLock(const std::string& holder) override;
 
   // Used by the wrapped objects. Throws the injected error; returns true when an append must
   // be cut short (write half, then fail).
   bool Before(FaultOp op, const std::string& name);
   void RecordWrite(const std::string& name, uint64_t size, bool synced, bool closed);
   void RecordRead(uint64_t n) { bytes_read_ += n; }
-  std::shared_ptr<Store> inner() const { return inner_; }
+  std::shared_ptr<Store> inner() const { return target_; }
 
  private:
   void CrashLocked();
-  std::shared_ptr<Store> inner_;
   mutable std::mutex mu_;
   std::map<FaultOp, int> counts_;
   std::map<std::pair<FaultOp, int>, FaultKind> faults_;

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "dcp/dcp.h"
+#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/mem_store.h"
 #include "dcp/storage/store_checkpoint.h"
 #include "support/test_support.h"
@@ -20,26 +21,16 @@ using Catch::Matchers::Contains;
 namespace {
 
 // A mem:// store whose writes take a while, to keep a save in flight on purpose.
-class SlowStore : public Store {
+class SlowStore : public ForwardingStore {
  public:
   SlowStore(std::shared_ptr<Store> inner, std::chrono::milliseconds delay)
-      : inner_(std::move(inner)), delay_(delay) {}
-  std::string uri() const override { return inner_->uri(); }
-  void CreateRoot() override { inner_->CreateRoot(); }
+      : ForwardingStore(std::move(inner)), delay_(delay) {}
   std::unique_ptr<WritableObject> Create(const std::string& n) override {
     std::this_thread::sleep_for(delay_);
-    return inner_->Create(n);
+    return ForwardingStore::Create(n);
   }
-  std::unique_ptr<ReadableObject> Open(const std::string& n) override { return inner_->Open(n); }
-  std::optional<uint64_t> Size(const std::string& n) override { return inner_->Size(n); }
-  void PublishAtomically(const std::string& n, std::string_view b) override {
-    inner_->PublishAtomically(n, b);
-  }
-  std::vector<std::string> List() override { return inner_->List(); }
-  void Remove(const std::string& n) override { inner_->Remove(n); }
 
  private:
-  std::shared_ptr<Store> inner_;
   std::chrono::milliseconds delay_;
 };
 

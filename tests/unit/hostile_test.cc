@@ -10,6 +10,7 @@
 #include <string>
 
 #include "dcp/proto/codec.h"
+#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/mem_store.h"
 #include "dcp/storage/registry.h"
 #include "dcp/storage/store_checkpoint.h"
@@ -134,27 +135,16 @@ LoadOptions LoadAll() {
 
 // A Store that reports every data file as `size` bytes long (its reads fail): metadata whose
 // claims the "files" back, for allocation failures without a petabyte of disk.
-class HugeFileStore : public Store {
+class HugeFileStore : public ForwardingStore {
  public:
   HugeFileStore(std::shared_ptr<Store> inner, uint64_t size)
-      : inner_(std::move(inner)), size_(size) {}
-  std::string uri() const override { return "huge://" + inner_->uri(); }
-  void CreateRoot() override { inner_->CreateRoot(); }
-  std::unique_ptr<WritableObject> Create(const std::string& n) override {
-    return inner_->Create(n);
-  }
-  std::unique_ptr<ReadableObject> Open(const std::string& n) override { return inner_->Open(n); }
+      : ForwardingStore(std::move(inner)), size_(size) {}
+  std::string uri() const override { return "huge://" + target_->uri(); }
   std::optional<uint64_t> Size(const std::string& n) override {
-    return IsDataObjectName(n) ? std::optional<uint64_t>(size_) : inner_->Size(n);
+    return IsDataObjectName(n) ? std::optional<uint64_t>(size_) : target_->Size(n);
   }
-  void PublishAtomically(const std::string& n, std::string_view b) override {
-    inner_->PublishAtomically(n, b);
-  }
-  std::vector<std::string> List() override { return inner_->List(); }
-  void Remove(const std::string& n) override { inner_->Remove(n); }
 
  private:
-  std::shared_ptr<Store> inner_;
   uint64_t size_;
 };
 

@@ -14,6 +14,7 @@
 #include "dcp/dcp.h"
 #include "dcp/storage/fault_store.h"
 #include "dcp/storage/file_store.h"
+#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/store_checkpoint.h"
 #include "support/test_support.h"
 
@@ -120,24 +121,10 @@ int CountDataFiles(const std::string& dir) {
 }
 
 // A Store without the lock primitive (TryLock's default), to check the documented fallback.
-class UnlockedStore : public Store {
+class UnlockedStore : public ForwardingStore {
  public:
-  explicit UnlockedStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
-  std::string uri() const override { return inner_->uri(); }
-  void CreateRoot() override { inner_->CreateRoot(); }
-  std::unique_ptr<WritableObject> Create(const std::string& n) override {
-    return inner_->Create(n);
-  }
-  std::unique_ptr<ReadableObject> Open(const std::string& n) override { return inner_->Open(n); }
-  std::optional<uint64_t> Size(const std::string& n) override { return inner_->Size(n); }
-  void PublishAtomically(const std::string& n, std::string_view b) override {
-    inner_->PublishAtomically(n, b);
-  }
-  std::vector<std::string> List() override { return inner_->List(); }
-  void Remove(const std::string& n) override { inner_->Remove(n); }
-
- private:
-  std::shared_ptr<Store> inner_;
+  using ForwardingStore::ForwardingStore;
+  std::unique_ptr<StoreLock> TryLock(const std::string& h) override { return Store::TryLock(h); }
 };
 
 void PutObject(Store& store, const std::string& name, const std::string& bytes) {

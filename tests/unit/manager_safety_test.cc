@@ -11,6 +11,7 @@
 #include "dcp/dcp.h"
 #include "dcp/proto/codec.h"
 #include "dcp/storage/file_store.h"
+#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/mem_store.h"
 #include "dcp/storage/registry.h"
 #include "dcp/storage/store_checkpoint.h"
@@ -58,55 +59,47 @@ struct Chaos {
 };
 Chaos g_chaos;
 
-class ChaosReadable : public ReadableObject {
+class ChaosReadable : public ForwardingReadableObject {
  public:
   ChaosReadable(std::unique_ptr<ReadableObject> inner, std::string path)
-      : inner_(std::move(inner)), path_(std::move(path)) {}
+      : ForwardingReadableObject(std::move(inner)), path_(std::move(path)) {}
   void ReadAt(uint64_t offset, void* dst, size_t n) override {
     g_chaos.Maybe(&Chaos::p_read, "read " + path_, true);
-    inner_->ReadAt(offset, dst, n);
+    ForwardingReadableObject::ReadAt(offset, dst, n);
   }
-  uint64_t size() const override { return inner_->size(); }
 
  private:
-  std::unique_ptr<ReadableObject> inner_;
   std::string path_;
 };
 
-class ChaosStore : public Store {
+class ChaosStore : public ForwardingStore {
  public:
   ChaosStore(std::shared_ptr<Store> inner, std::string location)
-      : inner_(std::move(inner)), location_(std::move(location)) {}
+      : ForwardingStore(std::move(inner)), location_(std::move(location)) {}
   std::string uri() const override { return "chaos://" + location_; }
-  void CreateRoot() override { inner_->CreateRoot(); }
   std::unique_ptr<WritableObject> Create(const std::string& n) override {
     g_chaos.Maybe(&Chaos::p_create, "create " + Path(n));
-    return inner_->Create(n);
+    return ForwardingStore::Create(n);
   }
   std::unique_ptr<ReadableObject> Open(const std::string& n) override {
     g_chaos.Maybe(&Chaos::p_read, "open " + Path(n), true);
-    return std::make_unique<ChaosReadable>(inner_->Open(n), Path(n));
+    return std::make_unique<ChaosReadable>(ForwardingStore::Open(n), Path(n));
   }
   std::optional<uint64_t> Size(const std::string& n) override {
     g_chaos.Maybe(&Chaos::p_size, "size " + Path(n));
-    return inner_->Size(n);
-  }
-  void PublishAtomically(const std::string& n, std::string_view b) override {
-    inner_->PublishAtomically(n, b);
+    return ForwardingStore::Size(n);
   }
   std::vector<std::string> List() override {
     g_chaos.Maybe(&Chaos::p_list, "list " + location_);
-    return inner_->List();
+    return ForwardingStore::List();
   }
   void Remove(const std::string& n) override {
     g_chaos.Maybe(&Chaos::p_remove, "remove " + Path(n));
-    inner_->Remove(n);
+    ForwardingStore::Remove(n);
   }
-  std::unique_ptr<StoreLock> TryLock(const std::string& h) override { return inner_->TryLock(h); }
 
  private:
   std::string Path(const std::string& n) const { return location_ + "/" + n; }
-  std::shared_ptr<Store> inner_;
   std::string location_;
 };
 

@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "dcp/dcp.h"
+#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/mem_store.h"
 #include "dcp/storage/registry.h"
 #include "dcp/storage/store_checkpoint.h"
@@ -22,29 +23,17 @@ namespace {
 std::atomic<bool> g_fail_remove{false};
 std::atomic<bool> g_fail_create{false};
 
-class FlakyStore : public Store {
+class FlakyStore : public ForwardingStore {
  public:
-  explicit FlakyStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
-  std::string uri() const override { return inner_->uri(); }
-  void CreateRoot() override { inner_->CreateRoot(); }
+  using ForwardingStore::ForwardingStore;
   std::unique_ptr<WritableObject> Create(const std::string& n) override {
     if (g_fail_create) throw IoError("injected write failure on " + n, false, EIO);
-    return inner_->Create(n);
+    return ForwardingStore::Create(n);
   }
-  std::unique_ptr<ReadableObject> Open(const std::string& n) override { return inner_->Open(n); }
-  std::optional<uint64_t> Size(const std::string& n) override { return inner_->Size(n); }
-  void PublishAtomically(const std::string& n, std::string_view b) override {
-    inner_->PublishAtomically(n, b);
-  }
-  std::vector<std::string> List() override { return inner_->List(); }
   void Remove(const std::string& n) override {
     if (g_fail_remove) throw IoError("injected remove failure on " + n, false, EACCES);
-    inner_->Remove(n);
+    ForwardingStore::Remove(n);
   }
-  std::unique_ptr<StoreLock> TryLock(const std::string& h) override { return inner_->TryLock(h); }
-
- private:
-  std::shared_ptr<Store> inner_;
 };
 
 void RegisterFlaky() {

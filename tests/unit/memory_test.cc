@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "dcp/proto/staging.h"
+#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/mem_store.h"
 #include "dcp/storage/store_checkpoint.h"
 #include "support/fake_device.h"
@@ -16,15 +17,14 @@ using namespace dcp::testing;
 namespace {
 
 // A Store that counts how many objects are open for writing at once.
-class CountingStore : public Store {
+class CountingStore : public ForwardingStore {
  public:
-  explicit CountingStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
-  std::string uri() const override { return inner_->uri(); }
-  void CreateRoot() override { inner_->CreateRoot(); }
+  using ForwardingStore::ForwardingStore;
   std::unique_ptr<WritableObject> Create(const std::string& n) override {
-    class Counted : public WritableObject {
+    class Counted : public ForwardingWritableObject {
      public:
-      Counted(std::unique_ptr<WritableObject> w, CountingStore& s) : w_(std::move(w)), s_(s) {
+      Counted(std::unique_ptr<WritableObject> w, CountingStore& s)
+          : ForwardingWritableObject(std::move(w)), s_(s) {
         const int now = ++s_.open_;
         int seen = s_.max_open_.load();
         while (now > seen && !s_.max_open_.compare_exchange_weak(seen, now)) {
@@ -33,30 +33,16 @@ class CountingStore : public Store {
       ~Counted() override { --s_.open_; }
       void Append(const void* d, size_t n) override {
         std::this_thread::sleep_for(std::chrono::milliseconds(2));  // let writers overlap
-        w_->Append(d, n);
+        ForwardingWritableObject::Append(d, n);
       }
-      void Sync() override { w_->Sync(); }
-      void Close() override { w_->Close(); }
-      uint64_t size() const override { return w_->size(); }
 
      private:
-      std::unique_ptr<WritableObject> w_;
       CountingStore& s_;
     };
-    return std::make_unique<Counted>(inner_->Create(n), *this);
+    return std::make_unique<Counted>(ForwardingStore::Create(n), *this);
   }
-  std::unique_ptr<ReadableObject> Open(const std::string& n) override { return inner_->Open(n); }
-  std::optional<uint64_t> Size(const std::string& n) override { return inner_->Size(n); }
-  void PublishAtomically(const std::string& n, std::string_view b) override {
-    inner_->PublishAtomically(n, b);
-  }
-  std::vector<std::string> List() override { return inner_->List(); }
-  void Remove(const std::string& n) override { inner_->Remove(n); }
 
   std::atomic<int> open_{0}, max_open_{0};
-
- private:
-  std::shared_ptr<Store> inner_;
 };
 
 StateDict ManyTensors(std::vector<TensorView>& keep) {

@@ -7,6 +7,7 @@
 #include <random>
 #include <thread>
 
+#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/mem_store.h"
 #include "dcp/storage/store_checkpoint.h"
 #include "support/test_support.h"
@@ -221,35 +222,21 @@ std::vector<ChunkMeta> RandomTiling(const Shape& shape, int n, std::mt19937_64& 
 }
 
 // Counts the largest single read, to show reads are bounded.
-class CountingStore : public Store {
+class CountingStore : public ForwardingStore {
  public:
-  explicit CountingStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
-  std::string uri() const override { return inner_->uri(); }
-  void CreateRoot() override { inner_->CreateRoot(); }
-  std::unique_ptr<WritableObject> Create(const std::string& n) override {
-    return inner_->Create(n);
-  }
+  using ForwardingStore::ForwardingStore;
   std::unique_ptr<ReadableObject> Open(const std::string& n) override {
-    struct Obj : ReadableObject {
-      std::unique_ptr<ReadableObject> in;
-      CountingStore* owner;
+    struct Obj : ForwardingReadableObject {
+      Obj(std::unique_ptr<ReadableObject> in, CountingStore* o)
+          : ForwardingReadableObject(std::move(in)), owner(o) {}
       void ReadAt(uint64_t off, void* dst, size_t n) override {
         owner->Record(n);
-        in->ReadAt(off, dst, n);
+        ForwardingReadableObject::ReadAt(off, dst, n);
       }
-      uint64_t size() const override { return in->size(); }
+      CountingStore* owner;
     };
-    auto o = std::make_unique<Obj>();
-    o->in = inner_->Open(n);
-    o->owner = this;
-    return o;
+    return std::make_unique<Obj>(ForwardingStore::Open(n), this);
   }
-  std::optional<uint64_t> Size(const std::string& n) override { return inner_->Size(n); }
-  void PublishAtomically(const std::string& n, std::string_view b) override {
-    inner_->PublishAtomically(n, b);
-  }
-  std::vector<std::string> List() override { return inner_->List(); }
-  void Remove(const std::string& n) override { inner_->Remove(n); }
 
   void Record(size_t n) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -260,7 +247,6 @@ class CountingStore : public Store {
   uint64_t total_read = 0;
 
  private:
-  std::shared_ptr<Store> inner_;
   std::mutex mu_;
 };
 

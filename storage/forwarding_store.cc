@@ -1,0 +1,52 @@
+#include "dcp/storage/forwarding_store.h"
+
+#include <utility>
+
+namespace dcp {
+
+ForwardingStore::ForwardingStore(std::shared_ptr<Store> target) : target_(std::move(target)) {}
+ForwardingStore::~ForwardingStore() = default;
+
+std::string ForwardingStore::uri() const { return target_->uri(); }
+void ForwardingStore::CreateRoot() { target_->CreateRoot(); }
+std::unique_ptr<WritableObject> ForwardingStore::Create(const std::string& name) {
+  return target_->Create(name);
+}
+std::unique_ptr<ReadableObject> ForwardingStore::Open(const std::string& name) {
+  return target_->Open(name);
+}
+std::optional<uint64_t> ForwardingStore::Size(const std::string& name) {
+  return target_->Size(name);
+}
+void ForwardingStore::PublishAtomically(const std::string& name, std::string_view bytes) {
+  target_->PublishAtomically(name, bytes);
+}
+std::vector<std::string> ForwardingStore::List() { return target_->List(); }
+void ForwardingStore::Remove(const std::string& name) { target_->Remove(name); }
+std::unique_ptr<StoreLock> ForwardingStore::TryLock(const std::string& holder) {
+  return target_->TryLock(holder);
+}
+void ForwardingStore::PublishNew(const std::string& name, std::string_view bytes) {
+  target_->PublishNew(name, bytes);
+}
+
+ForwardingWritableObject::ForwardingWritableObject(std::unique_ptr<WritableObject> target)
+    : target_(std::move(target)) {}
+ForwardingWritableObject::~ForwardingWritableObject() = default;
+void ForwardingWritableObject::Append(const void* data, size_t n) { target_->Append(data, n); }
+void ForwardingWritableObject::Sync() { target_->Sync(); }
+void ForwardingWritableObject::Close() { target_->Close(); }
+uint64_t ForwardingWritableObject::size() const { return target_->size(); }
+
+ForwardingReadableObject::ForwardingReadableObject(std::unique_ptr<ReadableObject> target)
+    : target_(std::move(target)) {}
+ForwardingReadableObject::~ForwardingReadableObject() = default;
+void ForwardingReadableObject::ReadAt(uint64_t offset, void* dst, size_t n) {
+  target_->ReadAt(offset, dst, n);
+}
+uint64_t ForwardingReadableObject::size() const { return target_->size(); }
+void ForwardingReadableObject::Prefetch(uint64_t offset, uint64_t n) noexcept {
+  target_->Prefetch(offset, n);
+}
+
+}  // namespace dcp
