@@ -36,8 +36,8 @@ function(dcp_add_library name)
   else()
     set(destination ${CMAKE_INSTALL_INCLUDEDIR}/dcp/${folder})
   endif()
-  # A header in a sub-folder keeps it ("s3/s3_store.h" -> include/dcp/storage/s3/), as its
-  # include path in the tree does.
+  # A header in a sub-folder keeps it ("backends/s3/s3_store.h" ->
+  # include/dcp/storage/backends/s3/), as its include path in the tree does.
   foreach(header IN LISTS ARG_HEADERS)
     get_filename_component(subfolder ${header} DIRECTORY)
     install(FILES ${header} DESTINATION ${destination}/${subfolder})

@@ -13,7 +13,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 
 namespace dcp {
 

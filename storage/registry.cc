@@ -10,13 +10,13 @@
 #include <string_view>
 
 #include "dcp/proto/error.h"
-#include "dcp/storage/file_store.h"
-#include "dcp/storage/mem_store.h"
+#include "dcp/storage/backends/file_store.h"
+#include "dcp/storage/backends/mem_store.h"
 #ifdef DCP_HAVE_S3
-#include "dcp/storage/s3/s3_store.h"
+#include "dcp/storage/backends/s3/s3_store.h"
 #endif
 #include "dcp/storage/backend_options.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 
 namespace dcp {
 
@@ -127,7 +127,7 @@ Registry& GetRegistry() {
         },
         false);
 #ifdef DCP_HAVE_S3
-    // s3://bucket/prefix (storage/s3/s3_store.h); configured from the AWS_* environment and
+    // s3://bucket/prefix (storage/backends/s3/s3_store.h); configured from the AWS_* environment and
     // the URI's options.
     RegisterStoreInto(*r, "s3", OpenS3, false);
 #endif

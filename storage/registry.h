@@ -4,7 +4,7 @@
 //   mem://name                          process-local memory, shared by every rank in the process
 //                                       (built in; for tests, tools, and as the tutorial)
 //   s3://bucket/prefix                  S3 or an S3-compatible server (built in when libcurl and
-//                                       OpenSSL are found; storage/s3_store.h)
+//                                       OpenSSL are found; storage/backends/s3/s3_store.h)
 //   torchdcp://path, torchdcp113://path file:// writing the PyTorch DCP format (aliases of
 //                                       file://path?format=torchdcp and ...=torchdcp113)
 // User code registers more with RegisterStorageBackend (a full StorageWriter/Reader) or
@@ -18,7 +18,7 @@
 //   file://   direct_io=0|1 (default: on, or DCP_DIRECT_IO)
 //   s3://     endpoint, region, part_size_mib, parts_in_flight, read_ahead_parts, max_retries,
 //             lock_lease_s, sign_payload, request_timeout_s (defaults: the DCP_S3_* / AWS_*
-//             environment, storage/s3_store.h); credentials only from the environment
+//             environment, storage/backends/s3/s3_store.h); credentials only from the environment
 //   mem://    none
 // A key the backend does not know is an InvalidArgumentError naming it. A plain path (no
 // "://") has no query: '?' is part of the path.

@@ -80,7 +80,7 @@ struct StorageOptions {
   /// Compress items on save with zstd (the "zstd" transform of docs/FORMAT.md), item by item:
   /// items under `compression_min_bytes` and items that do not shrink to at most
   /// `compression_max_ratio` of their raw size are stored raw, so a checkpoint may hold a mix.
-  /// Items over 8 MiB are judged on their first 8 MiB (storage/zstd_transform.h). Loads read
+  /// Items over 8 MiB are judged on their first 8 MiB (storage/format/zstd_transform.h). Loads read
   /// any mix of compressed and raw items whatever this says. A compressed item's crc32c covers
   /// its stored (compressed) bytes; zstd's own checksum covers the raw bytes and is always
   /// checked on load. Whole-item reads into dense tensors decompress straight into them; other

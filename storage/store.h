@@ -2,7 +2,7 @@
 //
 // A backend that implements Store (a directory, memory, an archive, a key-value service) gets
 // the whole checkpoint protocol (file layout, checksums, atomic metadata commit, overwrite
-// handling) from MakeStoreWriter/MakeStoreReader; see docs and storage/mem_store.cc, the
+// handling) from MakeStoreWriter/MakeStoreReader; see docs and storage/backends/mem_store.cc, the
 // tutorial backend. Names are relative ("metadata.dcp", "data-....data"), without "/" prefix.
 //
 // Thread safety: a Store may be used from several threads at once (different objects). One

@@ -5,7 +5,7 @@
 //
 //   dcp-s3-bench --uri s3://bucket/prefix [--size-mib 256] [--files 4] [--repeats 3] [--json]
 //
-// Configuration of the server and credentials: the AWS_* environment (storage/s3/s3_store.h).
+// Configuration of the server and credentials: the AWS_* environment (storage/backends/s3/s3_store.h).
 // The state is --files tensors of size/files bytes each, one data file each (files_per_rank =
 // --files), and the raw baseline writes and reads --files objects of the same sizes on as many
 // threads, so both sides have the same parallelism.
@@ -18,7 +18,7 @@
 
 #include "dcp/dcp.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "tools/bench_util.h"
 #include "tools/fill_random.h"
 

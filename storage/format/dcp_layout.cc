@@ -9,8 +9,8 @@
 #include "dcp/proto/device.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/format/layout.h"
-#include "dcp/storage/store_checkpoint.h"
-#include "dcp/storage/zstd_transform.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/zstd_transform.h"
 
 namespace dcp {
 namespace {

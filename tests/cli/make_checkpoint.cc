@@ -20,7 +20,7 @@
 #include "dcp/dcp.h"
 #include "dcp/proto/codec.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 
 using namespace dcp;
 

@@ -19,7 +19,7 @@
 #include "dcp/checkpoint.h"
 #include "dcp/proto/codec.h"
 #include "dcp/proto/error.h"
-#include "dcp/storage/mem_store.h"
+#include "dcp/storage/backends/mem_store.h"
 
 namespace {
 

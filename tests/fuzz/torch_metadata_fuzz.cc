@@ -13,8 +13,8 @@
 
 #include "dcp/proto/error.h"
 #include "dcp/proto/tensor.h"
-#include "dcp/storage/pickle.h"
-#include "dcp/storage/torch_dcp.h"
+#include "dcp/storage/format/pickle.h"
+#include "dcp/storage/format/torch_dcp.h"
 
 namespace {
 

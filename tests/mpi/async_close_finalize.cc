@@ -14,8 +14,8 @@
 
 #include "dcp/dcp.h"
 #include "dcp/mpi_communicator.h"
-#include "dcp/storage/fault_store.h"
-#include "dcp/storage/file_store.h"
+#include "dcp/storage/backends/fault_store.h"
+#include "dcp/storage/backends/file_store.h"
 
 namespace {
 int failures = 0;

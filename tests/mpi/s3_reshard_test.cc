@@ -8,7 +8,7 @@
 
 #include "dcp/dcp.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "mpi/mpi_support.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"

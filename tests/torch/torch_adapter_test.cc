@@ -5,7 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/mem_store.h"
+#include "dcp/storage/backends/mem_store.h"
 
 using namespace dcp;
 

@@ -9,7 +9,7 @@
 #include <type_traits>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/mem_store.h"
+#include "dcp/storage/backends/mem_store.h"
 #include "dcp/torch_adapter.h"
 #include "support/test_support.h"
 

@@ -6,7 +6,7 @@
 #include <thread>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/mem_store.h"
+#include "dcp/storage/backends/mem_store.h"
 #include "dcp/torch_adapter.h"
 #include "support/test_support.h"
 

@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "dcp/storage/file_store.h"
+#include "dcp/storage/backends/file_store.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -1,4 +1,4 @@
-// Per-item zstd compression (StorageOptions::compression, storage/zstd_transform.h): round
+// Per-item zstd compression (StorageOptions::compression, storage/format/zstd_transform.h): round
 // trips of compressible and incompressible data, a mix in one checkpoint, every dtype,
 // non-contiguous sources, the 8 MiB probe, empty items, resharded (partial) loads, and damage:
 // flipped bytes, frames of the wrong raw length, unknown transforms. Over file:// and mem://.
@@ -7,9 +7,9 @@
 #include <random>
 
 #include "dcp/proto/codec.h"
-#include "dcp/storage/mem_store.h"
-#include "dcp/storage/store_checkpoint.h"
-#include "dcp/storage/zstd_transform.h"
+#include "dcp/storage/backends/mem_store.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/zstd_transform.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "dcp/storage/mem_store.h"
+#include "dcp/storage/backends/mem_store.h"
 #include "support/fake_device.h"
 #include "support/test_support.h"
 

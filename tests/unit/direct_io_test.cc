@@ -8,7 +8,7 @@
 #include <fstream>
 #include <iterator>
 
-#include "dcp/storage/file_store.h"
+#include "dcp/storage/backends/file_store.h"
 #include "dcp/storage/registry.h"
 #include "support/test_support.h"
 

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/mem_store.h"
+#include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -10,11 +10,11 @@
 
 #include "dcp/dcp.h"
 #include "dcp/proto/codec.h"
-#include "dcp/storage/file_store.h"
+#include "dcp/storage/backends/file_store.h"
 #include "dcp/storage/forwarding_store.h"
-#include "dcp/storage/mem_store.h"
+#include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -213,6 +213,45 @@ TEST_CASE("manager: a step written by a newer dcp is kept and reported, never re
   CHECK(m.unreadable_steps() == std::vector<int64_t>{2});
   CHECK_THAT(m.last_retention_error(), Contains("newer"));
   CHECK(m.retention_failures() >= 1);
+  CHECK(m.Close());
+}
+
+TEST_CASE("manager: the step 'latest' names stays while 'latest' cannot advance", "[manager]") {
+  // 'latest' does not move past a newer step whose metadata cannot be read (it may be a
+  // commit); the step it still names must not be removed meanwhile, however many readable
+  // steps come after it.
+  RegisterChaos();
+  g_chaos.Reset(1);
+  LocalCommunicator comm;
+  ManagerOptions o;
+  o.keep_last = 1;
+  const std::string root = FreshRoot("latest-stays");
+  CheckpointManager m(root, comm, nullptr, o);
+  StepState s;
+  s.Fill(1);
+  m.Save(1, s.sd);
+  for (int64_t step : {2, 3}) {
+    {
+      std::lock_guard<std::mutex> lock(g_chaos.mu);
+      g_chaos.target = "step-000000000" + std::to_string(step) + "/metadata.dcp";
+      g_chaos.fail_next_reads = 1000;  // unreadable for its retention pass
+    }
+    s.Fill(step);
+    m.Save(step, s.sd);
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_chaos.mu);
+    g_chaos.fail_next_reads = 0;
+  }
+  // After step 3's pass: complete {1, 2}, unreadable {3}. 'latest' still names 1, so 1 stays
+  // (keep_last alone would have kept only 2).
+  CHECK(Underlying(root)->ReadAll("latest") == "1\n");
+  CHECK(TrulyComplete(m, {1, 2, 3}) == std::set<int64_t>{1, 2, 3});
+  // Once step 3 reads again, 'latest' advances and the old steps go.
+  s.Fill(4);
+  m.Save(4, s.sd);
+  CHECK(Underlying(root)->ReadAll("latest") == "4\n");
+  CHECK(TrulyComplete(m, {1, 2, 3, 4}) == std::set<int64_t>{4});
   CHECK(m.Close());
 }
 

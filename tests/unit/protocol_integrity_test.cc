@@ -11,10 +11,10 @@
 
 #include "dcp/async_checkpointer.h"
 #include "dcp/checkpoint.h"
-#include "dcp/storage/fault_store.h"
-#include "dcp/storage/mem_store.h"
+#include "dcp/storage/backends/fault_store.h"
+#include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "support/test_support.h"
 
 using namespace dcp;

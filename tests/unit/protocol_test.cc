@@ -7,8 +7,8 @@
 #include <set>
 #include <thread>
 
-#include "dcp/storage/mem_store.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/backends/mem_store.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -7,8 +7,8 @@
 #include <set>
 
 #include "dcp/planner/read_sharing.h"
-#include "dcp/storage/fault_store.h"
-#include "dcp/storage/mem_store.h"
+#include "dcp/storage/backends/fault_store.h"
+#include "dcp/storage/backends/mem_store.h"
 #include "support/test_support.h"
 
 using namespace dcp;

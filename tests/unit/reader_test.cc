@@ -5,8 +5,8 @@
 #include <cstdio>
 #include <filesystem>
 
-#include "dcp/storage/fault_store.h"
-#include "dcp/storage/file_store.h"
+#include "dcp/storage/backends/fault_store.h"
+#include "dcp/storage/backends/file_store.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -8,8 +8,8 @@
 #include <thread>
 
 #include "dcp/storage/forwarding_store.h"
-#include "dcp/storage/mem_store.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/backends/mem_store.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -1,8 +1,8 @@
-// SigV4 signing (storage/s3/s3_sigv4.h) against AWS's published vectors: the SigV4 test suite
+// SigV4 signing (storage/backends/s3/s3_sigv4.h) against AWS's published vectors: the SigV4 test suite
 // (credentials AKIDEXAMPLE, 20150830T123600Z, region us-east-1, service "service") and the
 // worked S3 examples of the S3 API reference (AKIAIOSFODNN7EXAMPLE, 20130524T000000Z). The
 // expected signatures are AWS's, not computed by this code. Runs without any server.
-#include "dcp/storage/s3/s3_sigv4.h"
+#include "dcp/storage/backends/s3/s3_sigv4.h"
 
 #include <catch2/catch.hpp>
 

@@ -12,11 +12,11 @@
 
 #include "dcp/dcp.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"
 #ifdef DCP_HAVE_S3
-#include "dcp/storage/s3/s3_store.h"
+#include "dcp/storage/backends/s3/s3_store.h"
 #endif
 
 using namespace dcp;

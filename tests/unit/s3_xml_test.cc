@@ -1,4 +1,4 @@
-// S3's XML answers (storage/s3/s3_xml.h): the documents the s3:// backend reads, as AWS and RGW
+// S3's XML answers (storage/backends/s3/s3_xml.h): the documents the s3:// backend reads, as AWS and RGW
 // write them, and bodies that are not what they should be (malformed, cut short, hostile), which
 // must end in a dcp error, never a crash or an unbounded allocation. Runs without any server.
 #include <catch2/catch.hpp>
@@ -8,7 +8,7 @@
 #include "dcp/proto/error.h"
 
 #ifdef DCP_HAVE_S3
-#include "dcp/storage/s3/s3_xml.h"
+#include "dcp/storage/backends/s3/s3_xml.h"
 
 using namespace dcp;
 using namespace dcp::s3;

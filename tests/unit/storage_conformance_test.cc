@@ -10,10 +10,10 @@
 #include <functional>
 #include <thread>
 
-#include "dcp/storage/file_store.h"
+#include "dcp/storage/backends/file_store.h"
 #include "dcp/storage/format/layout.h"
-#include "dcp/storage/mem_store.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/backends/mem_store.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"
 

@@ -1,6 +1,6 @@
 // PyTorch DCP interop: the restricted unpickler, the fixtures torch 2.11 wrote (bit-exact against
 // their expected safetensors), and dcp writing torch's layout and reading it back.
-#include "dcp/storage/torch_dcp.h"
+#include "dcp/storage/format/torch_dcp.h"
 
 #include <catch2/catch.hpp>
 #include <cstring>
@@ -12,10 +12,10 @@
 
 #include "dcp/checkpoint.h"
 #include "dcp/planner/flatten.h"
-#include "dcp/storage/mem_store.h"
-#include "dcp/storage/pickle.h"
+#include "dcp/storage/backends/mem_store.h"
+#include "dcp/storage/format/pickle.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "support/test_support.h"
 
 namespace dcp {

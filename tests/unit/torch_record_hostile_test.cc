@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "dcp/proto/error.h"
-#include "dcp/storage/torch_dcp.h"
+#include "dcp/storage/format/torch_dcp.h"
 
 using namespace dcp;
 using Catch::Matchers::Contains;

@@ -15,9 +15,9 @@
 #include "dcp/proto/codec.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/store_checkpoint.h"
-#include "dcp/storage/torch_dcp.h"
-#include "dcp/storage/zstd_transform.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/torch_dcp.h"
+#include "dcp/storage/format/zstd_transform.h"
 
 namespace dcp::cli {
 
@@ -153,7 +153,7 @@ Checkpoint OpenCheckpoint(const std::string& path) {
   try {
     size = c.store->Size(kMetadataName);
     if (!size && c.store->Size(kTorchDcpMetadataName)) {
-      // A PyTorch DCP directory (storage/torch_dcp.h).
+      // A PyTorch DCP directory (storage/format/torch_dcp.h).
       try {
         c.md = DecodeTorchDcpMetadata(c.store->ReadAll(kTorchDcpMetadataName),
                                       c.store->uri() + "/" + kTorchDcpMetadataName);
@@ -243,8 +243,8 @@ bool IsTorchRecord(const StorageInfo& info) {
   return info.transforms.size() == 1 && info.transforms[0] == kTorchSaveTransform;
 }
 
-// Items are raw, zstd-compressed (storage/zstd_transform.h) or PyTorch DCP records
-// (storage/torch_dcp.h); anything else is refused.
+// Items are raw, zstd-compressed (storage/format/zstd_transform.h) or PyTorch DCP records
+// (storage/format/torch_dcp.h); anything else is refused.
 void CheckTransforms(const std::string& fqn, const StorageInfo& info) {
   if (!info.transforms.empty() && !IsZstdItem(info) && !IsTorchRecord(info)) {
     std::string t;

@@ -16,7 +16,7 @@
 #include "dcp/proto/plan.h"
 #include "dcp/proto/state_dict.h"
 #include "dcp/storage/store.h"
-#include "dcp/storage/zstd_transform.h"
+#include "dcp/storage/format/zstd_transform.h"
 
 namespace dcp::cli {
 

@@ -26,8 +26,8 @@
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/store_checkpoint.h"
-#include "dcp/storage/torch_dcp.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/torch_dcp.h"
 #include "tools/cli/cli_common.h"
 #include "tools/cli/convert.h"
 

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "dcp/storage/s3/s3_store.h"
+#include "dcp/storage/backends/s3/s3_store.h"
 
 namespace dcp::s3 {
 

@@ -12,7 +12,7 @@
 //    ranged GETs ahead (a sliding window of read_ahead_parts) and ReadAt serves from them. A
 //    ReadAt that no window covers is a ranged GET straight into the destination, split into
 //    parallel ranges when large.
-#include "dcp/storage/s3/s3_object.h"
+#include "dcp/storage/backends/s3/s3_object.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "dcp/proto/error.h"
-#include "dcp/storage/s3/s3_xml.h"
+#include "dcp/storage/backends/s3/s3_xml.h"
 
 namespace dcp::s3 {
 

@@ -1,4 +1,4 @@
-// AWS Signature Version 4 request signing, for the s3:// backend (storage/s3/s3_store.cc).
+// AWS Signature Version 4 request signing, for the s3:// backend (storage/backends/s3/s3_store.cc).
 //
 // The one place where requests are signed: the canonical request, the string to sign, the
 // signing key and the Authorization header, as AWS specifies them

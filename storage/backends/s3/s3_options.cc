@@ -1,11 +1,11 @@
 // S3Options::FromEnvironment: the s3:// backend's settings from the AWS_* and DCP_S3_*
-// environment variables and the defaults (storage/s3/s3_store.h lists them).
+// environment variables and the defaults (storage/backends/s3/s3_store.h lists them).
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
 #include "dcp/proto/error.h"
-#include "dcp/storage/s3/s3_store.h"
+#include "dcp/storage/backends/s3/s3_store.h"
 
 namespace dcp {
 

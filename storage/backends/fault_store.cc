@@ -1,4 +1,4 @@
-#include "dcp/storage/fault_store.h"
+#include "dcp/storage/backends/fault_store.h"
 
 #include <cerrno>
 #include <thread>

@@ -1,7 +1,7 @@
 // The pickle machine, restricted to building values (see pickle.h). Opcodes are those of
 // CPython's Lib/pickle.py; the ones that exist only to run code (INST, OBJ, EXT*) or that no
 // torch writer emits (text-mode protocol 0 forms, out-of-band buffers) are refused by name.
-#include "dcp/storage/pickle.h"
+#include "dcp/storage/format/pickle.h"
 
 #include <cstring>
 #include <map>

@@ -4,7 +4,7 @@
 #include <memory>
 #include <string>
 
-#include "dcp/storage/s3/s3_http.h"
+#include "dcp/storage/backends/s3/s3_http.h"
 #include "dcp/storage/store.h"
 
 namespace dcp::s3 {

@@ -2,7 +2,7 @@
 // retries, the mapping of HTTP answers onto dcp errors, and the tests' fault hook.
 //
 // Client library: libcurl (Debian's libcurl4-openssl-dev), with our own SigV4
-// (storage/s3/s3_sigv4.cc, OpenSSL's HMAC/SHA-256). Why not a full SDK: Debian 12 packages
+// (storage/backends/s3/s3_sigv4.cc, OpenSSL's HMAC/SHA-256). Why not a full SDK: Debian 12 packages
 // no AWS C++ SDK; libs3 is old (2017) and synchronous per request with its own threading
 // model; libcurl is maintained, everywhere, does HTTP/1.1 keep-alive, TLS and proxies, and the
 // S3 subset a checkpoint needs is ten requests. Signing is the only part where being wrong is
@@ -15,7 +15,7 @@
 //    4xx are the caller's mistake or the server's verdict and are not. Non-idempotent steps
 //    (conditional PUTs, CompleteMultipartUpload) recognise on a retry that their first attempt
 //    did succeed (412 on our own bytes, 404 NoSuchUpload with the object in place).
-#include "dcp/storage/s3/s3_http.h"
+#include "dcp/storage/backends/s3/s3_http.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -31,8 +31,8 @@
 
 #include "dcp/proto/error.h"
 #include "dcp/proto/random_name.h"
-#include "dcp/storage/s3/s3_sigv4.h"
-#include "dcp/storage/s3/s3_xml.h"
+#include "dcp/storage/backends/s3/s3_sigv4.h"
+#include "dcp/storage/backends/s3/s3_xml.h"
 
 namespace dcp {
 

@@ -1,7 +1,7 @@
 // The s3:// writer lock: the lock object .dcp.lock, taken with a conditional create (or over an
 // expired lease with If-Match), renewed by a thread while held, released only if still ours.
-// storage/s3/s3_store.h and docs/STORAGE_BACKENDS.md say why it works this way.
-#include "dcp/storage/s3/s3_lock.h"
+// storage/backends/s3/s3_store.h and docs/STORAGE_BACKENDS.md say why it works this way.
+#include "dcp/storage/backends/s3/s3_lock.h"
 
 #include <algorithm>
 #include <chrono>

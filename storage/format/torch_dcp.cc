@@ -8,7 +8,7 @@
 // stored entry with a data descriptor streams front to back; the few structures involved
 // (local header, data descriptor, central directory, zip64 end records) are written below and
 // every archive we write is read back by minizip, Python's zipfile and torch.load in tests.
-#include "dcp/storage/torch_dcp.h"
+#include "dcp/storage/format/torch_dcp.h"
 
 #include <unzip.h>  // minizip (pkg-config puts its directory on the include path)
 
@@ -24,7 +24,7 @@
 #include "dcp/proto/codec.h"
 #include "dcp/proto/device.h"
 #include "dcp/proto/error.h"
-#include "dcp/storage/pickle.h"
+#include "dcp/storage/format/pickle.h"
 
 namespace dcp {
 namespace {

@@ -1,5 +1,5 @@
 // s3://bucket/prefix: checkpoints in an S3-compatible object store (AWS S3, Ceph RADOS Gateway,
-// MinIO, ...), over libcurl with AWS SigV4 signing (storage/s3/s3_sigv4.h). Built when libcurl,
+// MinIO, ...), over libcurl with AWS SigV4 signing (storage/backends/s3/s3_sigv4.h). Built when libcurl,
 // OpenSSL's libcrypto and tinyxml2 are found (DCP_HAVE_S3); otherwise the scheme is not
 // registered.
 //
@@ -15,7 +15,7 @@
 // Requests use path-style addressing (endpoint/bucket/key), which every S3-compatible server
 // accepts.
 //
-// How the Store maps onto S3 (the files of storage/s3/ say why):
+// How the Store maps onto S3 (the files of storage/backends/s3/ say why):
 //   Create   a multipart upload: parts of part_size bytes, up to parts_in_flight uploading while
 //            the next one fills, so one writer holds at most part_size x (parts_in_flight + 1)
 //            bytes (32 MiB by default: the store-buffer share of kWriterStagingBytes). An object

@@ -8,10 +8,10 @@
 // storage bytes); a byte entry's record is torch.save(obj) of a Python object.
 //
 // dcp reads both torch 2.x metadata (torch.distributed.checkpoint.*) and torch 1.13's
-// (torch.distributed._shard.checkpoint.*) through a restricted unpickler (storage/pickle.h)
+// (torch.distributed._shard.checkpoint.*) through a restricted unpickler (storage/format/pickle.h)
 // with an explicit allow-list of the classes DCP metadata uses, and maps it onto dcp's Metadata:
 // tensor records get the transform "torch.save" (resolved into plain byte ranges when a load
-// reads them, storage/store_checkpoint.cc), byte entries are raw blobs holding the torch.save
+// reads them, storage/checkpoint/store_checkpoint.cc), byte entries are raw blobs holding the torch.save
 // bytes unchanged. Any Store-based backend (file://, mem://, plugins) loads such a directory,
 // detected by its `.metadata`; `torchdcp://` writes one (see MakeStoreWriter's format).
 //

@@ -1,4 +1,4 @@
-#include "dcp/storage/zstd_transform.h"
+#include "dcp/storage/format/zstd_transform.h"
 
 // For ZSTD_d_stableOutBuffer (zstd >= 1.4.4; its value has not changed since). When the library
 // refuses it, reading falls back to zstd's buffered mode.
@@ -11,7 +11,7 @@
 
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
-#include "dcp/storage/slab_copy.h"
+#include "dcp/storage/checkpoint/slab_copy.h"
 
 namespace dcp {
 

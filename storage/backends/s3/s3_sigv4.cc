@@ -4,7 +4,7 @@
 //    caller encodes object keys once (UriEncode(key, keep_slash=true)) and we take it as is.
 //  * Query names and values are encoded with '/' as %2F and sorted by encoded name.
 //  * Header values are trimmed and runs of spaces inside collapse to one.
-#include "dcp/storage/s3/s3_sigv4.h"
+#include "dcp/storage/backends/s3/s3_sigv4.h"
 
 #include <openssl/evp.h>
 #include <openssl/hmac.h>

@@ -1,7 +1,7 @@
 // The s3:// backend's reading of S3's XML answers, with tinyxml2 (Debian's libtinyxml2-dev):
 // small, no dependencies, no DTD or external entities (so no entity expansion to bound), and a
 // nesting limit of its own.
-#include "dcp/storage/s3/s3_xml.h"
+#include "dcp/storage/backends/s3/s3_xml.h"
 
 #include <tinyxml2.h>
 

@@ -14,7 +14,7 @@
 //      (AfterCommitDelivered), still under the lock, it removes the files of dead saves
 //      (unreferenced data files, metadata temporaries) and releases the lock.
 // A failed save calls Abort on every rank, which removes that rank's files of this save.
-#include "dcp/storage/store_checkpoint.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 
 #include <unistd.h>
 
@@ -34,9 +34,9 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/random_name.h"
 #include "dcp/storage/format/layout.h"
-#include "dcp/storage/slab_copy.h"
-#include "dcp/storage/torch_dcp.h"
-#include "dcp/storage/zstd_transform.h"
+#include "dcp/storage/checkpoint/slab_copy.h"
+#include "dcp/storage/format/torch_dcp.h"
+#include "dcp/storage/format/zstd_transform.h"
 
 namespace dcp {
 
@@ -1053,7 +1053,7 @@ class StoreReader : public StorageReader {
     }
   }
 
-  // An item stored compressed (storage/zstd_transform.h), decompressed on the way in: straight
+  // An item stored compressed (storage/format/zstd_transform.h), decompressed on the way in: straight
   // into a dense destination when the read covers the whole item, else piece by piece through
   // the scratch buffer, from the start of the item to the end of the box (to the end of the
   // item when it is verified, once per rank as for raw partial reads).

@@ -14,7 +14,7 @@
 //  3. Errors are typed: a missing object is NotFoundError, a short object CorruptionError.
 // Registering the scheme takes one call (see storage/registry.cc):
 //   RegisterStoreBackend("mem", [](const std::string& name) { return MakeMemStore(name); });
-#include "dcp/storage/mem_store.h"
+#include "dcp/storage/backends/mem_store.h"
 
 #include <cstring>
 #include <map>

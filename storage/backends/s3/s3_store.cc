@@ -4,7 +4,7 @@
 // The commit: the checkpoint protocol publishes metadata.dcp last; for a new checkpoint with
 // Store::PublishNew (If-None-Match: *), so even two jobs that both bypassed the lock cannot both
 // commit: the second gets 412 -> AlreadyExistsError.
-#include "dcp/storage/s3/s3_store.h"
+#include "dcp/storage/backends/s3/s3_store.h"
 
 #include <cstdint>
 #include <cstdlib>
@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "dcp/proto/error.h"
-#include "dcp/storage/s3/s3_http.h"
-#include "dcp/storage/s3/s3_lock.h"
-#include "dcp/storage/s3/s3_object.h"
-#include "dcp/storage/s3/s3_xml.h"
+#include "dcp/storage/backends/s3/s3_http.h"
+#include "dcp/storage/backends/s3/s3_lock.h"
+#include "dcp/storage/backends/s3/s3_object.h"
+#include "dcp/storage/backends/s3/s3_xml.h"
 
 namespace dcp {
 

@@ -1,4 +1,4 @@
-#include "dcp/storage/file_store.h"
+#include "dcp/storage/backends/file_store.h"
 
 #include <dirent.h>
 #include <fcntl.h>
