@@ -15,8 +15,14 @@ function(dcp_include_root)
   endforeach()
 endfunction()
 
+# EXPORT names the export set (default dcpTargets, the core): each optional part (MPI, Torch, NCCL)
+# has its own, so find_package(dcp) needs their dependencies only when asked for them as
+# COMPONENTS (cmake/dcpConfig.cmake.in).
 function(dcp_add_library name)
-  cmake_parse_arguments(ARG "" "" "SOURCES;HEADERS;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
+  cmake_parse_arguments(ARG "" "EXPORT" "SOURCES;HEADERS;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
+  if(NOT ARG_EXPORT)
+    set(ARG_EXPORT dcpTargets)
+  endif()
   add_library(${name} SHARED ${ARG_SOURCES})
   target_compile_options(${name} PRIVATE ${DCP_WARNINGS})
   target_include_directories(${name} PUBLIC
@@ -26,7 +32,7 @@ function(dcp_add_library name)
     $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
   target_link_libraries(${name} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
   dcp_installed_rpath(${name})
-  install(TARGETS ${name} EXPORT dcpTargets
+  install(TARGETS ${name} EXPORT ${ARG_EXPORT}
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
     ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
     RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

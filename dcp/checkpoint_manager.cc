@@ -11,9 +11,9 @@
 #include <set>
 
 #include "dcp/proto/error.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
 
 namespace dcp {
 

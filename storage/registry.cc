@@ -127,8 +127,8 @@ Registry& GetRegistry() {
         },
         false);
 #ifdef DCP_HAVE_S3
-    // s3://bucket/prefix (storage/backends/s3/s3_store.h); configured from the AWS_* environment and
-    // the URI's options.
+    // s3://bucket/prefix (storage/backends/s3/s3_store.h); configured from the AWS_* environment
+    // and the URI's options.
     RegisterStoreInto(*r, "s3", OpenS3, false);
 #endif
     r->aliases["torchdcp"] = {"file", CheckpointFormat::kTorchDcp};
@@ -208,10 +208,9 @@ Resolved Resolve(Registry& reg, const std::string& uri, const StorageOptions& gi
   }
   if (format) {
     if (given.format != CheckpointFormat::kDcp && given.format != *format) {
-      throw InvalidArgumentError("'" + uri + "' asks for format " +
-                                 std::string(CheckpointFormatName(*format)) +
-                                 " and the options for " +
-                                 std::string(CheckpointFormatName(given.format)));
+      throw InvalidArgumentError(
+          "'" + uri + "' asks for format " + std::string(CheckpointFormatName(*format)) +
+          " and the options for " + std::string(CheckpointFormatName(given.format)));
     }
     r.options.format = *format;
   }

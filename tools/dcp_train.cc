@@ -1,7 +1,9 @@
 // dcp-train: the demo as a training job. Under `mpirun -np N` it trains a small LibTorch model
 // with one sharded layer (tensor-parallel style: each rank holds a block of rows of its weight
-// and the matching Adam state) and replicated others, checkpoints every K steps into --dir, and
-// can stop and resume from the latest checkpoint at another world size (resharded on load).
+// and the matching Adam state) and replicated others, with a StepLR schedule; a
+// CheckpointManager saves every K steps into --dir asynchronously (training goes on while the
+// background thread writes; the last two steps are kept), and --resume restores the newest
+// complete step at any world size (resharded on load). README.md quotes the loop below.
 //
 //   mpirun -np 4 dcp-train --dir D --steps 12 --every 3 --stop-after 6   # steps 1-6, saves 3, 6
 //   mpirun -np 2 dcp-train --dir D --steps 12 --every 3 --resume         # steps 7-12
@@ -18,7 +20,6 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <map>
 
@@ -29,7 +30,6 @@
 namespace {
 
 using namespace dcp;
-namespace fs = std::filesystem;
 
 constexpr int64_t kIn = 8, kHidden = 30, kOut = 4, kBatch = 64;
 
@@ -92,18 +92,6 @@ StateDict Bind(Model& m, torch::optim::Adam& opt, int64_t* step, int rank, int w
   return sd;
 }
 
-// The newest "step-<n>" checkpoint under dir (one whose metadata exists), or -1.
-int64_t LatestCheckpoint(const std::string& dir) {
-  int64_t best = -1;
-  if (!fs::exists(dir)) return best;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("step-", 0) != 0 || !fs::exists(e.path() / "metadata.dcp")) continue;
-    best = std::max<int64_t>(best, std::stoll(name.substr(5)));
-  }
-  return best;
-}
-
 uint32_t Bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -132,50 +120,55 @@ int main(int argc, char** argv) {
   {
     MpiCommunicator comm(MPI_COMM_WORLD);
     const int rank = comm.rank(), world = comm.size();
-    Model model(rank, world);
-    torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(5e-2));
-    int64_t step = 0;
-    StateDict sd = Bind(model, opt, &step, rank, world);
+    std::map<int64_t, uint32_t> reference;
+    if (!compare_path.empty()) {
+      std::ifstream in(compare_path);
+      int64_t s;
+      uint32_t bits;
+      while (in >> s >> std::hex >> bits >> std::dec) reference[s] = bits;
+    }
+    std::ofstream losses;
+    if (rank == 0 && !losses_path.empty()) losses.open(losses_path, std::ios::app);
+    // Rank 0 prints each step's loss and compares it with the uninterrupted run's.
+    auto Report = [&](int r, int64_t step, float loss) {
+      if (r != 0) return;
+      std::printf("step %lld loss %.9g %08x", static_cast<long long>(step), loss, Bits(loss));
+      if (losses.is_open()) losses << step << ' ' << std::hex << Bits(loss) << std::dec << '\n';
+      auto it = reference.find(step);
+      if (it != reference.end()) {
+        const bool same = it->second == Bits(loss);
+        std::printf("  %s", same ? "== uninterrupted run" : "!= uninterrupted run");
+        if (!same) status = 1;
+      }
+      std::printf("\n");
+    };
     try {
+      // [readme-training-loop]
+      Model model(rank, world);
+      torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(5e-2));
+      torch::optim::StepLR sched(opt, /*step_size=*/4, /*gamma=*/0.5);
+      int64_t step = 0;
+      StateDict sd = Bind(model, opt, &step, rank, world);  // views: no copies
+      AddSchedulerState(sched, sd.Nested("sched"));
+
+      ManagerOptions mo;
+      mo.keep_last = 2;  // older steps are removed once a newer one is committed
+      // A second communicator makes saves asynchronous: Save() returns after the snapshot.
+      CheckpointManager manager(dir, comm, std::make_unique<MpiCommunicator>(MPI_COMM_WORLD), mo);
       if (resume) {
-        const int64_t latest = LatestCheckpoint(dir);
-        if (latest < 0) throw NotFoundError("no checkpoint to resume from in " + dir);
-        Load(sd, dir + "/step-" + std::to_string(latest), comm);
-        if (rank == 0) {
-          std::printf("resumed from %s/step-%lld at world size %d\n", dir.c_str(),
-                      static_cast<long long>(step), world);
-        }
+        // The newest complete step, saved at any world size, loaded into this rank's shards.
+        if (!manager.Restore(sd)) throw NotFoundError("no checkpoint to resume from in " + dir);
+        if (rank == 0) std::printf("resumed at step %lld, world size %d\n", (long long)step, world);
       }
-      std::map<int64_t, uint32_t> reference;
-      if (!compare_path.empty()) {
-        std::ifstream in(compare_path);
-        int64_t s;
-        uint32_t bits;
-        while (in >> s >> std::hex >> bits >> std::dec) reference[s] = bits;
-      }
-      std::ofstream losses;
-      if (rank == 0 && !losses_path.empty()) losses.open(losses_path, std::ios::app);
       while (step < steps && (stop_after < 0 || step < stop_after)) {
         const float loss = TrainStep(model, opt, step + 1, rank, world, comm.comm());
+        sched.step();
         ++step;  // the state dict views `step`, so a checkpoint records it
-        if (rank == 0) {
-          std::printf("step %lld loss %.9g %08x", static_cast<long long>(step), loss, Bits(loss));
-          if (losses.is_open()) losses << step << ' ' << std::hex << Bits(loss) << std::dec << '\n';
-          auto it = reference.find(step);
-          if (it != reference.end()) {
-            const bool same = it->second == Bits(loss);
-            std::printf("  %s", same ? "== uninterrupted run" : "!= uninterrupted run");
-            if (!same) status = 1;
-          }
-          std::printf("\n");
-        }
-        if (step % every == 0) {
-          SaveOptions so;
-          so.storage.overwrite = true;
-          Save(sd, dir + "/step-" + std::to_string(step), comm, so);
-          if (rank == 0) std::printf("checkpoint %s/step-%lld\n", dir.c_str(), (long long)step);
-        }
+        Report(rank, step, loss);
+        if (step % every == 0) manager.Save(step, sd);  // snapshot now, write in the background
       }
+      manager.CloseOrThrow();  // waits for the last save; raises its error
+      // [readme-training-loop-end]
       if (rank == 0 && !compare_path.empty() && status == 0) {
         std::printf("resumed losses equal the uninterrupted run's\n");
       }

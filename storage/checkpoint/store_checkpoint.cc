@@ -33,8 +33,8 @@
 #include "dcp/proto/device.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/random_name.h"
-#include "dcp/storage/format/layout.h"
 #include "dcp/storage/checkpoint/slab_copy.h"
+#include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/torch_dcp.h"
 #include "dcp/storage/format/zstd_transform.h"
 
@@ -283,7 +283,8 @@ class StoreWriter : public StorageWriter {
         for (size_t i; (i = next.fetch_add(1)) < to_write.size();) {
           const size_t b = to_write[i];
           try {
-            results[b] = WriteBucket(plan, planner, layout_.DataFileName(plan.storage_data, b), buckets[b]);
+            results[b] =
+                WriteBucket(plan, planner, layout_.DataFileName(plan.storage_data, b), buckets[b]);
           } catch (...) {
             std::lock_guard<std::mutex> lock(mu);
             if (!first_error) first_error = std::current_exception();
@@ -534,8 +535,7 @@ class StoreReader : public StorageReader {
                           ": data files are present but " + kMetadataName +
                           " is missing (the save did not finish)");
     }
-    throw NotFoundError("no checkpoint at " + store_->uri() + " (" + kMetadataName +
-                        " not found)");
+    throw NotFoundError("no checkpoint at " + store_->uri() + " (" + kMetadataName + " not found)");
   }
 
   void SetUp(const Metadata& metadata, const StorageContext& ctx) override {
@@ -1053,9 +1053,9 @@ class StoreReader : public StorageReader {
     }
   }
 
-  // An item stored compressed (storage/format/zstd_transform.h), decompressed on the way in: straight
-  // into a dense destination when the read covers the whole item, else piece by piece through
-  // the scratch buffer, from the start of the item to the end of the box (to the end of the
+  // An item stored compressed (storage/format/zstd_transform.h), decompressed on the way in:
+  // straight into a dense destination when the read covers the whole item, else piece by piece
+  // through the scratch buffer, from the start of the item to the end of the box (to the end of the
   // item when it is verified, once per rank as for raw partial reads).
   void ReadTransformed(LoadPlanner& planner, const ReadItem& item, const StorageInfo& info,
                        ReadableObject& in, const std::string& name, std::vector<char>& scratch,

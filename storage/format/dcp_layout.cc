@@ -8,8 +8,8 @@
 #include "dcp/proto/codec.h"
 #include "dcp/proto/device.h"
 #include "dcp/proto/error.h"
-#include "dcp/storage/format/layout.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/zstd_transform.h"
 
 namespace dcp {

@@ -1,7 +1,8 @@
 // How a checkpoint is laid out in a store: its metadata file, its data file names, and how one
-// item becomes bytes in a data file. The checkpoint protocol (storage/checkpoint/store_checkpoint.cc: lock,
-// overwrite, commit, clean-up) is the same for every layout and runs over any Store, so every
-// format can be written to every store. Internal: not installed.
+// item becomes bytes in a data file. The checkpoint protocol
+// (storage/checkpoint/store_checkpoint.cc: lock, overwrite, commit, clean-up) is the same for every
+// layout and runs over any Store, so every format can be written to every store. Internal: not
+// installed.
 //
 // Layouts are stateless and shared; they are thread-safe. An ItemEncoder serves one data file
 // on one thread.

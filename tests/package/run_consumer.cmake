@@ -25,8 +25,11 @@ foreach(f IN LISTS target_files)
     endif()
   endforeach()
 endforeach()
+# A raw-buffer program needs neither MPI nor LibTorch: both are hidden from this configure, so a
+# config that looked for them fails here.
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/package -B ${WORK_DIR}/build
-  -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix RESULT_VARIABLE rc)
+  -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON
+  -DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "configuring the consumer failed: ${rc}")
 endif()
@@ -37,4 +40,25 @@ endif()
 execute_process(COMMAND ${WORK_DIR}/build/consumer RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "the consumer failed: ${rc}")
+endif()
+# Asking for a part that was not built fails with a message naming it.
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/package -B ${WORK_DIR}/build-none
+  -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DDCP_CONSUMER_COMPONENTS=NoSuchPart
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc OR NOT "${out}${err}" MATCHES "NoSuchPart")
+  message(FATAL_ERROR "find_package(dcp COMPONENTS NoSuchPart) did not fail naming it: ${out}${err}")
+endif()
+# Every part that was built, asked for by name: each target exists (the MPI one is built).
+if(COMPONENTS)
+  execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/package
+    -B ${WORK_DIR}/build-components -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix
+    "-DDCP_CONSUMER_COMPONENTS=${COMPONENTS}" RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "configuring the consumer with COMPONENTS ${COMPONENTS} failed: ${rc}")
+  endif()
+  execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK_DIR}/build-components
+    RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "building the consumer with COMPONENTS ${COMPONENTS} failed: ${rc}")
+  endif()
 endif()

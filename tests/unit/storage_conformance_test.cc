@@ -11,9 +11,9 @@
 #include <thread>
 
 #include "dcp/storage/backends/file_store.h"
-#include "dcp/storage/format/layout.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/layout.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"
 
@@ -210,35 +210,36 @@ TEST_CASE("conformance: Store objects", "[storage][conformance]") {
 TEST_CASE("conformance: save and load round trip", "[storage][conformance]") {
   for (const auto& scheme : Backends()) {
     for (CheckpointFormat format : Formats()) {
-    for (int files : {1, 3}) {
-      DYNAMIC_SECTION(scheme << " " << CheckpointFormatName(format) << " files_per_rank=" << files) {
-        Location loc = FreshLocation(scheme, format);
-        std::vector<TensorView> src, dst;
-        StateDict sd = MakeState(src);
-        SaveOptions so;
-        so.storage.files_per_rank = files;
-        Metadata md = Save(sd, loc.uri, so);
-        CHECK(md.entries.size() == 5);
-        CHECK(md.world_size == 1);
-        CHECK(md.library_version == LibraryVersion());
+      for (int files : {1, 3}) {
+        DYNAMIC_SECTION(scheme << " " << CheckpointFormatName(format)
+                               << " files_per_rank=" << files) {
+          Location loc = FreshLocation(scheme, format);
+          std::vector<TensorView> src, dst;
+          StateDict sd = MakeState(src);
+          SaveOptions so;
+          so.storage.files_per_rank = files;
+          Metadata md = Save(sd, loc.uri, so);
+          CHECK(md.entries.size() == 5);
+          CHECK(md.world_size == 1);
+          CHECK(md.library_version == LibraryVersion());
 
-        StateDict back = MakeEmptyLike(dst);
-        Load(back, loc.uri);
-        for (size_t i = 0; i < src.size(); ++i) CHECK(SameElements(src[i], dst[i]));
-        CHECK(std::get<Blob>(*back.Find("rng")).bytes == std::get<Blob>(*sd.Find("rng")).bytes);
+          StateDict back = MakeEmptyLike(dst);
+          Load(back, loc.uri);
+          for (size_t i = 0; i < src.size(); ++i) CHECK(SameElements(src[i], dst[i]));
+          CHECK(std::get<Blob>(*back.Find("rng")).bytes == std::get<Blob>(*sd.Find("rng")).bytes);
 
-        Metadata read = ReadMetadata(loc.uri);
-        // torch 1.13's metadata has no field for it (docs/TORCH_DCP.md).
-        if (format != CheckpointFormat::kTorchDcp113) CHECK(read.save_id == md.save_id);
-        CHECK(read.TotalStoredBytes() == md.TotalStoredBytes());
-        auto store = OpenStore(loc.uri);
-        CHECK(DetectLayout(*store) != nullptr);
-        CHECK(DetectLayout(*store)->metadata_name() == MetadataName(format));
-        size_t data_files = 0;
-        for (const auto& n : store->List()) data_files += LayoutFor(format).IsDataFile(n);
-        CHECK(data_files == static_cast<size_t>(files));
+          Metadata read = ReadMetadata(loc.uri);
+          // torch 1.13's metadata has no field for it (docs/TORCH_DCP.md).
+          if (format != CheckpointFormat::kTorchDcp113) CHECK(read.save_id == md.save_id);
+          CHECK(read.TotalStoredBytes() == md.TotalStoredBytes());
+          auto store = OpenStore(loc.uri);
+          CHECK(DetectLayout(*store) != nullptr);
+          CHECK(DetectLayout(*store)->metadata_name() == MetadataName(format));
+          size_t data_files = 0;
+          for (const auto& n : store->List()) data_files += LayoutFor(format).IsDataFile(n);
+          CHECK(data_files == static_cast<size_t>(files));
+        }
       }
-    }
     }
   }
 }
@@ -247,42 +248,42 @@ TEST_CASE("conformance: overwrite is refused unless asked, and replaces atomical
           "[storage][conformance]") {
   for (const auto& scheme : Backends()) {
     for (CheckpointFormat format : Formats()) {
-    DYNAMIC_SECTION(scheme << " " << CheckpointFormatName(format)) {
-      Location loc = FreshLocation(scheme, format);
-      std::vector<TensorView> a, b, out;
-      StateDict first = MakeState(a);
-      Save(first, loc.uri);
-      StateDict second = MakeState(b);
-      dcp::testing::FillRandom(b[0].data, b[0].nbytes(), 99);  // different values
-      try {
-        Save(second, loc.uri);
-        FAIL("second save should have been refused");
-      } catch (const CollectiveError& e) {
-        REQUIRE(e.failures().size() == 1);
-        CHECK(e.failures()[0].code == ErrorCode::kAlreadyExists);
-        CHECK_THAT(e.what(), Contains("already exists"));
-      }
-      // The refused save left the first checkpoint intact.
-      StateDict back = MakeEmptyLike(out);
-      Load(back, loc.uri);
-      CHECK(SameElements(out[0], a[0]));
+      DYNAMIC_SECTION(scheme << " " << CheckpointFormatName(format)) {
+        Location loc = FreshLocation(scheme, format);
+        std::vector<TensorView> a, b, out;
+        StateDict first = MakeState(a);
+        Save(first, loc.uri);
+        StateDict second = MakeState(b);
+        dcp::testing::FillRandom(b[0].data, b[0].nbytes(), 99);  // different values
+        try {
+          Save(second, loc.uri);
+          FAIL("second save should have been refused");
+        } catch (const CollectiveError& e) {
+          REQUIRE(e.failures().size() == 1);
+          CHECK(e.failures()[0].code == ErrorCode::kAlreadyExists);
+          CHECK_THAT(e.what(), Contains("already exists"));
+        }
+        // The refused save left the first checkpoint intact.
+        StateDict back = MakeEmptyLike(out);
+        Load(back, loc.uri);
+        CHECK(SameElements(out[0], a[0]));
 
-      SaveOptions so;
-      so.storage.overwrite = true;
-      Save(second, loc.uri, so);
-      Load(back, loc.uri);
-      CHECK(SameElements(out[0], b[0]));
-      // Only the new save's data files remain.
-      auto store = OpenStore(loc.uri);
-      const Metadata md = ReadMetadata(loc.uri);
-      size_t data_files = 0;
-      for (const auto& n : store->List()) {
-        if (!IsAnyDataFile(n)) continue;
-        CHECK_THAT(n, Contains(md.save_id));
-        ++data_files;
+        SaveOptions so;
+        so.storage.overwrite = true;
+        Save(second, loc.uri, so);
+        Load(back, loc.uri);
+        CHECK(SameElements(out[0], b[0]));
+        // Only the new save's data files remain.
+        auto store = OpenStore(loc.uri);
+        const Metadata md = ReadMetadata(loc.uri);
+        size_t data_files = 0;
+        for (const auto& n : store->List()) {
+          if (!IsAnyDataFile(n)) continue;
+          CHECK_THAT(n, Contains(md.save_id));
+          ++data_files;
+        }
+        CHECK(data_files == 1);
       }
-      CHECK(data_files == 1);
-    }
     }
   }
 }
@@ -360,44 +361,44 @@ TEST_CASE("conformance: kv:// lock lease lets a crashed holder's lock expire",
 TEST_CASE("conformance: missing, incomplete and garbage checkpoints", "[storage][conformance]") {
   for (const auto& scheme : Backends()) {
     for (CheckpointFormat format : Formats()) {
-    DYNAMIC_SECTION(scheme << " " << CheckpointFormatName(format)) {
-      Location loc = FreshLocation(scheme, format);
-      const std::string& metadata_name = MetadataName(format);
-      std::vector<TensorView> keep;
-      StateDict sd = MakeEmptyLike(keep);
-      CHECK_THROWS_WITH(ReadMetadata(loc.uri), Contains("no checkpoint"));
-      try {
-        Load(sd, loc.uri);
-        FAIL("load of a missing checkpoint succeeded");
-      } catch (const CollectiveError& e) {
-        CHECK(e.failures()[0].code == ErrorCode::kNotFound);
-        CHECK_THAT(e.what(), Contains("no checkpoint"));
+      DYNAMIC_SECTION(scheme << " " << CheckpointFormatName(format)) {
+        Location loc = FreshLocation(scheme, format);
+        const std::string& metadata_name = MetadataName(format);
+        std::vector<TensorView> keep;
+        StateDict sd = MakeEmptyLike(keep);
+        CHECK_THROWS_WITH(ReadMetadata(loc.uri), Contains("no checkpoint"));
+        try {
+          Load(sd, loc.uri);
+          FAIL("load of a missing checkpoint succeeded");
+        } catch (const CollectiveError& e) {
+          CHECK(e.failures()[0].code == ErrorCode::kNotFound);
+          CHECK_THAT(e.what(), Contains("no checkpoint"));
+        }
+
+        std::vector<TensorView> src;
+        StateDict full = MakeState(src);
+        Save(full, loc.uri);
+        auto store = OpenStore(loc.uri);
+        const std::string good = store->ReadAll(metadata_name);
+
+        store->Remove(metadata_name);  // data without metadata: an unfinished save
+        CHECK_THROWS_WITH(ReadMetadata(loc.uri), Contains("incomplete checkpoint"));
+
+        store->PublishAtomically(metadata_name, "this is not a checkpoint at all");
+        CHECK_THROWS_AS(ReadMetadata(loc.uri), CorruptionError);
+        CHECK_THROWS_WITH(ReadMetadata(loc.uri), Contains(metadata_name));
+
+        store->PublishAtomically(metadata_name, good.substr(0, good.size() - 3));
+        CHECK_THROWS_AS(ReadMetadata(loc.uri), CorruptionError);
+        if (format == CheckpointFormat::kDcp) {
+          CHECK_THROWS_WITH(ReadMetadata(loc.uri), Contains("truncated"));
+          // torch's pickle has no checksum; dcp's envelope does.
+          std::string flipped = good;
+          flipped[flipped.size() / 2] ^= 0x20;
+          store->PublishAtomically(metadata_name, flipped);
+          CHECK_THROWS_WITH(ReadMetadata(loc.uri), Contains("checksum"));
+        }
       }
-
-      std::vector<TensorView> src;
-      StateDict full = MakeState(src);
-      Save(full, loc.uri);
-      auto store = OpenStore(loc.uri);
-      const std::string good = store->ReadAll(metadata_name);
-
-      store->Remove(metadata_name);  // data without metadata: an unfinished save
-      CHECK_THROWS_WITH(ReadMetadata(loc.uri), Contains("incomplete checkpoint"));
-
-      store->PublishAtomically(metadata_name, "this is not a checkpoint at all");
-      CHECK_THROWS_AS(ReadMetadata(loc.uri), CorruptionError);
-      CHECK_THROWS_WITH(ReadMetadata(loc.uri), Contains(metadata_name));
-
-      store->PublishAtomically(metadata_name, good.substr(0, good.size() - 3));
-      CHECK_THROWS_AS(ReadMetadata(loc.uri), CorruptionError);
-      if (format == CheckpointFormat::kDcp) {
-        CHECK_THROWS_WITH(ReadMetadata(loc.uri), Contains("truncated"));
-        // torch's pickle has no checksum; dcp's envelope does.
-        std::string flipped = good;
-        flipped[flipped.size() / 2] ^= 0x20;
-        store->PublishAtomically(metadata_name, flipped);
-        CHECK_THROWS_WITH(ReadMetadata(loc.uri), Contains("checksum"));
-      }
-    }
     }
   }
 }
@@ -405,45 +406,45 @@ TEST_CASE("conformance: missing, incomplete and garbage checkpoints", "[storage]
 TEST_CASE("conformance: damaged data is detected and named", "[storage][conformance]") {
   for (const auto& scheme : Backends()) {
     for (CheckpointFormat format : Formats()) {
-    DYNAMIC_SECTION(scheme << " " << CheckpointFormatName(format)) {
-      Location loc = FreshLocation(scheme, format);
-      std::vector<TensorView> src, dst;
-      StateDict sd = MakeState(src);
-      Metadata md = Save(sd, loc.uri);
-      auto store = OpenStore(loc.uri);
-      const std::string data = FirstDataObject(*store);
-      REQUIRE_FALSE(data.empty());
-      const StorageInfo w = md.storage.at(MetadataIndex{"model.w", {0, 0}, {}});
+      DYNAMIC_SECTION(scheme << " " << CheckpointFormatName(format)) {
+        Location loc = FreshLocation(scheme, format);
+        std::vector<TensorView> src, dst;
+        StateDict sd = MakeState(src);
+        Metadata md = Save(sd, loc.uri);
+        auto store = OpenStore(loc.uri);
+        const std::string data = FirstDataObject(*store);
+        REQUIRE_FALSE(data.empty());
+        const StorageInfo w = md.storage.at(MetadataIndex{"model.w", {0, 0}, {}});
 
-      // The middle of the item: its values in every format (a torch record's zip headers and
-      // pickle take its first few hundred of these 8.4 KB).
-      std::string original = store->ReadAll(data);
-      const uint64_t at = w.offset + w.length / 2;
-      Patch(*store, data, at, std::string(1, static_cast<char>(original[at] ^ 1)));
-      StateDict back = MakeEmptyLike(dst);
-      try {
-        Load(back, loc.uri);
-        FAIL("flipped byte not detected");
-      } catch (const CollectiveError& e) {
-        CHECK(e.failures()[0].code == ErrorCode::kCorruption);
-        CHECK_THAT(e.what(), Contains("model.w") && Contains(data) && Contains("checksum"));
-      }
-      // With verification off the (damaged) bytes load: the switch really switches.
-      LoadOptions lo;
-      lo.storage.verify_checksums = false;
-      CHECK_NOTHROW(Load(back, loc.uri, lo));
+        // The middle of the item: its values in every format (a torch record's zip headers and
+        // pickle take its first few hundred of these 8.4 KB).
+        std::string original = store->ReadAll(data);
+        const uint64_t at = w.offset + w.length / 2;
+        Patch(*store, data, at, std::string(1, static_cast<char>(original[at] ^ 1)));
+        StateDict back = MakeEmptyLike(dst);
+        try {
+          Load(back, loc.uri);
+          FAIL("flipped byte not detected");
+        } catch (const CollectiveError& e) {
+          CHECK(e.failures()[0].code == ErrorCode::kCorruption);
+          CHECK_THAT(e.what(), Contains("model.w") && Contains(data) && Contains("checksum"));
+        }
+        // With verification off the (damaged) bytes load: the switch really switches.
+        LoadOptions lo;
+        lo.storage.verify_checksums = false;
+        CHECK_NOTHROW(Load(back, loc.uri, lo));
 
-      Truncate(*store, data, original.size() / 2);
-      try {
-        Load(back, loc.uri);
-        FAIL("truncated file not detected");
-      } catch (const CollectiveError& e) {
-        CHECK(e.failures()[0].code == ErrorCode::kCorruption);
-        CHECK_THAT(e.what(), Contains("truncated"));
+        Truncate(*store, data, original.size() / 2);
+        try {
+          Load(back, loc.uri);
+          FAIL("truncated file not detected");
+        } catch (const CollectiveError& e) {
+          CHECK(e.failures()[0].code == ErrorCode::kCorruption);
+          CHECK_THAT(e.what(), Contains("truncated"));
+        }
+        store->Remove(data);
+        CHECK_THROWS_AS(Load(back, loc.uri), CollectiveError);
       }
-      store->Remove(data);
-      CHECK_THROWS_AS(Load(back, loc.uri), CollectiveError);
-    }
     }
   }
 }
@@ -525,11 +526,12 @@ TEST_CASE("registry: URI queries choose the format and set backend options", "[s
   Load(back, "mem://query-torch");
   CHECK(SameElements(src[0], dst[0]));
   // ... and a dcp save over it is refused, naming what is there.
-  CHECK_THROWS_WITH(Save(sd, "mem://query-torch", [] {
-                      SaveOptions o;
-                      o.storage.overwrite = true;
-                      return o;
-                    }()),
+  CHECK_THROWS_WITH(Save(sd, "mem://query-torch",
+                         [] {
+                           SaveOptions o;
+                           o.storage.overwrite = true;
+                           return o;
+                         }()),
                     Contains("PyTorch DCP checkpoint"));
   // The old alias still writes torch's layout to a directory.
   Save(sd, "torchdcp://" + dir.path() + "/alias");
