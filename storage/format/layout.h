@@ -1,6 +1,6 @@
 // How a checkpoint is laid out in a store: its metadata file, its data file names, and how one
 // item becomes bytes in a data file. The checkpoint protocol
-// (storage/checkpoint/store_checkpoint.cc: lock, overwrite, commit, clean-up) is the same for every
+// (storage/checkpoint/store_writer.cc: lock, overwrite, commit, clean-up) is the same for every
 // layout and runs over any Store, so every format can be written to every store. Internal: not
 // installed.
 //

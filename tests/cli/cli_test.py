@@ -767,6 +767,14 @@ def test_s3():
     contains(out, "OK: " + uri, "12 stored items")
     _, out = dcp("diff", a, uri, "--values")
     contains(out, "no differences")
+    # PyTorch DCP's layout on s3://: --to torchdcp (or ?format=torchdcp) writes it there, and
+    # every command reads it back by detection.
+    for dst, extra in ((uri + "-torch", ["--to", "torchdcp"]), (uri + "-torchq?format=torchdcp", [])):
+        dcp("convert", a, dst, *extra)
+        _, out = dcp("inspect", dst.split("?")[0], "--json")
+        check(json.loads(out)["format"] == "torchdcp", f"{dst}: written as PyTorch DCP")
+        _, out = dcp("diff", a, dst.split("?")[0], "--values")
+        contains(out, "no differences")
     # A flipped byte in the stored object (rewritten through curl, not dcp) is found and named.
     w0 = w_chunk(uri)
     obj = uri + "/" + w0["file"]

@@ -70,6 +70,7 @@ int Inspect(const std::string& path, const std::string& filter, bool json) {
   };
   if (json) {
     ordered_json j = {{"uri", c.store->uri()},
+                      {"format", c.format},
                       {"checkpoint_id", md.checkpoint_id},
                       {"save_id", md.save_id},
                       {"world_size", md.world_size},
@@ -718,8 +719,11 @@ std::string GuessFormat(const std::string& path) {
   };
   if (ends(".safetensors")) return "safetensors";
   if (ends(".pt") || ends(".pth") || ends(".bin")) return "torch";
-  const std::string scheme = SplitUri(path).first;
-  if (scheme == "torchdcp" || scheme == "torchdcp113") return "torchdcp";
+  const ParsedUri uri = ParseUri(path);
+  if (uri.scheme == "torchdcp" || uri.scheme == "torchdcp113") return "torchdcp";
+  if (auto f = uri.query.find("format"); f != uri.query.end()) {
+    return f->second == "dcp" ? "dcp" : "torchdcp";  // torchdcp or torchdcp113
+  }
   std::error_code ec;
   if (path.find("://") == std::string::npos &&
       std::filesystem::exists(std::filesystem::path(path) / kTorchDcpMetadataName, ec) &&
@@ -740,8 +744,15 @@ void ConvertCheckpoint(const std::string& src, std::string dst, const std::strin
   LoadOptions lo;
   lo.load_all = true;
   Load(sd, src, lo);
-  if (to == "torchdcp" && dst.find("://") == std::string::npos) dst = "torchdcp://" + dst;
   SaveOptions so;
+  // PyTorch DCP's layout on any store: a path becomes torchdcp://, a URI gets the format unless
+  // it names one itself (torchdcp113://, ?format=).
+  if (to == "torchdcp" && dst.find("://") == std::string::npos) dst = "torchdcp://" + dst;
+  const ParsedUri d = ParseUri(dst);
+  if (to == "torchdcp" && d.scheme != "torchdcp" && d.scheme != "torchdcp113" &&
+      !d.query.count("format")) {
+    so.storage.format = CheckpointFormat::kTorchDcp;
+  }
   so.storage.overwrite = o.overwrite;
   if (o.compress == "zstd") so.storage.compression = Compression::kZstd;
   so.storage.compression_level = o.compress_level;

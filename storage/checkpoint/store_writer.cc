@@ -1,0 +1,391 @@
+// The checkpoint protocol over a Store.
+//
+// Save, per rank:
+//   1. The coordinator takes the location's writer lock (Store::TryLock; LockedError when
+//      another job holds it) and, under it, refuses to proceed if metadata exists and
+//      overwrite is off. It holds the lock until Finish or Abort ends.
+//   2. The coordinator names each rank's files "data-<save_id>-r<rank>" (the plan's
+//      storage_data); a rank appends "-b<bucket>.data".
+//   3. Each rank spreads its items over `files_per_rank` buckets (largest first onto the
+//      lightest), writes the buckets on as many threads as the memory budget allows, CRC32C-ing
+//      every item as it goes, and fsyncs each file.
+//   4. The coordinator, once every rank succeeded, publishes metadata.dcp atomically
+//      (temp + fsync + rename + directory fsync). Once every rank was sent the verdict
+//      (AfterCommitDelivered), still under the lock, it removes the files of dead saves
+//      (unreferenced data files, metadata temporaries) and releases the lock.
+// A failed save calls Abort on every rank, which removes that rank's files of this save.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <future>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <unordered_set>
+
+#include "dcp/proto/codec.h"
+#include "dcp/proto/error.h"
+#include "dcp/proto/random_name.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/layout.h"
+#include "dcp/storage/format/zstd_transform.h"
+
+namespace dcp {
+
+namespace {
+
+class StoreWriter : public StorageWriter {
+ public:
+  StoreWriter(std::shared_ptr<Store> store, StorageOptions options)
+      : store_(std::move(store)),
+        options_(std::move(options)),
+        layout_(LayoutFor(options_.format)),
+        metadata_name_(layout_.metadata_name()) {
+    if (options_.files_per_rank < 1) {
+      throw InvalidArgumentError("files_per_rank must be at least 1");
+    }
+    ValidateCompressionOptions(options_);
+    layout_.CheckWriteOptions(options_, store_->uri());
+  }
+
+  std::string uri() const override { return store_->uri(); }
+
+  void SetUp(const StorageContext& ctx) override {
+    ctx_ = ctx;
+    created_.clear();
+    replaced_.clear();
+    referenced_.clear();
+    committed_ = false;
+    lock_.reset();
+    store_->CreateRoot();
+    if (!ctx.is_coordinator) return;
+    // One writer per location: the coordinator holds the store's lock from here (before any
+    // rank writes) to the end of Finish or Abort, so the "already exists" decision below, the
+    // commit and the clean-up cannot interleave with another job's. A loser fails here, in
+    // the plan phase, so none of its ranks writes anything.
+    lock_ = store_->TryLock(LockHolder(ctx));
+    if (!lock_) WarnNoLock();
+    for (const CheckpointLayout* other : AllLayouts()) {
+      if (other->metadata_name() == metadata_name_ || !store_->Size(other->metadata_name())) {
+        continue;
+      }
+      lock_.reset();
+      throw AlreadyExistsError(store_->uri() + " holds a " + std::string(other->display_name()) +
+                               " checkpoint (" + other->metadata_name() + "); a " +
+                               std::string(layout_.display_name()) +
+                               " checkpoint cannot replace it there: remove it or save elsewhere");
+    }
+    const bool exists = store_->Size(metadata_name_).has_value();
+    replacing_ = exists;
+    if (exists && !options_.overwrite) {
+      lock_.reset();
+      throw AlreadyExistsError("a checkpoint already exists at " + store_->uri() + " (it has " +
+                               metadata_name_ + "); pass overwrite to replace it");
+    }
+    if (exists && !lock_) {
+      // Unlocked, the clean-up may only remove what the replaced checkpoint listed: nothing
+      // proves any other unreferenced file dead (it may be a concurrent save's).
+      try {
+        const Metadata old = ReadOwnMetadata();
+        for (const auto& [index, info] : old.storage) replaced_.insert(info.relative_path);
+      } catch (const Error&) {
+        // A damaged old checkpoint: its files stay behind (dcp verify lists them).
+      }
+    }
+  }
+
+  SavePlan PrepareLocalPlan(SavePlan plan) override { return plan; }
+
+  std::vector<SavePlan> PrepareGlobalPlan(std::vector<SavePlan> plans) override {
+    const std::string save = ctx_.save_id.empty() ? RandomHex(8) : ctx_.save_id;
+    for (size_t r = 0; r < plans.size(); ++r) {
+      plans[r].storage_data = layout_.FilePrefix(save, r);
+    }
+    return plans;
+  }
+
+  std::future<std::vector<WriteResult>> WriteData(const SavePlan& plan,
+                                                  const SavePlanner& planner) override {
+    if (plan.storage_data.empty() && !plan.items.empty()) {
+      throw InternalError("save plan has no file prefix; PrepareGlobalPlan was not applied");
+    }
+    // Size-balanced buckets: largest item first onto the bucket with the fewest bytes.
+    const size_t nb =
+        std::min<size_t>(options_.files_per_rank, std::max<size_t>(plan.items.size(), 1));
+    std::vector<size_t> order(plan.items.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return plan.items[a].size_bytes > plan.items[b].size_bytes;
+    });
+    std::vector<std::vector<size_t>> buckets(nb);
+    std::vector<uint64_t> bytes(nb, 0);
+    for (size_t i : order) {
+      const size_t b = std::min_element(bytes.begin(), bytes.end()) - bytes.begin();
+      buckets[b].push_back(i);
+      bytes[b] += plan.items[i].size_bytes;
+    }
+    for (auto& b : buckets) std::sort(b.begin(), b.end());  // plan order within a file
+    for (size_t b = 0; b < nb; ++b) {
+      if (!buckets[b].empty()) {
+        created_.push_back(layout_.DataFileName(plan.storage_data, b));
+      }
+    }
+    return std::async(std::launch::async, [this, &plan, &planner, buckets = std::move(buckets)] {
+      // Writers run concurrently as far as the memory budget allows, each taking the next file.
+      std::vector<size_t> to_write;
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        if (!buckets[b].empty()) to_write.push_back(b);
+      }
+      const size_t writers = std::clamp<size_t>(options_.memory_budget_bytes / kWriterStagingBytes,
+                                                1, std::max<size_t>(to_write.size(), 1));
+      std::vector<std::vector<WriteResult>> results(buckets.size());
+      std::atomic<size_t> next{0};
+      std::mutex mu;
+      std::exception_ptr first_error;
+      auto worker = [&] {
+        for (size_t i; (i = next.fetch_add(1)) < to_write.size();) {
+          const size_t b = to_write[i];
+          try {
+            results[b] =
+                WriteBucket(plan, planner, layout_.DataFileName(plan.storage_data, b), buckets[b]);
+          } catch (...) {
+            std::lock_guard<std::mutex> lock(mu);
+            if (!first_error) first_error = std::current_exception();
+            next = to_write.size();  // start no more files; running writers finish theirs
+          }
+        }
+      };
+      std::vector<std::thread> threads;
+      for (size_t t = 1; t < writers; ++t) threads.emplace_back(worker);
+      worker();
+      for (auto& t : threads) t.join();
+      if (first_error) std::rethrow_exception(first_error);
+      std::vector<WriteResult> all;
+      for (auto& r : results) {
+        all.insert(all.end(), std::make_move_iterator(r.begin()), std::make_move_iterator(r.end()));
+      }
+      // In stored-item order, so the coordinator merges every rank's results into the metadata
+      // without a tree walk per item (FillStorageFromEncoded).
+      std::sort(all.begin(), all.end(),
+                [](const WriteResult& a, const WriteResult& b) { return a.index < b.index; });
+      return all;
+    });
+  }
+
+  bool FinishTakesFilledStorage() const override { return true; }
+  bool GlobalPlanOnlyNamesFiles() const override { return true; }
+
+  void Finish(Metadata& md, const std::vector<std::vector<WriteResult>>& results) override {
+    bool any_result = false;
+    for (const auto& rank_results : results) any_result = any_result || !rank_results.empty();
+    if (any_result) FillStorage(md, results);  // else the protocol filled md.storage
+    std::set<std::string> referenced;
+    {
+      // Items of many ranks alternate in the map's order, so a hash set of views comes first.
+      std::unordered_set<std::string_view> files;
+      const std::string* last = nullptr;
+      for (const auto& [index, info] : md.storage) {
+        if (last == nullptr || *last != info.relative_path) {
+          files.insert(info.relative_path);
+          last = &info.relative_path;
+        }
+      }
+      for (std::string_view f : files) referenced.emplace(f);
+    }
+    // Every entry must have been written; checking here keeps a bad plan from committing.
+    ValidateMetadata(md, store_->uri());
+    const std::string encoded = layout_.EncodeMetadata(md, store_->uri());
+    // Fence: a lock that can be lost (a lease that ran out unrenewed and was taken over) must
+    // still be ours right before the commit; LeaseLostError here fails the save with nothing
+    // committed, and Abort follows.
+    if (lock_) lock_->CheckHeld();
+    try {
+      // A new checkpoint's metadata is created only if still absent where the store can say so
+      // atomically (S3: If-None-Match: *), so two jobs cannot both commit even past the lock.
+      if (replacing_) {
+        store_->PublishAtomically(metadata_name_, encoded);
+      } else {
+        store_->PublishNew(metadata_name_, encoded);
+      }
+    } catch (const Error& e) {
+      // The rename may have happened before the failure (e.g. the directory fsync failed): then
+      // the checkpoint is committed and every rank must keep its data (docs/PROTOCOL.md).
+      const Outcome outcome = CommitOutcome(encoded);
+      if (outcome == Outcome::kFailed) throw;  // nothing committed: Abort follows
+      ReleaseLock();                           // the outcome is decided; no Abort follows
+      throw CommitError(outcome, e.code(),
+                        std::string(outcome == Outcome::kCommitted
+                                        ? "the checkpoint was committed, then: "
+                                        : "the commit may or may not have happened: ") +
+                            e.what());
+    }
+    if (lock_) {
+      // Still ours after the publish: nobody took the lock over while it was under way, so
+      // the metadata landed under it. Lost: a slow publish may have landed after another job
+      // took over (and even after that job's clean-up), so what the location holds is unknown.
+      try {
+        lock_->CheckHeld();
+      } catch (const Error& e) {
+        ReleaseLock();
+        throw CommitError(Outcome::kUnknown, e.code(),
+                          std::string("the metadata was published, but the writer lock was lost "
+                                      "meanwhile: ") +
+                              e.what());
+      }
+    }
+    // The clean-up waits for AfterCommitDelivered: the ranks learn the verdict first.
+    referenced_ = std::move(referenced);
+    committed_ = true;
+  }
+
+  void AfterCommitDelivered() noexcept override {
+    if (committed_) RemoveDeadFiles(referenced_);
+    committed_ = false;
+    referenced_.clear();
+    ReleaseLock();
+  }
+
+  // After a failed publish: kCommitted when the metadata in place is this save's (byte for
+  // byte: it names this save's files), kFailed when it is absent or another's, kUnknown when it
+  // cannot be read.
+  Outcome CommitOutcome(const std::string& encoded) const noexcept {
+    try {
+      if (!store_->Size(metadata_name_)) return Outcome::kFailed;
+      return store_->ReadAll(metadata_name_) == encoded ? Outcome::kCommitted : Outcome::kFailed;
+    } catch (...) {
+      return Outcome::kUnknown;
+    }
+  }
+
+  void Abort() noexcept override {
+    for (const auto& name : created_) {
+      try {
+        store_->Remove(name);
+      } catch (...) {
+        // Abort runs after the real error was reported; a file left behind is unreferenced.
+      }
+    }
+    created_.clear();
+    ReleaseLock();
+  }
+
+ private:
+  // The new checkpoint is committed. Under the lock, every data file it does not reference is
+  // provably dead: the checkpoint it replaced, saves that failed or crashed, and saves whose
+  // outcome their ranks never learned (their coordinator released the lock, so their commit
+  // decision is final and the metadata in place is the only one that counts). So are
+  // metadata temporaries: no other publisher can be running. Without a lock only the replaced
+  // checkpoint's files (read at SetUp) are known dead.
+  // Runs after the verdict went out, so a failure is reported here (stderr) and changes nothing.
+  void RemoveDeadFiles(const std::set<std::string>& referenced) noexcept {
+    auto report = [&](const std::string& what, const char* error) {
+      std::fprintf(stderr,
+                   "dcp: after committing %s, %s failed (%s); the checkpoint is committed and "
+                   "the next save there removes the leftover files\n",
+                   store_->uri().c_str(), what.c_str(), error);
+    };
+    const std::string tmp_prefix = metadata_name_ + ".tmp.";
+    auto is_data = [&](const std::string& name) { return layout_.IsDataFile(name); };
+    try {
+      std::vector<std::string> dead;
+      for (const auto& name : store_->List()) {
+        if (referenced.count(name) == 0 && (lock_ ? is_data(name) || name.rfind(tmp_prefix, 0) == 0
+                                                  : replaced_.count(name) > 0 && is_data(name))) {
+          dead.push_back(name);
+        }
+      }
+      // Files are dead only while no other writer can exist: with a lock that can be lost,
+      // confirm it after the listing (a lost lock leaves them for the next locked save).
+      if (lock_ && !dead.empty()) lock_->CheckHeld();
+      for (const auto& name : dead) {
+        try {
+          store_->Remove(name);
+        } catch (const std::exception& e) {
+          // Leftover garbage does not make the committed checkpoint wrong; `dcp verify` lists
+          // unreferenced files, and the next locked save removes them.
+          report("removing the dead file " + name, e.what());
+        }
+      }
+    } catch (const std::exception& e) {
+      // Listing failed after the commit, or the lock could not be confirmed: the garbage waits
+      // for the next save.
+      report("listing the dead files", e.what());
+    } catch (...) {
+      report("the clean-up", "unknown error");
+    }
+  }
+
+  Metadata ReadOwnMetadata() const { return layout_.ReadMetadata(*store_); }
+
+  void ReleaseLock() noexcept {
+    if (!lock_) return;
+    try {
+      lock_->Release();
+    } catch (const Error&) {
+      // The backend frees it by its own rule (kernel, lease); the save's outcome stands.
+    }
+    lock_.reset();
+  }
+
+  static std::string LockHolder(const StorageContext& ctx) {
+    char host[256] = {};
+    if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+    return std::string("host=") + host + " pid=" + std::to_string(::getpid()) +
+           " save=" + (ctx.save_id.empty() ? std::string("?") : ctx.save_id);
+  }
+
+  void WarnNoLock() const {
+    static std::once_flag once;
+    std::call_once(once, [&] {
+      std::fprintf(stderr,
+                   "dcp: warning: storage %s has no writer lock; concurrent saves to one "
+                   "location are not excluded (see docs/STORAGE_BACKENDS.md)\n",
+                   store_->uri().c_str());
+    });
+  }
+
+  std::vector<WriteResult> WriteBucket(const SavePlan& plan, const SavePlanner& planner,
+                                       const std::string& name, const std::vector<size_t>& items) {
+    auto out = store_->Create(name);
+    const auto encoder = layout_.NewItemEncoder(options_);
+    std::vector<WriteResult> results;
+    results.reserve(items.size());
+    for (size_t i : items) {
+      const WriteItem& item = plan.items[i];
+      const ResolvedData data = planner.ResolveData(item);
+      WriteResult r;
+      r.index = item.index;
+      r.storage.relative_path = name;
+      r.storage.offset = out->size();
+      encoder->Append(*out, item, data, r.storage);
+      r.size_in_bytes = r.storage.length;
+      results.push_back(std::move(r));
+    }
+    if (options_.sync) out->Sync();
+    out->Close();
+    return results;
+  }
+
+  std::shared_ptr<Store> store_;
+  StorageOptions options_;
+  const CheckpointLayout& layout_;
+  const std::string metadata_name_;
+  StorageContext ctx_;
+  std::vector<std::string> created_;
+  std::unique_ptr<StoreLock> lock_;   // coordinator: held from SetUp to AfterCommitDelivered/Abort
+  std::set<std::string> referenced_;  // coordinator: files of the committed metadata
+  bool committed_ = false;            // coordinator: Finish committed; clean-up pending
+  bool replacing_ = false;            // metadata existed at SetUp (an overwrite)
+  std::set<std::string> replaced_;    // unlocked overwrite: files of the replaced checkpoint
+};
+
+}  // namespace
+
+std::unique_ptr<StorageWriter> MakeStoreWriter(std::shared_ptr<Store> store,
+                                               const StorageOptions& options) {
+  return std::make_unique<StoreWriter>(std::move(store), options);
+}
+
+}  // namespace dcp
