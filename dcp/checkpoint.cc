@@ -26,6 +26,21 @@ namespace dcp {
 
 namespace {
 
+// The first byte of a protocol message says what follows; each byte has one meaning.
+enum class Tag : char {
+  kCacheHit = 'H',       // plan cache: every rank's cached plan stands; its files follow
+  kCacheMiss = 'M',      // plan cache: plan anew
+  kCompactPlan = 'C',    // a compact save plan (planner/compact_plan.h), or the reply to one
+  kFullPlan = 'P',       // a save plan item by item, or the reply to one
+  kRetryFull = 'F',      // coordinator: the ranks did not agree; plan again, in full
+  kRetryDeclared = 'D',  // coordinator: plan compactly again, every declaration in full
+  kBatchFailed = 'X',    // read-once: the batch's reader failed; an ErrorReport follows
+};
+std::string TagString(Tag tag) { return std::string(1, static_cast<char>(tag)); }
+bool HasTag(std::string_view message, Tag tag) {
+  return !message.empty() && message[0] == static_cast<char>(tag);
+}
+
 // Every rank knows the save's operation id, so the save id derives from it.
 std::string SaveIdOf(uint64_t operation_id) {
   char buf[17];
@@ -346,17 +361,18 @@ class CapturingPlanner : public LoadPlanner {
   std::map<std::pair<size_t, size_t>, std::string> captured_;
 };
 
-// A root that could not read a batch sends "F" and its error instead, so that its receivers fail
-// at once with the cause (and every rank still takes part in every broadcast).
+// A root that could not read a batch sends kBatchFailed and its error instead, so that its
+// receivers fail at once with the cause (and every rank still takes part in every broadcast).
 std::string FailedBatchMessage(int rank) {
-  return "F" + ToReport(CurrentExceptionAsFailure(rank)).SerializeAsString();
+  return TagString(Tag::kBatchFailed) +
+         ToReport(CurrentExceptionAsFailure(rank)).SerializeAsString();
 }
 
 // Place a received batch into this rank's destinations.
 void ReceiveBatch(const std::string& msg, const SharedReadBatch& batch, const LoadPlan& plan,
                   LoadPlanner& planner, LoadStats& stats) {
   const std::string from = "rank " + std::to_string(batch.root);
-  if (!msg.empty() && msg[0] == 'F') {
+  if (HasTag(msg, Tag::kBatchFailed)) {
     pb::ErrorReport e;
     if (!e.ParseFromArray(msg.data() + 1, static_cast<int>(msg.size() - 1))) {
       throw CorruptionError("read-once: unreadable failure report from " + from);
@@ -557,7 +573,7 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
               hit = hit && p.usable && p.hash == e.hashes[static_cast<size_t>(r)] &&
                     p.plan_id == e.plan_id;
             }
-            std::vector<std::string> out(static_cast<size_t>(size), "M");
+            std::vector<std::string> out(static_cast<size_t>(size), TagString(Tag::kCacheMiss));
             if (hit) {
               // The writer names this save's files. The cached plans are moved through it, not
               // copied (they are every rank's plan); what comes back is cached again, so a
@@ -572,12 +588,12 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
               global_md = e.skeleton;
               for (int r = 0; r < size; ++r) {
                 out[static_cast<size_t>(r)] =
-                    "H" + e.global_plans[static_cast<size_t>(r)].storage_data;
+                    TagString(Tag::kCacheHit) + e.global_plans[static_cast<size_t>(r)].storage_data;
               }
             }
             return out;
           });
-      if (!verdict.empty() && verdict[0] == 'H') {
+      if (HasTag(verdict, Tag::kCacheHit)) {
         central = cache->entry.central;
         central.storage_data = verdict.substr(1);
         planned = true;
@@ -604,7 +620,7 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
     const size_t id_bytes = cache ? 8 : 0;
     // Coordinator: cache the global plans and metadata skeleton, have the writer name the
     // files, and encode each rank's reply (`tag`, the plan id with a cache, the plan).
-    auto ReplyPlans = [&](std::vector<SavePlan> global_plans, Metadata md, const char* tag) {
+    auto ReplyPlans = [&](std::vector<SavePlan> global_plans, Metadata md, Tag tag) {
       if (cache) {
         cache->entry.global_plans = global_plans;
         cache->entry.skeleton = md;
@@ -618,19 +634,20 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
       const uint64_t plan_id = std::stoull(NewSaveId(), nullptr, 16);
       std::vector<std::string> out(global_plans.size());
       ParallelFor(global_plans.size(), [&](size_t r) {
-        out[r] = tag + (cache ? PackId(plan_id) : std::string()) + EncodeSavePlan(global_plans[r]);
+        out[r] = TagString(tag) + (cache ? PackId(plan_id) : std::string()) +
+                 EncodeSavePlan(global_plans[r]);
         global_plans[r] = SavePlan();
       });
       return out;
     };
     // Compact planning (planner/compact_plan.h): regularly sharded tensors are described once,
     // not once per rank, when the default planner plans and the writer only names files.
-    // Every plan message starts with its form: 'C' compact (planner/compact_plan.h: regularly
-    // sharded tensors described once, not once per rank), 'P' a full plan. A rank sends 'C' when
-    // it plans with the default planner and its writer only names files. The coordinator merges
-    // compactly when every rank sent 'C', in full when every rank sent 'P', and otherwise (ranks
-    // that differ, or regular shards the ranks do not all describe alike) answers 'F': every
-    // rank then plans again in full.
+    // Every plan message starts with its form: kCompactPlan (planner/compact_plan.h: regularly
+    // sharded tensors described once, not once per rank) or kFullPlan. A rank sends a compact
+    // plan when it plans with the default planner and its writer only names files. The
+    // coordinator merges compactly when every rank sent one, in full when none did, and otherwise
+    // (ranks that differ, or regular shards the ranks do not all describe alike) answers
+    // kRetryFull: every rank then plans again in full.
     const bool can_compact =
         options.planner == nullptr && size > 1 && writer.GlobalPlanOnlyNamesFiles();
     PlanSplit split;
@@ -643,7 +660,7 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
         std::string().swap(locals[r]);
       });
       auto [global_plans, md] = planner.CreateGlobalPlan(std::move(plans));
-      return ReplyPlans(std::move(global_plans), std::move(md), "P");
+      return ReplyPlans(std::move(global_plans), std::move(md), Tag::kFullPlan);
     };
     auto compact_merge = [&](std::vector<std::string>& locals) {
       std::vector<CompactSavePlan> got(locals.size());
@@ -655,12 +672,13 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
       if (merged.outcome != RegularAgreement::kAgreed) {
         return std::vector<std::string>(
             static_cast<size_t>(size),
-            merged.outcome == RegularAgreement::kDeclarationsDiffer ? "D" : "F");
+            TagString(merged.outcome == RegularAgreement::kDeclarationsDiffer ? Tag::kRetryDeclared
+                                                                              : Tag::kRetryFull));
       }
-      return ReplyPlans(std::move(merged.plans), std::move(merged.md), "C");
+      return ReplyPlans(std::move(merged.plans), std::move(merged.md), Tag::kCompactPlan);
     };
-    // Attempts: compact with the declarations of short tensors hashed; on 'D' compact with
-    // every declaration in full; on 'F' (or without compact planning) in full.
+    // Attempts: compact with the declarations of short tensors hashed; on kRetryDeclared compact
+    // with every declaration in full; on kRetryFull (or without compact planning) in full.
     enum class PlanForm { kCompactHashed, kCompact, kFull };
     PlanForm form = can_compact ? PlanForm::kCompactHashed : PlanForm::kFull;
     for (int attempt = 0; !planned; ++attempt) {
@@ -673,10 +691,12 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
                                     : "save/plan-declared",
           [&] {
             std::string msg =
-                compact ? "C" + EncodeCompactSavePlan(
-                                    split = SplitRegularShards(local_plan(), rank, size,
-                                                               form == PlanForm::kCompactHashed))
-                        : "P" + (cache ? my_local : EncodeSavePlan(local_plan()));
+                compact
+                    ? TagString(Tag::kCompactPlan) +
+                          EncodeCompactSavePlan(
+                              split = SplitRegularShards(local_plan(), rank, size,
+                                                         form == PlanForm::kCompactHashed))
+                    : TagString(Tag::kFullPlan) + (cache ? my_local : EncodeSavePlan(local_plan()));
             stats.plan_bytes_sent += msg.size();
             ++stats.plan_rounds;
             return msg;
@@ -684,32 +704,32 @@ Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& 
           [&](std::vector<std::string> locals) {
             size_t compact_ranks = 0;
             for (const auto& m : locals) {
-              if (m.empty() || (m[0] != 'C' && m[0] != 'P')) {
+              if (!HasTag(m, Tag::kCompactPlan) && !HasTag(m, Tag::kFullPlan)) {
                 throw InternalError("a save plan message of unknown form");
               }
-              compact_ranks += m[0] == 'C';
+              compact_ranks += HasTag(m, Tag::kCompactPlan);
             }
             if (compact_ranks == locals.size()) return compact_merge(locals);
             if (compact_ranks == 0) return full_merge(locals, 1);
-            return std::vector<std::string>(locals.size(), "F");
+            return std::vector<std::string>(locals.size(), TagString(Tag::kRetryFull));
           });
       if (reply.empty()) throw InternalError("empty save plan reply");
       const std::string_view body = std::string_view(reply).substr(1);
-      if (reply[0] == 'F') {
+      if (HasTag(reply, Tag::kRetryFull)) {
         form = PlanForm::kFull;
         continue;
       }
-      if (reply[0] == 'D') {
+      if (HasTag(reply, Tag::kRetryDeclared)) {
         if (form != PlanForm::kCompactHashed)
           throw InternalError("save plan reply of the wrong form");
         form = PlanForm::kCompact;
         continue;
       }
-      if (reply[0] == 'C' && compact) {
+      if (HasTag(reply, Tag::kCompactPlan) && compact) {
         central = RebuildGlobalPlan(my_full, split, DecodeSavePlan(body.substr(id_bytes)), rank);
         stats.compact_plan = true;
         stats.regular_items = split.regular.size();
-      } else if (reply[0] == 'P' && !compact) {
+      } else if (HasTag(reply, Tag::kFullPlan) && !compact) {
         central = DecodeSavePlan(body.substr(id_bytes));
       } else {
         throw InternalError("save plan reply of the wrong form");

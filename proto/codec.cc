@@ -1044,16 +1044,4 @@ void ValidateMetadata(const Metadata& md, std::string_view source) {
   ValidateKeyPaths(md, src);
 }
 
-std::string EncodeFailures(const std::vector<RankFailure>& failures) {
-  pb::PhaseOutcome p;
-  for (const auto& f : failures) {
-    auto* e = p.add_failures();
-    e->set_rank(f.rank);
-    e->set_code(static_cast<int>(f.code));
-    e->set_message(f.message);
-    e->set_retryable(f.retryable);
-  }
-  return p.SerializeAsString();
-}
-
 }  // namespace dcp

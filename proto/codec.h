@@ -80,7 +80,4 @@ inline constexpr uint64_t kMaxZstdExpansion = 32768;
 /// Throws CorruptionError naming `source` and the entry; thread-safe (reads `md` only).
 void ValidateMetadata(const Metadata& md, std::string_view source);
 
-/// Error messages shared by ranks travel as protobuf too.
-std::string EncodeFailures(const std::vector<RankFailure>& failures);
-
 }  // namespace dcp

@@ -24,44 +24,6 @@ namespace dcp {
 /// a checkpoint object: readers and tools ignore it.
 inline constexpr char kLockObjectName[] = ".dcp.lock";
 
-/// Another writer holds a location's lock (Store::TryLock). An AlreadyExistsError, so callers
-/// that handle "a checkpoint is already there" handle this too; the message names the location
-/// and, when known, the holder.
-class LockedError : public AlreadyExistsError {
- public:
-  LockedError(const std::string& location, const std::string& holder)
-      : AlreadyExistsError("checkpoint location " + location +
-                           " is locked by another save in progress (" +
-                           (holder.empty() ? std::string("holder unknown") : "held by " + holder) +
-                           "); two jobs must not write one location at once"),
-        location_(location),
-        holder_(holder) {}
-  const std::string& location() const { return location_; }
-  const std::string& holder() const { return holder_; }
-
- protected:
-  LockedError(const std::string& location, const std::string& holder, const std::string& message)
-      : AlreadyExistsError(message), location_(location), holder_(holder) {}
-
- private:
-  std::string location_, holder_;
-};
-
-/// The writer lock a save held was lost before its commit: its lease (object stores) ran out
-/// without being renewed, or another job took the location over, or it could not be confirmed
-/// in time. The save must not commit; the location keeps what the other job wrote. A
-/// LockedError (code kAlreadyExists): another writer may own the location now. holder() names
-/// the new holder where it is known.
-class LeaseLostError : public LockedError {
- public:
-  LeaseLostError(const std::string& location, const std::string& why,
-                 const std::string& new_holder = "")
-      : LockedError(location, new_holder,
-                    "the writer lock of checkpoint location " + location + " was lost (" + why +
-                        (new_holder.empty() ? std::string() : "; now held by " + new_holder) +
-                        "): this save must not commit, another job may own the location") {}
-};
-
 /// An object being written. It becomes visible under its name at Close() at the latest;
 /// destroying it without Close() discards it (nothing partial remains under the name).
 class WritableObject {
