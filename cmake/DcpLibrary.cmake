@@ -1,4 +1,5 @@
 # dcp_add_library(name SOURCES ... HEADERS ... [PUBLIC_DEPS ...] [PRIVATE_DEPS ...])
+# HEADERS are the folder's public headers, the ones installed; every other header is internal.
 # One shared library per folder. Every header of ours is included under the dcp/ prefix, in the
 # tree and by users: "dcp/<file>.h" for the dcp/ folder, "dcp/<folder>/<file>.h" for proto/,
 # planner/ and storage/ ("dcp/<folder>/<sub>/<file>.h" for a header in a sub-folder). They install

@@ -26,6 +26,7 @@
 #include <sstream>
 #include <thread>
 
+#include "dcp/planner/default_planner.h"
 #include "dcp/planner/flatten.h"
 #include "dcp/proto/device.h"
 #include "dcp/proto/error.h"
@@ -303,9 +304,9 @@ struct AsyncCheckpointer::Impl {
           FailedSnapshotPlanner planner(j.snapshot_error);
           SaveOptions so = j.save;
           so.planner = &planner;
-          md = dcp::Save(j.staged, j.uri, *comm, so);
+          md = dcp::Save(j.staged, j.uri, *comm, so).metadata;
         } else {
-          md = dcp::Save(j.staged, j.uri, *comm, j.save);
+          md = dcp::Save(j.staged, j.uri, *comm, j.save).metadata;
         }
       } catch (...) {
         error = std::current_exception();

@@ -37,6 +37,7 @@
 
 #include "dcp/checkpoint.h"
 #include "dcp/communicator.h"
+#include "dcp/options.h"
 
 namespace dcp {
 
@@ -58,19 +59,6 @@ struct SaveMetrics {
   bool succeeded = false;
   std::string error;  // the failure's message when !succeeded
   std::string ToString() const;
-};
-
-/// How the checkpointer stages and runs saves; what each save writes is its SaveOptions.
-struct AsyncOptions {
-  /// Threads copying into staging (the caller's thread is one of them).
-  int copy_threads = 2;
-  /// Try to page-lock staging buffers (mlock). Failing to lock is not an error.
-  bool lock_staging = true;
-  /// How long the destructor waits for an in-flight save before giving up on it.
-  std::chrono::milliseconds close_timeout{std::chrono::minutes(10)};
-  /// Called on the background thread when a save ends (success or failure). Defaults to a
-  /// one-line log on stderr from rank 0 when DCP_LOG is set in the environment.
-  std::function<void(const SaveMetrics&)> on_complete;
 };
 
 /// The result of one asynchronous save.

@@ -13,6 +13,7 @@
 
 #include "dcp.pb.h"  // generated from proto/dcp.proto
 #include "dcp/planner/compact_plan.h"
+#include "dcp/planner/default_planner.h"
 #include "dcp/planner/read_sharing.h"
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/codec.h"
@@ -505,387 +506,547 @@ const char* LibraryVersion() { return DCP_VERSION_STRING; }
 
 void SavePlanCache::Clear() { entry = Entry{}; }
 
-Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& comm,
-              const SaveOptions& options) {
-  // Views bound to memory that may have moved (LibTorch parameters, optimizer fields): save
-  // what they are now.
-  if (HasBindings(state_dict)) return Save(ResolveBindings(state_dict), writer, comm, options);
-  const int rank = comm.rank(), size = comm.size();
-  DefaultSavePlanner default_planner;
-  SavePlanner& planner = options.planner ? *options.planner : default_planner;
-  const PlannerContext pctx{rank, size, rank == 0};
-  // The save id is set from the operation's id once it is open (every rank knows it).
-  StorageContext sctx{rank, size, rank == 0, std::string()};
-  Metadata global_md;  // built on the coordinator
-  std::string md_bytes;
-  bool committed = false;  // the coordinator's Finish committed
-  SaveStats local_stats;
-  SaveStats& stats = options.stats ? *options.stats : local_stats;
-  stats = SaveStats();
+namespace {
 
-  // The state machine of docs/PROTOCOL.md: every local step runs inside a phase, so an error on
-  // one rank is everyone's; only a verdict of kFailed lets a rank remove what it wrote.
-  try {
-    // The step is part of what every rank must open alike (SaveOptions::step).
-    OperationScope op(comm, "save",
-                      options.step ? writer.uri() + " (step " + std::to_string(*options.step) + ")"
-                                   : writer.uri());
-    sctx.save_id = SaveIdOf(op.id());
-    SavePlan my_full;  // this rank's local plan, made once
-    bool have_local = false;
-    auto local_plan = [&]() -> const SavePlan& {
-      if (!have_local) {
-        writer.SetUp(sctx);
-        planner.SetUp(state_dict, pctx);
-        my_full = writer.PrepareLocalPlan(planner.CreateLocalPlan());
-        have_local = true;
+// One rank's part of one save: the state machine of docs/PROTOCOL.md as named steps.
+//   Run:  open the operation -> TryPlanCache -> Plan -> WriteAndCommit
+// Every local step runs inside a phase (RunPhase), so an error on one rank is everyone's; only
+// a verdict of kFailed lets a rank remove what it wrote (Run's handlers).
+class SaveOperation {
+ public:
+  SaveOperation(const StateDict& state_dict, StorageWriter& writer, Communicator& comm,
+                const SaveOptions& options)
+      : state_dict_(state_dict),
+        writer_(writer),
+        comm_(comm),
+        options_(options),
+        rank_(comm.rank()),
+        size_(comm.size()),
+        planner_(options.planner ? *options.planner : default_planner_),
+        planner_type_(typeid(planner_).name()),
+        cache_(options.plan_cache.get()),
+        sctx_{rank_, size_, rank_ == 0, std::string()} {}
+
+  SaveResult Run() {
+    try {
+      // The step is part of what every rank must open alike (SaveOptions::step).
+      OperationScope op(comm_, "save",
+                        options_.step
+                            ? writer_.uri() + " (step " + std::to_string(*options_.step) + ")"
+                            : writer_.uri());
+      sctx_.save_id = SaveIdOf(op.id());
+      if (!(cache_ && TryPlanCache())) Plan();
+      WriteAndCommit();
+      // The verdict is out: only now the coordinator's post-commit housekeeping.
+      if (committed_) writer_.AfterCommitDelivered();
+    } catch (const CollectiveError& e) {
+      if (committed_) {  // the coordinator could not deliver a verdict of a committed save
+        writer_.AfterCommitDelivered();
+        throw CollectiveError(e.phase(), e.failures(), Outcome::kCommitted);
       }
-      return my_full;
-    };
-    SavePlanCache* cache = options.plan_cache.get();
-    const std::string planner_type = typeid(planner).name();
-    SavePlan central;  // this rank's plan from the coordinator
-    bool planned = false;
-    std::string my_local;
-    uint64_t my_hash = 0;
-    if (cache) {
-      // Plan caching: every rank hashes its local plan; rank 0 says whether all match the
-      // cached global plan. On a hit, each rank gets only its data file names.
-      std::vector<uint64_t> hashes;  // rank 0: every rank's, for the cache on a miss
-      const std::string verdict = RunPhase(
-          comm, "save/plan-cache",
-          [&] {
-            my_local = EncodeSavePlan(local_plan());
-            my_hash = PlanHash(my_local);
-            const SavePlanCache::Entry& e = cache->entry;
-            const bool usable = e.valid && e.world_size == size && e.planner == planner_type;
-            std::string probe = PackCacheProbe(usable, my_hash, usable ? e.plan_id : 0);
-            stats.plan_bytes_sent += probe.size();
-            return probe;
-          },
-          [&](std::vector<std::string> probes) {
-            SavePlanCache::Entry& e = cache->entry;
-            bool hit = e.valid && e.hashes.size() == static_cast<size_t>(size) &&
-                       e.global_plans.size() == static_cast<size_t>(size);
-            for (int r = 0; r < size; ++r) {
-              const CacheProbe p = UnpackCacheProbe(probes[static_cast<size_t>(r)]);
-              hashes.push_back(p.hash);
-              hit = hit && p.usable && p.hash == e.hashes[static_cast<size_t>(r)] &&
-                    p.plan_id == e.plan_id;
-            }
-            std::vector<std::string> out(static_cast<size_t>(size), TagString(Tag::kCacheMiss));
-            if (hit) {
-              // The writer names this save's files. The cached plans are moved through it, not
-              // copied (they are every rank's plan); what comes back is cached again, so a
-              // writer's PrepareGlobalPlan must accept its own output (it only sets storage).
-              e.global_plans = writer.PrepareGlobalPlan(std::move(e.global_plans));
-              if (e.global_plans.size() != static_cast<size_t>(size)) {
-                e.valid = false;
-                throw InternalError("the storage writer returned " +
-                                    std::to_string(e.global_plans.size()) + " plans for " +
-                                    std::to_string(size) + " ranks");
-              }
-              global_md = e.skeleton;
-              for (int r = 0; r < size; ++r) {
-                out[static_cast<size_t>(r)] =
-                    TagString(Tag::kCacheHit) + e.global_plans[static_cast<size_t>(r)].storage_data;
-              }
-            }
-            return out;
-          });
-      if (HasTag(verdict, Tag::kCacheHit)) {
-        central = cache->entry.central;
-        central.storage_data = verdict.substr(1);
-        planned = true;
-        stats.cached_plan = true;
-        ++cache->hits_;
-      } else {
-        ++cache->misses_;
-        cache->entry.valid = false;  // refreshed below once the full plan is known
-        if (rank == 0) cache->entry.hashes = std::move(hashes);
+      // A rank that reported its writes and missed the verdict settles it from the commit
+      // record where it shares the store.
+      if (e.outcome() == Outcome::kUnknown) {
+        if (auto md = CommittedMetadata(writer_, sctx_.save_id, options_.storage)) {
+          return SaveResult{std::move(*md), stats_};
+        }
       }
+      // Only a save known not to be committed may remove data (docs/PROTOCOL.md).
+      if (e.outcome() == Outcome::kFailed) writer_.Abort();
+      throw;
+    } catch (...) {
+      if (committed_) {
+        writer_.AfterCommitDelivered();
+        throw;
+      }
+      writer_.Abort();
+      throw;
     }
-    // A plan that came from the coordinator: what the plan cache keeps of it.
-    auto remember = [&](std::string_view reply) {
-      if (!cache) return;
-      if (reply.size() < 8) throw InternalError("save plan reply without its plan id");
-      SavePlanCache::Entry& e = cache->entry;
-      e.valid = true;
-      e.hash = my_hash;
-      e.plan_id = UnpackId(reply);
-      e.world_size = size;
-      e.planner = planner_type;
-      e.central = central;
-    };
-    const size_t id_bytes = cache ? 8 : 0;
-    // Coordinator: cache the global plans and metadata skeleton, have the writer name the
-    // files, and encode each rank's reply (`tag`, the plan id with a cache, the plan).
-    auto ReplyPlans = [&](std::vector<SavePlan> global_plans, Metadata md, Tag tag) {
-      if (cache) {
-        cache->entry.global_plans = global_plans;
-        cache->entry.skeleton = md;
-      }
-      global_plans = writer.PrepareGlobalPlan(std::move(global_plans));
-      if (global_plans.size() != static_cast<size_t>(size)) {
-        throw InternalError("the storage writer returned " + std::to_string(global_plans.size()) +
-                            " plans for " + std::to_string(size) + " ranks");
-      }
-      global_md = std::move(md);
-      const uint64_t plan_id = std::stoull(NewSaveId(), nullptr, 16);
-      std::vector<std::string> out(global_plans.size());
-      ParallelFor(global_plans.size(), [&](size_t r) {
-        out[r] = TagString(tag) + (cache ? PackId(plan_id) : std::string()) +
-                 EncodeSavePlan(global_plans[r]);
-        global_plans[r] = SavePlan();
-      });
-      return out;
-    };
-    // Compact planning (planner/compact_plan.h): regularly sharded tensors are described once,
-    // not once per rank, when the default planner plans and the writer only names files.
-    // Every plan message starts with its form: kCompactPlan (planner/compact_plan.h: regularly
-    // sharded tensors described once, not once per rank) or kFullPlan. A rank sends a compact
-    // plan when it plans with the default planner and its writer only names files. The
-    // coordinator merges compactly when every rank sent one, in full when none did, and otherwise
-    // (ranks that differ, or regular shards the ranks do not all describe alike) answers
-    // kRetryFull: every rank then plans again in full.
+    // Committed: whatever fails from here on removes nothing.
+    return SaveResult{DecodeMetadata(md_bytes_, writer_.uri()), stats_};
+  }
+
+ private:
+  // The forms a plan exchange can take: compact with the declarations of short tensors hashed;
+  // compact with every declaration in full (after kRetryDeclared); item by item (kRetryFull,
+  // or when compact planning does not apply).
+  enum class PlanForm { kCompactHashed, kCompact, kFull };
+
+  // This rank's local plan, made once (the plan cache, compact and full planning all start
+  // from it).
+  const SavePlan& LocalPlan() {
+    if (!have_local_) {
+      writer_.SetUp(sctx_);
+      planner_.SetUp(state_dict_, PlannerContext{rank_, size_, rank_ == 0});
+      my_full_ = writer_.PrepareLocalPlan(planner_.CreateLocalPlan());
+      have_local_ = true;
+    }
+    return my_full_;
+  }
+
+  // Plan caching: every rank hashes its local plan; rank 0 says whether all match the cached
+  // global plan. On a hit each rank gets only its data file names, and this returns true.
+  bool TryPlanCache() {
+    std::vector<uint64_t> hashes;  // rank 0: every rank's, for the cache on a miss
+    const std::string verdict = RunPhase(
+        comm_, "save/plan-cache",
+        [&] {
+          my_local_ = EncodeSavePlan(LocalPlan());
+          my_hash_ = PlanHash(my_local_);
+          const SavePlanCache::Entry& e = cache_->entry;
+          const bool usable = e.valid && e.world_size == size_ && e.planner == planner_type_;
+          std::string probe = PackCacheProbe(usable, my_hash_, usable ? e.plan_id : 0);
+          stats_.plan_bytes_sent += probe.size();
+          return probe;
+        },
+        [&](std::vector<std::string> probes) { return JudgeCacheProbes(probes, hashes); });
+    if (HasTag(verdict, Tag::kCacheHit)) {
+      central_ = cache_->entry.central;
+      central_.storage_data = verdict.substr(1);
+      stats_.cached_plan = true;
+      ++cache_->hits_;
+      return true;
+    }
+    ++cache_->misses_;
+    cache_->entry.valid = false;  // refreshed by Plan once the full plan is known
+    if (rank_ == 0) cache_->entry.hashes = std::move(hashes);
+    return false;
+  }
+
+  // Coordinator: a hit when every rank's probe matches the cache; then the writer names this
+  // save's files and each rank's reply carries them.
+  std::vector<std::string> JudgeCacheProbes(const std::vector<std::string>& probes,
+                                            std::vector<uint64_t>& hashes) {
+    SavePlanCache::Entry& e = cache_->entry;
+    bool hit = e.valid && e.hashes.size() == static_cast<size_t>(size_) &&
+               e.global_plans.size() == static_cast<size_t>(size_);
+    for (int r = 0; r < size_; ++r) {
+      const CacheProbe p = UnpackCacheProbe(probes[static_cast<size_t>(r)]);
+      hashes.push_back(p.hash);
+      hit = hit && p.usable && p.hash == e.hashes[static_cast<size_t>(r)] && p.plan_id == e.plan_id;
+    }
+    std::vector<std::string> out(static_cast<size_t>(size_), TagString(Tag::kCacheMiss));
+    if (!hit) return out;
+    // The cached plans are moved through the writer, not copied (they are every rank's plan);
+    // what comes back is cached again, so a writer's PrepareGlobalPlan must accept its own
+    // output (it only sets storage).
+    e.global_plans = writer_.PrepareGlobalPlan(std::move(e.global_plans));
+    if (e.global_plans.size() != static_cast<size_t>(size_)) {
+      e.valid = false;
+      throw InternalError("the storage writer returned " + std::to_string(e.global_plans.size()) +
+                          " plans for " + std::to_string(size_) + " ranks");
+    }
+    global_md_ = e.skeleton;
+    for (int r = 0; r < size_; ++r) {
+      out[static_cast<size_t>(r)] =
+          TagString(Tag::kCacheHit) + e.global_plans[static_cast<size_t>(r)].storage_data;
+    }
+    return out;
+  }
+
+  // The plan exchange. Every plan message starts with its form: kCompactPlan (planner/
+  // compact_plan.h: regularly sharded tensors described once, not once per rank) or kFullPlan.
+  // A rank sends a compact plan when it plans with the default planner and its writer only
+  // names files. The coordinator merges compactly when every rank sent one, in full when none
+  // did, and otherwise (ranks that differ, or regular shards the ranks do not all describe
+  // alike) answers kRetryFull: every rank then plans again in full.
+  void Plan() {
     const bool can_compact =
-        options.planner == nullptr && size > 1 && writer.GlobalPlanOnlyNamesFiles();
-    PlanSplit split;
-    auto full_merge = [&](std::vector<std::string>& locals, size_t skip) {
-      // Per-rank decoding and encoding grow with the world: spread them over threads, and free
-      // each message as soon as it is decoded (or each plan once encoded).
-      std::vector<SavePlan> plans(locals.size());
-      ParallelFor(locals.size(), [&](size_t r) {
-        plans[r] = DecodeSavePlan(std::string_view(locals[r]).substr(skip));
-        std::string().swap(locals[r]);
-      });
-      auto [global_plans, md] = planner.CreateGlobalPlan(std::move(plans));
-      return ReplyPlans(std::move(global_plans), std::move(md), Tag::kFullPlan);
-    };
-    auto compact_merge = [&](std::vector<std::string>& locals) {
-      std::vector<CompactSavePlan> got(locals.size());
-      ParallelFor(locals.size(), [&](size_t r) {
-        got[r] = DecodeCompactSavePlan(std::string_view(locals[r]).substr(1), static_cast<int>(r));
-        std::string().swap(locals[r]);
-      });
-      CompactMerge merged = MergeCompactPlans(default_planner, my_full, split, std::move(got));
-      if (merged.outcome != RegularAgreement::kAgreed) {
-        return std::vector<std::string>(
-            static_cast<size_t>(size),
-            TagString(merged.outcome == RegularAgreement::kDeclarationsDiffer ? Tag::kRetryDeclared
-                                                                              : Tag::kRetryFull));
-      }
-      return ReplyPlans(std::move(merged.plans), std::move(merged.md), Tag::kCompactPlan);
-    };
-    // Attempts: compact with the declarations of short tensors hashed; on kRetryDeclared compact
-    // with every declaration in full; on kRetryFull (or without compact planning) in full.
-    enum class PlanForm { kCompactHashed, kCompact, kFull };
+        options_.planner == nullptr && size_ > 1 && writer_.GlobalPlanOnlyNamesFiles();
     PlanForm form = can_compact ? PlanForm::kCompactHashed : PlanForm::kFull;
-    for (int attempt = 0; !planned; ++attempt) {
+    for (int attempt = 0;; ++attempt) {
       if (attempt > 2) throw InternalError("save planning did not converge");
-      const bool compact = form != PlanForm::kFull;
       const std::string reply = RunPhase(
-          comm,
+          comm_,
           attempt == 0              ? "save/plan"
           : form == PlanForm::kFull ? "save/plan-full"
                                     : "save/plan-declared",
-          [&] {
-            std::string msg =
-                compact
-                    ? TagString(Tag::kCompactPlan) +
-                          EncodeCompactSavePlan(
-                              split = SplitRegularShards(local_plan(), rank, size,
-                                                         form == PlanForm::kCompactHashed))
-                    : TagString(Tag::kFullPlan) + (cache ? my_local : EncodeSavePlan(local_plan()));
-            stats.plan_bytes_sent += msg.size();
-            ++stats.plan_rounds;
-            return msg;
-          },
-          [&](std::vector<std::string> locals) {
-            size_t compact_ranks = 0;
-            for (const auto& m : locals) {
-              if (!HasTag(m, Tag::kCompactPlan) && !HasTag(m, Tag::kFullPlan)) {
-                throw InternalError("a save plan message of unknown form");
-              }
-              compact_ranks += HasTag(m, Tag::kCompactPlan);
-            }
-            if (compact_ranks == locals.size()) return compact_merge(locals);
-            if (compact_ranks == 0) return full_merge(locals, 1);
-            return std::vector<std::string>(locals.size(), TagString(Tag::kRetryFull));
-          });
-      if (reply.empty()) throw InternalError("empty save plan reply");
-      const std::string_view body = std::string_view(reply).substr(1);
-      if (HasTag(reply, Tag::kRetryFull)) {
-        form = PlanForm::kFull;
-        continue;
-      }
-      if (HasTag(reply, Tag::kRetryDeclared)) {
-        if (form != PlanForm::kCompactHashed)
-          throw InternalError("save plan reply of the wrong form");
-        form = PlanForm::kCompact;
-        continue;
-      }
-      if (HasTag(reply, Tag::kCompactPlan) && compact) {
-        central = RebuildGlobalPlan(my_full, split, DecodeSavePlan(body.substr(id_bytes)), rank);
-        stats.compact_plan = true;
-        stats.regular_items = split.regular.size();
-      } else if (HasTag(reply, Tag::kFullPlan) && !compact) {
-        central = DecodeSavePlan(body.substr(id_bytes));
-      } else {
-        throw InternalError("save plan reply of the wrong form");
-      }
-      remember(body);
-      planned = true;
+          [&] { return PlanMessage(form); },
+          [&](std::vector<std::string> locals) { return MergePlans(locals); });
+      if (AcceptPlanReply(reply, form)) return;
     }
-
-    SavePlan plan;
-    md_bytes = RunPhase(
-        comm, "save/write",
-        [&] {
-          plan = planner.FinishPlan(std::move(central));
-          return EncodeWriteResults(writer.WriteData(plan, planner).get());
-        },
-        [&](std::vector<std::string> locals) {
-          global_md.format_version = kFormatVersion;
-          global_md.checkpoint_id =
-              options.checkpoint_id.empty() ? writer.uri() : options.checkpoint_id;
-          global_md.save_id = sctx.save_id;
-          global_md.world_size = size;
-          global_md.created_unix_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                          std::chrono::system_clock::now().time_since_epoch())
-                                          .count();
-          global_md.library_version = DCP_VERSION_STRING;
-          if (writer.FinishTakesFilledStorage()) {
-            // Each result moves from its rank's payload into the metadata (never all of them
-            // decoded beside the map they fill: at thousands of ranks that was most of the
-            // coordinator's memory).
-            FillStorageFromEncoded(global_md, locals);
-            writer.Finish(global_md, {});
-            committed = true;
-          } else {
-            std::vector<std::vector<WriteResult>> results(locals.size());
-            ParallelFor(locals.size(), [&](size_t r) {
-              results[r] = DecodeWriteResults(locals[r]);
-              std::string().swap(locals[r]);
-            });
-            writer.Finish(global_md, results);
-            committed = true;
-          }
-          std::vector<std::string> reply{EncodeMetadata(global_md)};
-          global_md = Metadata();  // every rank, this one too, decodes the reply
-          return reply;
-        },
-        /*decides_commit=*/true, /*same_reply=*/true);
-    // The verdict is out: only now the coordinator's post-commit housekeeping.
-    if (committed) writer.AfterCommitDelivered();
-  } catch (const CollectiveError& e) {
-    if (committed) {  // the coordinator could not deliver a verdict of a committed save
-      writer.AfterCommitDelivered();
-      throw CollectiveError(e.phase(), e.failures(), Outcome::kCommitted);
-    }
-    // A rank that reported its writes and missed the verdict settles it from the commit record
-    // where it shares the store.
-    if (e.outcome() == Outcome::kUnknown) {
-      if (auto md = CommittedMetadata(writer, sctx.save_id, options.storage)) return *md;
-    }
-    // Only a save known not to be committed may remove data (docs/PROTOCOL.md).
-    if (e.outcome() == Outcome::kFailed) writer.Abort();
-    throw;
-  } catch (...) {
-    if (committed) {
-      writer.AfterCommitDelivered();
-      throw;
-    }
-    writer.Abort();
-    throw;
   }
-  // Committed: whatever fails from here on removes nothing.
-  return DecodeMetadata(md_bytes, writer.uri());
+
+  // This rank's plan message in `form`.
+  std::string PlanMessage(PlanForm form) {
+    std::string msg;
+    if (form != PlanForm::kFull) {
+      split_ = SplitRegularShards(LocalPlan(), rank_, size_, form == PlanForm::kCompactHashed);
+      msg = TagString(Tag::kCompactPlan) + EncodeCompactSavePlan(split_);
+    } else {
+      msg = TagString(Tag::kFullPlan) + (cache_ ? my_local_ : EncodeSavePlan(LocalPlan()));
+    }
+    stats_.plan_bytes_sent += msg.size();
+    ++stats_.plan_rounds;
+    return msg;
+  }
+
+  // Coordinator: merge every rank's plan message (see Plan for the forms).
+  std::vector<std::string> MergePlans(std::vector<std::string>& locals) {
+    size_t compact_ranks = 0;
+    for (const auto& m : locals) {
+      if (!HasTag(m, Tag::kCompactPlan) && !HasTag(m, Tag::kFullPlan)) {
+        throw InternalError("a save plan message of unknown form");
+      }
+      compact_ranks += HasTag(m, Tag::kCompactPlan);
+    }
+    if (compact_ranks == locals.size()) return MergeCompact(locals);
+    if (compact_ranks == 0) return MergeFull(locals);
+    return std::vector<std::string>(locals.size(), TagString(Tag::kRetryFull));
+  }
+
+  std::vector<std::string> MergeFull(std::vector<std::string>& locals) {
+    // Per-rank decoding and encoding grow with the world: spread them over threads, and free
+    // each message as soon as it is decoded (or each plan once encoded).
+    std::vector<SavePlan> plans(locals.size());
+    ParallelFor(locals.size(), [&](size_t r) {
+      plans[r] = DecodeSavePlan(std::string_view(locals[r]).substr(1));
+      std::string().swap(locals[r]);
+    });
+    auto [global_plans, md] = planner_.CreateGlobalPlan(std::move(plans));
+    return ReplyPlans(std::move(global_plans), std::move(md), Tag::kFullPlan);
+  }
+
+  std::vector<std::string> MergeCompact(std::vector<std::string>& locals) {
+    std::vector<CompactSavePlan> got(locals.size());
+    ParallelFor(locals.size(), [&](size_t r) {
+      got[r] = DecodeCompactSavePlan(std::string_view(locals[r]).substr(1), static_cast<int>(r));
+      std::string().swap(locals[r]);
+    });
+    CompactMerge merged = MergeCompactPlans(default_planner_, my_full_, split_, std::move(got));
+    if (merged.outcome != RegularAgreement::kAgreed) {
+      return std::vector<std::string>(
+          static_cast<size_t>(size_),
+          TagString(merged.outcome == RegularAgreement::kDeclarationsDiffer ? Tag::kRetryDeclared
+                                                                            : Tag::kRetryFull));
+    }
+    return ReplyPlans(std::move(merged.plans), std::move(merged.md), Tag::kCompactPlan);
+  }
+
+  // Coordinator: cache the global plans and metadata skeleton, have the writer name the files,
+  // and encode each rank's reply (`tag`, the plan id with a cache, the plan).
+  std::vector<std::string> ReplyPlans(std::vector<SavePlan> global_plans, Metadata md, Tag tag) {
+    if (cache_) {
+      cache_->entry.global_plans = global_plans;
+      cache_->entry.skeleton = md;
+    }
+    global_plans = writer_.PrepareGlobalPlan(std::move(global_plans));
+    if (global_plans.size() != static_cast<size_t>(size_)) {
+      throw InternalError("the storage writer returned " + std::to_string(global_plans.size()) +
+                          " plans for " + std::to_string(size_) + " ranks");
+    }
+    global_md_ = std::move(md);
+    const uint64_t plan_id = std::stoull(NewSaveId(), nullptr, 16);
+    std::vector<std::string> out(global_plans.size());
+    ParallelFor(global_plans.size(), [&](size_t r) {
+      out[r] = TagString(tag) + (cache_ ? PackId(plan_id) : std::string()) +
+               EncodeSavePlan(global_plans[r]);
+      global_plans[r] = SavePlan();
+    });
+    return out;
+  }
+
+  // Takes this rank's central plan from the coordinator's reply; false when the coordinator
+  // asked for another attempt (and `form` is the form to try next).
+  bool AcceptPlanReply(const std::string& reply, PlanForm& form) {
+    if (reply.empty()) throw InternalError("empty save plan reply");
+    const bool compact = form != PlanForm::kFull;
+    const std::string_view body = std::string_view(reply).substr(1);
+    const size_t id_bytes = cache_ ? 8 : 0;
+    if (HasTag(reply, Tag::kRetryFull)) {
+      form = PlanForm::kFull;
+      return false;
+    }
+    if (HasTag(reply, Tag::kRetryDeclared)) {
+      if (form != PlanForm::kCompactHashed)
+        throw InternalError("save plan reply of the wrong form");
+      form = PlanForm::kCompact;
+      return false;
+    }
+    if (HasTag(reply, Tag::kCompactPlan) && compact) {
+      central_ = RebuildGlobalPlan(my_full_, split_, DecodeSavePlan(body.substr(id_bytes)), rank_);
+      stats_.compact_plan = true;
+      stats_.regular_items = split_.regular.size();
+    } else if (HasTag(reply, Tag::kFullPlan) && !compact) {
+      central_ = DecodeSavePlan(body.substr(id_bytes));
+    } else {
+      throw InternalError("save plan reply of the wrong form");
+    }
+    RememberPlan(body);
+    return true;
+  }
+
+  // What the plan cache keeps of a plan that came from the coordinator.
+  void RememberPlan(std::string_view reply) {
+    if (!cache_) return;
+    if (reply.size() < 8) throw InternalError("save plan reply without its plan id");
+    SavePlanCache::Entry& e = cache_->entry;
+    e.valid = true;
+    e.hash = my_hash_;
+    e.plan_id = UnpackId(reply);
+    e.world_size = size_;
+    e.planner = planner_type_;
+    e.central = central_;
+  }
+
+  // Every rank writes its items; the coordinator commits the metadata (the phase that decides
+  // the save's outcome) and every rank gets it back.
+  void WriteAndCommit() {
+    SavePlan plan;
+    md_bytes_ = RunPhase(
+        comm_, "save/write",
+        [&] {
+          plan = planner_.FinishPlan(std::move(central_));
+          return EncodeWriteResults(writer_.WriteData(plan, planner_).get());
+        },
+        [&](std::vector<std::string> locals) { return Commit(locals); },
+        /*decides_commit=*/true, /*same_reply=*/true);
+  }
+
+  // Coordinator: complete the metadata with every rank's write results and have the writer
+  // commit it.
+  std::vector<std::string> Commit(std::vector<std::string>& locals) {
+    global_md_.format_version = kFormatVersion;
+    global_md_.checkpoint_id =
+        options_.checkpoint_id.empty() ? writer_.uri() : options_.checkpoint_id;
+    global_md_.save_id = sctx_.save_id;
+    global_md_.world_size = size_;
+    global_md_.created_unix_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                     std::chrono::system_clock::now().time_since_epoch())
+                                     .count();
+    global_md_.library_version = DCP_VERSION_STRING;
+    if (writer_.FinishTakesFilledStorage()) {
+      // Each result moves from its rank's payload into the metadata (never all of them decoded
+      // beside the map they fill: at thousands of ranks that was most of the coordinator's
+      // memory).
+      FillStorageFromEncoded(global_md_, locals);
+      writer_.Finish(global_md_, {});
+    } else {
+      std::vector<std::vector<WriteResult>> results(locals.size());
+      ParallelFor(locals.size(), [&](size_t r) {
+        results[r] = DecodeWriteResults(locals[r]);
+        std::string().swap(locals[r]);
+      });
+      writer_.Finish(global_md_, results);
+    }
+    committed_ = true;
+    std::vector<std::string> reply{EncodeMetadata(global_md_)};
+    global_md_ = Metadata();  // every rank, this one too, decodes the reply
+    return reply;
+  }
+
+  const StateDict& state_dict_;
+  StorageWriter& writer_;
+  Communicator& comm_;
+  const SaveOptions& options_;
+  const int rank_, size_;
+  DefaultSavePlanner default_planner_;
+  SavePlanner& planner_;
+  const std::string planner_type_;
+  SavePlanCache* cache_;
+  StorageContext sctx_;  // its save id is set from the operation's id once it is open
+  SaveStats stats_;
+  SavePlan my_full_;  // this rank's local plan (LocalPlan)
+  bool have_local_ = false;
+  std::string my_local_;  // with a plan cache: the local plan, encoded, and its hash
+  uint64_t my_hash_ = 0;
+  PlanSplit split_;         // compact planning: this rank's plan split into regular and other items
+  SavePlan central_;        // this rank's plan from the coordinator
+  Metadata global_md_;      // built on the coordinator
+  std::string md_bytes_;    // the committed metadata, as every rank received it
+  bool committed_ = false;  // the coordinator's Finish committed
+};
+
+}  // namespace
+
+SaveResult Save(const StateDict& state_dict, StorageWriter& writer, Communicator& comm,
+                const SaveOptions& options) {
+  // Views bound to memory that may have moved (LibTorch parameters, optimizer fields): save
+  // what they are now.
+  if (HasBindings(state_dict)) return Save(ResolveBindings(state_dict), writer, comm, options);
+  return SaveOperation(state_dict, writer, comm, options).Run();
 }
 
-Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
-              const LoadOptions& options) {
-  if (!options.load_all && HasBindings(state_dict)) {
-    // Load into what the bound views are now, then let each binding take its value back.
-    StateDict resolved = ResolveBindings(state_dict);
-    Metadata md = Load(resolved, reader, comm, options);
-    FinishBoundLoad(state_dict, resolved);
-    return md;
-  }
-  const int rank = comm.rank(), size = comm.size();
-  LoadPlannerOptions planner_options;
-  planner_options.allow_partial_load = options.allow_partial_load;
-  planner_options.load_all = options.load_all;
-  DefaultLoadPlanner default_planner(planner_options);
-  LoadPlanner& planner = options.planner ? *options.planner : default_planner;
-  const PlannerContext pctx{rank, size, rank == 0};
-  const StorageContext sctx{rank, size, rank == 0, {}};
-  // Read-once needs the default planner: a custom one may reorder its plan in FinishPlan or do
-  // anything in CommitTensor, so its rank reads all of its own items.
-  const bool can_share = options.read_once && options.planner == nullptr && size > 1;
-  LoadStats stats;
+namespace {
 
-  OperationScope op(comm, "load", reader.uri());
+// Loads tensors only: a copy of the state dict's structure without its blobs. Its views alias
+// the caller's memory, so loading into it still happens in place.
+StateDict WithoutBlobs(const StateDict& state) {
+  StateDict out;
+  for (const auto& [key, value] : state.items()) {
+    if (std::holds_alternative<Blob>(value)) continue;
+    if (const auto* nested = std::get_if<std::shared_ptr<StateDict>>(&value)) {
+      StateDict child = WithoutBlobs(**nested);
+      if (!child.empty()) out.Set(key, std::make_shared<StateDict>(std::move(child)));
+      continue;
+    }
+    out.Set(key, value);
+  }
+  return out;
+}
+
+// One rank's part of one load, as named steps:
+//   Run:  open the operation -> ExchangeMetadata -> Plan -> Read
+// `load_all`: the state dict is replaced by every entry of the checkpoint (LoadAll).
+class LoadOperation {
+ public:
+  LoadOperation(StateDict& state_dict, StorageReader& reader, Communicator& comm,
+                const LoadOptions& options, bool load_all)
+      : state_dict_(state_dict),
+        reader_(reader),
+        comm_(comm),
+        options_(options),
+        rank_(comm.rank()),
+        size_(comm.size()),
+        default_planner_(PlannerOptions(options, load_all)),
+        planner_(options.planner ? *options.planner : default_planner_),
+        // Read-once needs the default planner: a custom one may reorder its plan in FinishPlan
+        // or do anything in CommitTensor, so its rank reads all of its own items.
+        can_share_(options.read_once && options.planner == nullptr && size_ > 1) {}
+
+  LoadResult Run() {
+    OperationScope op(comm_, "load", reader_.uri());
+    const std::string md_bytes = ExchangeMetadata();
+    const std::string my_assignment = Plan(md_bytes);
+    Read(my_assignment);
+    LoadResult result;
+    result.metadata = std::move(md_);
+    result.stats = stats_;
+    if (!options_.planner) result.unrequested_keys = default_planner_.extra_keys();
+    return result;
+  }
+
+ private:
+  static LoadPlannerOptions PlannerOptions(const LoadOptions& options, bool load_all) {
+    LoadPlannerOptions planner_options;
+    planner_options.allow_partial_load = options.allow_partial_load;
+    planner_options.load_all = load_all;
+    return planner_options;
+  }
+
   // The coordinator alone reads (and validates) the metadata; everyone else receives it.
-  Metadata md;
-  const std::string my_plan = [&] {
-    const std::string md_bytes = RunPhase(
-        comm, "load/metadata", [] { return std::string(); },
+  std::string ExchangeMetadata() {
+    return RunPhase(
+        comm_, "load/metadata", [] { return std::string(); },
         [&](std::vector<std::string>) {
-          return std::vector<std::string>{EncodeMetadata(reader.ReadMetadata())};
+          return std::vector<std::string>{EncodeMetadata(reader_.ReadMetadata())};
         },
         /*decides_commit=*/false, /*same_reply=*/true);
-    return RunPhase(
-        comm, "load/plan",
-        [&] {
-          md = DecodeMetadata(md_bytes, reader.uri());
-          reader.SetUp(md, sctx);
-          planner.SetUp(state_dict, md, pctx);
-          return EncodeLocalLoadPlan(reader.PrepareLocalPlan(planner.CreateLocalPlan()), can_share);
-        },
-        [&](std::vector<std::string> locals) {
-          std::vector<LoadPlan> plans(locals.size());
-          std::vector<bool> sharing(locals.size());
-          std::vector<char> shares(locals.size());
-          ParallelFor(locals.size(), [&](size_t r) {
-            auto decoded = DecodeLocalLoadPlan(locals[r]);
-            plans[r] = std::move(decoded.first);
-            shares[r] = decoded.second;
-            std::string().swap(locals[r]);
-          });
-          for (size_t r = 0; r < shares.size(); ++r) sharing[r] = shares[r] != 0;
-          plans = reader.PrepareGlobalPlan(planner.CreateGlobalPlan(std::move(plans)));
-          std::vector<std::vector<SharedReadBatch>> batches(plans.size());
-          if (std::count(sharing.begin(), sharing.end(), true) > 1) {
-            batches = PlanSharedReads(plans, md, sharing, options.storage.memory_budget_bytes);
-          }
-          std::vector<std::string> out(plans.size());
-          ParallelFor(plans.size(), [&](size_t r) {
-            out[r] = EncodeLoadAssignment(plans[r], batches[r]);
-            plans[r] = LoadPlan();
-          });
-          return out;
-        });
-  }();
+  }
 
-  RunPhase(
-      comm, "load/read",
-      [&] {
-        auto [central, batches] = DecodeLoadAssignment(my_plan);
-        const LoadPlan plan = planner.FinishPlan(std::move(central));
-        if (batches.empty()) {
-          reader.ReadData(plan, planner).get();
-        } else {
-          ReadWithSharing(plan, batches, reader, planner, comm, options.storage.memory_budget_bytes,
-                          stats);
-        }
-        return std::string();
-      },
-      [&](std::vector<std::string>) { return std::vector<std::string>(1); },
-      /*decides_commit=*/false, /*same_reply=*/true);
-  if (options.extra_keys && !options.planner) *options.extra_keys = default_planner.extra_keys();
-  if (options.stats) *options.stats = stats;
-  return md;
+  // Every rank plans what it reads; the coordinator merges the plans and assigns read-once
+  // batches. Returns this rank's assignment.
+  std::string Plan(const std::string& md_bytes) {
+    return RunPhase(
+        comm_, "load/plan",
+        [&] {
+          md_ = DecodeMetadata(md_bytes, reader_.uri());
+          reader_.SetUp(md_, StorageContext{rank_, size_, rank_ == 0, {}});
+          planner_.SetUp(state_dict_, md_, PlannerContext{rank_, size_, rank_ == 0});
+          return EncodeLocalLoadPlan(reader_.PrepareLocalPlan(planner_.CreateLocalPlan()),
+                                     can_share_);
+        },
+        [&](std::vector<std::string> locals) { return MergePlans(locals); });
+  }
+
+  // Coordinator: the global plan, and the read-once batches of the ranks that share reads.
+  std::vector<std::string> MergePlans(std::vector<std::string>& locals) {
+    std::vector<LoadPlan> plans(locals.size());
+    std::vector<char> shares(locals.size());
+    ParallelFor(locals.size(), [&](size_t r) {
+      auto decoded = DecodeLocalLoadPlan(locals[r]);
+      plans[r] = std::move(decoded.first);
+      shares[r] = decoded.second;
+      std::string().swap(locals[r]);
+    });
+    std::vector<bool> sharing(shares.begin(), shares.end());
+    plans = reader_.PrepareGlobalPlan(planner_.CreateGlobalPlan(std::move(plans)));
+    std::vector<std::vector<SharedReadBatch>> batches(plans.size());
+    if (std::count(sharing.begin(), sharing.end(), true) > 1) {
+      batches = PlanSharedReads(plans, md_, sharing, options_.storage.memory_budget_bytes);
+    }
+    std::vector<std::string> out(plans.size());
+    ParallelFor(plans.size(), [&](size_t r) {
+      out[r] = EncodeLoadAssignment(plans[r], batches[r]);
+      plans[r] = LoadPlan();
+    });
+    return out;
+  }
+
+  // Every rank reads its items (sharing what the batches say); the phase ends when all did.
+  void Read(const std::string& my_assignment) {
+    RunPhase(
+        comm_, "load/read",
+        [&] {
+          auto [central, batches] = DecodeLoadAssignment(my_assignment);
+          const LoadPlan plan = planner_.FinishPlan(std::move(central));
+          if (batches.empty()) {
+            reader_.ReadData(plan, planner_).get();
+          } else {
+            ReadWithSharing(plan, batches, reader_, planner_, comm_,
+                            options_.storage.memory_budget_bytes, stats_);
+          }
+          return std::string();
+        },
+        [&](std::vector<std::string>) { return std::vector<std::string>(1); },
+        /*decides_commit=*/false, /*same_reply=*/true);
+  }
+
+  StateDict& state_dict_;
+  StorageReader& reader_;
+  Communicator& comm_;
+  const LoadOptions& options_;
+  const int rank_, size_;
+  DefaultLoadPlanner default_planner_;
+  LoadPlanner& planner_;
+  const bool can_share_;
+  Metadata md_;
+  LoadStats stats_;
+};
+
+void CheckLoadOptions(const LoadOptions& options, bool load_all) {
+  if (options.planner && options.allow_partial_load) {
+    throw InvalidArgumentError(
+        "LoadOptions::allow_partial_load applies to the default planner; a custom planner "
+        "decides what a missing key means");
+  }
+  if (options.planner && load_all) {
+    throw InvalidArgumentError("LoadAll allocates through the default planner; pass no planner");
+  }
+}
+
+LoadResult LoadInto(StateDict& state_dict, StorageReader& reader, Communicator& comm,
+                    const LoadOptions& options, bool load_all) {
+  CheckLoadOptions(options, load_all);
+  if (!load_all && options.weights_only) {
+    StateDict tensors = WithoutBlobs(state_dict);
+    LoadOptions rest = options;
+    rest.weights_only = false;
+    return LoadInto(tensors, reader, comm, rest, false);
+  }
+  if (!load_all && HasBindings(state_dict)) {
+    // Load into what the bound views are now, then let each binding take its value back.
+    StateDict resolved = ResolveBindings(state_dict);
+    LoadResult result = LoadInto(resolved, reader, comm, options, false);
+    FinishBoundLoad(state_dict, resolved);
+    return result;
+  }
+  LoadResult result = LoadOperation(state_dict, reader, comm, options, load_all).Run();
+  if (load_all && options.weights_only) state_dict = WithoutBlobs(state_dict);
+  return result;
+}
+
+}  // namespace
+
+LoadResult Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
+                const LoadOptions& options) {
+  return LoadInto(state_dict, reader, comm, options, /*load_all=*/false);
+}
+
+StateDict LoadAll(StorageReader& reader, Communicator& comm, const LoadOptions& options) {
+  StateDict state;
+  LoadInto(state, reader, comm, options, /*load_all=*/true);
+  return state;
 }
 
 // A backend factory can fail on some ranks only (a custom scheme, a permission problem). These
@@ -929,36 +1090,50 @@ class FailedReader : public StorageReader {
   std::exception_ptr e_;
 };
 
-Metadata Save(const StateDict& state_dict, const std::string& uri, Communicator& comm,
-              const SaveOptions& options) {
-  std::unique_ptr<StorageWriter> writer;
+namespace {
+std::unique_ptr<StorageWriter> WriterFor(const std::string& uri, const StorageOptions& options) {
   try {
-    writer = OpenStorageWriter(uri, options.storage);
+    return OpenStorageWriter(uri, options);
   } catch (...) {
-    writer = std::make_unique<FailedWriter>(uri, std::current_exception());
+    return std::make_unique<FailedWriter>(uri, std::current_exception());
   }
-  return Save(state_dict, *writer, comm, options);
+}
+std::unique_ptr<StorageReader> ReaderFor(const std::string& uri, const StorageOptions& options) {
+  try {
+    return OpenStorageReader(uri, options);
+  } catch (...) {
+    return std::make_unique<FailedReader>(uri, std::current_exception());
+  }
+}
+}  // namespace
+
+SaveResult Save(const StateDict& state_dict, const std::string& uri, Communicator& comm,
+                const SaveOptions& options) {
+  return Save(state_dict, *WriterFor(uri, options.storage), comm, options);
 }
 
-Metadata Load(StateDict& state_dict, const std::string& uri, Communicator& comm,
-              const LoadOptions& options) {
-  std::unique_ptr<StorageReader> reader;
-  try {
-    reader = OpenStorageReader(uri, options.storage);
-  } catch (...) {
-    reader = std::make_unique<FailedReader>(uri, std::current_exception());
-  }
-  return Load(state_dict, *reader, comm, options);
+LoadResult Load(StateDict& state_dict, const std::string& uri, Communicator& comm,
+                const LoadOptions& options) {
+  return Load(state_dict, *ReaderFor(uri, options.storage), comm, options);
 }
 
-Metadata Save(const StateDict& state_dict, const std::string& uri, const SaveOptions& options) {
+StateDict LoadAll(const std::string& uri, Communicator& comm, const LoadOptions& options) {
+  return LoadAll(*ReaderFor(uri, options.storage), comm, options);
+}
+
+SaveResult Save(const StateDict& state_dict, const std::string& uri, const SaveOptions& options) {
   LocalCommunicator comm;
   return Save(state_dict, uri, comm, options);
 }
 
-Metadata Load(StateDict& state_dict, const std::string& uri, const LoadOptions& options) {
+LoadResult Load(StateDict& state_dict, const std::string& uri, const LoadOptions& options) {
   LocalCommunicator comm;
   return Load(state_dict, uri, comm, options);
+}
+
+StateDict LoadAll(const std::string& uri, const LoadOptions& options) {
+  LocalCommunicator comm;
+  return LoadAll(uri, comm, options);
 }
 
 Metadata ReadMetadata(const std::string& uri, const StorageOptions& options) {

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "dcp/communicator.h"
-#include "dcp/planner/default_planner.h"
+#include "dcp/options.h"
 #include "dcp/planner/planner.h"
 #include "dcp/proto/plan.h"
 #include "dcp/proto/state_dict.h"
@@ -86,25 +86,6 @@ struct SaveStats {
   int plan_rounds = 0;
 };
 
-struct SaveOptions {
-  StorageOptions storage;
-  /// Recorded in the metadata; defaults to the storage URI.
-  std::string checkpoint_id;
-  /// The training step (or any number naming this save's intent) that every rank must agree
-  /// on: it is checked when the save opens, so a rank that skipped a save or saves another
-  /// step fails the save on every rank instead of pairing with it. Without it only the target
-  /// is compared: a job that overwrites one location every time (a "latest" directory) and
-  /// passes no step cannot tell a rank that skipped one save from one that did not, and the
-  /// checkpoint would mix state of two steps. CheckpointManager always passes its step.
-  std::optional<int64_t> step;
-  /// Custom planner; nullptr uses DefaultSavePlanner.
-  SavePlanner* planner = nullptr;
-  /// Plan caching across saves (see SavePlanCache); nullptr plans every save in full.
-  std::shared_ptr<SavePlanCache> plan_cache;
-  /// When set, receives how this rank planned (reset at the start of each save).
-  SaveStats* stats = nullptr;
-};
-
 /// What one rank's load exchanged with the others instead of reading (LoadOptions::read_once).
 struct LoadStats {
   uint64_t shared_batches = 0;  // broadcasts of shared reads this load made (every rank joins all)
@@ -113,49 +94,52 @@ struct LoadStats {
   uint64_t items_received = 0;
 };
 
-struct LoadOptions {
-  StorageOptions storage;
-  /// Read-once (default on): bytes that several ranks ask for in identical form (the same
-  /// stored item and box: replicated tensors, blobs every rank loads) are read by one of them
-  /// and broadcast to the others over the communicator, in batches of at most
-  /// storage.memory_budget_bytes (an item larger than that is read by every rank that wants
-  /// it). The reading rank is the least loaded of those that asked. Applies to ranks using the
-  /// default planner; a rank with a custom planner reads all of its own items. Off: every rank
-  /// reads everything it asked for. Either way every rank gets the same values.
-  bool read_once = true;
-  /// When set, receives this rank's read-once figures after a successful load.
-  LoadStats* stats = nullptr;
-  /// Skip state dict keys the checkpoint lacks instead of failing (default planner only).
-  bool allow_partial_load = false;
-  /// Load without a model (default planner only): replace the state dict's contents with every
-  /// entry of the checkpoint, allocated from its metadata (StateDictFromMetadata), and load
-  /// them all. Works at any world size; every rank gets the whole checkpoint.
-  bool load_all = false;
-  /// When set (default planner only), receives the checkpoint keys the state dict did not ask
-  /// for, sorted.
-  std::vector<std::string>* extra_keys = nullptr;
-  /// Custom planner; nullptr uses DefaultLoadPlanner.
-  LoadPlanner* planner = nullptr;
+/// What a save returns (the same metadata on every rank; stats are this rank's).
+struct SaveResult {
+  Metadata metadata;  // the committed metadata
+  SaveStats stats;
+};
+
+/// What a load returns.
+struct LoadResult {
+  Metadata metadata;  // the checkpoint's metadata
+  LoadStats stats;    // this rank's read-once figures
+  /// Checkpoint entries the state dict did not ask for, sorted (default planner only).
+  std::vector<std::string> unrequested_keys;
 };
 
 /// Save `state_dict` to `uri` (file path, file://, mem:// or a registered scheme).
-/// Returns the committed Metadata on every rank. Throws CollectiveError on failure (on every
-/// rank alike); failures()[i].code tells what went wrong where (e.g. kAlreadyExists when a
-/// checkpoint is present and overwrite is off).
-Metadata Save(const StateDict& state_dict, const std::string& uri, Communicator& comm,
-              const SaveOptions& options = {});
-Metadata Save(const StateDict& state_dict, StorageWriter& writer, Communicator& comm,
-              const SaveOptions& options = {});
+/// Returns the committed Metadata (the same on every rank) and this rank's planning figures. Throws
+/// CollectiveError on failure (on every rank alike); failures()[i].code tells what went wrong where
+/// (e.g. kAlreadyExists when a checkpoint is present and overwrite is off).
+SaveResult Save(const StateDict& state_dict, const std::string& uri, Communicator& comm,
+                const SaveOptions& options = {});
+/// Through a StorageWriter of the caller's (a backend that is not a Store).
+SaveResult Save(const StateDict& state_dict, StorageWriter& writer, Communicator& comm,
+                const SaveOptions& options = {});
 /// Single-process convenience (a group of one).
-Metadata Save(const StateDict& state_dict, const std::string& uri, const SaveOptions& options = {});
+SaveResult Save(const StateDict& state_dict, const std::string& uri,
+                const SaveOptions& options = {});
 
 /// Load into the tensors and blobs of `state_dict`, in place, from `uri`. Any saved layout and
-/// world size loads into any requested layout. Returns the checkpoint's Metadata.
-Metadata Load(StateDict& state_dict, const std::string& uri, Communicator& comm,
-              const LoadOptions& options = {});
-Metadata Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
-              const LoadOptions& options = {});
-Metadata Load(StateDict& state_dict, const std::string& uri, const LoadOptions& options = {});
+/// world size loads into any requested layout. A key the checkpoint lacks fails the load on
+/// every rank (naming it) unless options.allow_partial_load.
+LoadResult Load(StateDict& state_dict, const std::string& uri, Communicator& comm,
+                const LoadOptions& options = {});
+/// Through a StorageReader of the caller's (a backend that is not a Store).
+LoadResult Load(StateDict& state_dict, StorageReader& reader, Communicator& comm,
+                const LoadOptions& options = {});
+/// Single-process convenience (a group of one).
+LoadResult Load(StateDict& state_dict, const std::string& uri, const LoadOptions& options = {});
+
+/// Load without a model: every entry of the checkpoint, allocated in host memory from its
+/// metadata (StateDictFromMetadata), nested as it was saved. Works at any world size; every
+/// rank gets the whole checkpoint. With options.weights_only, blobs are left out. Default
+/// planner only (InvalidArgumentError for options.planner).
+StateDict LoadAll(const std::string& uri, Communicator& comm, const LoadOptions& options = {});
+StateDict LoadAll(StorageReader& reader, Communicator& comm, const LoadOptions& options = {});
+/// Single-process convenience (a group of one).
+StateDict LoadAll(const std::string& uri, const LoadOptions& options = {});
 
 /// Read and validate a checkpoint's metadata (no collectives). Throws NotFoundError,
 /// CorruptionError or UnsupportedError.

@@ -10,6 +10,7 @@
 #include <functional>
 #include <set>
 
+#include "dcp/checkpoint_files.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
@@ -40,39 +41,6 @@ std::optional<int64_t> ParseStep(std::string name) {
     v = v * 10 + (name[i] - '0');
   }
   return v;
-}
-
-// Remove a checkpoint's files: metadata first (it stops being a checkpoint), then the rest.
-// Under the location's writer lock, so a checkpoint another job is writing right now (a step
-// without metadata yet, e.g. a requeued job overlapping its predecessor) is never taken for
-// dead: LockedError instead. With `only_if_uncommitted`, the metadata's absence is checked again
-// under the lock (a save may have committed since the caller looked). Returns whether the
-// location is now empty.
-bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted = false) {
-  std::shared_ptr<Store> store = OpenStore(uri);
-  auto [scheme, location] = SplitUri(uri);
-  if (!DetectLayout(*store) && store->List().empty()) {
-    if (scheme == "file") {
-      std::error_code ec;
-      std::filesystem::remove(location, ec);  // an empty directory at most; absent is fine
-    }
-    return true;  // nothing to remove
-  }
-  std::unique_ptr<StoreLock> lock =
-      store->TryLock("checkpoint removal pid=" + std::to_string(::getpid()));
-  const CheckpointLayout* layout = DetectLayout(*store);
-  if (only_if_uncommitted && layout) return false;
-  if (layout) store->Remove(layout->metadata_name());
-  for (const auto& name : store->List()) {
-    if (name != kLockObjectName) store->Remove(name);
-  }
-  if (lock) lock->Release();
-  if (scheme == "file") {
-    std::error_code ec;
-    std::filesystem::remove(location, ec);  // the now-empty directory; absent is fine
-  }
-  // Other backends have no containers to remove (an empty mem:// bucket, kv:// shard folders).
-  return true;
 }
 
 // The step the "latest" file names, if it exists and names one.
@@ -109,31 +77,6 @@ std::vector<int64_t> Decode(const std::string& s) {
   return v;
 }
 
-// Run `fn` on rank 0 and broadcast its result or its error, so every rank agrees. The error
-// keeps its code (a refused step is kInvalidArgument or kAlreadyExists on every rank).
-std::string OnCoordinator(Communicator& comm, const std::string& what,
-                          const std::function<std::string()>& fn) {
-  std::string out;
-  if (comm.rank() == 0) {
-    try {
-      out = "ok:" + fn();
-    } catch (const Error& e) {
-      out = "error:" + std::to_string(static_cast<int>(e.code())) + ":" + e.what();
-    } catch (const std::exception& e) {
-      out = "error:" + std::to_string(static_cast<int>(ErrorCode::kInternal)) + ":" + e.what();
-    }
-  }
-  out = comm.Broadcast(out, 0, what);
-  if (out.rfind("error:", 0) == 0) {
-    const size_t colon = out.find(':', 6);
-    if (colon == std::string::npos) throw InternalError(what + ": malformed reply from rank 0");
-    const auto code = static_cast<ErrorCode>(std::atoi(out.substr(6, colon - 6).c_str()));
-    throw CollectiveError(what, {{0, code, out.substr(colon + 1), false}});
-  }
-  if (out.rfind("ok:", 0) != 0) throw InternalError(what + ": malformed reply from rank 0");
-  return out.substr(3);
-}
-
 // A manager collective's name with its step: ranks that disagree about the step (one skipped a
 // save) fail on the mismatch instead of pairing.
 std::string StepTag(const char* what, int64_t step) {
@@ -141,102 +84,6 @@ std::string StepTag(const char* what, int64_t step) {
 }
 
 }  // namespace
-
-// ---------------------------------------------------------------------------------------------
-// CheckpointIO
-
-void CheckpointIO::SaveCheckpoint(const StateDict& state, const std::string& path,
-                                  const StorageOptions& options) {
-  SaveOptions so;
-  so.storage = options;
-  dcp::Save(state, path, comm_, so);
-}
-
-namespace {
-LoadOptions ToLoadOptions(const LoadCheckpointOptions& o) {
-  if (!o.map_location.is_cpu()) {
-    throw UnsupportedError("map_location " + o.map_location.ToString() +
-                           " is not supported by this build (host memory only)");
-  }
-  LoadOptions lo;
-  lo.storage = o.storage;
-  lo.allow_partial_load = !o.strict;
-  return lo;
-}
-
-// With weights_only, load into a copy of the state dict's structure that leaves blobs out.
-StateDict WithoutBlobs(StateDict& state) {
-  StateDict out;
-  for (auto& [key, value] : state.items()) {
-    if (std::holds_alternative<Blob>(value)) continue;
-    if (auto* nested = std::get_if<std::shared_ptr<StateDict>>(&value)) {
-      StateDict child = WithoutBlobs(**nested);
-      if (!child.empty()) out.Set(key, std::make_shared<StateDict>(std::move(child)));
-      continue;
-    }
-    out.Set(key, value);  // views alias the caller's memory: loading still happens in place
-  }
-  return out;
-}
-}  // namespace
-
-void CheckpointIO::LoadCheckpoint(const std::string& path, StateDict& state,
-                                  const LoadCheckpointOptions& options) {
-  const LoadOptions lo = ToLoadOptions(options);
-  if (options.weights_only) {
-    StateDict tensors = WithoutBlobs(state);
-    dcp::Load(tensors, path, comm_, lo);
-  } else {
-    dcp::Load(state, path, comm_, lo);
-  }
-}
-
-StateDict CheckpointIO::LoadCheckpoint(const std::string& path,
-                                       const LoadCheckpointOptions& options) {
-  StateDict state;
-  LoadOptions lo = ToLoadOptions(options);
-  lo.load_all = true;  // allocate every entry from the metadata
-  dcp::Load(state, path, comm_, lo);
-  return options.weights_only ? WithoutBlobs(state) : state;
-}
-
-void CheckpointIO::RemoveCheckpoint(const std::string& path) {
-  OnCoordinator(comm_, "remove-checkpoint", [&] {
-    RemoveCheckpointFiles(path);
-    return std::string();
-  });
-}
-
-AsyncCheckpointIO::AsyncCheckpointIO(Communicator& comm,
-                                     std::unique_ptr<Communicator> background_comm,
-                                     AsyncOptions options)
-    : CheckpointIO(comm), saver_(std::move(background_comm), std::move(options)) {}
-
-void AsyncCheckpointIO::SaveCheckpoint(const StateDict& state, const std::string& path,
-                                       const StorageOptions& options) {
-  SaveOptions so;
-  so.storage = options;
-  saver_.Save(state, path, so);
-}
-
-void AsyncCheckpointIO::LoadCheckpoint(const std::string& path, StateDict& state,
-                                       const LoadCheckpointOptions& options) {
-  saver_.Wait();
-  CheckpointIO::LoadCheckpoint(path, state, options);
-}
-
-StateDict AsyncCheckpointIO::LoadCheckpoint(const std::string& path,
-                                            const LoadCheckpointOptions& options) {
-  saver_.Wait();
-  return CheckpointIO::LoadCheckpoint(path, options);
-}
-
-void AsyncCheckpointIO::RemoveCheckpoint(const std::string& path) {
-  saver_.Wait();
-  CheckpointIO::RemoveCheckpoint(path);
-}
-
-void AsyncCheckpointIO::Teardown() { saver_.Close(); }
 
 // ---------------------------------------------------------------------------------------------
 // CheckpointManager
@@ -283,6 +130,17 @@ CheckpointManager::CheckpointManager(std::string root, Communicator& comm,
   // schemes when this one is unknown or is not Store based.
   OpenStore(root_);
   if (options_.keep_last < 1) throw InvalidArgumentError("keep_last must be at least 1");
+  if (options_.keep_every < 0) throw InvalidArgumentError("keep_every must not be negative");
+  // The manager decides these per step; a value here would be silently replaced.
+  if (options_.save.step) {
+    throw InvalidArgumentError(
+        "ManagerOptions::save.step: the manager passes each Save's step itself; leave it unset");
+  }
+  if (options_.save.storage.overwrite) {
+    throw InvalidArgumentError(
+        "ManagerOptions::save.storage.overwrite: the manager replaces a step only with "
+        "ManagerOptions::allow_replacing_steps");
+  }
   if (background_comm) {
     saver_ = std::make_unique<AsyncCheckpointer>(std::move(background_comm), options_.async);
   }
@@ -491,7 +349,7 @@ std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict
   const auto t0 = std::chrono::steady_clock::now();
   Metadata md;
   try {
-    md = dcp::Save(state, PathFor(step), *comm_, so);
+    md = dcp::Save(state, PathFor(step), *comm_, so).metadata;
   } catch (...) {
     in_flight_step_ = -1;
     throw;

@@ -1,5 +1,5 @@
-// The checkpoint lifecycle: Lightning-style CheckpointIO, and a CheckpointManager for
-// step-numbered checkpoints under one root directory.
+// The checkpoint lifecycle: a CheckpointManager for step-numbered checkpoints under one root
+// (Lightning-style CheckpointIO is in dcp/lightning.h).
 //
 // CheckpointManager layout (root is any Store location: a directory, file:// or a plain path,
 // mem://name, or a registered scheme such as the example kv://DIR):
@@ -51,75 +51,9 @@
 #include "dcp/async_checkpointer.h"
 #include "dcp/checkpoint.h"
 #include "dcp/communicator.h"
+#include "dcp/options.h"
 
 namespace dcp {
-
-struct LoadCheckpointOptions {
-  /// Where loaded tensors should live. Only host memory is supported by this build; a CUDA
-  /// device is refused with UnsupportedError.
-  Device map_location;
-  /// Load tensors only; byte blobs in the state dict are left untouched.
-  bool weights_only = false;
-  /// Fail on keys the checkpoint lacks (else skip them).
-  bool strict = true;
-  StorageOptions storage;
-};
-
-/// Lightning's CheckpointIO, synchronously: every call completes before it returns.
-class CheckpointIO {
- public:
-  explicit CheckpointIO(Communicator& comm) : comm_(comm) {}
-  virtual ~CheckpointIO() = default;
-  virtual void SaveCheckpoint(const StateDict& state, const std::string& path,
-                              const StorageOptions& options = {});
-  /// Load into `state` in place.
-  virtual void LoadCheckpoint(const std::string& path, StateDict& state,
-                              const LoadCheckpointOptions& options = {});
-  /// Load the whole checkpoint into a new state dict allocated from its metadata (every rank
-  /// gets every entry; with weights_only, blobs are left out).
-  StateDict LoadCheckpoint(const std::string& path, const LoadCheckpointOptions& options = {});
-  /// Remove a checkpoint (metadata first, so it stops being a checkpoint at once). Collective;
-  /// rank 0 removes, holding the location's writer lock (a CollectiveError carrying the
-  /// LockedError's message when another job is writing there). Removing an absent checkpoint
-  /// is not an error.
-  virtual void RemoveCheckpoint(const std::string& path);
-  virtual void Teardown() {}
-
- protected:
-  Communicator& comm_;
-};
-
-/// Lightning's AsyncCheckpointIO: SaveCheckpoint returns after the snapshot; every other call
-/// first waits for the save in flight (and raises its error).
-class AsyncCheckpointIO : public CheckpointIO {
- public:
-  AsyncCheckpointIO(Communicator& comm, std::unique_ptr<Communicator> background_comm,
-                    AsyncOptions options = {});
-  void SaveCheckpoint(const StateDict& state, const std::string& path,
-                      const StorageOptions& options = {}) override;
-  void LoadCheckpoint(const std::string& path, StateDict& state,
-                      const LoadCheckpointOptions& options = {}) override;
-  /// Waits for the save in flight, then loads into a new state dict.
-  StateDict LoadCheckpoint(const std::string& path, const LoadCheckpointOptions& options = {});
-  void RemoveCheckpoint(const std::string& path) override;
-  /// Wait for the last save and stop the background thread; raises its error.
-  void Teardown() override;
-  AsyncCheckpointer& checkpointer() { return saver_; }
-
- private:
-  AsyncCheckpointer saver_;
-};
-
-struct ManagerOptions {
-  int keep_last = 3;   // newest complete checkpoints kept (at least 1)
-  int keep_every = 0;  // also keep steps divisible by this (0: none)
-  /// Let Save(step) replace a complete (or unreadable) checkpoint of the same step found in the
-  /// store (e.g. a job restored from step N that saves step N again). Off: AlreadyExistsError.
-  /// A step older than the newest complete one is refused either way.
-  bool allow_replacing_steps = false;
-  SaveOptions save;    // per-save options (storage options, planner)
-  AsyncOptions async;  // used when the manager has a background communicator
-};
 
 class CheckpointManager {
  public:

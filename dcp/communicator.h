@@ -21,12 +21,13 @@
 // Poison notices (PointToPointCommunicator): a rank whose OpenOperation fails while it is
 // poisoned (from before, or by this failure: another operation, another target) tells the ranks
 // that would otherwise wait for it: rank 0 (the coordinator of every dcp operation) and its
-// children in the opening's broadcast tree. The notice travels on its own tag, outside the data stream, and holds whatever the
-// sequence numbers are (a poisoned rank never takes part again). A rank waiting to receive from
-// a rank that sent one fails at once with a CollectiveError naming the poisoned rank and its
-// original reason (and is poisoned in turn), instead of waiting for its deadline. So a save that
-// follows a poisoned rank's failure (or that not every rank joins in the same way) fails on every
-// rank at once, with the real cause. A stopped communicator sends no notice.
+// children in the opening's broadcast tree. The notice travels on its own tag, outside the data
+// stream, and holds whatever the sequence numbers are (a poisoned rank never takes part again). A
+// rank waiting to receive from a rank that sent one fails at once with a CollectiveError naming the
+// poisoned rank and its original reason (and is poisoned in turn), instead of waiting for its
+// deadline. So a save that follows a poisoned rank's failure (or that not every rank joins in the
+// same way) fails on every rank at once, with the real cause. A stopped communicator sends no
+// notice.
 //
 // Broadcast (PointToPointCommunicator) fans out along a binomial tree rooted at `root`: the root
 // sends ceil(log2 N) frames, every other rank receives one from its parent and forwards that same
@@ -45,8 +46,8 @@
 // stopped rank sends nothing, not even failure frames, so its children fail at their deadline.
 //
 // Thread safety: one thread at a time per Communicator object, except Poison(), Stop() and
-// poisoned(), which any thread may call (e.g. a shutdown stopping a background saver). Different Communicator
-// objects (e.g. one per background saver) may be used concurrently.
+// poisoned(), which any thread may call (e.g. a shutdown stopping a background saver). Different
+// Communicator objects (e.g. one per background saver) may be used concurrently.
 #pragma once
 
 #include <atomic>

@@ -2,20 +2,28 @@
 //
 //   dcp::StateDict sd;
 //   sd.Set("step", dcp::Blob{"100"});
-//   sd.Nested("model").Set("weight", dcp::TensorView::FromContiguous(ptr, dcp::DType::kFloat32,
-//   {1024, 1024})); dcp::MpiCommunicator comm;                       // or dcp::LocalCommunicator
-//   dcp::Save(sd, "/ckpt/step100", comm);            // every rank, collectively
-//   dcp::Load(sd, "/ckpt/step100", comm);            // in place, any layout, any world size
+//   sd.Nested("model").Set("weight", dcp::TensorView::FromContiguous(
+//                                        ptr, dcp::DType::kFloat32, {1024, 1024}));
+//   dcp::MpiCommunicator comm;                // or dcp::LocalCommunicator
+//   dcp::Save(sd, "/ckpt/step100", comm);     // every rank, collectively
+//   dcp::Load(sd, "/ckpt/step100", comm);     // in place, any layout, any world size
+//
+// Options: dcp/options.h. Saves in the background: dcp/async_checkpointer.h. Step-numbered
+// checkpoints with retention and restore: dcp/checkpoint_manager.h. Lightning-style I/O:
+// dcp/lightning.h. Custom planners: dcp/planner/. Storage backends: dcp/storage/registry.h.
+// clang-format off
 #pragma once
+// clang-format on
 
 #include "dcp/async_checkpointer.h"
 #include "dcp/checkpoint.h"
 #include "dcp/checkpoint_manager.h"
 #include "dcp/communicator.h"
+#include "dcp/lightning.h"
+#include "dcp/options.h"
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/flatten.h"
 #include "dcp/planner/planner.h"
-#include "dcp/proto/codec.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/plan.h"
 #include "dcp/proto/state_dict.h"

@@ -506,9 +506,7 @@ std::map<std::string, torch::Tensor> LoadAllTensors(const std::string& uri, Comm
                                                     const torch::Device& map_location,
                                                     std::map<std::string, std::string>* blobs,
                                                     LoadOptions options) {
-  options.load_all = true;
-  StateDict sd;
-  Load(sd, uri, comm, options);
+  StateDict sd = LoadAll(uri, comm, options);
   std::map<std::string, torch::Tensor> out;
   for (auto& [fqn, entry] : FlattenStateDict(sd)) {
     if (const auto* t = std::get_if<TensorView>(entry.value)) {

@@ -229,30 +229,29 @@ StorageBackend FindBackend(Registry& reg, const std::string& scheme, const std::
 
 }  // namespace
 
-void RegisterStorageBackend(StorageBackend backend, bool replace) {
+void RegisterBackend(StorageBackend backend, bool replace) {
   Registry& reg = GetRegistry();
   std::lock_guard<std::mutex> lock(reg.mu);
   reg.stores.erase(backend.scheme);
   RegisterInto(reg, std::move(backend), replace);
 }
 
-void RegisterStoreBackend(const std::string& scheme, StoreOpener open, bool replace) {
+void RegisterBackend(const std::string& scheme, StoreOpener open, bool replace) {
   Registry& reg = GetRegistry();
   std::lock_guard<std::mutex> lock(reg.mu);
   RegisterStoreInto(reg, scheme, std::move(open), replace);
 }
 
-void RegisterStoreBackend(const std::string& scheme,
-                          std::function<std::shared_ptr<Store>(const std::string& location)> open,
-                          bool replace) {
-  RegisterStoreBackend(
-      scheme,
-      StoreOpener([open = std::move(open), scheme](const std::string& location,
-                                                   const BackendOptionMap& options) {
-        BackendOptionReader(scheme + "://", options).Done();
-        return open(location);
-      }),
-      replace);
+void RegisterBackend(const std::string& scheme,
+                     std::function<std::shared_ptr<Store>(const std::string& location)> open,
+                     bool replace) {
+  RegisterBackend(scheme,
+                  StoreOpener([open = std::move(open), scheme](const std::string& location,
+                                                               const BackendOptionMap& options) {
+                    BackendOptionReader(scheme + "://", options).Done();
+                    return open(location);
+                  }),
+                  replace);
 }
 
 std::vector<std::string> RegisteredSchemes() {

@@ -7,8 +7,8 @@
 //                                       OpenSSL are found; storage/backends/s3/s3_store.h)
 //   torchdcp://path, torchdcp113://path file:// writing the PyTorch DCP format (aliases of
 //                                       file://path?format=torchdcp and ...=torchdcp113)
-// User code registers more with RegisterStorageBackend (a full StorageWriter/Reader) or
-// RegisterStoreBackend (a Store; the checkpoint protocol and every format come for free).
+// User code registers more with RegisterBackend, the one registration verb: given a Store opener
+// (the checkpoint protocol and every format come for free), or a full StorageWriter/Reader pair.
 // LoadStoragePlugin dlopen()s a shared library whose initialiser registers backends.
 //
 // A URI with a scheme may carry a query: `scheme://location?key=value&key=value` (values
@@ -49,7 +49,7 @@ struct StorageBackend {
 };
 
 /// Register a backend. AlreadyExistsError when the scheme is taken, unless `replace`.
-void RegisterStorageBackend(StorageBackend backend, bool replace = false);
+void RegisterBackend(StorageBackend backend, bool replace = false);
 /// Opens the store at `location` with the backend options (from the URI's query and
 /// StorageOptions::backend). It reads them through a BackendOptionReader and calls Done(), so
 /// an unknown key is refused.
@@ -57,11 +57,11 @@ using StoreOpener = std::function<std::shared_ptr<Store>(const std::string& loca
                                                          const BackendOptionMap& options)>;
 /// Register a Store-based backend: `open` returns the store for a location; every format can
 /// then be written there.
-void RegisterStoreBackend(const std::string& scheme, StoreOpener open, bool replace = false);
+void RegisterBackend(const std::string& scheme, StoreOpener open, bool replace = false);
 /// The same for a backend without options (any option given is refused).
-void RegisterStoreBackend(const std::string& scheme,
-                          std::function<std::shared_ptr<Store>(const std::string& location)> open,
-                          bool replace = false);
+void RegisterBackend(const std::string& scheme,
+                     std::function<std::shared_ptr<Store>(const std::string& location)> open,
+                     bool replace = false);
 /// Schemes currently registered (aliases included), sorted.
 std::vector<std::string> RegisteredSchemes();
 
@@ -86,7 +86,7 @@ std::unique_ptr<StorageWriter> OpenStorageWriter(const std::string& uri,
 std::unique_ptr<StorageReader> OpenStorageReader(const std::string& uri,
                                                  const StorageOptions& options = {});
 /// The Store behind a Store-based URI (file://, mem://, or one registered with
-/// RegisterStoreBackend), with the URI's query and `options` as backend options (`format` is
+/// RegisterBackend), with the URI's query and `options` as backend options (`format` is
 /// accepted and has no effect on a store); InvalidArgumentError for schemes registered as full
 /// backends.
 std::shared_ptr<Store> OpenStore(const std::string& uri, const BackendOptionMap& options = {});

@@ -226,7 +226,7 @@ int main(int argc, char** argv) {
     SaveOptions so;
     so.storage.overwrite = true;
     so.storage.files_per_rank = files_per_rank;
-    const Metadata md = Save(src.sd, ckpt, *comm, so);
+    const Metadata md = Save(src.sd, ckpt, *comm, so).metadata;
     comm->Barrier("demo");
     auto t1 = Clock::now();
 

@@ -357,8 +357,7 @@ std::shared_ptr<dcp::Store> MakeKvStore(const std::string& root) {
 void RegisterKvStore() {
   const auto schemes = dcp::RegisteredSchemes();
   if (std::find(schemes.begin(), schemes.end(), "kv") != schemes.end()) return;
-  dcp::RegisterStoreBackend("kv",
-                            [](const std::string& location) { return MakeKvStore(location); });
+  dcp::RegisterBackend("kv", [](const std::string& location) { return MakeKvStore(location); });
 }
 
 }  // namespace dcp_kv

@@ -224,7 +224,7 @@ void FaultInjectionStore::Remove(const std::string& name) {
 }
 
 void RegisterFaultScheme(const std::string& scheme, std::shared_ptr<FaultInjectionStore> store) {
-  RegisterStoreBackend(
+  RegisterBackend(
       scheme, [store](const std::string&) -> std::shared_ptr<Store> { return store; },
       /*replace=*/true);
 }

@@ -13,7 +13,7 @@
 //     old object or the new one.
 //  3. Errors are typed: a missing object is NotFoundError, a short object CorruptionError.
 // Registering the scheme takes one call (see storage/registry.cc):
-//   RegisterStoreBackend("mem", [](const std::string& name) { return MakeMemStore(name); });
+//   RegisterBackend("mem", [](const std::string& name) { return MakeMemStore(name); });
 #include "dcp/storage/backends/mem_store.h"
 
 #include <cstring>

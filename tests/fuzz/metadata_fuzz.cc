@@ -48,10 +48,7 @@ void LoadCheckpoint(std::string_view bytes) {
     } catch (const dcp::Error&) {
     }
   }
-  dcp::StateDict sd;
-  dcp::LoadOptions options;
-  options.load_all = true;
-  dcp::Load(sd, "mem://fuzz", options);
+  dcp::LoadAll("mem://fuzz");
 }
 
 }  // namespace

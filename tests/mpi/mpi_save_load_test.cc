@@ -89,7 +89,7 @@ TEST_CASE("mpi: every dtype round trips bit-exactly, sharded and replicated", "[
     back.Nested("replicated").Set(name, replicated_back.back());
     ++seed;
   }
-  Metadata md = Save(sd, dir + "/ckpt", Comm());
+  Metadata md = Save(sd, dir + "/ckpt", Comm()).metadata;
   CHECK(md.world_size == Comm().size());
   CHECK(md.entries.size() == 2 * AllDTypes().size());
   Load(back, dir + "/ckpt", Comm());
@@ -169,7 +169,7 @@ TEST_CASE("mpi: more than 2 GiB in total, with a chunk above 2 GiB at one rank",
   sd.Set("big", ShardedTensor{DType::kFloat32, {rows, cols}, {{local, {b, 0}}}});
   SaveOptions so;
   so.storage.files_per_rank = 2;
-  Metadata md = Save(sd, dir + "/ckpt", Comm(), so);
+  Metadata md = Save(sd, dir + "/ckpt", Comm(), so).metadata;
   CHECK(md.TotalStoredBytes() == static_cast<uint64_t>(rows) * row_bytes);
   CHECK(md.TotalStoredBytes() > (uint64_t{2} << 30));
 
@@ -267,13 +267,13 @@ TEST_CASE("mpi: saving over a checkpoint is refused unless overwrite is asked", 
   const std::string dir = SharedDir("overwrite");
   std::vector<TensorView> keep;
   StateDict sd = SmallState(keep);
-  const Metadata first = Save(sd, dir + "/ckpt", Comm());
+  const Metadata first = Save(sd, dir + "/ckpt", Comm()).metadata;
   CollectiveError e = ExpectSameFailureEverywhere([&] { Save(sd, dir + "/ckpt", Comm()); });
   CHECK(e.failures()[0].code == ErrorCode::kAlreadyExists);
   CHECK(ReadMetadata(dir + "/ckpt").save_id == first.save_id);
   SaveOptions so;
   so.storage.overwrite = true;
-  const Metadata second = Save(sd, dir + "/ckpt", Comm(), so);
+  const Metadata second = Save(sd, dir + "/ckpt", Comm(), so).metadata;
   CHECK(second.save_id != first.save_id);
   CHECK(ReadMetadata(dir + "/ckpt").save_id == second.save_id);
   RemoveSharedDir(dir);
@@ -457,9 +457,7 @@ TEST_CASE("mpi: read-once reads replicated entries from storage once, over MPI",
     store->Reset();
     LoadOptions lo;
     lo.read_once = read_once;
-    LoadStats stats;
-    lo.stats = &stats;
-    Load(loaded.second, "mpireadonce://x", Comm(), lo);
+    const LoadStats stats = Load(loaded.second, "mpireadonce://x", Comm(), lo).stats;
     for (int i = 0; i < 4; ++i) CHECK(SameElements(loaded.first[i], saved.first[i]));
     CHECK(std::get<Blob>(*loaded.second.Find("vocab")).bytes == std::string(3000, 'v'));
     for (const auto& b : Comm().AllGather(std::to_string(store->BytesRead()), "test/bytes"))

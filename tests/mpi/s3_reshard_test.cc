@@ -7,8 +7,8 @@
 #include <cstdlib>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/registry.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/registry.h"
 #include "mpi/mpi_support.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"
@@ -67,7 +67,7 @@ TEST_CASE("s3 mpi: 4-rank save through s3://", "[.s3save]") {
   Model m(true);
   SaveOptions so;
   so.storage.files_per_rank = 2;
-  Metadata md = Save(m.sd, uri, Comm(), so);
+  Metadata md = Save(m.sd, uri, Comm(), so).metadata;
   CHECK(md.world_size == 4);
   if (Comm().rank() == 0) {
     int data = 0, multipart = 0;

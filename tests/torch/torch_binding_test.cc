@@ -103,7 +103,7 @@ CATCH_TEST_CASE("torch: a state dict built before module->to() follows the new d
     torch::NoGradGuard g;
     net->fc1->weight.add_(1.0);
   }
-  const Metadata md = Save(sd, "mem://" + name);
+  const Metadata md = Save(sd, "mem://" + name).metadata;
   CATCH_CHECK(std::get<TensorMetadata>(md.entries.at("fc1.weight")).dtype == DType::kFloat64);
   auto saved = Saved("mem://" + name);
   CATCH_CHECK(torch::equal(saved.at("fc1.weight"), net->fc1->weight));

@@ -111,7 +111,7 @@ CATCH_TEST_CASE("torch: optimizer state is keyed by name and loads in place", "[
   torch::optim::Adam opt(net.parameters(), torch::optim::AdamOptions(1e-3));
   Step(net, opt, 0);
   StateDict sd = Bind(net, opt);
-  const Metadata md = Save(sd, "mem://torch-optim-keys");
+  const Metadata md = Save(sd, "mem://torch-optim-keys").metadata;
   CATCH_CHECK(md.entries.count("optim.state.fc1.weight.exp_avg") == 1);
   CATCH_CHECK(md.entries.count("optim.state.fc2.bias.step") == 1);
   CATCH_CHECK(md.entries.count("optim.param_groups.0.lr") == 1);

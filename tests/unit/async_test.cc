@@ -9,9 +9,9 @@
 #include <thread>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/forwarding_store.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -38,7 +38,7 @@ void RegisterSlowScheme() {
   // Each Create takes 1 s: the shutdown test checks that a save has not finished right after a
   // 10 ms wait, and on a loaded machine "right after" has taken more than 300 ms.
   static bool done = [] {
-    RegisterStoreBackend("slowmem", [](const std::string& loc) {
+    RegisterBackend("slowmem", [](const std::string& loc) {
       return std::make_shared<SlowStore>(MakeMemStore("slow/" + loc),
                                          std::chrono::milliseconds(1000));
     });
@@ -275,7 +275,7 @@ TEST_CASE("checkpoint io: Lightning-style save, load, weights-only, remove", "[a
   io.SaveCheckpoint(s.sd, dir / "a");
   TrainingState back = MakeState(13);
   std::get<Blob>(*back.sd.Find("rng")).bytes = "untouched";
-  LoadCheckpointOptions wo;
+  LoadOptions wo;
   wo.weights_only = true;
   io.LoadCheckpoint(dir / "a", back.sd, wo);  // waits for the save first
   CHECK(SameElements(back.w, s.w));
@@ -290,9 +290,8 @@ TEST_CASE("checkpoint io: Lightning-style save, load, weights-only, remove", "[a
   CHECK(std::get<Blob>(*fresh.Find("rng")).bytes == "state-12");
   StateDict weights = io.LoadCheckpoint(dir / "a", wo);
   CHECK(weights.Find("rng") == nullptr);
-  LoadCheckpointOptions gpu;
-  gpu.map_location = Device{Device::Type::kCUDA, 0};
-  CHECK_THROWS_AS(io.LoadCheckpoint(dir / "a", back.sd, gpu), UnsupportedError);
+  CHECK_THROWS_AS(io.LoadCheckpoint(dir / "a", LoadOptions{}, Device{Device::Type::kCUDA, 0}),
+                  UnsupportedError);
   io.RemoveCheckpoint(dir / "a");
   CHECK_FALSE(std::filesystem::exists(dir / "a"));
   io.Teardown();

@@ -299,9 +299,7 @@ Metadata SaveLoad(const std::string& name, bool full, uint64_t seed, Layout layo
   RequireNoErrors(RunRanks(kRanks, [&](int r, Communicator& comm) {
     std::unique_ptr<StorageWriter> w = OpenStorageWriter(uri);
     if (full) w = std::make_unique<FullPlanWriter>(std::move(w));
-    SaveOptions o;
-    o.stats = &stats[static_cast<size_t>(r)];
-    Save(states[static_cast<size_t>(r)].sd, *w, comm, o);
+    stats[static_cast<size_t>(r)] = Save(states[static_cast<size_t>(r)].sd, *w, comm).stats;
   }));
   for (int r = 0; r < kRanks; ++r) {
     INFO("rank " << r);
@@ -419,8 +417,7 @@ TEST_CASE("compact plan: a save of regular shards sends less to the coordinator"
       if (full) w = std::make_unique<FullPlanWriter>(std::move(w));
       SaveOptions o;
       o.storage.overwrite = true;
-      o.stats = &stats[static_cast<size_t>(r)];
-      Save(sds[static_cast<size_t>(r)], *w, comm, o);
+      stats[static_cast<size_t>(r)] = Save(sds[static_cast<size_t>(r)], *w, comm, o).stats;
     }));
     return stats[1];
   };

@@ -326,7 +326,7 @@ TEST_CASE("device: compressed items save from and load into device tensors", "[d
   LocalCommunicator comm;
   SaveOptions o;
   o.storage.compression = Compression::kZstd;
-  const Metadata md = Save(sd, "mem://device-zstd", comm, o);
+  const Metadata md = Save(sd, "mem://device-zstd", comm, o).metadata;
   bool compressed = false;
   for (const auto& [index, info] : md.storage) compressed |= !info.transforms.empty();
   CHECK(compressed);

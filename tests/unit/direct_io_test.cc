@@ -109,7 +109,7 @@ TEST_CASE("file store direct I/O: tiny objects and abandonment", "[storage][dire
 }
 
 TEST_CASE("file store direct I/O: odd tensors round-trip bit-exact", "[storage][direct]") {
-  RegisterStoreBackend(
+  RegisterBackend(
       "file-buffered-test",
       [](const std::string& loc) { return MakeFileStore(loc, FileStoreOptions{false}); }, true);
   for (std::string scheme : {"file", "file-buffered-test"}) {

@@ -265,7 +265,7 @@ TEST_CASE("failfast: below a stalled forwarder a committed save still succeeds (
       const auto t0 = std::chrono::steady_clock::now();
       RankRows s = MakeShard(r, n);
       try {
-        md[r] = Save(s.sd, "mem://failfast-stall", *comms[r]);
+        md[r] = Save(s.sd, "mem://failfast-stall", *comms[r]).metadata;
       } catch (...) {
         errors[r] = std::current_exception();
       }

@@ -12,8 +12,8 @@
 
 #include "dcp/dcp.h"
 #include "dcp/storage/backends/mem_store.h"
-#include "dcp/storage/registry.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/registry.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -145,7 +145,7 @@ StateDict MakeEmptyLike(std::vector<TensorView>& keep) {
 
 // fwdtest://<location>: a plain ForwardingStore over mem://fwdtest/<location>.
 void RegisterFwdTest() {
-  RegisterStoreBackend(
+  RegisterBackend(
       "fwdtest",
       [](const std::string& location) -> std::shared_ptr<Store> {
         return std::make_shared<ForwardingStore>(MakeMemStore("fwdtest/" + location));
@@ -315,7 +315,7 @@ TEST_CASE("forwarding store: Save and Load run through a registered ForwardingSt
   StateDict sd = MakeState(src);
   SaveOptions so;
   so.storage.files_per_rank = 2;
-  const Metadata md = Save(sd, uri, so);
+  const Metadata md = Save(sd, uri, so).metadata;
   CHECK(md.entries.size() == 4);
 
   // The checkpoint is the target's: a plain mem:// reader loads it, and so does fwdtest://.

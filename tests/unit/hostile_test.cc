@@ -10,10 +10,10 @@
 #include <string>
 
 #include "dcp/proto/codec.h"
-#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/backends/mem_store.h"
-#include "dcp/storage/registry.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/registry.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -108,9 +108,13 @@ StorageInfo& Item(Metadata& md, const std::string& fqn, const Shape& offset = {}
 
 // The failure of a single-process load: its code and message.
 std::pair<ErrorCode, std::string> LoadError(const std::string& uri, StateDict& sd,
-                                            const LoadOptions& lo = {}) {
+                                            bool load_all = false) {
   try {
-    Load(sd, uri, lo);
+    if (load_all) {
+      sd = LoadAll(uri);
+    } else {
+      Load(sd, uri);
+    }
   } catch (const CollectiveError& e) {
     REQUIRE(e.failures().size() == 1);
     return {e.failures()[0].code, e.what()};
@@ -127,11 +131,7 @@ StateDict BlobDict() {
   return sd;
 }
 
-LoadOptions LoadAll() {
-  LoadOptions lo;
-  lo.load_all = true;
-  return lo;
-}
+constexpr bool kLoadAll = true;
 
 // A Store that reports every data file as `size` bytes long (its reads fail): metadata whose
 // claims the "files" back, for allocation failures without a petabyte of disk.
@@ -179,8 +179,7 @@ TEST_CASE("hostile: a blob claiming 8 GiB in a tiny file fails fast, naming entr
     INFO((all ? "load_all" : "load"));
     StateDict sd = all ? StateDict{} : BlobDict();
     std::pair<ErrorCode, std::string> err;
-    CHECK_CHEAP(
-        Measure([&] { err = LoadError("mem://" + name, sd, all ? LoadAll() : LoadOptions{}); }));
+    CHECK_CHEAP(Measure([&] { err = LoadError("mem://" + name, sd, all); }));
     CHECK(err.first == ErrorCode::kCorruption);
     CHECK_THAT(err.second, Contains("'rng'") && Contains(file) && Contains("truncated"));
   }
@@ -201,7 +200,7 @@ TEST_CASE("hostile: a zstd blob with a raw_length of 8 GiB fails before any allo
     Publish(name, md);
     StateDict sd;
     std::pair<ErrorCode, std::string> err;
-    CHECK_CHEAP(Measure([&] { err = LoadError("mem://" + name, sd, LoadAll()); }));
+    CHECK_CHEAP(Measure([&] { err = LoadError("mem://" + name, sd, kLoadAll); }));
     CHECK(err.first == ErrorCode::kCorruption);
     CHECK_THAT(err.second, Contains("'config'") && Contains("zstd"));
   }
@@ -210,7 +209,7 @@ TEST_CASE("hostile: a zstd blob with a raw_length of 8 GiB fails before any allo
     Publish(name, md);
     StateDict sd;
     std::pair<ErrorCode, std::string> err;
-    CHECK_CHEAP(Measure([&] { err = LoadError("mem://" + name, sd, LoadAll()); }));
+    CHECK_CHEAP(Measure([&] { err = LoadError("mem://" + name, sd, kLoadAll); }));
     CHECK(err.first == ErrorCode::kCorruption);
     CHECK_THAT(err.second, Contains("'config'") && Contains(good.relative_path) &&
                                Contains("the frame declares 300000"));
@@ -235,7 +234,7 @@ TEST_CASE("hostile: load_all of a [2^30] float32 entry in a tiny file allocates 
   Publish(name, md);
   StateDict sd;
   std::pair<ErrorCode, std::string> err;
-  CHECK_CHEAP(Measure([&] { err = LoadError("mem://" + name, sd, LoadAll()); }));
+  CHECK_CHEAP(Measure([&] { err = LoadError("mem://" + name, sd, kLoadAll); }));
   CHECK(err.first == ErrorCode::kCorruption);
   CHECK_THAT(err.second, Contains("'big'") && Contains(file));
   ClearMemStore(name);
@@ -249,7 +248,7 @@ TEST_CASE("hostile: allocation failures are resource errors naming entry, file a
   const std::string name = "hostile-alloc";
   SaveSmall(name);
   constexpr uint64_t kPiB = uint64_t{1} << 50;  // more than any address space: never allocated
-  RegisterStoreBackend(
+  RegisterBackend(
       "huge",
       [](const std::string& loc) {
         return std::make_shared<HugeFileStore>(MakeMemStore(loc), 4 * kPiB);
@@ -275,7 +274,7 @@ TEST_CASE("hostile: allocation failures are resource errors naming entry, file a
     Publish(name, md);
     StateDict sd;
     std::pair<ErrorCode, std::string> err;
-    CHECK_CHEAP(Measure([&] { err = LoadError("huge://" + name, sd, LoadAll()); }));
+    CHECK_CHEAP(Measure([&] { err = LoadError("huge://" + name, sd, kLoadAll); }));
     CHECK(err.first == ErrorCode::kResourceExhausted);
     CHECK_THAT(err.second, Contains("'big'") && Contains(file) && Contains(std::to_string(kPiB)));
   }
@@ -354,7 +353,7 @@ TEST_CASE("hostile: inconsistent key paths and nested relative paths are invalid
     Publish(name, md);
     StateDict sd;
     std::pair<ErrorCode, std::string> err;
-    CHECK_CHEAP(Measure([&] { err = LoadError("mem://" + name, sd, LoadAll()); }));
+    CHECK_CHEAP(Measure([&] { err = LoadError("mem://" + name, sd, kLoadAll); }));
     CHECK(err.first == ErrorCode::kCorruption);
     CHECK_THAT(err.second, Contains(c.names) && !Contains("state dict"));
   }

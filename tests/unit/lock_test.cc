@@ -14,8 +14,8 @@
 #include "dcp/dcp.h"
 #include "dcp/storage/backends/fault_store.h"
 #include "dcp/storage/backends/file_store.h"
-#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/forwarding_store.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -254,7 +254,7 @@ TEST_CASE("lock: clean-up after a commit removes only the files of dead saves", 
     PutObject(*store, "data-deadbeef00000000-r1-b0.data", "orphan");
     PutObject(*store, std::string(kMetadataName) + ".tmp.0123456789abcdef", "torn");
     Versioned v2 = MakeVersion(2, 0, true);
-    const Metadata md = Save(v2.sd, dir, so);
+    const Metadata md = Save(v2.sd, dir, so).metadata;
     for (const auto& name : store->List()) {
       INFO(name);
       CHECK(name != "data-deadbeef00000000-r1-b0.data");
@@ -269,7 +269,7 @@ TEST_CASE("lock: clean-up after a commit removes only the files of dead saves", 
     auto save = [&](int version) {
       auto writer = MakeStoreWriter(unlocked, so.storage);
       Versioned v = MakeVersion(version, 0, true);
-      return Save(v.sd, *writer, comm);
+      return Save(v.sd, *writer, comm).metadata;
     };
     const Metadata md1 = save(1);
     // Unreferenced, but nothing proves it dead without a lock: it could be a concurrent save's.

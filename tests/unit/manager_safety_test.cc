@@ -11,10 +11,10 @@
 #include "dcp/dcp.h"
 #include "dcp/proto/codec.h"
 #include "dcp/storage/backends/file_store.h"
-#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/backends/mem_store.h"
-#include "dcp/storage/registry.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/registry.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -105,7 +105,7 @@ class ChaosStore : public ForwardingStore {
 
 void RegisterChaos() {
   static bool done = [] {
-    RegisterStoreBackend("chaos", [](const std::string& location) -> std::shared_ptr<Store> {
+    RegisterBackend("chaos", [](const std::string& location) -> std::shared_ptr<Store> {
       return std::make_shared<ChaosStore>(MakeMemStore("chaos/" + location), location);
     });
     return true;

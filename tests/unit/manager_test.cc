@@ -6,10 +6,10 @@
 #include <filesystem>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/backends/mem_store.h"
-#include "dcp/storage/registry.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/registry.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"
 
@@ -38,7 +38,7 @@ class FlakyStore : public ForwardingStore {
 
 void RegisterFlaky() {
   static bool done = [] {
-    RegisterStoreBackend("flaky", [](const std::string& location) -> std::shared_ptr<Store> {
+    RegisterBackend("flaky", [](const std::string& location) -> std::shared_ptr<Store> {
       return std::make_shared<FlakyStore>(MakeMemStore("flaky/" + location));
     });
     return true;

@@ -118,7 +118,7 @@ TEST_CASE("protocol: round trip and reshard across 1, 2, 3 and 4 ranks", "[proto
     std::vector<RankState> saved(save_world);
     RequireNoErrors(RunRanks(save_world, [&](int r, Communicator& comm) {
       saved[r] = MakeRankState(r, save_world, true);
-      Metadata md = Save(saved[r].sd, "mem://" + name, comm);
+      Metadata md = Save(saved[r].sd, "mem://" + name, comm).metadata;
       dcp::testing::Expect(md.world_size == save_world, "world size recorded");
     }));
     for (int load_world : {1, 2, 3, 4}) {
@@ -153,7 +153,7 @@ TEST_CASE("protocol: replicated tensors are written once, balanced across ranks"
   RequireNoErrors(RunRanks(4, [&](int r, Communicator& comm) {
     StateDict sd;
     for (int i = 0; i < 4; ++i) sd.Set("p" + std::to_string(i), replicated[i]);
-    mds[r] = Save(sd, "mem://" + name, comm);
+    mds[r] = Save(sd, "mem://" + name, comm).metadata;
   }));
   const uint64_t one = replicated[0].nbytes();
   CHECK(mds[0].TotalStoredBytes() == 4 * one);  // not 16x

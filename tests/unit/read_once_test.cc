@@ -217,8 +217,7 @@ uint64_t LoadAll(FaultInjectionStore& store, bool read_once, size_t budget,
     LoadOptions lo;
     lo.read_once = read_once;
     lo.storage.memory_budget_bytes = budget;
-    lo.stats = &stats[r];
-    Load(loaded[r].sd, "readonce://x", comm, lo);
+    stats[r] = Load(loaded[r].sd, "readonce://x", comm, lo).stats;
   }));
   CheckLoaded(loaded);
   return store.BytesRead();
@@ -311,8 +310,7 @@ TEST_CASE("read-once: a rank with its own planner reads for itself, values are t
     DefaultLoadPlanner custom;
     LoadOptions lo;
     if (r == 2) lo.planner = &custom;
-    lo.stats = &stats[r];
-    Load(loaded[r].sd, "readonce://x", comm, lo);
+    stats[r] = Load(loaded[r].sd, "readonce://x", comm, lo).stats;
   }));
   CheckLoaded(loaded);
   CHECK(stats[2].bytes_received == 0);

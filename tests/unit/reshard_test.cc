@@ -7,9 +7,9 @@
 #include <random>
 #include <thread>
 
-#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/forwarding_store.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -392,7 +392,7 @@ TEST_CASE("reshard: a replicated tensor on 4 ranks is written about once", "[res
     StateDict sd;
     sd.Set("big", big);
     for (int i = 0; i < 8; ++i) sd.Set("small" + std::to_string(i), small[i]);
-    Metadata m = Save(sd, "mem://" + name, comm);
+    Metadata m = Save(sd, "mem://" + name, comm).metadata;
     if (r == 0) md = m;
   }));
   const uint64_t logical = big.nbytes() + 8 * small[0].nbytes();
@@ -429,10 +429,7 @@ TEST_CASE("reshard: strict, partial, mismatch and extra keys", "[reshard][load]"
     StateDict sd;
     TensorView w = TensorView::Allocate(DType::kFloat32, {7, 10});
     sd.Nested("model").Set("w", w);
-    std::vector<std::string> extra;
-    LoadOptions lo;
-    lo.extra_keys = &extra;
-    Load(sd, "mem://" + name, lo);
+    const std::vector<std::string> extra = Load(sd, "mem://" + name).unrequested_keys;
     CHECK(SameElements(w, RandomTensor(DType::kFloat32, {7, 10}, 1)));
     CHECK(extra == std::vector<std::string>{"model.emb", "opt.m", "step"});
   }
@@ -466,11 +463,8 @@ TEST_CASE("reshard: load everything without a model at any world size", "[reshar
   CHECK(shape_only.Find("model") != nullptr);
   for (int world : {1, 3}) {
     std::vector<StateDict> sds(world);
-    RequireNoErrors(RunRanks(world, [&](int r, Communicator& comm) {
-      LoadOptions lo;
-      lo.load_all = true;
-      Load(sds[r], "mem://" + name, comm, lo);
-    }));
+    RequireNoErrors(RunRanks(
+        world, [&](int r, Communicator& comm) { sds[r] = LoadAll("mem://" + name, comm); }));
     for (int r = 0; r < world; ++r) {
       for (const auto& spec : kTensors) {
         const std::string outer = spec.fqn.substr(0, spec.fqn.find('.'));

@@ -218,7 +218,7 @@ TEST_CASE("conformance: save and load round trip", "[storage][conformance]") {
           StateDict sd = MakeState(src);
           SaveOptions so;
           so.storage.files_per_rank = files;
-          Metadata md = Save(sd, loc.uri, so);
+          Metadata md = Save(sd, loc.uri, so).metadata;
           CHECK(md.entries.size() == 5);
           CHECK(md.world_size == 1);
           CHECK(md.library_version == LibraryVersion());
@@ -410,7 +410,7 @@ TEST_CASE("conformance: damaged data is detected and named", "[storage][conforma
         Location loc = FreshLocation(scheme, format);
         std::vector<TensorView> src, dst;
         StateDict sd = MakeState(src);
-        Metadata md = Save(sd, loc.uri);
+        Metadata md = Save(sd, loc.uri).metadata;
         auto store = OpenStore(loc.uri);
         const std::string data = FirstDataObject(*store);
         REQUIRE_FALSE(data.empty());
@@ -457,11 +457,10 @@ TEST_CASE("registry: unknown schemes, custom backends, plain paths", "[storage]"
   CHECK(std::find(schemes.begin(), schemes.end(), "file") != schemes.end());
 
   // A user-registered Store backend: here a prefix inside a mem:// bucket.
-  RegisterStoreBackend(
+  RegisterBackend(
       "prefixed", [](const std::string& loc) { return MakeMemStore("pfx/" + loc); }, true);
-  CHECK_THROWS_AS(
-      RegisterStoreBackend("prefixed", [](const std::string&) { return MakeMemStore("x"); }),
-      AlreadyExistsError);
+  CHECK_THROWS_AS(RegisterBackend("prefixed", [](const std::string&) { return MakeMemStore("x"); }),
+                  AlreadyExistsError);
   std::vector<TensorView> src, dst;
   StateDict sd = MakeState(src);
   Save(sd, "prefixed://one");
@@ -506,7 +505,7 @@ TEST_CASE("registry: URI queries choose the format and set backend options", "[s
   CHECK_THROWS_AS(OpenStorageWriter("torchdcp://" + dir.path() + "/c?format=dcp"),
                   InvalidArgumentError);
   // A backend registered without options refuses any.
-  RegisterStoreBackend(
+  RegisterBackend(
       "plainopts", [](const std::string& loc) { return MakeMemStore("plainopts/" + loc); }, true);
   CHECK_THROWS_WITH(OpenStore("plainopts://x?a=1"), Contains("takes none"));
 

@@ -13,9 +13,9 @@
 #include "dcp/checkpoint.h"
 #include "dcp/planner/flatten.h"
 #include "dcp/storage/backends/mem_store.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/pickle.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "support/test_support.h"
 
 namespace dcp {
@@ -249,10 +249,7 @@ void CheckMetadataAgainstJson(const Metadata& md, const Fixture& f) {
 
 // Load every entry of `uri` (load_all) and compare with the fixture's expected values.
 void CheckLoadAll(const std::string& uri, const Fixture& f) {
-  StateDict sd;
-  LoadOptions lo;
-  lo.load_all = true;
-  Load(sd, uri, lo);
+  StateDict sd = LoadAll(uri);
   auto flat = FlattenStateDict(sd);
   size_t tensors = 0;
   for (const auto& [fqn, e] : f.json["entries"].items()) {
@@ -312,10 +309,8 @@ TEST_CASE("torch DCP fixtures: byte entries are torch.save pickles of their obje
 TEST_CASE("torch DCP: dcp writes torch's layout and reads it back exactly", "[torchdcp]") {
   for (const char* name : kCases) {
     const Fixture f = LoadFixture(name);
-    StateDict sd;
-    LoadOptions lo;
-    lo.load_all = true;
-    const Metadata src = Load(sd, f.dir, lo);
+    StateDict sd = LoadAll(f.dir);
+    const Metadata src = ReadMetadata(f.dir);
     for (const char* scheme : {"torchdcp", "torchdcp113"}) {
       if (std::string(scheme) == "torchdcp113" && std::string(name) == "single_dtypes") {
         // fp8 and unsigned dtypes do not exist in torch 1.13: refused, naming the tensor.
@@ -405,12 +400,9 @@ TEST_CASE("torch DCP: a flipped bit in a record's storage fails every load path 
   TempDir dir("tdcp-crc");
   SECTION("row-major, whole (load_all and a destination of the stored shape)") {
     const std::string ck = FlipStorageBit("single_dtypes", "dtypes.float32", dir);
-    StateDict sd;
-    LoadOptions lo;
-    lo.load_all = true;
-    CHECK_THAT(ErrorOf([&] { Load(sd, ck, lo); }),
-               Catch::Contains("checksum mismatch") && Catch::Contains("dtypes.float32") &&
-                   Catch::Contains("zip CRC-32"));
+    CHECK_THAT(ErrorOf([&] { LoadAll(ck); }), Catch::Contains("checksum mismatch") &&
+                                                  Catch::Contains("dtypes.float32") &&
+                                                  Catch::Contains("zip CRC-32"));
     std::vector<float> w(15);
     StateDict one;
     one.Nested("dtypes").Set("float32",

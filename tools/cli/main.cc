@@ -25,9 +25,9 @@
 #include "dcp/checkpoint.h"
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
-#include "dcp/storage/registry.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/torch_dcp.h"
+#include "dcp/storage/registry.h"
 #include "tools/cli/cli_common.h"
 #include "tools/cli/convert.h"
 
@@ -740,10 +740,7 @@ void ConvertCheckpoint(const std::string& src, std::string dst, const std::strin
   // Diagnosed as every other command does (a missing source is "not a checkpoint", 3), before
   // the load, whose own error would say only "not found".
   CheckDataFiles(OpenCheckpoint(src));
-  StateDict sd;
-  LoadOptions lo;
-  lo.load_all = true;
-  Load(sd, src, lo);
+  const StateDict sd = LoadAll(src);
   SaveOptions so;
   // PyTorch DCP's layout on any store: a path becomes torchdcp://, a URI gets the format unless
   // it names one itself (torchdcp113://, ?format=).

@@ -1,0 +1,99 @@
+// Every option of dcp's public API, in one header.
+//
+//   SaveOptions     dcp::Save, AsyncCheckpointer::Save, CheckpointManager (ManagerOptions::save)
+//   LoadOptions     dcp::Load, dcp::LoadAll, CheckpointManager::Restore, CheckpointIO loads
+//   StorageOptions  what every backend understands (both of the above carry one); defined with
+//                   the storage interfaces (dcp/storage/storage.h), which the storage layer
+//                   below dcp/ needs too. A backend's own settings are StorageOptions::backend
+//                   entries or a URI's query (dcp/storage/registry.h lists them).
+//   AsyncOptions    how the AsyncCheckpointer stages and runs saves
+//   ManagerOptions  the CheckpointManager's retention and per-save options
+//
+// Every field is honoured by every entry point that takes its struct (tests/unit/options_test.cc
+// has a test per field, and tests/options_coverage_check.py keeps that list complete). What a
+// call reports back (metadata, statistics, unrequested keys) is its return value
+// (dcp/checkpoint.h: SaveResult, LoadResult), never an output pointer in these structs.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "dcp/storage/storage.h"
+
+namespace dcp {
+
+class SavePlanner;
+class LoadPlanner;
+class SavePlanCache;  // dcp/checkpoint.h
+struct SaveMetrics;   // dcp/async_checkpointer.h
+
+struct SaveOptions {
+  StorageOptions storage;
+  /// Recorded in the metadata; defaults to the storage URI.
+  std::string checkpoint_id;
+  /// The training step (or any number naming this save's intent) that every rank must agree
+  /// on: it is checked when the save opens, so a rank that skipped a save or saves another
+  /// step fails the save on every rank instead of pairing with it. Without it only the target
+  /// is compared: a job that overwrites one location every time (a "latest" directory) and
+  /// passes no step cannot tell a rank that skipped one save from one that did not, and the
+  /// checkpoint would mix state of two steps. CheckpointManager always passes its step (and
+  /// refuses a `step` set in ManagerOptions::save).
+  std::optional<int64_t> step;
+  /// Custom planner; nullptr uses DefaultSavePlanner. Not owned; must outlive the save.
+  SavePlanner* planner = nullptr;
+  /// Plan caching across saves (see SavePlanCache); nullptr plans every save in full.
+  std::shared_ptr<SavePlanCache> plan_cache;
+};
+
+struct LoadOptions {
+  StorageOptions storage;
+  /// Read-once (default on): bytes that several ranks ask for in identical form (the same
+  /// stored item and box: replicated tensors, blobs every rank loads) are read by one of them
+  /// and broadcast to the others over the communicator, in batches of at most
+  /// storage.memory_budget_bytes (an item larger than that is read by every rank that wants
+  /// it). The reading rank is the least loaded of those that asked. Applies to ranks using the
+  /// default planner; a rank with a custom planner reads all of its own items. Off: every rank
+  /// reads everything it asked for. Either way every rank gets the same values.
+  bool read_once = true;
+  /// Skip state dict keys the checkpoint lacks instead of failing (default planner only; a
+  /// custom planner with it set is refused). PyTorch DCP's name; Lightning's `strict` is its
+  /// negation.
+  bool allow_partial_load = false;
+  /// Load tensors only: byte blobs of the state dict are left untouched (dcp::LoadAll leaves
+  /// them out of the state dict it returns).
+  bool weights_only = false;
+  /// Custom planner; nullptr uses DefaultLoadPlanner. Not owned; must outlive the load.
+  LoadPlanner* planner = nullptr;
+};
+
+/// How the checkpointer stages and runs saves; what each save writes is its SaveOptions.
+struct AsyncOptions {
+  /// Threads copying into staging (the caller's thread is one of them; at least 1).
+  int copy_threads = 2;
+  /// Try to page-lock staging buffers (mlock). Failing to lock is not an error.
+  bool lock_staging = true;
+  /// How long the destructor waits for an in-flight save before giving up on it.
+  std::chrono::milliseconds close_timeout{std::chrono::minutes(10)};
+  /// Called on the background thread when a save ends (success or failure). Defaults to a
+  /// one-line log on stderr from rank 0 when DCP_LOG is set in the environment.
+  std::function<void(const SaveMetrics&)> on_complete;
+};
+
+struct ManagerOptions {
+  int keep_last = 3;   // newest complete checkpoints kept (at least 1)
+  int keep_every = 0;  // also keep steps divisible by this (0: none)
+  /// Let Save(step) replace a complete (or unreadable) checkpoint of the same step found in the
+  /// store (e.g. a job restored from step N that saves step N again). Off: AlreadyExistsError.
+  /// A step older than the newest complete one is refused either way.
+  bool allow_replacing_steps = false;
+  /// Every save's options (storage options, planner, plan cache). The manager sets `step` and
+  /// `storage.overwrite` itself (see allow_replacing_steps): setting them here is refused.
+  SaveOptions save;
+  AsyncOptions async;  // used when the manager has a background communicator
+};
+
+}  // namespace dcp
