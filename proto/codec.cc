@@ -143,24 +143,24 @@ uint64_t GetLe(const char* p, int n) {
   return v;
 }
 
-// Two chunks of a tensor that overlap, if any (indices into `chunks`, which lie inside
-// `shape`). Metadata is untrusted, so this must stay near O(n log n) in the number of chunks
-// (a million-chunk tensor validates in seconds): only the dimensions along which some chunk is
-// not whole matter, since every pair of non-empty chunks overlaps along the others.
-// - 0 or 1 such dimension: sort by start, compare each start with the largest end before it.
-// - 2: sweep along the first; the chunks alive at the sweep point all contain it, so the
-//   disjoint ones among them are disjoint along the second dimension too, and an ordered map
-//   by their start there finds a new chunk's only possible overlaps (its neighbours).
-// - 3 or more: mark the cells of the grid formed by every chunk boundary (each cell is marked
-//   at most once before an overlap stops the scan), when that grid has at most 2^24 cells;
-//   beyond, a sweep along the dimension where it compares the fewest pairs, within a bound.
-std::optional<std::pair<size_t, size_t>> FindOverlap(const std::vector<ChunkMeta>& chunks,
-                                                     const Shape& shape) {
-  std::vector<size_t> order;
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    if (chunks[i].numel() > 0) order.push_back(i);
+using ChunkPair = std::pair<size_t, size_t>;
+
+// The chunks of one tensor, by index: where each starts and ends along a dimension.
+struct ChunkSpans {
+  const std::vector<ChunkMeta>& chunks;
+  int64_t start(size_t i, size_t d) const { return chunks[i].offsets[d]; }
+  int64_t end(size_t i, size_t d) const { return chunks[i].offsets[d] + chunks[i].sizes[d]; }
+  bool intersect(size_t a, size_t b) const { return Intersect(chunks[a], chunks[b]).has_value(); }
+  // Sort chunk indices by their start along d.
+  void SortByStart(std::vector<size_t>& order, size_t d) const {
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return start(a, d) < start(b, d); });
   }
-  if (order.size() < 2) return std::nullopt;
+};
+
+// The dimensions along which some chunk of `order` is not whole.
+std::vector<size_t> PartialDims(const std::vector<ChunkMeta>& chunks,
+                                const std::vector<size_t>& order, const Shape& shape) {
   std::vector<size_t> dims;
   for (size_t d = 0; d < shape.size(); ++d) {
     for (size_t i : order) {
@@ -170,94 +170,115 @@ std::optional<std::pair<size_t, size_t>> FindOverlap(const std::vector<ChunkMeta
       }
     }
   }
-  auto start = [&](size_t i, size_t d) { return chunks[i].offsets[d]; };
-  auto end = [&](size_t i, size_t d) { return chunks[i].offsets[d] + chunks[i].sizes[d]; };
-  if (dims.empty()) return std::make_pair(order[0], order[1]);
-  if (dims.size() == 1) {
-    const size_t d = dims[0];
-    std::sort(order.begin(), order.end(),
-              [&](size_t a, size_t b) { return start(a, d) < start(b, d); });
-    size_t reach = order[0];  // the chunk reaching furthest so far
-    for (size_t k = 1; k < order.size(); ++k) {
-      const size_t i = order[k];
-      if (start(i, d) < end(reach, d)) return std::make_pair(reach, i);
-      if (end(i, d) > end(reach, d)) reach = i;
-    }
-    return std::nullopt;
+  return dims;
+}
+
+// One partial dimension, d (see FindOverlap).
+std::optional<ChunkPair> OverlapAlongOne(const ChunkSpans& x, std::vector<size_t> order, size_t d) {
+  x.SortByStart(order, d);
+  size_t reach = order[0];  // the chunk reaching furthest so far
+  for (size_t k = 1; k < order.size(); ++k) {
+    const size_t i = order[k];
+    if (x.start(i, d) < x.end(reach, d)) return std::make_pair(reach, i);
+    if (x.end(i, d) > x.end(reach, d)) reach = i;
   }
-  if (dims.size() == 2) {
-    const size_t d0 = dims[0], d1 = dims[1];
-    std::sort(order.begin(), order.end(),
-              [&](size_t a, size_t b) { return start(a, d0) < start(b, d0); });
-    using Alive = std::pair<int64_t, size_t>;  // (end along d0, chunk)
-    std::priority_queue<Alive, std::vector<Alive>, std::greater<Alive>> by_end;
-    std::map<int64_t, size_t> by_start;  // alive chunks by start along d1 (pairwise disjoint)
-    for (size_t i : order) {
-      while (!by_end.empty() && by_end.top().first <= start(i, d0)) {
-        by_start.erase(start(by_end.top().second, d1));
-        by_end.pop();
-      }
-      auto next = by_start.lower_bound(start(i, d1));
-      if (next != by_start.end() && next->first < end(i, d1)) {
-        return std::make_pair(next->second, i);
-      }
-      if (next != by_start.begin() && end(std::prev(next)->second, d1) > start(i, d1)) {
-        return std::make_pair(std::prev(next)->second, i);
-      }
-      by_start.emplace(start(i, d1), i);
-      by_end.emplace(end(i, d0), i);
+  return std::nullopt;
+}
+
+// Two partial dimensions, d0 and d1 (see FindOverlap).
+std::optional<ChunkPair> OverlapAlongTwo(const ChunkSpans& x, std::vector<size_t> order, size_t d0,
+                                         size_t d1) {
+  x.SortByStart(order, d0);
+  using Alive = std::pair<int64_t, size_t>;  // (end along d0, chunk)
+  std::priority_queue<Alive, std::vector<Alive>, std::greater<Alive>> by_end;
+  std::map<int64_t, size_t> by_start;  // alive chunks by start along d1 (pairwise disjoint)
+  for (size_t i : order) {
+    while (!by_end.empty() && by_end.top().first <= x.start(i, d0)) {
+      by_start.erase(x.start(by_end.top().second, d1));
+      by_end.pop();
     }
-    return std::nullopt;
+    auto next = by_start.lower_bound(x.start(i, d1));
+    if (next != by_start.end() && next->first < x.end(i, d1)) {
+      return std::make_pair(next->second, i);
+    }
+    if (next != by_start.begin() && x.end(std::prev(next)->second, d1) > x.start(i, d1)) {
+      return std::make_pair(std::prev(next)->second, i);
+    }
+    by_start.emplace(x.start(i, d1), i);
+    by_end.emplace(x.end(i, d0), i);
   }
-  // Three or more dimensions: the grid of all boundaries, if small enough.
-  constexpr uint64_t kMaxCells = uint64_t{1} << 24;
-  std::vector<std::vector<int64_t>> bounds(dims.size());
+  return std::nullopt;
+}
+
+// The grid formed by every chunk boundary along each partial dimension.
+struct BoundaryGrid {
+  std::vector<std::vector<int64_t>> bounds;  // sorted, distinct, per partial dimension
   uint64_t cells = 1;
-  for (size_t k = 0; k < dims.size() && cells <= kMaxCells; ++k) {
-    auto& b = bounds[k];
+};
+
+// The grid of all boundaries, if it has at most kMaxCells cells.
+std::optional<BoundaryGrid> SmallBoundaryGrid(const ChunkSpans& x, const std::vector<size_t>& order,
+                                              const std::vector<size_t>& dims) {
+  constexpr uint64_t kMaxCells = uint64_t{1} << 24;
+  BoundaryGrid grid;
+  grid.bounds.resize(dims.size());
+  for (size_t k = 0; k < dims.size() && grid.cells <= kMaxCells; ++k) {
+    auto& b = grid.bounds[k];
     b.reserve(2 * order.size());
-    for (size_t i : order) b.push_back(start(i, dims[k])), b.push_back(end(i, dims[k]));
+    for (size_t i : order) b.push_back(x.start(i, dims[k])), b.push_back(x.end(i, dims[k]));
     std::sort(b.begin(), b.end());
     b.erase(std::unique(b.begin(), b.end()), b.end());
-    cells *= b.size() - 1;
+    grid.cells *= b.size() - 1;
   }
-  if (cells <= kMaxCells) {
-    std::vector<bool> covered(cells, false);
-    std::vector<size_t> lo(dims.size()), hi(dims.size()), at(dims.size());
-    for (size_t i : order) {
-      for (size_t k = 0; k < dims.size(); ++k) {
-        const auto& b = bounds[k];
-        lo[k] = std::lower_bound(b.begin(), b.end(), start(i, dims[k])) - b.begin();
-        hi[k] = std::lower_bound(b.begin(), b.end(), end(i, dims[k])) - b.begin();
-        at[k] = lo[k];
-      }
-      for (;;) {  // every cell of chunk i, odometer order
-        uint64_t cell = 0;
-        for (size_t k = 0; k < dims.size(); ++k) cell = cell * (bounds[k].size() - 1) + at[k];
-        if (covered[cell]) {
-          for (size_t j : order) {
-            if (j != i && Intersect(chunks[i], chunks[j])) return std::make_pair(j, i);
-          }
-        }
-        covered[cell] = true;
-        size_t k = dims.size();
-        while (k > 0 && ++at[k - 1] == hi[k - 1]) at[k - 1] = lo[k - 1], --k;
-        if (k == 0) break;
-      }
+  if (grid.cells > kMaxCells) return std::nullopt;
+  return grid;
+}
+
+// Mark the grid cells of every chunk: each cell is marked at most once before an overlap stops
+// the scan.
+std::optional<ChunkPair> OverlapInGrid(const ChunkSpans& x, const std::vector<size_t>& order,
+                                       const std::vector<size_t>& dims, const BoundaryGrid& grid) {
+  const auto& bounds = grid.bounds;
+  std::vector<bool> covered(grid.cells, false);
+  std::vector<size_t> lo(dims.size()), hi(dims.size()), at(dims.size());
+  for (size_t i : order) {
+    for (size_t k = 0; k < dims.size(); ++k) {
+      const auto& b = bounds[k];
+      lo[k] = std::lower_bound(b.begin(), b.end(), x.start(i, dims[k])) - b.begin();
+      hi[k] = std::lower_bound(b.begin(), b.end(), x.end(i, dims[k])) - b.begin();
+      at[k] = lo[k];
     }
-    return std::nullopt;
+    for (;;) {  // every cell of chunk i, odometer order
+      uint64_t cell = 0;
+      for (size_t k = 0; k < dims.size(); ++k) cell = cell * (bounds[k].size() - 1) + at[k];
+      if (covered[cell]) {
+        for (size_t j : order) {
+          if (j != i && x.intersect(i, j)) return std::make_pair(j, i);
+        }
+      }
+      covered[cell] = true;
+      size_t k = dims.size();
+      while (k > 0 && ++at[k - 1] == hi[k - 1]) at[k - 1] = lo[k - 1], --k;
+      if (k == 0) break;
+    }
   }
-  // The sweep compares each chunk with the chunks alive at its start: along each dimension that
-  // count is known from the sorted starts and ends alone (a chunk ending at or before a start
-  // also began before it), so the cheapest dimension is chosen before any comparison. A layout
-  // that is costly along every dimension (no real sharding is: they are grids) is refused
-  // rather than validated in quadratic time.
+  return std::nullopt;
+}
+
+// A sweep along the dimension where it compares the fewest pairs, within a bound. The sweep
+// compares each chunk with the chunks alive at its start: along each dimension that count is
+// known from the sorted starts and ends alone (a chunk ending at or before a start also began
+// before it), so the cheapest dimension is chosen before any comparison. A layout that is
+// costly along every dimension (no real sharding is: they are grids) is refused rather than
+// validated in quadratic time.
+std::optional<ChunkPair> OverlapBySweep(const ChunkSpans& x, std::vector<size_t> order,
+                                        const std::vector<size_t>& dims) {
   constexpr uint64_t kMaxComparisons = uint64_t{1} << 27;
   size_t dim = dims[0];
   uint64_t best = UINT64_MAX;
   for (size_t d : dims) {
     std::vector<int64_t> starts, ends;
-    for (size_t i : order) starts.push_back(start(i, d)), ends.push_back(end(i, d));
+    for (size_t i : order) starts.push_back(x.start(i, d)), ends.push_back(x.end(i, d));
     std::sort(starts.begin(), starts.end());
     std::sort(ends.begin(), ends.end());
     uint64_t cost = 0;
@@ -271,20 +292,48 @@ std::optional<std::pair<size_t, size_t>> FindOverlap(const std::vector<ChunkMeta
   if (best > kMaxComparisons) {
     throw CorruptionError(std::to_string(order.size()) +
                           " chunks in an irregular layout of 3 or more dimensions: validating "
-                          "it would take " + std::to_string(best) + " comparisons (limit " +
+                          "it would take " +
+                          std::to_string(best) + " comparisons (limit " +
                           std::to_string(kMaxComparisons) + ")");
   }
-  std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return start(a, dim) < start(b, dim); });
+  x.SortByStart(order, dim);
   std::vector<size_t> active;
   for (size_t i : order) {
-    std::erase_if(active, [&](size_t a) { return end(a, dim) <= start(i, dim); });
+    std::erase_if(active, [&](size_t a) { return x.end(a, dim) <= x.start(i, dim); });
     for (size_t a : active) {
-      if (Intersect(chunks[a], chunks[i])) return std::make_pair(a, i);
+      if (x.intersect(a, i)) return std::make_pair(a, i);
     }
     active.push_back(i);
   }
   return std::nullopt;
+}
+
+// Two chunks of a tensor that overlap, if any (indices into `chunks`, which lie inside
+// `shape`). Metadata is untrusted, so this must stay near O(n log n) in the number of chunks
+// (a million-chunk tensor validates in seconds): only the dimensions along which some chunk is
+// not whole matter, since every pair of non-empty chunks overlaps along the others.
+// - 0 or 1 such dimension: sort by start, compare each start with the largest end before it.
+// - 2: sweep along the first; the chunks alive at the sweep point all contain it, so the
+//   disjoint ones among them are disjoint along the second dimension too, and an ordered map
+//   by their start there finds a new chunk's only possible overlaps (its neighbours).
+// - 3 or more: mark the cells of the grid formed by every chunk boundary (each cell is marked
+//   at most once before an overlap stops the scan), when that grid has at most 2^24 cells;
+//   beyond, a sweep along the dimension where it compares the fewest pairs, within a bound.
+std::optional<ChunkPair> FindOverlap(const std::vector<ChunkMeta>& chunks, const Shape& shape) {
+  std::vector<size_t> order;  // the non-empty chunks
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (chunks[i].numel() > 0) order.push_back(i);
+  }
+  if (order.size() < 2) return std::nullopt;
+  const std::vector<size_t> dims = PartialDims(chunks, order, shape);
+  const ChunkSpans spans{chunks};
+  if (dims.empty()) return std::make_pair(order[0], order[1]);
+  if (dims.size() == 1) return OverlapAlongOne(spans, std::move(order), dims[0]);
+  if (dims.size() == 2) return OverlapAlongTwo(spans, std::move(order), dims[0], dims[1]);
+  if (const auto grid = SmallBoundaryGrid(spans, order, dims)) {
+    return OverlapInGrid(spans, order, dims, *grid);
+  }
+  return OverlapBySweep(spans, std::move(order), dims);
 }
 
 std::string JoinKeys(const KeyPath& path) {
@@ -774,78 +823,117 @@ void CheckMetadataPayloadSize(uint64_t bytes, std::string_view where) {
       "larger entries or chunks (e.g. fewer ranks per tensor, or tensors merged)");
 }
 
-Metadata DecodeMetadata(std::string_view bytes, std::string_view source) {
-  const std::string src(source);
-  auto corrupt = [&](const std::string& what) {
-    return CorruptionError(src + ": metadata payload is not a valid protobuf (" + what + ")");
-  };
-  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
-    throw corrupt("larger than 2 GiB");
+namespace {
+
+CorruptionError NotAProtobuf(const std::string& src, const std::string& what) {
+  return CorruptionError(src + ": metadata payload is not a valid protobuf (" + what + ")");
+}
+
+// Reads a metadata payload field by field: entries and stored items go straight into a
+// Metadata, one message at a time. Fields other than entries and items (small: scalars and
+// maps) are copied out, to be parsed as one message.
+class MetadataPayloadReader {
+ public:
+  MetadataPayloadReader(std::string_view bytes, std::string_view source, Metadata& md)
+      : bytes_(bytes),
+        source_(source),
+        src_(source),
+        md_(md),
+        in_(reinterpret_cast<const uint8_t*>(bytes.data()), static_cast<int>(bytes.size())) {
+    in_.SetRecursionLimit(64);
   }
-  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()),
-                                            static_cast<int>(bytes.size()));
-  in.SetRecursionLimit(64);
-  Metadata md;
-  // Fields other than entries and items (small: scalars and maps) are parsed as one message.
-  std::string rest;
-  google::protobuf::io::StringOutputStream rest_stream(&rest);
-  google::protobuf::io::CodedOutputStream rest_out(&rest_stream);
-  pb::Entry e;
-  pb::StoredItem item;
-  auto parse_sub = [&](auto& msg, const char* what) {
+
+  // Reads every field; returns the fields other than entries and items, serialized.
+  std::string Read() {
+    std::string rest;
+    {  // the streams let go of `rest` before it is returned
+      google::protobuf::io::StringOutputStream rest_stream(&rest);
+      google::protobuf::io::CodedOutputStream rest_out(&rest_stream);
+      for (uint32_t tag; (tag = in_.ReadTag()) != 0;) {
+        if (tag == kVersionTag) {
+          ReadVersion(tag, rest_out);
+        } else if (tag == kEntriesTag) {
+          ReadEntry();
+        } else if (tag == kItemsTag) {
+          ReadItem();
+        } else if (!google::protobuf::internal::WireFormatLite::SkipField(&in_, tag, &rest_out)) {
+          throw NotAProtobuf(src_, "truncated field " + std::to_string(tag >> 3));
+        }
+      }
+      if (!in_.ConsumedEntireMessage()) throw NotAProtobuf(src_, "bad tag");
+      rest_out.Trim();
+    }
+    return rest;
+  }
+
+ private:
+  void ReadVersion(uint32_t tag, google::protobuf::io::CodedOutputStream& rest_out) {
+    // Checked at once: a newer format's entries may not parse as this version's.
+    uint32_t version = 0;
+    if (!in_.ReadVarint32(&version)) throw NotAProtobuf(src_, "truncated format version");
+    if (version > kFormatVersion) {
+      throw UnsupportedError(src_ + ": checkpoint format version " + std::to_string(version) +
+                             " is newer than this library's " + std::to_string(kFormatVersion) +
+                             "; upgrade dcp to read it");
+    }
+    rest_out.WriteTag(tag);
+    rest_out.WriteVarint32(version);
+  }
+
+  void ReadEntry() {
+    ParseSub(e_, "entry");
+    if (md_.entries.count(e_.fqn()))
+      throw CorruptionError(src_ + ": duplicate entry '" + e_.fqn() + "'");
+    if (e_.has_tensor()) {
+      TensorMetadata t;
+      t.dtype = ToDType(e_.tensor().dtype(), source_);
+      t.shape = ToShape(e_.tensor().shape());
+      t.chunks.reserve(e_.tensor().chunks_size());
+      for (const auto& c : e_.tensor().chunks()) t.chunks.push_back(FromPb(c));
+      md_.entries.emplace(e_.fqn(), std::move(t));
+    } else if (e_.has_bytes()) {
+      md_.entries.emplace(e_.fqn(), BytesMetadata{});
+    } else {
+      throw CorruptionError(src_ + ": entry '" + e_.fqn() + "' has no kind");
+    }
+  }
+
+  void ReadItem() {
+    ParseSub(item_, "stored item");
+    MetadataIndex index = FromPb(item_.index());
+    auto [it, inserted] = md_.storage.try_emplace(std::move(index));
+    if (!inserted) throw CorruptionError(src_ + ": duplicate stored item " + it->first.ToString());
+    it->second = FromPb(item_.info());
+  }
+
+  // A length-delimited submessage into msg (cleared first).
+  template <typename Msg>
+  void ParseSub(Msg& msg, const char* what) {
     uint32_t length = 0;
-    if (!in.ReadVarint32(&length) || length > bytes.size() - in.CurrentPosition()) {
-      throw corrupt(std::string("truncated ") + what);
+    if (!in_.ReadVarint32(&length) || length > bytes_.size() - in_.CurrentPosition()) {
+      throw NotAProtobuf(src_, std::string("truncated ") + what);
     }
-    const auto limit = in.PushLimit(static_cast<int>(length));
+    const auto limit = in_.PushLimit(static_cast<int>(length));
     msg.Clear();
-    if (!msg.MergePartialFromCodedStream(&in) || !in.ConsumedEntireMessage()) {
-      throw corrupt(std::string("bad ") + what);
+    if (!msg.MergePartialFromCodedStream(&in_) || !in_.ConsumedEntireMessage()) {
+      throw NotAProtobuf(src_, std::string("bad ") + what);
     }
-    in.PopLimit(limit);
-  };
-  for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
-    if (tag == kVersionTag) {
-      // Checked at once: a newer format's entries may not parse as this version's.
-      uint32_t version = 0;
-      if (!in.ReadVarint32(&version)) throw corrupt("truncated format version");
-      if (version > kFormatVersion) {
-        throw UnsupportedError(src + ": checkpoint format version " + std::to_string(version) +
-                               " is newer than this library's " + std::to_string(kFormatVersion) +
-                               "; upgrade dcp to read it");
-      }
-      rest_out.WriteTag(tag);
-      rest_out.WriteVarint32(version);
-    } else if (tag == kEntriesTag) {
-      parse_sub(e, "entry");
-      if (md.entries.count(e.fqn()))
-        throw CorruptionError(src + ": duplicate entry '" + e.fqn() + "'");
-      if (e.has_tensor()) {
-        TensorMetadata t;
-        t.dtype = ToDType(e.tensor().dtype(), source);
-        t.shape = ToShape(e.tensor().shape());
-        t.chunks.reserve(e.tensor().chunks_size());
-        for (const auto& c : e.tensor().chunks()) t.chunks.push_back(FromPb(c));
-        md.entries.emplace(e.fqn(), std::move(t));
-      } else if (e.has_bytes()) {
-        md.entries.emplace(e.fqn(), BytesMetadata{});
-      } else {
-        throw CorruptionError(src + ": entry '" + e.fqn() + "' has no kind");
-      }
-    } else if (tag == kItemsTag) {
-      parse_sub(item, "stored item");
-      MetadataIndex index = FromPb(item.index());
-      auto [it, inserted] = md.storage.try_emplace(std::move(index));
-      if (!inserted) throw CorruptionError(src + ": duplicate stored item " + it->first.ToString());
-      it->second = FromPb(item.info());
-    } else if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag, &rest_out)) {
-      throw corrupt("truncated field " + std::to_string(tag >> 3));
-    }
+    in_.PopLimit(limit);
   }
-  if (!in.ConsumedEntireMessage()) throw corrupt("bad tag");
-  rest_out.Trim();
+
+  std::string_view bytes_;
+  std::string_view source_;
+  std::string src_;
+  Metadata& md_;
+  google::protobuf::io::CodedInputStream in_;
+  pb::Entry e_;  // reused by every entry, and item_ by every stored item
+  pb::StoredItem item_;
+};
+
+// The fields other than entries and items (`rest`, one serialized pb::Metadata), into md.
+void ReadMetadataHeader(const std::string& rest, const std::string& src, Metadata& md) {
   pb::Metadata p;
-  if (!p.ParseFromString(rest)) throw corrupt("bad header");
+  if (!p.ParseFromString(rest)) throw NotAProtobuf(src, "bad header");
   if (p.format_version() > kFormatVersion) {
     throw UnsupportedError(src + ": checkpoint format version " +
                            std::to_string(p.format_version()) + " is newer than this library's " +
@@ -864,6 +952,18 @@ Metadata DecodeMetadata(std::string_view bytes, std::string_view source) {
     md.key_paths[fqn] = KeyPath(kp.keys().begin(), kp.keys().end());
   }
   for (const auto& [k, v] : p.planner_data()) md.planner_data[k] = v;
+}
+
+}  // namespace
+
+Metadata DecodeMetadata(std::string_view bytes, std::string_view source) {
+  const std::string src(source);
+  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
+    throw NotAProtobuf(src, "larger than 2 GiB");
+  }
+  Metadata md;
+  const std::string rest = MetadataPayloadReader(bytes, source, md).Read();
+  ReadMetadataHeader(rest, src, md);
   return md;
 }
 
@@ -925,122 +1025,166 @@ Metadata DecodeMetadataFile(std::string_view bytes, std::string_view source) {
   return md;
 }
 
-void ValidateMetadata(const Metadata& md, std::string_view source) {
-  const std::string src(source);
-  auto fail = [&](const std::string& what) { throw CorruptionError(src + ": " + what); };
-  // A single entry may not describe more than 2^50 elements: far beyond any real model, and a
-  // guard against allocation attacks by tools that materialise tensors from metadata.
+namespace {
+
+[[noreturn]] void FailValidation(const std::string& src, const std::string& what) {
+  throw CorruptionError(src + ": " + what);
+}
+
+// The elements of a tensor's shape. A single entry may not describe more than 2^50 elements:
+// far beyond any real model, and a guard against allocation attacks by tools that materialise
+// tensors from metadata.
+int64_t CheckedVolume(const std::string& fqn, const TensorMetadata& t, const std::string& src) {
   constexpr int64_t kMaxElements = int64_t{1} << 50;
-  for (const auto& [fqn, entry] : md.entries) {
-    if (fqn.empty()) fail("entry with an empty fqn");
-    const auto* t = std::get_if<TensorMetadata>(&entry);
-    if (t == nullptr) {
-      if (!md.storage.count(MetadataIndex{fqn, {}, {}})) {
-        fail("byte entry '" + fqn + "' has no stored item");
-      }
-      continue;
+  int64_t volume = 1;
+  for (int64_t d : t.shape) {
+    if (d < 0 || (d > 0 && volume > kMaxElements / d)) {
+      FailValidation(
+          src, "tensor '" + fqn + "' has an invalid or absurd shape " + ShapeToString(t.shape));
     }
-    int64_t volume = 1;
-    for (int64_t d : t->shape) {
-      if (d < 0 || (d > 0 && volume > kMaxElements / d)) {
-        fail("tensor '" + fqn + "' has an invalid or absurd shape " + ShapeToString(t->shape));
-      }
-      volume *= d;
-    }
-    int64_t covered = 0;
-    for (const auto& c : t->chunks) {
-      if (c.offsets.size() != t->shape.size() || c.sizes.size() != t->shape.size()) {
-        fail("tensor '" + fqn + "' chunk " + c.ToString() + " does not match rank of shape " +
-             ShapeToString(t->shape));
-      }
-      for (size_t i = 0; i < t->shape.size(); ++i) {
-        if (c.offsets[i] < 0 || c.sizes[i] < 0 || c.offsets[i] > t->shape[i] - c.sizes[i]) {
-          fail("tensor '" + fqn + "' chunk " + c.ToString() + " lies outside its shape " +
-               ShapeToString(t->shape));
-        }
-      }
-      const int64_t n = NumElements(c.sizes);
-      covered += n;
-      auto it = md.storage.find(MetadataIndex{fqn, c.offsets, {}});
-      if (it == md.storage.end()) {
-        fail("tensor '" + fqn + "' chunk " + c.ToString() + " has no stored item");
-      }
-      const uint64_t raw = static_cast<uint64_t>(n) * ElementSize(t->dtype);
-      if (it->second.raw_length != raw) {
-        fail("tensor '" + fqn + "' chunk " + c.ToString() + " should hold " + std::to_string(raw) +
-             " bytes but its stored item records " + std::to_string(it->second.raw_length));
-      }
-      if (it->second.transforms.empty() && it->second.length != raw) {
-        fail("tensor '" + fqn + "' chunk " + c.ToString() + " stored length " +
-             std::to_string(it->second.length) + " != " + std::to_string(raw));
-      }
-    }
-    // Disjoint chunks whose sizes add up to the volume cover it exactly; overlapping ones may
-    // add up to it too while leaving a gap.
-    std::optional<std::pair<size_t, size_t>> overlap;
-    try {
-      overlap = FindOverlap(t->chunks, t->shape);
-    } catch (const CorruptionError& e) {
-      fail("tensor '" + fqn + "': " + e.what());
-    }
-    if (overlap) {
-      fail("tensor '" + fqn + "' chunks " + t->chunks[overlap->first].ToString() + " and " +
-           t->chunks[overlap->second].ToString() + " overlap");
-    }
-    if (covered != volume) {
-      fail("tensor '" + fqn + "' chunks cover " + std::to_string(covered) + " of " +
-           std::to_string(volume) + " elements");
+    volume *= d;
+  }
+  return volume;
+}
+
+// A chunk lies inside its tensor and has a stored item of its size; returns its elements.
+int64_t CheckChunk(const Metadata& md, const std::string& fqn, const TensorMetadata& t,
+                   const ChunkMeta& c, const std::string& src) {
+  if (c.offsets.size() != t.shape.size() || c.sizes.size() != t.shape.size()) {
+    FailValidation(src, "tensor '" + fqn + "' chunk " + c.ToString() +
+                            " does not match rank of shape " + ShapeToString(t.shape));
+  }
+  for (size_t i = 0; i < t.shape.size(); ++i) {
+    if (c.offsets[i] < 0 || c.sizes[i] < 0 || c.offsets[i] > t.shape[i] - c.sizes[i]) {
+      FailValidation(src, "tensor '" + fqn + "' chunk " + c.ToString() +
+                              " lies outside its shape " + ShapeToString(t.shape));
     }
   }
-  // Each stored item must belong to a chunk: the chunk offsets of each tensor, sorted once
-  // (a scan of every chunk per item would be quadratic in the chunks of a tensor).
-  std::map<std::string_view, std::vector<const Shape*>> chunk_offsets;
+  const int64_t n = NumElements(c.sizes);
+  auto it = md.storage.find(MetadataIndex{fqn, c.offsets, {}});
+  if (it == md.storage.end()) {
+    FailValidation(src, "tensor '" + fqn + "' chunk " + c.ToString() + " has no stored item");
+  }
+  const uint64_t raw = static_cast<uint64_t>(n) * ElementSize(t.dtype);
+  if (it->second.raw_length != raw) {
+    FailValidation(src, "tensor '" + fqn + "' chunk " + c.ToString() + " should hold " +
+                            std::to_string(raw) + " bytes but its stored item records " +
+                            std::to_string(it->second.raw_length));
+  }
+  if (it->second.transforms.empty() && it->second.length != raw) {
+    FailValidation(src, "tensor '" + fqn + "' chunk " + c.ToString() + " stored length " +
+                            std::to_string(it->second.length) + " != " + std::to_string(raw));
+  }
+  return n;
+}
+
+// A tensor's chunks lie inside it, are stored, and cover it exactly once.
+void ValidateTensorEntry(const Metadata& md, const std::string& fqn, const TensorMetadata& t,
+                         const std::string& src) {
+  const int64_t volume = CheckedVolume(fqn, t, src);
+  int64_t covered = 0;
+  for (const auto& c : t.chunks) covered += CheckChunk(md, fqn, t, c, src);
+  // Disjoint chunks whose sizes add up to the volume cover it exactly; overlapping ones may
+  // add up to it too while leaving a gap.
+  std::optional<std::pair<size_t, size_t>> overlap;
+  try {
+    overlap = FindOverlap(t.chunks, t.shape);
+  } catch (const CorruptionError& e) {
+    FailValidation(src, "tensor '" + fqn + "': " + e.what());
+  }
+  if (overlap) {
+    FailValidation(src, "tensor '" + fqn + "' chunks " + t.chunks[overlap->first].ToString() +
+                            " and " + t.chunks[overlap->second].ToString() + " overlap");
+  }
+  if (covered != volume) {
+    FailValidation(src, "tensor '" + fqn + "' chunks cover " + std::to_string(covered) + " of " +
+                            std::to_string(volume) + " elements");
+  }
+}
+
+// The chunk offsets of each tensor, sorted once, so that finding a stored item's chunk is a
+// binary search (a scan of every chunk per item would be quadratic in the chunks of a tensor).
+class ChunkOffsetIndex {
+ public:
+  bool Contains(const std::string& fqn, const TensorMetadata& t, const Shape& offset) {
+    auto [it, fresh] = sorted_.try_emplace(fqn);
+    auto& sorted = it->second;
+    if (fresh) {
+      sorted.reserve(t.chunks.size());
+      for (const auto& c : t.chunks) sorted.push_back(&c.offsets);
+      std::sort(sorted.begin(), sorted.end(), Less);
+    }
+    return std::binary_search(sorted.begin(), sorted.end(), &offset, Less);
+  }
+
+ private:
+  static bool Less(const Shape* a, const Shape* b) { return *a < *b; }
+  std::map<std::string_view, std::vector<const Shape*>> sorted_;
+};
+
+// Where a stored item lies and what it may expand to.
+void CheckStoredBytes(const MetadataIndex& index, const StorageInfo& info, const std::string& src) {
+  // The format is flat (docs/FORMAT.md): a data object is a plain name in the root.
+  const std::string& p = info.relative_path;
+  if (p.empty() || p == "." || p == ".." || p.find('/') != std::string::npos ||
+      p.find('\\') != std::string::npos || p.find('\0') != std::string::npos) {
+    FailValidation(src, "stored item " + index.ToString() + " has an invalid path '" + p +
+                            "' (a data file is a plain name in the checkpoint's root)");
+  }
+  if (info.offset > std::numeric_limits<uint64_t>::max() - info.length ||
+      info.offset + info.length > (uint64_t{1} << 62)) {
+    FailValidation(src, "stored item " + index.ToString() + " has an overflowing offset/length");
+  }
+  // What a reader may be asked to allocate must be backed by stored bytes: a raw item is its
+  // stored bytes; a zstd frame cannot expand by more than kMaxZstdExpansion (one 4-byte RLE
+  // block per 128 KiB of output), so a claim beyond that is a lie, refused before any
+  // allocation.
+  if (info.transforms.empty() && info.raw_length != info.length) {
+    FailValidation(src, "stored item " + index.ToString() + " is raw but records " +
+                            std::to_string(info.raw_length) + " raw bytes for " +
+                            std::to_string(info.length) + " stored");
+  }
+  if (info.transforms.size() == 1 && info.transforms[0] == "zstd" &&
+      info.raw_length / kMaxZstdExpansion > info.length) {
+    FailValidation(src, "stored item " + index.ToString() + " claims " +
+                            std::to_string(info.raw_length) + " raw bytes from a " +
+                            std::to_string(info.length) +
+                            "-byte zstd frame (more than zstd can expand)");
+  }
+}
+
+// Each stored item must belong to an entry (to a chunk, for a tensor) and lie in a plain file.
+void ValidateStoredItems(const Metadata& md, const std::string& src) {
+  ChunkOffsetIndex chunk_offsets;
   for (const auto& [index, info] : md.storage) {
     auto entry = md.entries.find(index.fqn);
-    if (entry == md.entries.end()) fail("stored item " + index.ToString() + " has no entry");
+    if (entry == md.entries.end()) {
+      FailValidation(src, "stored item " + index.ToString() + " has no entry");
+    }
     if (const auto* t = std::get_if<TensorMetadata>(&entry->second)) {
-      auto [it, fresh] = chunk_offsets.try_emplace(entry->first);
-      auto& sorted = it->second;
-      if (fresh) {
-        sorted.reserve(t->chunks.size());
-        for (const auto& c : t->chunks) sorted.push_back(&c.offsets);
-        std::sort(sorted.begin(), sorted.end(),
-                  [](const Shape* a, const Shape* b) { return *a < *b; });
+      if (!chunk_offsets.Contains(entry->first, *t, index.offset)) {
+        FailValidation(src, "stored item " + index.ToString() + " matches no chunk of its tensor");
       }
-      const bool matches =
-          std::binary_search(sorted.begin(), sorted.end(), &index.offset,
-                             [](const Shape* a, const Shape* b) { return *a < *b; });
-      if (!matches) fail("stored item " + index.ToString() + " matches no chunk of its tensor");
     } else if (!index.offset.empty()) {
-      fail("stored item " + index.ToString() + " of a byte entry has chunk offsets");
+      FailValidation(src, "stored item " + index.ToString() + " of a byte entry has chunk offsets");
     }
-    // The format is flat (docs/FORMAT.md): a data object is a plain name in the root.
-    const std::string& p = info.relative_path;
-    if (p.empty() || p == "." || p == ".." || p.find('/') != std::string::npos ||
-        p.find('\\') != std::string::npos || p.find('\0') != std::string::npos) {
-      fail("stored item " + index.ToString() + " has an invalid path '" + p +
-           "' (a data file is a plain name in the checkpoint's root)");
-    }
-    if (info.offset > std::numeric_limits<uint64_t>::max() - info.length ||
-        info.offset + info.length > (uint64_t{1} << 62)) {
-      fail("stored item " + index.ToString() + " has an overflowing offset/length");
-    }
-    // What a reader may be asked to allocate must be backed by stored bytes: a raw item is its
-    // stored bytes; a zstd frame cannot expand by more than kMaxZstdExpansion (one 4-byte RLE
-    // block per 128 KiB of output), so a claim beyond that is a lie, refused before any
-    // allocation.
-    if (info.transforms.empty() && info.raw_length != info.length) {
-      fail("stored item " + index.ToString() + " is raw but records " +
-           std::to_string(info.raw_length) + " raw bytes for " + std::to_string(info.length) +
-           " stored");
-    }
-    if (info.transforms.size() == 1 && info.transforms[0] == "zstd" &&
-        info.raw_length / kMaxZstdExpansion > info.length) {
-      fail("stored item " + index.ToString() + " claims " + std::to_string(info.raw_length) +
-           " raw bytes from a " + std::to_string(info.length) +
-           "-byte zstd frame (more than zstd can expand)");
+    CheckStoredBytes(index, info, src);
+  }
+}
+
+}  // namespace
+
+void ValidateMetadata(const Metadata& md, std::string_view source) {
+  const std::string src(source);
+  for (const auto& [fqn, entry] : md.entries) {
+    if (fqn.empty()) FailValidation(src, "entry with an empty fqn");
+    if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
+      ValidateTensorEntry(md, fqn, *t, src);
+    } else if (!md.storage.count(MetadataIndex{fqn, {}, {}})) {
+      FailValidation(src, "byte entry '" + fqn + "' has no stored item");
     }
   }
+  ValidateStoredItems(md, src);
   ValidateKeyPaths(md, src);
 }
 

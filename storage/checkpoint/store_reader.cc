@@ -154,6 +154,130 @@ void GiveScratch(std::vector<char> v) {
   if (scratch_pool.size() < 4) scratch_pool.push_back(std::move(v));
 }
 
+// The units of a load's work. Large whole items bound for contiguous memory are split into
+// pieces that any reader reads into place (host) or through its pinned piece (device), each
+// CRC'd on its own (the CRCs combine), so every read thread streams one big file; everything
+// else is read file run by file run.
+struct Split {
+  size_t item;
+  TensorView dst;
+  uint64_t piece_bytes;
+  std::vector<RunningCrc> crcs;
+  std::atomic<size_t> remaining{0};
+};
+struct Task {
+  size_t file;
+  std::vector<size_t> items;  // a run of items for ReadFile, or
+  Split* split = nullptr;     // one piece of a split item
+  uint64_t begin = 0, length = 0;
+  size_t piece = 0;
+  uint64_t bytes = 0;  // to read
+};
+
+// A load's tasks, in file order, and the split items their pieces belong to.
+struct ReadWork {
+  std::vector<std::unique_ptr<Split>> splits;
+  std::vector<Task> tasks;
+};
+
+// Add a split item's pieces (of file f) to the work, one task each.
+void AddSplitItem(ReadWork& work, size_t f, size_t i, const StorageInfo& info,
+                  const TensorView& dst, uint64_t piece_bytes) {
+  auto& sp = work.splits.emplace_back(std::make_unique<Split>());
+  sp->item = i;
+  sp->dst = dst;
+  sp->piece_bytes = piece_bytes;
+  const size_t pieces = (info.length + piece_bytes - 1) / piece_bytes;
+  sp->crcs.assign(pieces, NewCrc(info));
+  sp->remaining = pieces;
+  for (size_t k = 0; k < pieces; ++k) {
+    const uint64_t b = k * piece_bytes, n = std::min<uint64_t>(piece_bytes, info.length - b);
+    work.tasks.push_back({f, {}, sp.get(), b, n, k, n});
+  }
+}
+
+// Hands a load's tasks out to its readers, until they are done or one has failed.
+//
+// Each reader owns a stripe: a contiguous run of the tasks (in file order) of about equal
+// bytes, read front to back through one open object per file, so the kernel sees one
+// sequential stream per reader. Its readahead then ramps up to large page-cache folios,
+// and a later warm load pays per folio: readers handed alternate pieces, each through a
+// fresh open file, left ~20x more folios and a ~20% slower warm load (measured here).
+// A reader whose stripe is done takes tasks from the back of the fullest other stripe.
+class TaskQueue {
+ public:
+  TaskQueue(const std::vector<Task>& tasks, size_t nreaders) {
+    uint64_t total = 0, done = 0;
+    for (const Task& t : tasks) total += t.bytes;
+    size_t begin = 0;
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      done += tasks[i].bytes;
+      if (stripes_.size() + 1 < nreaders && done * nreaders >= total * (stripes_.size() + 1)) {
+        stripes_.push_back({begin, i + 1});
+        begin = i + 1;
+      }
+    }
+    stripes_.push_back({begin, tasks.size()});
+    while (stripes_.size() < nreaders) stripes_.push_back({tasks.size(), tasks.size()});
+  }
+
+  // The next task for `reader`; none once every task is taken or a reader has failed.
+  std::optional<size_t> Take(size_t reader) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return std::nullopt;
+    Stripe& own = stripes_[reader];
+    if (own.front < own.back) return own.front++;
+    Stripe* fullest = nullptr;
+    for (Stripe& s : stripes_) {
+      if (s.front < s.back && (!fullest || s.back - s.front > fullest->back - fullest->front)) {
+        fullest = &s;
+      }
+    }
+    if (!fullest) return std::nullopt;
+    return --fullest->back;
+  }
+
+  // Called in a catch block: keeps the first error, and stops handing out work.
+  void Fail() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!first_error_) first_error_ = std::current_exception();
+    stopped_ = true;
+  }
+
+  // Once every reader is done.
+  void RethrowFirstError() const {
+    if (first_error_) std::rethrow_exception(first_error_);
+  }
+
+ private:
+  struct Stripe {
+    size_t front, back;
+  };
+  std::vector<Stripe> stripes_;
+  std::mutex mu_;
+  bool stopped_ = false;
+  std::exception_ptr first_error_;
+};
+
+// The object a reader has open, reused across its tasks while they are in one file.
+class OpenObject {
+ public:
+  explicit OpenObject(Store& store) : store_(store) {}
+  ReadableObject& Get(const std::string& name) {
+    if (!in_ || name_ != name) {
+      in_.reset();
+      in_ = store_.Open(name);
+      name_ = name;
+    }
+    return *in_;
+  }
+
+ private:
+  Store& store_;
+  std::string name_;
+  std::unique_ptr<ReadableObject> in_;
+};
+
 class StoreReader : public StorageReader {
  public:
   StoreReader(std::shared_ptr<Store> store, StorageOptions options)
@@ -188,208 +312,162 @@ class StoreReader : public StorageReader {
 
   std::future<void> ReadData(const LoadPlan& plan, LoadPlanner& planner) override {
     ResolveTorchRecords(plan);
-    // Group items by file and sort by offset, so each file is read front to back.
+    FileItems files = ItemsByFile(plan);
+    return std::async(std::launch::async, [this, &plan, &planner, files = std::move(files)] {
+      ReadWork work = PlanReadWork(plan, planner, files);
+      const size_t nthreads = ReaderCount(work.tasks.size());
+      TaskQueue queue(work.tasks, nthreads);
+      std::vector<std::thread> threads;
+      for (size_t t = 1; t < nthreads; ++t) {
+        threads.emplace_back([&, t] { RunReader(plan, planner, files, work.tasks, queue, t); });
+      }
+      RunReader(plan, planner, files, work.tasks, queue, 0);
+      for (auto& t : threads) t.join();
+      queue.RethrowFirstError();
+    });
+  }
+
+ private:
+  // Each file's items (indices into the plan), by file name.
+  using FileItems = std::vector<std::pair<std::string, std::vector<size_t>>>;
+
+  // The plan's items grouped by file and sorted by offset, so each file is read front to back.
+  FileItems ItemsByFile(const LoadPlan& plan) const {
     std::map<std::string, std::vector<size_t>> by_file;
     for (size_t i = 0; i < plan.items.size(); ++i) {
       by_file[Info(plan.items[i]).relative_path].push_back(i);
     }
-    std::vector<std::pair<std::string, std::vector<size_t>>> files(by_file.begin(), by_file.end());
+    FileItems files(by_file.begin(), by_file.end());
     for (auto& [name, items] : files) {
       std::stable_sort(items.begin(), items.end(), [&](size_t a, size_t b) {
         return Info(plan.items[a]).offset < Info(plan.items[b]).offset;
       });
     }
-    return std::async(std::launch::async, [this, &plan, &planner, files = std::move(files)] {
-      // Work units: large whole items bound for contiguous memory are split into pieces that
-      // any reader reads into place (host) or through its pinned piece (device), each CRC'd on
-      // its own (the CRCs combine), so every read thread streams one big file; everything else
-      // is read file run by file run.
-      struct Split {
-        size_t item;
-        TensorView dst;
-        uint64_t piece_bytes;
-        std::vector<RunningCrc> crcs;
-        std::atomic<size_t> remaining{0};
-      };
-      struct Task {
-        size_t file;
-        std::vector<size_t> items;  // a run of items for ReadFile, or
-        Split* split = nullptr;     // one piece of a split item
-        uint64_t begin = 0, length = 0;
-        size_t piece = 0;
-        uint64_t bytes = 0;  // to read
-      };
-      std::vector<std::unique_ptr<Split>> splits;
-      std::vector<Task> tasks;
-      for (size_t f = 0; f < files.size(); ++f) {
-        std::vector<size_t> run;
-        uint64_t run_bytes = 0;
-        for (size_t i : files[f].second) {
-          const ReadItem& item = plan.items[i];
-          const StorageInfo& info = Info(item);
-          bool split = item.type != ReadItemType::kBytes && info.transforms.empty() &&
-                       info.length > kDevicePieceBytes && item.lengths == StoredChunk(item).sizes;
-          TensorView dst;
-          uint64_t piece_bytes = kReadPieceBytes;
-          if (split) {
-            dst = planner.ResolveTensor(item);
-            if (!dst.device.is_cpu()) piece_bytes = kDevicePieceBytes;
-            split = dst.is_contiguous() && dst.nbytes() == info.length && info.length > piece_bytes;
-          }
-          if (!split) {
-            // Runs of smaller items are cut every kReadPieceBytes too, so that every read
-            // thread has work even when a rank's items sit in one file.
-            run.push_back(i);
-            run_bytes += info.length;
-            if (run_bytes >= kReadPieceBytes) {
-              tasks.push_back({f, std::move(run), nullptr, 0, 0, 0, run_bytes});
-              run.clear();
-              run_bytes = 0;
-            }
-            continue;
-          }
-          if (!run.empty()) tasks.push_back({f, std::move(run), nullptr, 0, 0, 0, run_bytes});
-          run.clear();
-          run_bytes = 0;
-          auto& sp = splits.emplace_back(std::make_unique<Split>());
-          sp->item = i;
-          sp->dst = dst;
-          sp->piece_bytes = piece_bytes;
-          const size_t pieces = (info.length + piece_bytes - 1) / piece_bytes;
-          sp->crcs.assign(pieces, NewCrc(info));
-          sp->remaining = pieces;
-          for (size_t k = 0; k < pieces; ++k) {
-            const uint64_t b = k * piece_bytes,
-                           n = std::min<uint64_t>(piece_bytes, info.length - b);
-            tasks.push_back({f, {}, sp.get(), b, n, k, n});
-          }
-        }
-        if (!run.empty()) tasks.push_back({f, std::move(run), nullptr, 0, 0, 0, run_bytes});
-      }
-      // As many readers as asked for, work units, and the memory budget allow.
-      const size_t per_reader = ScratchLimit() + 2 * kDevicePieceBytes;
-      const size_t nthreads = std::clamp<size_t>(
-          std::min<size_t>(options_.read_threads, options_.memory_budget_bytes / per_reader), 1,
-          std::max<size_t>(tasks.size(), 1));
-      // Each reader owns a stripe: a contiguous run of the tasks (in file order) of about equal
-      // bytes, read front to back through one open object per file, so the kernel sees one
-      // sequential stream per reader. Its readahead then ramps up to large page-cache folios,
-      // and a later warm load pays per folio: readers handed alternate pieces, each through a
-      // fresh open file, left ~20x more folios and a ~20% slower warm load (measured here).
-      // A reader whose stripe is done takes tasks from the back of the fullest other stripe.
-      struct Stripe {
-        size_t front, back;
-      };
-      std::vector<Stripe> stripes;
-      {
-        uint64_t total = 0, done = 0;
-        for (const Task& t : tasks) total += t.bytes;
-        size_t begin = 0;
-        for (size_t i = 0; i < tasks.size(); ++i) {
-          done += tasks[i].bytes;
-          if (stripes.size() + 1 < nthreads && done * nthreads >= total * (stripes.size() + 1)) {
-            stripes.push_back({begin, i + 1});
-            begin = i + 1;
-          }
-        }
-        stripes.push_back({begin, tasks.size()});
-        while (stripes.size() < nthreads) stripes.push_back({tasks.size(), tasks.size()});
-      }
-      std::mutex mu;
-      bool stopped = false;
-      std::exception_ptr first_error;
-      auto take = [&](size_t reader) -> std::optional<size_t> {
-        std::lock_guard<std::mutex> lock(mu);
-        if (stopped) return std::nullopt;
-        Stripe& own = stripes[reader];
-        if (own.front < own.back) return own.front++;
-        Stripe* fullest = nullptr;
-        for (Stripe& s : stripes) {
-          if (s.front < s.back && (!fullest || s.back - s.front > fullest->back - fullest->front)) {
-            fullest = &s;
-          }
-        }
-        if (!fullest) return std::nullopt;
-        return --fullest->back;
-      };
-      auto worker = [&](size_t reader) {
-        std::vector<char> scratch = TakeScratch();
-        std::string open_name;  // the file this reader has open, reused across its tasks
-        std::unique_ptr<ReadableObject> open_in;
-        auto open = [&](const std::string& name) -> ReadableObject& {
-          if (!open_in || open_name != name) {
-            open_in.reset();
-            open_in = store_->Open(name);
-            open_name = name;
-          }
-          return *open_in;
-        };
-        std::optional<DeviceStaging> staging;  // made at this thread's first device piece
-        // The last piece of a split item: combine the pieces' CRCs, verify, hand over.
-        auto complete_piece = [&](Split& sp) {
-          if (--sp.remaining != 0) return;
-          const ReadItem& item = plan.items[sp.item];
-          const StorageInfo& info = Info(item);
-          uint32_t crc = sp.crcs[0].value;
-          for (size_t k = 1; k < sp.crcs.size(); ++k) {
-            const uint64_t n = std::min<uint64_t>(sp.piece_bytes, info.length - k * sp.piece_bytes);
-            crc = sp.crcs[k].zip ? Crc32Combine(crc, sp.crcs[k].value, n)
-                                 : Crc32cCombine(crc, sp.crcs[k].value, n);
-          }
-          VerifyCrc(item, info, crc);
-          planner.CommitTensor(item, sp.dst);
-        };
-        auto fail = [&] {
-          std::lock_guard<std::mutex> lock(mu);
-          if (!first_error) first_error = std::current_exception();
-          stopped = true;  // stop handing out work
-        };
-        while (const std::optional<size_t> t = take(reader)) {
-          const Task& task = tasks[*t];
-          try {
-            ReadableObject& in = open(files[task.file].first);
-            if (task.split == nullptr) {
-              ReadFile(plan, planner, files[task.file].first, in, task.items, scratch);
-              continue;
-            }
-            Split& sp = *task.split;
-            const ReadItem& item = plan.items[sp.item];
-            const StorageInfo& info = Info(item);
-            RunningCrc* crc = options_.verify_checksums ? &sp.crcs[task.piece] : nullptr;
-            if (sp.dst.device.is_cpu()) {
-              ReadHot(in, info.offset + task.begin, static_cast<char*>(sp.dst.data) + task.begin,
-                      task.length, crc);
-              complete_piece(sp);
-              continue;
-            }
-            if (staging && staging->device() != sp.dst.device) {
-              staging->Drain();
-              staging.reset();
-            }
-            if (!staging) staging.emplace(sp.dst.device, "tensor " + item.dest_index.ToString());
-            // The piece completes once its copy has: while this thread reads the next piece.
-            staging->Read(in, info.offset + task.begin, sp.dst, task.begin, task.length, crc,
-                          [&complete_piece, &sp] { complete_piece(sp); });
-          } catch (...) {
-            fail();
-          }
-        }
-        try {
-          if (staging) staging->Drain();
-        } catch (...) {
-          fail();
-        }
-        GiveScratch(std::move(scratch));
-      };
-      std::vector<std::thread> threads;
-      for (size_t t = 1; t < nthreads; ++t) threads.emplace_back(worker, t);
-      worker(0);
-      for (auto& t : threads) t.join();
-      if (first_error) std::rethrow_exception(first_error);
-    });
+    return files;
   }
 
- private:
+  // The load cut into tasks (see Split and Task): split items piece by piece, runs of the
+  // others.
+  ReadWork PlanReadWork(const LoadPlan& plan, LoadPlanner& planner, const FileItems& files) const {
+    ReadWork work;
+    for (size_t f = 0; f < files.size(); ++f) {
+      std::vector<size_t> run;
+      uint64_t run_bytes = 0;
+      auto end_run = [&] {
+        if (!run.empty()) work.tasks.push_back({f, std::move(run), nullptr, 0, 0, 0, run_bytes});
+        run.clear();
+        run_bytes = 0;
+      };
+      for (size_t i : files[f].second) {
+        const ReadItem& item = plan.items[i];
+        const StorageInfo& info = Info(item);
+        TensorView dst;
+        uint64_t piece_bytes = kReadPieceBytes;
+        if (!IsSplit(planner, item, info, &dst, &piece_bytes)) {
+          // Runs of smaller items are cut every kReadPieceBytes too, so that every read
+          // thread has work even when a rank's items sit in one file.
+          run.push_back(i);
+          run_bytes += info.length;
+          if (run_bytes >= kReadPieceBytes) end_run();
+          continue;
+        }
+        end_run();
+        AddSplitItem(work, f, i, info, dst, piece_bytes);
+      }
+      end_run();
+    }
+    return work;
+  }
+
+  // Whether an item is read in pieces: a whole raw tensor item larger than a piece, whose
+  // destination is contiguous. If so, *dst is that destination and *piece_bytes the piece size
+  // (kDevicePieceBytes for a device destination).
+  bool IsSplit(LoadPlanner& planner, const ReadItem& item, const StorageInfo& info, TensorView* dst,
+               uint64_t* piece_bytes) const {
+    if (item.type == ReadItemType::kBytes || !info.transforms.empty() ||
+        info.length <= kDevicePieceBytes || item.lengths != StoredChunk(item).sizes) {
+      return false;
+    }
+    *dst = planner.ResolveTensor(item);
+    if (!dst->device.is_cpu()) *piece_bytes = kDevicePieceBytes;
+    return dst->is_contiguous() && dst->nbytes() == info.length && info.length > *piece_bytes;
+  }
+
+  // As many readers as asked for, work units, and the memory budget allow.
+  size_t ReaderCount(size_t tasks) const {
+    const size_t per_reader = ScratchLimit() + 2 * kDevicePieceBytes;
+    return std::clamp<size_t>(
+        std::min<size_t>(options_.read_threads, options_.memory_budget_bytes / per_reader), 1,
+        std::max<size_t>(tasks, 1));
+  }
+
+  // One read thread: the tasks `queue` hands it, through its own scratch buffer, open object
+  // and (for device pieces) pinned pieces. Errors go to the queue.
+  void RunReader(const LoadPlan& plan, LoadPlanner& planner, const FileItems& files,
+                 const std::vector<Task>& tasks, TaskQueue& queue, size_t reader) {
+    std::vector<char> scratch = TakeScratch();
+    OpenObject open(*store_);
+    std::optional<DeviceStaging> staging;  // made at this thread's first device piece
+    while (const std::optional<size_t> t = queue.Take(reader)) {
+      const Task& task = tasks[*t];
+      try {
+        ReadableObject& in = open.Get(files[task.file].first);
+        if (task.split == nullptr) {
+          ReadFile(plan, planner, files[task.file].first, in, task.items, scratch);
+        } else {
+          ReadPiece(plan, planner, in, task, staging);
+        }
+      } catch (...) {
+        queue.Fail();
+      }
+    }
+    try {
+      if (staging) staging->Drain();
+    } catch (...) {
+      queue.Fail();
+    }
+    GiveScratch(std::move(scratch));
+  }
+
+  // One piece of a split item: read into place (host), or through `staging` (device).
+  void ReadPiece(const LoadPlan& plan, LoadPlanner& planner, ReadableObject& in, const Task& task,
+                 std::optional<DeviceStaging>& staging) const {
+    Split& sp = *task.split;
+    const ReadItem& item = plan.items[sp.item];
+    const StorageInfo& info = Info(item);
+    RunningCrc* crc = options_.verify_checksums ? &sp.crcs[task.piece] : nullptr;
+    if (sp.dst.device.is_cpu()) {
+      ReadHot(in, info.offset + task.begin, static_cast<char*>(sp.dst.data) + task.begin,
+              task.length, crc);
+      CompletePiece(plan, planner, sp);
+      return;
+    }
+    if (staging && staging->device() != sp.dst.device) {
+      staging->Drain();
+      staging.reset();
+    }
+    if (!staging) staging.emplace(sp.dst.device, "tensor " + item.dest_index.ToString());
+    // The piece completes once its copy has: while this thread reads the next piece.
+    staging->Read(in, info.offset + task.begin, sp.dst, task.begin, task.length, crc,
+                  [this, &plan, &planner, &sp] { CompletePiece(plan, planner, sp); });
+  }
+
+  // A piece of a split item is done. The last one combines the pieces' CRCs, verifies, hands
+  // the tensor over.
+  void CompletePiece(const LoadPlan& plan, LoadPlanner& planner, Split& sp) const {
+    if (--sp.remaining != 0) return;
+    const ReadItem& item = plan.items[sp.item];
+    const StorageInfo& info = Info(item);
+    uint32_t crc = sp.crcs[0].value;
+    for (size_t k = 1; k < sp.crcs.size(); ++k) {
+      const uint64_t n = std::min<uint64_t>(sp.piece_bytes, info.length - k * sp.piece_bytes);
+      crc = sp.crcs[k].zip ? Crc32Combine(crc, sp.crcs[k].value, n)
+                           : Crc32cCombine(crc, sp.crcs[k].value, n);
+    }
+    VerifyCrc(item, info, crc);
+    planner.CommitTensor(item, sp.dst);
+  }
+
   // A PyTorch DCP tensor record is a torch.save archive: find where its values lie (minizip
   // reads the archive's directories and its small pickle), once per record, before any read.
   // Row-major values become a plain stored item, read like dcp's own; other layouts (a

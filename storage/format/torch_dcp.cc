@@ -618,17 +618,61 @@ ValuePtr IntTuple(const Shape& s) {
 // ---------------------------------------------------------------------------------------------
 // Metadata
 
-Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source) {
-  const Reader r{std::string(source), bytes.size()};
-  pickle::Limits limits;
-  limits.max_input_bytes = size_t{2} << 30;
-  const ValuePtr root = pickle::Load(bytes, AllowMetadataGlobal, source, limits);
-  const Value& st = r.State(root.get(), "Metadata", "the metadata");
-  Metadata md;
-  md.format_version = kFormatVersion;
+namespace {
+
+// The bytes of each chunk of each tensor entry: fqn -> chunk offsets -> bytes.
+using ChunkBytes = std::map<std::string, std::map<Shape, int64_t>>;
+
+// The dtype in a TensorStorageMetadata's TensorProperties (a tuple of fields, or a dict).
+DType PropertiesDType(const Reader& r, const Value& ts, const std::string& what) {
+  const Value* props = ts.Get("properties");
+  if (!props || props->kind != Kind::kObject ||
+      Reader::Leaf(props->global_name()) != "TensorProperties" || !props->state) {
+    r.Fail(what + " has no TensorProperties");
+  }
+  const Value* dtype = props->state->kind == Kind::kTuple && !props->state->items.empty()
+                           ? props->state->items[0].get()
+                           : props->state->Get("dtype");
+  return r.DTypeOf(dtype, what + " dtype");
+}
+
+// The bytes a chunk of `dtype` holds, refused when absurd.
+int64_t CheckedChunkBytes(const Reader& r, DType dtype, const ChunkMeta& chunk,
+                          const std::string& what) {
+  uint64_t n = ElementSize(dtype);
+  for (int64_t s : chunk.sizes) {
+    if (s < 0 || (s > 0 && n > (uint64_t{1} << 62) / static_cast<uint64_t>(s))) {
+      r.Fail(what + " chunk " + chunk.ToString() + " has an absurd size");
+    }
+    n *= static_cast<uint64_t>(s);
+  }
+  return static_cast<int64_t>(n);
+}
+
+// A TensorStorageMetadata; the bytes of each of its chunks go to `chunk_bytes`, by offsets.
+TensorMetadata ReadTensorEntry(const Reader& r, const Value* v, const std::string& what,
+                               std::map<Shape, int64_t>& chunk_bytes) {
+  const Value& ts = r.State(v, "TensorStorageMetadata", what);
+  TensorMetadata tm;
+  tm.dtype = PropertiesDType(r, ts, what);
+  tm.shape = r.Ints(ts.Get("size"), what + " size");
+  const Value* chunks = ts.Get("chunks");
+  if (!chunks || chunks->kind != Kind::kList) r.Fail(what + " has no chunk list");
+  for (const auto& c : chunks->items) {
+    const Value& cs = r.State(c.get(), "ChunkStorageMetadata", what + " chunk");
+    ChunkMeta chunk{r.Ints(cs.Get("offsets"), what + " chunk offsets"),
+                    r.Ints(cs.Get("sizes"), what + " chunk sizes")};
+    chunk_bytes[chunk.offsets] = CheckedChunkBytes(r, tm.dtype, chunk, what);
+    tm.chunks.push_back(std::move(chunk));
+  }
+  return tm;
+}
+
+// state_dict_metadata: every entry, tensor or bytes.
+void ReadStateDictMetadata(const Reader& r, const Value& st, Metadata& md,
+                           ChunkBytes& chunk_bytes) {
   const Value* sdm = st.Get("state_dict_metadata");
   if (!sdm || sdm->kind != Kind::kDict) r.Fail("state_dict_metadata is missing or not a dict");
-  std::map<std::string, std::map<Shape, int64_t>> chunk_bytes;  // fqn -> chunk offsets -> bytes
   for (size_t i = 0; i + 1 < sdm->items.size(); i += 2) {
     const std::string& fqn = r.Str(sdm->items[i].get(), "a state_dict_metadata key");
     const Value* v = sdm->items[i + 1].get();
@@ -637,65 +681,56 @@ Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source)
       md.entries[fqn] = BytesMetadata{};
       continue;
     }
-    const Value& ts = r.State(v, "TensorStorageMetadata", what);
-    TensorMetadata tm;
-    const Value* props = ts.Get("properties");
-    if (!props || props->kind != Kind::kObject ||
-        Reader::Leaf(props->global_name()) != "TensorProperties" || !props->state) {
-      r.Fail(what + " has no TensorProperties");
-    }
-    const Value* dtype = props->state->kind == Kind::kTuple && !props->state->items.empty()
-                             ? props->state->items[0].get()
-                             : props->state->Get("dtype");
-    tm.dtype = r.DTypeOf(dtype, what + " dtype");
-    tm.shape = r.Ints(ts.Get("size"), what + " size");
-    const Value* chunks = ts.Get("chunks");
-    if (!chunks || chunks->kind != Kind::kList) r.Fail(what + " has no chunk list");
-    for (const auto& c : chunks->items) {
-      const Value& cs = r.State(c.get(), "ChunkStorageMetadata", what + " chunk");
-      ChunkMeta chunk{r.Ints(cs.Get("offsets"), what + " chunk offsets"),
-                      r.Ints(cs.Get("sizes"), what + " chunk sizes")};
-      uint64_t n = ElementSize(tm.dtype);
-      for (int64_t s : chunk.sizes) {
-        if (s < 0 || (s > 0 && n > (uint64_t{1} << 62) / static_cast<uint64_t>(s))) {
-          r.Fail(what + " chunk " + chunk.ToString() + " has an absurd size");
-        }
-        n *= static_cast<uint64_t>(s);
-      }
-      chunk_bytes[fqn][chunk.offsets] = static_cast<int64_t>(n);
-      tm.chunks.push_back(std::move(chunk));
-    }
-    md.entries[fqn] = std::move(tm);
+    md.entries[fqn] = ReadTensorEntry(r, v, what, chunk_bytes[fqn]);
   }
+}
+
+// A storage_data key: a MetadataIndex (fqn, and chunk offset for a tensor).
+MetadataIndex ReadMetadataIndex(const Reader& r, const Value* key) {
+  const Value& is = r.State(key, "MetadataIndex", "a storage_data key");
+  MetadataIndex index;
+  index.fqn = r.Str(is.Get("fqn"), "a MetadataIndex fqn");
+  const Value* off = is.Get("offset");
+  if (off && off->kind != Kind::kNone) index.offset = r.Ints(off, "MetadataIndex offset");
+  return index;
+}
+
+// A _StorageInfo: where a record lies. Any field but those three, when set, is a transform
+// dcp cannot read.
+StorageInfo ReadStorageInfo(const Reader& r, const Value& ss, const std::string& what,
+                            std::string_view source) {
+  for (size_t k = 0; k + 1 < ss.items.size(); k += 2) {
+    const std::string& key = r.Str(ss.items[k].get(), what + " field");
+    const Value* val = ss.items[k + 1].get();
+    const bool empty =
+        val->kind == Kind::kNone ||
+        ((val->kind == Kind::kList || val->kind == Kind::kTuple) && val->items.empty());
+    if (key != "relative_path" && key != "offset" && key != "length" && !empty) {
+      throw UnsupportedError(std::string(source) + ": " + what + " has '" + key +
+                             "' (a storage transform such as compression), which dcp cannot "
+                             "read yet");
+    }
+  }
+  StorageInfo info;
+  info.relative_path = r.Str(ss.Get("relative_path"), what + " relative_path");
+  const int64_t offset = r.Int(ss.Get("offset"), what + " offset");
+  const int64_t length = r.Int(ss.Get("length"), what + " length");
+  if (offset < 0 || length < 0) r.Fail(what + " has a negative offset or length");
+  info.offset = static_cast<uint64_t>(offset);
+  info.length = static_cast<uint64_t>(length);
+  return info;
+}
+
+// storage_data: every stored item, a torch.save record of its entry.
+void ReadStorageData(const Reader& r, const Value& st, std::string_view source,
+                     ChunkBytes& chunk_bytes, Metadata& md) {
   const Value* sd = st.Get("storage_data");
   if (!sd || sd->kind != Kind::kDict) r.Fail("storage_data is missing or not a dict");
   for (size_t i = 0; i + 1 < sd->items.size(); i += 2) {
-    const Value& is = r.State(sd->items[i].get(), "MetadataIndex", "a storage_data key");
-    MetadataIndex index;
-    index.fqn = r.Str(is.Get("fqn"), "a MetadataIndex fqn");
-    const Value* off = is.Get("offset");
-    if (off && off->kind != Kind::kNone) index.offset = r.Ints(off, "MetadataIndex offset");
+    const MetadataIndex index = ReadMetadataIndex(r, sd->items[i].get());
     const std::string what = "stored item " + index.ToString();
-    const Value& ss = r.State(sd->items[i + 1].get(), "_StorageInfo", what);
-    for (size_t k = 0; k + 1 < ss.items.size(); k += 2) {
-      const std::string& key = r.Str(ss.items[k].get(), what + " field");
-      const Value* val = ss.items[k + 1].get();
-      const bool empty =
-          val->kind == Kind::kNone ||
-          ((val->kind == Kind::kList || val->kind == Kind::kTuple) && val->items.empty());
-      if (key != "relative_path" && key != "offset" && key != "length" && !empty) {
-        throw UnsupportedError(std::string(source) + ": " + what + " has '" + key +
-                               "' (a storage transform such as compression), which dcp cannot "
-                               "read yet");
-      }
-    }
-    StorageInfo info;
-    info.relative_path = r.Str(ss.Get("relative_path"), what + " relative_path");
-    const int64_t offset = r.Int(ss.Get("offset"), what + " offset");
-    const int64_t length = r.Int(ss.Get("length"), what + " length");
-    if (offset < 0 || length < 0) r.Fail(what + " has a negative offset or length");
-    info.offset = static_cast<uint64_t>(offset);
-    info.length = static_cast<uint64_t>(length);
+    StorageInfo info =
+        ReadStorageInfo(r, r.State(sd->items[i + 1].get(), "_StorageInfo", what), what, source);
     auto entry = md.entries.find(index.fqn);
     if (entry == md.entries.end()) r.Fail(what + " belongs to no entry of state_dict_metadata");
     info.transforms = {kTorchSaveTransform};
@@ -708,48 +743,80 @@ Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source)
     }
     if (!md.storage.emplace(index, std::move(info)).second) r.Fail(what + " is listed twice");
   }
+}
+
+// planner_data: the key path of each entry, where DefaultSavePlanner recorded one.
+void ReadPlannerData(const Reader& r, const Value& st, Metadata& md) {
   const Value* pd = st.Get("planner_data");
-  if (pd && pd->kind == Kind::kDict) {
-    for (size_t i = 0; i + 1 < pd->items.size(); i += 2) {
-      const Value* key = pd->items[i].get();
-      const Value* path = pd->items[i + 1].get();
-      if (key->kind != Kind::kStr || !md.entries.count(key->str) ||
-          (path->kind != Kind::kTuple && path->kind != Kind::kList)) {
-        continue;  // planner data of another planner: not ours to judge
-      }
-      // Every key copied out is charged: one memoised long string referenced by many paths
-      // must not cost gigabytes (nor name itself in full in an error message).
-      KeyPath kp;
-      for (const auto& p : path->items) {
-        if (p->kind == Kind::kStr) {
-          kp.push_back(r.Str(p.get(), "a planner_data key path"));
-        } else if (p->kind == Kind::kInt) {
-          r.Charge(sizeof(int64_t), "a planner_data key path");
-          kp.push_back(std::to_string(p->integer));
-        } else {
-          r.Fail("planner_data of '" + key->str.substr(0, 256) + "' holds a " + p->Describe());
-        }
-      }
-      if (kp.size() > 1) md.key_paths[key->str] = std::move(kp);
+  if (!pd || pd->kind != Kind::kDict) return;
+  for (size_t i = 0; i + 1 < pd->items.size(); i += 2) {
+    const Value* key = pd->items[i].get();
+    const Value* path = pd->items[i + 1].get();
+    if (key->kind != Kind::kStr || !md.entries.count(key->str) ||
+        (path->kind != Kind::kTuple && path->kind != Kind::kList)) {
+      continue;  // planner data of another planner: not ours to judge
     }
+    // Every key copied out is charged: one memoised long string referenced by many paths
+    // must not cost gigabytes (nor name itself in full in an error message).
+    KeyPath kp;
+    for (const auto& p : path->items) {
+      if (p->kind == Kind::kStr) {
+        kp.push_back(r.Str(p.get(), "a planner_data key path"));
+      } else if (p->kind == Kind::kInt) {
+        r.Charge(sizeof(int64_t), "a planner_data key path");
+        kp.push_back(std::to_string(p->integer));
+      } else {
+        r.Fail("planner_data of '" + key->str.substr(0, 256) + "' holds a " + p->Describe());
+      }
+    }
+    if (kp.size() > 1) md.key_paths[key->str] = std::move(kp);
   }
+}
+
+// The number of data files (at least 1), which stands for the world size.
+int32_t DataFileCount(const Metadata& md) {
   std::set<std::string> files;
   for (const auto& [index, info] : md.storage) files.insert(info.relative_path);
-  md.world_size = static_cast<int32_t>(std::max<size_t>(files.size(), 1));
+  return static_cast<int32_t>(std::max<size_t>(files.size(), 1));
+}
+
+// storage_meta: the save and checkpoint ids, when present.
+void ReadStorageMeta(const Reader& r, const Value& st, Metadata& md) {
   const Value* meta = st.Get("storage_meta");
-  if (meta && meta->kind == Kind::kObject) {
-    const Value& ms = r.State(meta, "StorageMeta", "storage_meta");
-    if (const Value* id = ms.Get("save_id"); id && id->kind == Kind::kStr) md.save_id = id->str;
-    if (const Value* id = ms.Get("checkpoint_id"); id && id->kind == Kind::kStr) {
-      md.checkpoint_id = id->str;
-    }
+  if (!meta || meta->kind != Kind::kObject) return;
+  const Value& ms = r.State(meta, "StorageMeta", "storage_meta");
+  if (const Value* id = ms.Get("save_id"); id && id->kind == Kind::kStr) md.save_id = id->str;
+  if (const Value* id = ms.Get("checkpoint_id"); id && id->kind == Kind::kStr) {
+    md.checkpoint_id = id->str;
   }
+}
+
+// Which torch wrote the metadata: its module, and the version field of torch 2.
+std::string LibraryVersion(const Value& root, const Value& st) {
   const Value* version = st.Get("version");
-  md.library_version =
-      root->global_name().rfind(kMeta1, 0) == 0
-          ? "torch.distributed._shard.checkpoint (torch 1.13)"
-          : "torch.distributed.checkpoint " +
-                (version && version->kind == Kind::kStr ? version->str : std::string("?"));
+  return root.global_name().rfind(kMeta1, 0) == 0
+             ? "torch.distributed._shard.checkpoint (torch 1.13)"
+             : "torch.distributed.checkpoint " +
+                   (version && version->kind == Kind::kStr ? version->str : std::string("?"));
+}
+
+}  // namespace
+
+Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source) {
+  const Reader r{std::string(source), bytes.size()};
+  pickle::Limits limits;
+  limits.max_input_bytes = size_t{2} << 30;
+  const ValuePtr root = pickle::Load(bytes, AllowMetadataGlobal, source, limits);
+  const Value& st = r.State(root.get(), "Metadata", "the metadata");
+  Metadata md;
+  md.format_version = kFormatVersion;
+  ChunkBytes chunk_bytes;
+  ReadStateDictMetadata(r, st, md, chunk_bytes);
+  ReadStorageData(r, st, source, chunk_bytes, md);
+  ReadPlannerData(r, st, md);
+  md.world_size = DataFileCount(md);
+  ReadStorageMeta(r, st, md);
+  md.library_version = LibraryVersion(*root, st);
   ValidateMetadata(md, source);
   return md;
 }
@@ -884,27 +951,31 @@ std::vector<char> ReadTorchRecordStorage(ReadableObject& in, const TorchTensorRe
 
 namespace {
 
-TorchTensorRecord ResolveRecord(Archive& zip, uint64_t offset, const std::string& what) {
-  const std::string prefix = zip.Prefix();
-  if (zip.Find(prefix + "byteorder")) {
-    const std::string order = zip.ReadSmall(prefix + "byteorder", 16);
-    if (order != "little") {
-      throw UnsupportedError(what + " was written on a '" + order + "'-endian machine");
-    }
+// A record written on a big-endian machine cannot be read as is.
+void CheckByteOrder(Archive& zip, const std::string& prefix, const std::string& what) {
+  if (!zip.Find(prefix + "byteorder")) return;
+  const std::string order = zip.ReadSmall(prefix + "byteorder", 16);
+  if (order != "little") {
+    throw UnsupportedError(what + " was written on a '" + order + "'-endian machine");
   }
-  const std::string pkl = zip.ReadSmall(prefix + "data.pkl", kMaxPickleBytes);
-  pickle::Limits limits;
-  limits.max_input_bytes = kMaxPickleBytes;
-  limits.max_values = 1 << 16;
-  const ValuePtr root =
-      pickle::Load(pkl, AllowTensorGlobal, what + " " + prefix + "data.pkl", limits);
-  const Reader r{what, pkl.size()};
-  const std::string fn = root->global_name();
-  if (root->kind != Kind::kObject ||
+}
+
+// The storage a tensor's pickle references: ('storage', type, key, location, numel).
+struct StorageRef {
+  bool untyped = false;  // an UntypedStorage: numel counts bytes
+  std::string key;       // its entry is data/<key>
+  int64_t numel = 0;
+};
+
+// The tensor's pickle, _rebuild_tensor_v2 or _v3(storage, storage_offset, size, stride, ...):
+// its dtype, offset, sizes and strides into rec; returns the storage it references.
+StorageRef ReadRebuildCall(const Reader& r, const Value& root, TorchTensorRecord& rec) {
+  const std::string fn = root.global_name();
+  if (root.kind != Kind::kObject ||
       (fn != "torch._utils._rebuild_tensor_v2" && fn != "torch._utils._rebuild_tensor_v3")) {
-    r.Fail("does not hold a plain tensor (its pickle is a " + root->Describe() + ")");
+    r.Fail("does not hold a plain tensor (its pickle is a " + root.Describe() + ")");
   }
-  const auto& args = root->args->items;
+  const auto& args = root.args->items;
   if (args.size() < 6) r.Fail("has a tensor pickle with too few arguments");
   const Value* pid = args[0].get();
   if (pid->kind != Kind::kPersistent || pid->items[0]->kind != Kind::kTuple ||
@@ -915,41 +986,54 @@ TorchTensorRecord ResolveRecord(Archive& zip, uint64_t offset, const std::string
   if (sref[0]->kind != Kind::kStr || sref[0]->str != "storage" || sref[1]->kind != Kind::kGlobal) {
     r.Fail("has a malformed storage reference");
   }
-  TorchTensorRecord rec;
-  const bool untyped = sref[1]->name() == "UntypedStorage";
+  StorageRef ref;
+  ref.untyped = sref[1]->name() == "UntypedStorage";
   if (fn == "torch._utils._rebuild_tensor_v3") {
     rec.dtype = r.DTypeOf(args.back().get(), "its dtype");
   } else {
     auto it = StorageClasses().find(sref[1]->name());
-    if (untyped || it == StorageClasses().end()) r.Fail("has an untyped storage without dtype");
+    if (ref.untyped || it == StorageClasses().end()) {
+      r.Fail("has an untyped storage without dtype");
+    }
     rec.dtype = it->second;
   }
-  const std::string key = r.Str(sref[2].get(), "its storage key");
-  if (key.empty() || key.size() > 64 || key.find('/') != std::string::npos) {
+  ref.key = r.Str(sref[2].get(), "its storage key");
+  if (ref.key.empty() || ref.key.size() > 64 || ref.key.find('/') != std::string::npos) {
     r.Fail("has a bad storage key");
   }
-  const int64_t numel = r.Int(sref[4].get(), "its storage size");
+  ref.numel = r.Int(sref[4].get(), "its storage size");
   rec.storage_offset = r.Int(args[1].get(), "its storage offset");
   rec.sizes = r.Ints(args[2].get(), "its size");
   rec.strides = r.Ints(args[3].get(), "its stride");
-  const std::string entry = prefix + "data/" + key;
+  return ref;
+}
+
+// The storage's zip entry: its size and CRC-32 into rec, checked against the pickle's numel.
+void ReadStorageEntry(const Reader& r, const Archive& zip, const std::string& entry,
+                      const StorageRef& ref, TorchTensorRecord& rec) {
   const unz_file_info64* info = zip.Find(entry);
   if (!info) r.Fail("has no storage entry " + entry);
   const uint64_t esize = ElementSize(rec.dtype);
   rec.storage_bytes = info->uncompressed_size;
   rec.zip_crc32 = static_cast<uint32_t>(info->crc);
-  if (numel < 0 || (untyped ? static_cast<uint64_t>(numel) != rec.storage_bytes
-                            : static_cast<uint64_t>(numel) > rec.storage_bytes / esize ||
-                                  static_cast<uint64_t>(numel) * esize != rec.storage_bytes)) {
+  const uint64_t numel = static_cast<uint64_t>(ref.numel);
+  if (ref.numel < 0 ||
+      (ref.untyped ? numel != rec.storage_bytes
+                   : numel > rec.storage_bytes / esize || numel * esize != rec.storage_bytes)) {
     r.Fail("storage entry " + entry + " has " + std::to_string(rec.storage_bytes) +
-           " bytes, its pickle claims " + std::to_string(numel) +
-           (untyped ? " bytes" : " elements"));
+           " bytes, its pickle claims " + std::to_string(ref.numel) +
+           (ref.untyped ? " bytes" : " elements"));
   }
+}
+
+// Every element must lie inside the storage; sets rec.span_bytes. The numbers come from the
+// file: every product and sum is checked, so no crafted size, stride or offset can wrap around
+// to a small extent.
+void CheckExtent(const Reader& r, TorchTensorRecord& rec) {
   if (rec.sizes.size() != rec.strides.size() || rec.storage_offset < 0) {
     r.Fail("has inconsistent sizes and strides");
   }
-  // Every element must lie inside the storage. The numbers come from the file: every product
-  // and sum is checked, so no crafted size, stride or offset can wrap around to a small extent.
+  const uint64_t esize = ElementSize(rec.dtype);
   bool empty = false;
   uint64_t last = static_cast<uint64_t>(rec.storage_offset);  // the last element viewed
   for (size_t d = 0; d < rec.sizes.size(); ++d) {
@@ -979,6 +1063,23 @@ TorchTensorRecord ResolveRecord(Archive& zip, uint64_t offset, const std::string
     }
     rec.span_bytes = end_bytes - static_cast<uint64_t>(rec.storage_offset) * esize;
   }
+}
+
+TorchTensorRecord ResolveRecord(Archive& zip, uint64_t offset, const std::string& what) {
+  const std::string prefix = zip.Prefix();
+  CheckByteOrder(zip, prefix, what);
+  const std::string pkl = zip.ReadSmall(prefix + "data.pkl", kMaxPickleBytes);
+  pickle::Limits limits;
+  limits.max_input_bytes = kMaxPickleBytes;
+  limits.max_values = 1 << 16;
+  const ValuePtr root =
+      pickle::Load(pkl, AllowTensorGlobal, what + " " + prefix + "data.pkl", limits);
+  const Reader r{what, pkl.size()};
+  TorchTensorRecord rec;
+  const StorageRef ref = ReadRebuildCall(r, *root, rec);
+  const std::string entry = prefix + "data/" + ref.key;
+  ReadStorageEntry(r, zip, entry, ref, rec);
+  CheckExtent(r, rec);
   rec.storage_begin = offset + zip.DataOffset(entry);
   return rec;
 }
