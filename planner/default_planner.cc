@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <set>
@@ -326,87 +327,114 @@ std::vector<SaveDeclaration> DecodeSaveDeclarations(std::string_view data) {
   return out;
 }
 
-std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
-    std::vector<SavePlan> plans) {
-  return CreateGlobalPlan(std::move(plans), {});
-}
+namespace {
 
-std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
-    std::vector<SavePlan> plans, std::vector<uint64_t> base_load, const Metadata* planned) {
-  if (!base_load.empty() && base_load.size() != plans.size()) {
-    throw InvalidArgumentError("base load for " + std::to_string(base_load.size()) +
-                               " ranks, plans of " + std::to_string(plans.size()));
-  }
-  // Cost grows with ranks x items (millions at thousands of ranks), so each item is looked at a
-  // few times through flat arrays: its fqn is hashed once into a dense id, and the items of one
-  // fqn are grouped by sorting their chunk offsets (no tree keyed by fqn and offsets).
-  struct Ref {
-    int rank;
-    uint32_t item;
-  };
+// Cost grows with ranks x items (millions at thousands of ranks), so each item is looked at a
+// few times through flat arrays: its fqn is hashed once into a dense id, and the items of one
+// fqn are grouped by sorting their chunk offsets (no tree keyed by fqn and offsets).
+struct ItemRef {
+  int rank;
+  uint32_t item;
+};
+
+struct ItemsByFqn {
   std::unordered_map<std::string, uint32_t> ids;  // owns its keys: items are moved below
-  std::vector<std::vector<uint32_t>> item_ids(plans.size());
-  std::vector<std::vector<Ref>> by_fqn;  // id -> its items, rank-major
+  std::vector<std::vector<uint32_t>> item_ids;    // [rank][item] -> id
+  std::vector<std::vector<ItemRef>> by_fqn;       // id -> its items, rank-major
+};
+
+// What the metadata step knows of one fqn.
+struct EntryState {
+  EntryMetadata* entry = nullptr;
+  int first_rank = -1;
+  std::vector<int> ranks;  // of each chunk, for validation messages
+};
+
+ItemsByFqn IndexItemsByFqn(const std::vector<SavePlan>& plans) {
+  ItemsByFqn index;
+  index.item_ids.resize(plans.size());
   for (size_t r = 0; r < plans.size(); ++r) {
-    item_ids[r].reserve(plans[r].items.size());
+    index.item_ids[r].reserve(plans[r].items.size());
     for (size_t i = 0; i < plans[r].items.size(); ++i) {
       const std::string& fqn = plans[r].items[i].index.fqn;
-      auto [it, fresh] = ids.try_emplace(fqn, static_cast<uint32_t>(by_fqn.size()));
-      if (fresh) by_fqn.emplace_back();
-      item_ids[r].push_back(it->second);
-      by_fqn[it->second].push_back({static_cast<int>(r), static_cast<uint32_t>(i)});
+      auto [it, fresh] = index.ids.try_emplace(fqn, static_cast<uint32_t>(index.by_fqn.size()));
+      if (fresh) index.by_fqn.emplace_back();
+      index.item_ids[r].push_back(it->second);
+      index.by_fqn[it->second].push_back({static_cast<int>(r), static_cast<uint32_t>(i)});
     }
   }
-  auto item = [&](const Ref& ref) -> WriteItem& { return plans[ref.rank].items[ref.item]; };
+  return index;
+}
+
+// Throw unless the holders refs[b, e) of one stored item hold the same thing.
+void CheckHoldersAgree(const std::vector<SavePlan>& plans, const std::vector<ItemRef>& refs,
+                       size_t b, size_t e) {
+  const WriteItem& first = plans[refs[b].rank].items[refs[b].item];
+  for (size_t k = b + 1; k < e; ++k) {
+    const WriteItem& other = plans[refs[k].rank].items[refs[k].item];
+    if (other.type != first.type || other.dtype != first.dtype || other.chunk != first.chunk ||
+        other.global_shape != first.global_shape) {
+      throw InvalidArgumentError(
+          "item " + first.index.ToString() + " differs between ranks: rank " +
+          std::to_string(refs[b].rank) + " has " + Describe(first.dtype, first.chunk.sizes) +
+          " of " + ShapeToString(first.global_shape) + ", rank " + std::to_string(refs[k].rank) +
+          " has " + Describe(other.dtype, other.chunk.sizes) + " of " +
+          ShapeToString(other.global_shape));
+    }
+  }
+}
+
+// Step 1: the holders of each stored item that several ranks hold. An item one rank holds
+// alone adds to that rank's `load` here.
+std::vector<std::vector<ItemRef>> GroupByStoredIdentity(const std::vector<SavePlan>& plans,
+                                                        ItemsByFqn& index,
+                                                        std::vector<uint64_t>& load) {
+  auto item = [&](const ItemRef& ref) -> const WriteItem& {
+    return plans[ref.rank].items[ref.item];
+  };
+  std::vector<std::vector<ItemRef>>& by_fqn = index.by_fqn;
   // Ids in fqn order: the order of the stored items, which decides ties below.
   std::vector<uint32_t> fqn_order(by_fqn.size());
   std::iota(fqn_order.begin(), fqn_order.end(), 0u);
   std::sort(fqn_order.begin(), fqn_order.end(), [&](uint32_t a, uint32_t b) {
     return item(by_fqn[a][0]).index.fqn < item(by_fqn[b][0]).index.fqn;
   });
-
-  // 1. Group items by stored identity (fqn + chunk offsets) across ranks.
-  // 2. Dedup: every replicated item is kept by exactly one holder. Unique items load their
-  //    rank first; then replicated items, largest first, go to the least-loaded holder.
-  std::vector<uint64_t> load = std::move(base_load);
-  load.resize(plans.size(), 0);
-  std::vector<std::vector<Ref>> replicated;  // each: the holders of one stored item
+  std::vector<std::vector<ItemRef>> replicated;  // each: the holders of one stored item
   for (uint32_t id : fqn_order) {
-    std::vector<Ref>& refs = by_fqn[id];
-    std::stable_sort(refs.begin(), refs.end(), [&](const Ref& a, const Ref& b) {
+    std::vector<ItemRef>& refs = by_fqn[id];
+    std::stable_sort(refs.begin(), refs.end(), [&](const ItemRef& a, const ItemRef& b) {
       return item(a).index.offset < item(b).index.offset;
     });
     for (size_t b = 0; b < refs.size();) {
       size_t e = b + 1;
       while (e < refs.size() && item(refs[e]).index.offset == item(refs[b]).index.offset) ++e;
-      const WriteItem& first = item(refs[b]);
-      for (size_t k = b + 1; k < e; ++k) {
-        const WriteItem& other = item(refs[k]);
-        if (other.type != first.type || other.dtype != first.dtype || other.chunk != first.chunk ||
-            other.global_shape != first.global_shape) {
-          throw InvalidArgumentError(
-              "item " + first.index.ToString() + " differs between ranks: rank " +
-              std::to_string(refs[b].rank) + " has " + Describe(first.dtype, first.chunk.sizes) +
-              " of " + ShapeToString(first.global_shape) + ", rank " +
-              std::to_string(refs[k].rank) + " has " + Describe(other.dtype, other.chunk.sizes) +
-              " of " + ShapeToString(other.global_shape));
-        }
-      }
+      CheckHoldersAgree(plans, refs, b, e);
       if (e - b == 1) {
-        load[refs[b].rank] += first.size_bytes;
+        load[refs[b].rank] += item(refs[b]).size_bytes;
       } else {
         replicated.emplace_back(refs.begin() + b, refs.begin() + e);
       }
       b = e;
     }
   }
+  return replicated;
+}
+
+// Step 2: each replicated item, largest first, is kept by its least-loaded holder. Returns
+// drop[rank][item]: 1 for each copy not kept.
+std::vector<std::vector<char>> PickHolders(const std::vector<SavePlan>& plans,
+                                           std::vector<std::vector<ItemRef>> replicated,
+                                           std::vector<uint64_t>& load) {
+  auto item = [&](const ItemRef& ref) -> const WriteItem& {
+    return plans[ref.rank].items[ref.item];
+  };
   std::stable_sort(replicated.begin(), replicated.end(), [&](const auto& a, const auto& b) {
     return item(a[0]).size_bytes > item(b[0]).size_bytes;
   });
   std::vector<std::vector<char>> drop(plans.size());
   for (size_t r = 0; r < plans.size(); ++r) drop[r].assign(plans[r].items.size(), 0);
   for (const auto& holders : replicated) {
-    const Ref* best = &holders[0];
+    const ItemRef* best = &holders[0];
     for (const auto& h : holders) {
       if (load[h.rank] < load[best->rank]) best = &h;
     }
@@ -415,18 +443,48 @@ std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
       if (&h != best) drop[h.rank][h.item] = 1;
     }
   }
-  replicated.clear();
+  return drop;
+}
 
-  // 3. Build the metadata; all ranks must agree on each fqn's kind, dtype and global shape.
-  Metadata md;
-  struct EntryState {
-    EntryMetadata* entry = nullptr;
-    int first_rank = -1;
-    std::vector<int> ranks;  // of each chunk, for validation messages
-  };
-  std::vector<EntryState> entries(by_fqn.size());
-  by_fqn.clear();
-  by_fqn.shrink_to_fit();
+// Record rank r's kept item `it` in its entry `st` (made on first sight), checking that it
+// agrees with the ranks before, and number it among the entry's chunks.
+void AddItemToEntry(WriteItem& it, size_t r, EntryState& st, Metadata& md) {
+  const std::string& fqn = it.index.fqn;
+  if (st.entry == nullptr) {
+    st.first_rank = static_cast<int>(r);
+    EntryMetadata fresh = it.is_tensor()
+                              ? EntryMetadata(TensorMetadata{it.dtype, it.global_shape, {}})
+                              : EntryMetadata(BytesMetadata{});
+    st.entry = &md.entries.emplace(fqn, std::move(fresh)).first->second;
+  }
+  auto* t = std::get_if<TensorMetadata>(st.entry);
+  if ((t != nullptr) != it.is_tensor()) {
+    throw InvalidArgumentError("'" + fqn + "' is a tensor on one rank and a byte blob on " +
+                               "another (ranks " + std::to_string(st.first_rank) + " and " +
+                               std::to_string(r) + ")");
+  }
+  if (t == nullptr) {
+    it.index.index = 0;
+    return;
+  }
+  if (t->dtype != it.dtype || t->shape != it.global_shape) {
+    throw InvalidArgumentError("tensor '" + fqn + "' disagrees across ranks: rank " +
+                               std::to_string(st.first_rank) + " has " +
+                               Describe(t->dtype, t->shape) + ", rank " + std::to_string(r) +
+                               " has " + Describe(it.dtype, it.global_shape));
+  }
+  it.index.index = static_cast<int32_t>(t->chunks.size());
+  t->chunks.push_back(it.chunk);
+  st.ranks.push_back(static_cast<int>(r));
+}
+
+// Step 3a: the metadata entries of the kept items; the dropped ones leave the plans. Each
+// rank's scratch (drop, item ids) is freed once its plan is done.
+std::vector<EntryState> AddKeptItems(std::vector<SavePlan>& plans, ItemsByFqn& index,
+                                     std::vector<std::vector<char>>& drop, Metadata& md) {
+  std::vector<EntryState> entries(index.by_fqn.size());
+  index.by_fqn.clear();
+  index.by_fqn.shrink_to_fit();
   for (size_t r = 0; r < plans.size(); ++r) {
     // try_emplace: every rank lists the same paths, and a node is made only for a new one.
     for (const auto& [fqn, path] : plans[r].key_paths) md.key_paths.try_emplace(fqn, path);
@@ -435,43 +493,21 @@ std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
     size_t kept = 0;
     for (size_t i = 0; i < items.size(); ++i) {
       if (drop[r][i]) continue;
-      WriteItem& it = items[i];
-      EntryState& st = entries[item_ids[r][i]];
-      const std::string& fqn = it.index.fqn;
-      if (st.entry == nullptr) {
-        st.first_rank = static_cast<int>(r);
-        EntryMetadata fresh = it.is_tensor()
-                                  ? EntryMetadata(TensorMetadata{it.dtype, it.global_shape, {}})
-                                  : EntryMetadata(BytesMetadata{});
-        st.entry = &md.entries.emplace(fqn, std::move(fresh)).first->second;
-      }
-      auto* t = std::get_if<TensorMetadata>(st.entry);
-      if ((t != nullptr) != it.is_tensor()) {
-        throw InvalidArgumentError("'" + fqn + "' is a tensor on one rank and a byte blob on " +
-                                   "another (ranks " + std::to_string(st.first_rank) + " and " +
-                                   std::to_string(r) + ")");
-      }
-      if (t == nullptr) {
-        it.index.index = 0;
-      } else {
-        if (t->dtype != it.dtype || t->shape != it.global_shape) {
-          throw InvalidArgumentError("tensor '" + fqn + "' disagrees across ranks: rank " +
-                                     std::to_string(st.first_rank) + " has " +
-                                     Describe(t->dtype, t->shape) + ", rank " + std::to_string(r) +
-                                     " has " + Describe(it.dtype, it.global_shape));
-        }
-        it.index.index = static_cast<int32_t>(t->chunks.size());
-        t->chunks.push_back(it.chunk);
-        st.ranks.push_back(static_cast<int>(r));
-      }
-      if (kept != i) items[kept] = std::move(it);
+      AddItemToEntry(items[i], r, entries[index.item_ids[r][i]], md);
+      if (kept != i) items[kept] = std::move(items[i]);
       ++kept;
     }
     items.resize(kept);
     std::vector<char>().swap(drop[r]);
-    std::vector<uint32_t>().swap(item_ids[r]);
+    std::vector<uint32_t>().swap(index.item_ids[r]);
   }
-  // Sharded tensors that some rank declared without holding a shard.
+  return entries;
+}
+
+// Step 3b: sharded tensors that some rank declared without holding a shard.
+void AddDeclaredTensors(std::vector<SavePlan>& plans, const Metadata* planned,
+                        const std::unordered_map<std::string, uint32_t>& ids,
+                        const std::vector<EntryState>& entries, Metadata& md) {
   std::map<std::string, int> declared_by;
   for (size_t r = 0; r < plans.size(); ++r) {
     for (const auto& d : DecodeSaveDeclarations(plans[r].planner_data)) {
@@ -506,7 +542,11 @@ std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
     }
     plans[r].planner_data.clear();
   }
-  // 4. Every tensor must be tiled exactly by its chunks.
+}
+
+// Step 4: every tensor must be tiled exactly by its chunks.
+void ValidateAllChunks(const Metadata& md, const std::unordered_map<std::string, uint32_t>& ids,
+                       const std::vector<EntryState>& entries) {
   static const std::vector<int> kNoRanks;
   for (const auto& [fqn, entry] : md.entries) {
     const auto* t = std::get_if<TensorMetadata>(&entry);
@@ -515,6 +555,35 @@ std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
     ValidateChunks(fqn, t->shape, t->chunks,
                    known != ids.end() ? entries[known->second].ranks : kNoRanks);
   }
+}
+
+}  // namespace
+
+std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
+    std::vector<SavePlan> plans) {
+  return CreateGlobalPlan(std::move(plans), {});
+}
+
+std::pair<std::vector<SavePlan>, Metadata> DefaultSavePlanner::CreateGlobalPlan(
+    std::vector<SavePlan> plans, std::vector<uint64_t> base_load, const Metadata* planned) {
+  if (!base_load.empty() && base_load.size() != plans.size()) {
+    throw InvalidArgumentError("base load for " + std::to_string(base_load.size()) +
+                               " ranks, plans of " + std::to_string(plans.size()));
+  }
+  ItemsByFqn index = IndexItemsByFqn(plans);
+  // 1. Group items by stored identity (fqn + chunk offsets) across ranks.
+  // 2. Dedup: every replicated item is kept by exactly one holder. Unique items load their
+  //    rank first; then replicated items, largest first, go to the least-loaded holder.
+  std::vector<uint64_t> load = std::move(base_load);
+  load.resize(plans.size(), 0);
+  std::vector<std::vector<ItemRef>> replicated = GroupByStoredIdentity(plans, index, load);
+  std::vector<std::vector<char>> drop = PickHolders(plans, std::move(replicated), load);
+  // 3. Build the metadata; all ranks must agree on each fqn's kind, dtype and global shape.
+  Metadata md;
+  const std::vector<EntryState> entries = AddKeptItems(plans, index, drop, md);
+  AddDeclaredTensors(plans, planned, index.ids, entries, md);
+  // 4. Every tensor must be tiled exactly by its chunks.
+  ValidateAllChunks(md, index.ids, entries);
   return {std::move(plans), std::move(md)};
 }
 
@@ -555,6 +624,139 @@ void DefaultLoadPlanner::SetUp(StateDict& state_dict, const Metadata& metadata,
   ctx_ = ctx;
 }
 
+namespace {
+
+// The chunks of one tensor that this rank wants, in the global coordinates of the tensor.
+struct WantedChunks {
+  DType dtype = DType::kFloat32;
+  Shape global;
+  std::vector<ChunkMeta> chunks;
+};
+
+// Throw if two of `local` start at the same offsets.
+void CheckDistinctOffsets(const std::string& fqn, const std::vector<ChunkMeta>& local) {
+  if (local.size() <= 1) return;
+  std::vector<const Shape*> starts;
+  starts.reserve(local.size());
+  for (const auto& c : local) starts.push_back(&c.offsets);
+  std::sort(starts.begin(), starts.end(), [](const Shape* a, const Shape* b) { return *a < *b; });
+  for (size_t i = 1; i < starts.size(); ++i) {
+    if (*starts[i] == *starts[i - 1]) {
+      throw InvalidArgumentError("sharded tensor '" + fqn + "' has two local shards at " +
+                                 ShapeToString(*starts[i]));
+    }
+  }
+}
+
+// The chunks a state dict tensor or sharded tensor asks for, each checked.
+WantedChunks WantedChunksOf(const std::string& fqn, const StateValue& value) {
+  WantedChunks want;
+  if (const auto* t = std::get_if<TensorView>(&value)) {
+    CheckTensorView(fqn, *t);
+    want.dtype = t->dtype;
+    want.global = t->shape;
+    want.chunks.push_back({Shape(t->shape.size(), 0), t->shape});
+    return want;
+  }
+  const auto& st = std::get<ShardedTensor>(value);
+  want.dtype = st.dtype;
+  want.global = st.global_shape;
+  const Shape& global = want.global;
+  for (const auto& shard : st.local_shards) {
+    CheckTensorView(fqn, shard.view);
+    if (shard.view.dtype != st.dtype || shard.offsets.size() != global.size() ||
+        shard.view.shape.size() != global.size()) {
+      throw InvalidArgumentError("sharded tensor '" + fqn + "': local shard at " +
+                                 ShapeToString(shard.offsets) + " (" + shard.view.ToString() +
+                                 ") does not match " + Describe(st.dtype, global));
+    }
+    // A shard outside the shape, or a second shard at the same offsets, would be left
+    // partly or wholly unfilled (ResolveTensor finds shards by their offsets).
+    for (size_t d = 0; d < global.size(); ++d) {
+      if (shard.offsets[d] < 0 || shard.offsets[d] > global[d] - shard.view.shape[d]) {
+        throw InvalidArgumentError("sharded tensor '" + fqn + "': local shard at " +
+                                   ShapeToString(shard.offsets) + " (" + shard.view.ToString() +
+                                   ") lies outside " + Describe(st.dtype, global));
+      }
+    }
+    want.chunks.push_back({shard.offsets, shard.view.shape});
+  }
+  CheckDistinctOffsets(fqn, want.chunks);
+  return want;
+}
+
+// One ReadItem for each overlap of a wanted chunk with a saved one.
+void AddTensorReads(const std::string& fqn, const WantedChunks& want, const TensorMetadata& saved,
+                    bool naive_overlaps, std::vector<ReadItem>& out) {
+  const Shape& global = want.global;
+  std::optional<ChunkIndex> index;
+  // A handful of saved chunks is scanned directly (same result, no index to build).
+  constexpr size_t kIndexFrom = 16;
+  if (!naive_overlaps && !want.chunks.empty() && saved.chunks.size() >= kIndexFrom) {
+    index.emplace(saved.chunks);
+  }
+  for (const auto& dst : want.chunks) {
+    const std::vector<size_t> hits =
+        index ? index->Overlapping(dst) : OverlappingChunksNaive(saved.chunks, dst);
+    for (size_t ci : hits) {
+      const ChunkMeta& src = saved.chunks[ci];
+      auto overlap = Intersect(dst, src);
+      if (!overlap) continue;
+      ReadItem item;
+      item.type = ReadItemType::kTensor;
+      item.dest_index = {fqn, dst.offsets, {}};
+      item.storage_index = {fqn, src.offsets, static_cast<int32_t>(ci)};
+      item.lengths = overlap->sizes;
+      item.dest_offsets.resize(global.size());
+      item.storage_offsets.resize(global.size());
+      for (size_t d = 0; d < global.size(); ++d) {
+        item.dest_offsets[d] = overlap->offsets[d] - dst.offsets[d];
+        item.storage_offsets[d] = overlap->offsets[d] - src.offsets[d];
+      }
+      out.push_back(std::move(item));
+    }
+  }
+}
+
+// The reads of one state dict entry from its saved entry, which must be of the same kind,
+// dtype and global shape.
+void AddEntryReads(const std::string& fqn, const StateValue& value, const EntryMetadata& entry,
+                   bool naive_overlaps, std::vector<ReadItem>& out) {
+  const auto* saved = std::get_if<TensorMetadata>(&entry);
+  const bool want_tensor = !std::holds_alternative<Blob>(value);
+  if ((saved != nullptr) != want_tensor) {
+    throw InvalidArgumentError("'" + fqn + "' is " + KindName(value) + " in the state dict but " +
+                               (saved ? "a tensor" : "a byte blob") + " in the checkpoint");
+  }
+  if (!want_tensor) {
+    ReadItem item;
+    item.type = ReadItemType::kBytes;
+    item.dest_index = {fqn, {}, {}};
+    item.storage_index = {fqn, {}, {}};
+    out.push_back(std::move(item));
+    return;
+  }
+  const WantedChunks want = WantedChunksOf(fqn, value);
+  if (want.dtype != saved->dtype || want.global != saved->shape) {
+    throw InvalidArgumentError("tensor '" + fqn + "': the checkpoint has " +
+                               Describe(saved->dtype, saved->shape) + ", the state dict asks for " +
+                               Describe(want.dtype, want.global));
+  }
+  AddTensorReads(fqn, want, *saved, naive_overlaps, out);
+}
+
+[[noreturn]] void ThrowMissingKeys(const std::vector<std::string>& missing) {
+  std::ostringstream os;
+  os << missing.size() << " requested key" << (missing.size() == 1 ? " is" : "s are")
+     << " not in the checkpoint:";
+  for (size_t i = 0; i < missing.size() && i < 20; ++i) os << " '" << missing[i] << "'";
+  if (missing.size() > 20) os << " ...";
+  os << " (pass allow_partial_load to skip missing keys)";
+  throw NotFoundError(os.str());
+}
+
+}  // namespace
+
 LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
   LoadPlan plan;
   std::vector<std::string> missing;
@@ -564,109 +766,9 @@ LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
       if (!options_.allow_partial_load) missing.push_back(fqn);
       continue;
     }
-    StateValue& value = *entry.value;
-    const auto* saved = std::get_if<TensorMetadata>(&md_it->second);
-    const bool want_tensor = !std::holds_alternative<Blob>(value);
-    if ((saved != nullptr) != want_tensor) {
-      throw InvalidArgumentError("'" + fqn + "' is " + KindName(value) + " in the state dict but " +
-                                 (saved ? "a tensor" : "a byte blob") + " in the checkpoint");
-    }
-    if (!want_tensor) {
-      ReadItem item;
-      item.type = ReadItemType::kBytes;
-      item.dest_index = {fqn, {}, {}};
-      item.storage_index = {fqn, {}, {}};
-      plan.items.push_back(std::move(item));
-      continue;
-    }
-    // The local chunks this rank wants, in the global coordinates of the tensor.
-    std::vector<ChunkMeta> local;
-    DType dtype;
-    Shape global;
-    if (auto* t = std::get_if<TensorView>(&value)) {
-      CheckTensorView(fqn, *t);
-      dtype = t->dtype;
-      global = t->shape;
-      local.push_back({Shape(t->shape.size(), 0), t->shape});
-    } else {
-      auto& st = std::get<ShardedTensor>(value);
-      dtype = st.dtype;
-      global = st.global_shape;
-      for (const auto& shard : st.local_shards) {
-        CheckTensorView(fqn, shard.view);
-        if (shard.view.dtype != st.dtype || shard.offsets.size() != global.size() ||
-            shard.view.shape.size() != global.size()) {
-          throw InvalidArgumentError("sharded tensor '" + fqn + "': local shard at " +
-                                     ShapeToString(shard.offsets) + " (" + shard.view.ToString() +
-                                     ") does not match " + Describe(st.dtype, global));
-        }
-        // A shard outside the shape, or a second shard at the same offsets, would be left
-        // partly or wholly unfilled (ResolveTensor finds shards by their offsets).
-        for (size_t d = 0; d < global.size(); ++d) {
-          if (shard.offsets[d] < 0 || shard.offsets[d] > global[d] - shard.view.shape[d]) {
-            throw InvalidArgumentError("sharded tensor '" + fqn + "': local shard at " +
-                                       ShapeToString(shard.offsets) + " (" + shard.view.ToString() +
-                                       ") lies outside " + Describe(st.dtype, global));
-          }
-        }
-        local.push_back({shard.offsets, shard.view.shape});
-      }
-    }
-    if (local.size() > 1) {
-      std::vector<const Shape*> starts;
-      starts.reserve(local.size());
-      for (const auto& c : local) starts.push_back(&c.offsets);
-      std::sort(starts.begin(), starts.end(),
-                [](const Shape* a, const Shape* b) { return *a < *b; });
-      for (size_t i = 1; i < starts.size(); ++i) {
-        if (*starts[i] == *starts[i - 1]) {
-          throw InvalidArgumentError("sharded tensor '" + fqn + "' has two local shards at " +
-                                     ShapeToString(*starts[i]));
-        }
-      }
-    }
-    if (dtype != saved->dtype || global != saved->shape) {
-      throw InvalidArgumentError("tensor '" + fqn + "': the checkpoint has " +
-                                 Describe(saved->dtype, saved->shape) +
-                                 ", the state dict asks for " + Describe(dtype, global));
-    }
-    std::optional<ChunkIndex> index;
-    // A handful of saved chunks is scanned directly (same result, no index to build).
-    constexpr size_t kIndexFrom = 16;
-    if (!options_.naive_overlaps && !local.empty() && saved->chunks.size() >= kIndexFrom) {
-      index.emplace(saved->chunks);
-    }
-    for (const auto& dst : local) {
-      const std::vector<size_t> hits =
-          index ? index->Overlapping(dst) : OverlappingChunksNaive(saved->chunks, dst);
-      for (size_t ci : hits) {
-        const ChunkMeta& src = saved->chunks[ci];
-        auto overlap = Intersect(dst, src);
-        if (!overlap) continue;
-        ReadItem item;
-        item.type = ReadItemType::kTensor;
-        item.dest_index = {fqn, dst.offsets, {}};
-        item.storage_index = {fqn, src.offsets, static_cast<int32_t>(ci)};
-        item.lengths = overlap->sizes;
-        item.dest_offsets.resize(global.size());
-        item.storage_offsets.resize(global.size());
-        for (size_t d = 0; d < global.size(); ++d) {
-          item.dest_offsets[d] = overlap->offsets[d] - dst.offsets[d];
-          item.storage_offsets[d] = overlap->offsets[d] - src.offsets[d];
-        }
-        plan.items.push_back(std::move(item));
-      }
-    }
+    AddEntryReads(fqn, *entry.value, md_it->second, options_.naive_overlaps, plan.items);
   }
-  if (!missing.empty()) {
-    std::ostringstream os;
-    os << missing.size() << " requested key" << (missing.size() == 1 ? " is" : "s are")
-       << " not in the checkpoint:";
-    for (size_t i = 0; i < missing.size() && i < 20; ++i) os << " '" << missing[i] << "'";
-    if (missing.size() > 20) os << " ...";
-    os << " (pass allow_partial_load to skip missing keys)";
-    throw NotFoundError(os.str());
-  }
+  if (!missing.empty()) ThrowMissingKeys(missing);
   extra_keys_.clear();
   for (const auto& [fqn, entry] : metadata_->entries) {
     if (!flat_.count(fqn)) extra_keys_.push_back(fqn);

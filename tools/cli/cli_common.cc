@@ -14,10 +14,10 @@
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/codec.h"
 #include "dcp/proto/error.h"
-#include "dcp/storage/registry.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/torch_dcp.h"
 #include "dcp/storage/format/zstd_transform.h"
+#include "dcp/storage/registry.h"
 
 namespace dcp::cli {
 
@@ -265,12 +265,11 @@ std::unique_ptr<ZstdItemReader> OpenZstd(Store& store, ReadableObject& obj, cons
 
 [[noreturn]] void ChecksumMismatch(const std::string& what, const std::string& uri,
                                    const StorageInfo& info, uint32_t actual) {
-  throw CorruptionError("checksum mismatch for " + what + " in '" + uri + "/" + info.relative_path +
-                        "' at offset " + std::to_string(info.offset) + " (" +
-                        std::to_string(info.length) + " bytes): stored " +
-                        (info.zip_crc32 ? "zip CRC-32 " : "crc32c ") +
-                        std::to_string(StoredCrc(info).value_or(0)) + ", computed " +
-                        std::to_string(actual));
+  throw CorruptionError(
+      "checksum mismatch for " + what + " in '" + uri + "/" + info.relative_path + "' at offset " +
+      std::to_string(info.offset) + " (" + std::to_string(info.length) + " bytes): stored " +
+      (info.zip_crc32 ? "zip CRC-32 " : "crc32c ") + std::to_string(StoredCrc(info).value_or(0)) +
+      ", computed " + std::to_string(actual));
 }
 
 }  // namespace
@@ -355,111 +354,134 @@ ReadableObject& TensorStream::Object(const std::string& name) {
 
 bool TensorStream::Next(const char*& data, size_t& nbytes) {
   if (done_) return false;
-  const size_t esize = ElementSize(entry_.dtype);
-  const Shape& shape = entry_.shape;
-  if (shape.empty()) {  // a scalar: one chunk, one element
-    piece_.resize(esize);
-    ChunkState& cs = chunks_.at(0);
-    if (IsZstdItem(*cs.info)) {
-      OpenZstd(store_, Object(cs.info->relative_path), fqn_ + "[]", *cs.info)
-          ->ReadAll(piece_.data());  // checks the stored bytes' CRC32C too
-      data = piece_.data();
-      nbytes = esize;
-      done_ = true;
-      return true;
-    }
-    if (cs.memory) {
-      std::memcpy(piece_.data(), cs.memory->data(), esize);
-    } else {
-      Object(cs.info->relative_path).ReadAt(cs.info->offset, piece_.data(), esize);
-    }
-    const uint32_t crc = ItemCrc(*cs.info, 0, piece_.data(), esize);
-    if (StoredCrc(*cs.info) && crc != *StoredCrc(*cs.info)) {
-      ChecksumMismatch(fqn_ + "[]", store_.uri(), *cs.info, crc);
-    }
-    data = piece_.data();
-    nbytes = esize;
-    done_ = true;
-    return true;
+  if (entry_.shape.empty()) {
+    ReadScalar();
+  } else {
+    ReadPiece();
   }
+  data = piece_.data();
+  nbytes = piece_.size();
+  return true;
+}
+
+// A scalar: one chunk, one element.
+void TensorStream::ReadScalar() {
+  const size_t esize = ElementSize(entry_.dtype);
+  piece_.resize(esize);
+  ChunkState& cs = chunks_.at(0);
+  if (IsZstdItem(*cs.info)) {
+    OpenZstd(store_, Object(cs.info->relative_path), fqn_ + "[]", *cs.info)
+        ->ReadAll(piece_.data());  // checks the stored bytes' CRC32C too
+    done_ = true;
+    return;
+  }
+  if (cs.memory) {
+    std::memcpy(piece_.data(), cs.memory->data(), esize);
+  } else {
+    Object(cs.info->relative_path).ReadAt(cs.info->offset, piece_.data(), esize);
+  }
+  const uint32_t crc = ItemCrc(*cs.info, 0, piece_.data(), esize);
+  if (StoredCrc(*cs.info) && crc != *StoredCrc(*cs.info)) {
+    ChecksumMismatch(fqn_ + "[]", store_.uri(), *cs.info, crc);
+  }
+  done_ = true;
+}
+
+// The next piece: indices [pos_, pos_ + n) of the split dimension at the current prefix,
+// assembled from every chunk that holds part of it.
+void TensorStream::ReadPiece() {
+  const Shape& shape = entry_.shape;
   const size_t d = split_;
   const int64_t r0 = pos_;
   const int64_t n = std::min(per_piece_, shape[d] - r0);
   Shape piece_shape(shape.begin() + static_cast<std::ptrdiff_t>(d), shape.end());
   piece_shape[0] = n;
   piece_.resize(static_cast<size_t>(n) * inner_bytes_);
-  TensorView piece = TensorView::FromContiguous(piece_.data(), entry_.dtype, piece_shape);
-  for (ChunkState& cs : chunks_) {
-    const ChunkMeta& c = *cs.chunk;
-    // The chunk must hold the current prefix; `lin` is its row-major index inside the chunk.
-    int64_t lin = 0;
-    bool inside = true;
-    for (size_t k = 0; k < d && inside; ++k) {
-      const int64_t li = prefix_[k] - c.offsets[k];
-      inside = li >= 0 && li < c.sizes[k];
-      lin = lin * c.sizes[k] + li;
-    }
-    if (!inside) continue;
-    const int64_t a = std::max(r0, c.offsets[d]);
-    const int64_t b = std::min(r0 + n, c.offsets[d] + c.sizes[d]);
-    if (a >= b) continue;
-    size_t chunk_inner = esize;
-    for (size_t k = d + 1; k < shape.size(); ++k) chunk_inner *= static_cast<size_t>(c.sizes[k]);
-    const uint64_t begin =
-        static_cast<uint64_t>(lin * c.sizes[d] + (a - c.offsets[d])) * chunk_inner;
-    const size_t len = static_cast<size_t>(b - a) * chunk_inner;
-    if (begin != cs.consumed) throw InternalError("chunk of " + fqn_ + " read out of order");
-    scratch_.resize(len);
-    if (IsZstdItem(*cs.info)) {
-      // Compressed chunks are decompressed front to back as they are consumed; one decoder is
-      // open per chunk in progress, closed (after its checks) at the chunk's end.
-      if (!cs.zstd) {
-        cs.zstd = OpenZstd(store_, Object(cs.info->relative_path), fqn_ + ShapeToString(c.offsets),
-                           *cs.info);
-      }
-      cs.zstd->Read(scratch_.data(), len);
-      cs.consumed += len;
-      if (cs.consumed == cs.info->raw_length) {
-        std::vector<char> tail;
-        cs.zstd->Finish(tail, 64);
-        cs.zstd.reset();
-      }
-    } else {
-      if (cs.memory) {
-        std::memcpy(scratch_.data(), cs.memory->data() + begin, len);
-      } else {
-        Object(cs.info->relative_path).ReadAt(cs.info->offset + begin, scratch_.data(), len);
-      }
-      cs.crc = ItemCrc(*cs.info, cs.crc, scratch_.data(), len);
-      cs.consumed += len;
-      if (cs.consumed == cs.info->length && StoredCrc(*cs.info) &&
-          cs.crc != *StoredCrc(*cs.info)) {
-        ChecksumMismatch(fqn_ + ShapeToString(c.offsets), store_.uri(), *cs.info, cs.crc);
-      }
-    }
-    Shape src_shape(c.sizes.begin() + static_cast<std::ptrdiff_t>(d), c.sizes.end());
-    Shape dst_off(c.offsets.begin() + static_cast<std::ptrdiff_t>(d), c.offsets.end());
-    src_shape[0] = b - a;
-    dst_off[0] = a - r0;
-    CopyTensor(piece.Narrow(dst_off, src_shape),
-               TensorView::FromContiguous(scratch_.data(), entry_.dtype, src_shape));
+  const TensorView piece = TensorView::FromContiguous(piece_.data(), entry_.dtype, piece_shape);
+  for (ChunkState& cs : chunks_) CopyFromChunk(cs, r0, n, piece);
+  Advance(n);
+}
+
+// The part of chunk `cs` inside the piece (indices [r0, r0 + n) of the split dimension), read
+// from the chunk's next bytes and copied into `piece`.
+void TensorStream::CopyFromChunk(ChunkState& cs, int64_t r0, int64_t n, const TensorView& piece) {
+  const size_t d = split_;
+  const Shape& shape = entry_.shape;
+  const ChunkMeta& c = *cs.chunk;
+  // The chunk must hold the current prefix; `lin` is its row-major index inside the chunk.
+  int64_t lin = 0;
+  bool inside = true;
+  for (size_t k = 0; k < d && inside; ++k) {
+    const int64_t li = prefix_[k] - c.offsets[k];
+    inside = li >= 0 && li < c.sizes[k];
+    lin = lin * c.sizes[k] + li;
   }
-  // Advance: along d, then the prefix in row-major order.
+  if (!inside) return;
+  const int64_t a = std::max(r0, c.offsets[d]);
+  const int64_t b = std::min(r0 + n, c.offsets[d] + c.sizes[d]);
+  if (a >= b) return;
+  size_t chunk_inner = ElementSize(entry_.dtype);
+  for (size_t k = d + 1; k < shape.size(); ++k) chunk_inner *= static_cast<size_t>(c.sizes[k]);
+  const uint64_t begin = static_cast<uint64_t>(lin * c.sizes[d] + (a - c.offsets[d])) * chunk_inner;
+  const size_t len = static_cast<size_t>(b - a) * chunk_inner;
+  if (begin != cs.consumed) throw InternalError("chunk of " + fqn_ + " read out of order");
+  ReadChunkBytes(cs, begin, len);
+  Shape src_shape(c.sizes.begin() + static_cast<std::ptrdiff_t>(d), c.sizes.end());
+  Shape dst_off(c.offsets.begin() + static_cast<std::ptrdiff_t>(d), c.offsets.end());
+  src_shape[0] = b - a;
+  dst_off[0] = a - r0;
+  CopyTensor(piece.Narrow(dst_off, src_shape),
+             TensorView::FromContiguous(scratch_.data(), entry_.dtype, src_shape));
+}
+
+// Bytes [begin, begin + len) of chunk `cs`'s raw bytes into scratch_; the chunk's checks run
+// when its last byte has been read.
+void TensorStream::ReadChunkBytes(ChunkState& cs, uint64_t begin, size_t len) {
+  const ChunkMeta& c = *cs.chunk;
+  scratch_.resize(len);
+  if (IsZstdItem(*cs.info)) {
+    // Compressed chunks are decompressed front to back as they are consumed; one decoder is
+    // open per chunk in progress, closed (after its checks) at the chunk's end.
+    if (!cs.zstd) {
+      cs.zstd = OpenZstd(store_, Object(cs.info->relative_path), fqn_ + ShapeToString(c.offsets),
+                         *cs.info);
+    }
+    cs.zstd->Read(scratch_.data(), len);
+    cs.consumed += len;
+    if (cs.consumed == cs.info->raw_length) {
+      std::vector<char> tail;
+      cs.zstd->Finish(tail, 64);
+      cs.zstd.reset();
+    }
+    return;
+  }
+  if (cs.memory) {
+    std::memcpy(scratch_.data(), cs.memory->data() + begin, len);
+  } else {
+    Object(cs.info->relative_path).ReadAt(cs.info->offset + begin, scratch_.data(), len);
+  }
+  cs.crc = ItemCrc(*cs.info, cs.crc, scratch_.data(), len);
+  cs.consumed += len;
+  if (cs.consumed == cs.info->length && StoredCrc(*cs.info) && cs.crc != *StoredCrc(*cs.info)) {
+    ChecksumMismatch(fqn_ + ShapeToString(c.offsets), store_.uri(), *cs.info, cs.crc);
+  }
+}
+
+// Advance: along the split dimension by `n`, then the prefix in row-major order.
+void TensorStream::Advance(int64_t n) {
+  const Shape& shape = entry_.shape;
+  const size_t d = split_;
   pos_ += n;
-  if (pos_ == shape[d]) {
-    pos_ = 0;
-    size_t k = d;
-    while (k > 0) {
-      --k;
-      if (++prefix_[k] < shape[k]) break;
-      prefix_[k] = 0;
-      if (k == 0) done_ = true;
-    }
-    if (d == 0) done_ = true;
+  if (pos_ != shape[d]) return;
+  pos_ = 0;
+  size_t k = d;
+  while (k > 0) {
+    --k;
+    if (++prefix_[k] < shape[k]) break;
+    prefix_[k] = 0;
+    if (k == 0) done_ = true;
   }
-  data = piece_.data();
-  nbytes = piece_.size();
-  return true;
+  if (d == 0) done_ = true;
 }
 
 std::string ReadBlob(Store& store, const Metadata& md, const std::string& fqn) {

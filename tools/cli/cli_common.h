@@ -15,8 +15,8 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/plan.h"
 #include "dcp/proto/state_dict.h"
-#include "dcp/storage/store.h"
 #include "dcp/storage/format/zstd_transform.h"
+#include "dcp/storage/store.h"
 
 namespace dcp::cli {
 
@@ -113,6 +113,11 @@ class TensorStream {
   };
   ReadableObject& Object(const std::string& name);
   void ResolveTorchRecord(ChunkState& cs);
+  void ReadScalar();
+  void ReadPiece();
+  void CopyFromChunk(ChunkState& cs, int64_t r0, int64_t n, const TensorView& piece);
+  void ReadChunkBytes(ChunkState& cs, uint64_t begin, size_t len);
+  void Advance(int64_t n);
 
   Store& store_;
   std::string fqn_;

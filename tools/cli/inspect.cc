@@ -1,0 +1,185 @@
+// `dcp inspect`: a checkpoint's summary and its entries, as a table or one JSON document.
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "tools/cli/cli_common.h"
+#include "tools/cli/commands.h"
+
+namespace dcp::cli {
+namespace {
+
+using nlohmann::ordered_json;
+
+std::string Transforms(const Metadata& md, const std::string& fqn) {
+  std::set<std::string> all;
+  for (auto it = md.storage.lower_bound(MetadataIndex{fqn, {}, {}});
+       it != md.storage.end() && it->first.fqn == fqn; ++it) {
+    std::string t;
+    for (const auto& x : it->second.transforms) t += (t.empty() ? "" : "+") + x;
+    all.insert(t.empty() ? "raw" : t);
+  }
+  std::string s;
+  for (const auto& t : all) s += (s.empty() ? "" : ",") + t;
+  return s.empty() ? "raw" : s;
+}
+
+std::set<std::string> ReferencedFiles(const Metadata& md) {
+  std::set<std::string> files;
+  for (const auto& [idx, info] : md.storage) files.insert(info.relative_path);
+  return files;
+}
+
+bool Selected(const std::string& filter, const std::string& fqn) {
+  return filter.empty() || ::fnmatch(filter.c_str(), fqn.c_str(), 0) == 0;
+}
+
+struct Counts {
+  size_t tensors = 0, blobs = 0, files = 0;
+};
+
+Counts CountEntries(const Metadata& md) {
+  Counts n;
+  for (const auto& [fqn, e] : md.entries) {
+    (std::holds_alternative<TensorMetadata>(e) ? n.tensors : n.blobs)++;
+  }
+  n.files = ReferencedFiles(md).size();
+  return n;
+}
+
+// One entry of the JSON document: its kind, dtype and shape, and where each chunk is stored.
+ordered_json EntryJson(const Metadata& md, const std::string& fqn, const EntryMetadata& e) {
+  ordered_json je = {{"fqn", fqn}};
+  ordered_json items = ordered_json::array();
+  if (const auto* t = std::get_if<TensorMetadata>(&e)) {
+    je["kind"] = "tensor";
+    je["dtype"] = DTypeName(t->dtype);
+    je["shape"] = t->shape;
+    for (const auto& ch : t->chunks) {
+      const StorageInfo& info = ItemInfo(md, fqn, ch.offsets);
+      items.push_back({{"offsets", ch.offsets},
+                       {"sizes", ch.sizes},
+                       {"file", info.relative_path},
+                       {"offset", info.offset},
+                       {"length", info.length},
+                       {"crc32c", info.crc32c ? ordered_json(*info.crc32c) : ordered_json()},
+                       {"raw_length", info.raw_length},
+                       {"transforms", info.transforms}});
+    }
+  } else {
+    je["kind"] = "bytes";
+    const StorageInfo info = ItemInfo(md, fqn, {});  // a copy: {} is a temporary
+    items.push_back({{"file", info.relative_path},
+                     {"offset", info.offset},
+                     {"length", info.length},
+                     {"crc32c", info.crc32c ? ordered_json(*info.crc32c) : ordered_json()},
+                     {"raw_length", info.raw_length},
+                     {"transforms", info.transforms}});
+  }
+  je["bytes"] = StoredBytesOf(md, fqn);
+  je["transform"] = Transforms(md, fqn);
+  je["chunks"] = std::move(items);
+  return je;
+}
+
+void PrintJson(const Checkpoint& c, const Counts& n, const std::string& filter) {
+  const Metadata& md = c.md;
+  ordered_json j = {{"uri", c.store->uri()},
+                    {"format", c.format},
+                    {"checkpoint_id", md.checkpoint_id},
+                    {"save_id", md.save_id},
+                    {"world_size", md.world_size},
+                    {"created_unix_ns", md.created_unix_ns},
+                    {"created", FormatTime(md.created_unix_ns)},
+                    {"library_version", md.library_version},
+                    {"format_version", md.format_version},
+                    {"total_bytes", md.TotalStoredBytes()},
+                    {"files", n.files},
+                    {"tensors", n.tensors},
+                    {"blobs", n.blobs}};
+  ordered_json entries = ordered_json::array();
+  for (const auto& [fqn, e] : md.entries) {
+    if (Selected(filter, fqn)) entries.push_back(EntryJson(md, fqn, e));
+  }
+  j["entries"] = std::move(entries);
+  std::cout << j.dump(2) << "\n";
+}
+
+void PrintSummary(const Checkpoint& c, const Counts& n) {
+  const Metadata& md = c.md;
+  std::printf("checkpoint      %s\n", md.checkpoint_id.c_str());
+  std::printf("location        %s\n", c.store->uri().c_str());
+  std::printf("save id         %s\n", md.save_id.c_str());
+  std::printf("world size      %d\n", md.world_size);
+  std::printf("created         %s\n", FormatTime(md.created_unix_ns).c_str());
+  std::printf("library         %s (format version %u)\n", md.library_version.c_str(),
+              md.format_version);
+  std::printf("stored          %s (%llu bytes) in %zu files\n",
+              FormatBytes(md.TotalStoredBytes()).c_str(),
+              static_cast<unsigned long long>(md.TotalStoredBytes()), n.files);
+  std::printf("entries         %zu tensors, %zu blobs\n\n", n.tensors, n.blobs);
+}
+
+using Row = std::array<std::string, 6>;
+
+// The table's rows: a header, then one per selected entry.
+std::vector<Row> EntryRows(const Metadata& md, const std::string& filter) {
+  std::vector<Row> rows = {{"FQN", "DTYPE", "SHAPE", "CHUNKS", "BYTES", "TRANSFORM"}};
+  for (const auto& [fqn, e] : md.entries) {
+    if (!Selected(filter, fqn)) continue;
+    if (const auto* t = std::get_if<TensorMetadata>(&e)) {
+      rows.push_back({fqn, std::string(DTypeName(t->dtype)), ShapeToString(t->shape),
+                      std::to_string(t->chunks.size()), std::to_string(StoredBytesOf(md, fqn)),
+                      Transforms(md, fqn)});
+    } else {
+      rows.push_back(
+          {fqn, "bytes", "-", "1", std::to_string(StoredBytesOf(md, fqn)), Transforms(md, fqn)});
+    }
+  }
+  return rows;
+}
+
+// Columns padded to their widest cell; the counts (CHUNKS, BYTES) right-aligned.
+void PrintTable(const std::vector<Row>& rows) {
+  std::array<size_t, 6> width{};
+  for (const auto& r : rows) {
+    for (size_t i = 0; i < r.size(); ++i) width[i] = std::max(width[i], r[i].size());
+  }
+  for (const auto& r : rows) {
+    std::string line;
+    for (size_t i = 0; i < r.size(); ++i) {
+      std::string cell = r[i];
+      const bool right = i == 3 || i == 4;
+      const std::string pad(width[i] - cell.size(), ' ');
+      line += right ? pad + cell : cell + pad;
+      if (i + 1 < r.size()) line += "  ";
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    std::printf("%s\n", line.c_str());
+  }
+}
+
+}  // namespace
+
+int Inspect(const std::string& path, const std::string& filter, bool json) {
+  const Checkpoint c = OpenCheckpoint(path);
+  const Counts n = CountEntries(c.md);
+  if (json) {
+    PrintJson(c, n, filter);
+    return kOk;
+  }
+  PrintSummary(c, n);
+  const std::vector<Row> rows = EntryRows(c.md, filter);
+  PrintTable(rows);
+  if (rows.size() == 1 && !filter.empty()) {
+    std::printf("(no entry matches '%s')\n", filter.c_str());
+  }
+  return kOk;
+}
+
+}  // namespace dcp::cli
