@@ -28,7 +28,7 @@
 
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/flatten.h"
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
 
 namespace dcp {

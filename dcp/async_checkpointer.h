@@ -15,9 +15,9 @@
 // A background failure is raised by the next Save(), Wait() or Close() (or by the handle's
 // Wait()), exactly once, never lost.
 //
-// Device tensors (e.g. CUDA, see proto/device.h): Save() blocks only for their device-to-host
-// copy into staging, which is page-locked with the device runtime so the copy runs at DMA
-// speed; all device copies are queued before the host copies start, so they overlap.
+// Device tensors (e.g. CUDA, see proto/device/device.h): Save() blocks only for their
+// device-to-host copy into staging, which is page-locked with the device runtime so the copy runs
+// at DMA speed; all device copies are queued before the host copies start, so they overlap.
 //
 // Collectives: the background thread uses the communicator given at construction, which must
 // be distinct from the one the training job uses (with MPI: a separate MpiCommunicator, and MPI

@@ -11,15 +11,15 @@
 #include <string_view>
 #include <typeinfo>
 
-#include "dcp.pb.h"  // generated from proto/dcp.proto
+#include "dcp.pb.h"  // generated from proto/schema/dcp.proto
 #include "dcp/planner/compact_plan.h"
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/read_sharing.h"
 #include "dcp/proto/checksum.h"
-#include "dcp/proto/codec.h"
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/parallel.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/registry.h"
 #include "dcp_version.h"
 
@@ -95,18 +95,25 @@ using GlobalStep = std::function<std::vector<std::string>(std::vector<std::strin
 // the commit (CommitError) makes every rank throw with that outcome.
 // `same_reply`: the global step returns one reply for every rank, which is broadcast from one
 // buffer instead of scattered as one copy per rank (the metadata of a large job is big).
+std::vector<std::string> CoordinatePhase(Communicator& comm, const std::string& phase,
+                                         const pb::PhaseMessage& mine, const GlobalStep& global,
+                                         bool same_reply);
+std::string ReceiveVerdict(Communicator& comm, const std::string& phase,
+                           std::vector<std::string> replies, bool unknown_if_lost, bool same_reply);
+
 std::string RunPhase(Communicator& comm, const std::string& phase, const LocalStep& local,
                      const GlobalStep& global, bool decides_commit = false,
                      bool same_reply = false) {
-  const int rank = comm.rank(), size = comm.size();
+  const int rank = comm.rank();
   pb::PhaseMessage mine;
   try {
     mine.set_payload(local());
   } catch (...) {
     *mine.mutable_error() = ToReport(CurrentExceptionAsFailure(rank));
   }
-  const bool reported_success = !mine.has_error();
-
+  // Having reported its writes, a rank that misses the verdict cannot tell whether rank 0
+  // committed them.
+  const bool unknown_if_lost = decides_commit && !mine.has_error();
   std::vector<std::string> replies;
   if (rank != 0) {
     try {
@@ -115,60 +122,78 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
       throw CollectiveError(e.phase(), e.failures());  // e.g. poisoned: nothing was reported
     }
   } else {
-    std::vector<RankFailure> failures;
-    std::vector<std::string> payloads(size);
-    Outcome outcome = Outcome::kFailed;
-    try {
-      auto gathered = comm.Gather(mine.SerializeAsString(), 0, phase);
-      for (int r = 0; r < size; ++r) {
-        pb::PhaseMessage m;
-        if (!m.ParseFromString(gathered[r])) {
-          failures.push_back({r, ErrorCode::kInternal, "unreadable phase message", false});
-        } else if (m.has_error()) {
-          failures.push_back(FromReport(m.error()));
-        } else {
-          payloads[r] = std::move(*m.mutable_payload());
-        }
-      }
-    } catch (const CollectiveError& e) {  // some rank did not answer in time, or a mismatch
-      failures = e.failures();
-    }
-    if (failures.empty()) {
-      try {
-        payloads = global(std::move(payloads));
-        const size_t expected = same_reply ? 1 : static_cast<size_t>(size);
-        if (payloads.size() != expected) {
-          throw InternalError("global step of " + phase + " returned " +
-                              std::to_string(payloads.size()) + " replies, expected " +
-                              std::to_string(expected));
-        }
-      } catch (const CommitError& e) {
-        failures.push_back(CurrentExceptionAsFailure(0));
-        outcome = e.outcome();
-      } catch (...) {
-        failures.push_back(CurrentExceptionAsFailure(0));
-      }
-    }
-    replies.resize(same_reply ? 1 : size);
-    for (size_t r = 0; r < replies.size(); ++r) {
-      pb::PhaseOutcome out;
-      out.set_phase(phase);
-      if (failures.empty()) {
-        out.set_payload(std::move(payloads[r]));
+    replies = CoordinatePhase(comm, phase, mine, global, same_reply);
+  }
+  return ReceiveVerdict(comm, phase, std::move(replies), unknown_if_lost, same_reply);
+}
+
+// Rank 0: gather every rank's outcome, run the global step when all succeeded, and encode the
+// replies: the global step's, or the complete list of failures.
+std::vector<std::string> CoordinatePhase(Communicator& comm, const std::string& phase,
+                                         const pb::PhaseMessage& mine, const GlobalStep& global,
+                                         bool same_reply) {
+  const int size = comm.size();
+  std::vector<RankFailure> failures;
+  std::vector<std::string> payloads(size);
+  Outcome outcome = Outcome::kFailed;
+  try {
+    auto gathered = comm.Gather(mine.SerializeAsString(), 0, phase);
+    for (int r = 0; r < size; ++r) {
+      pb::PhaseMessage m;
+      if (!m.ParseFromString(gathered[r])) {
+        failures.push_back({r, ErrorCode::kInternal, "unreadable phase message", false});
+      } else if (m.has_error()) {
+        failures.push_back(FromReport(m.error()));
       } else {
-        for (const auto& f : failures) *out.add_failures() = ToReport(f);
-        out.set_outcome(static_cast<int>(outcome));
+        payloads[r] = std::move(*m.mutable_payload());
       }
-      replies[r] = out.SerializeAsString();
+    }
+  } catch (const CollectiveError& e) {  // some rank did not answer in time, or a mismatch
+    failures = e.failures();
+  }
+  if (failures.empty()) {
+    try {
+      payloads = global(std::move(payloads));
+      const size_t expected = same_reply ? 1 : static_cast<size_t>(size);
+      if (payloads.size() != expected) {
+        throw InternalError("global step of " + phase + " returned " +
+                            std::to_string(payloads.size()) + " replies, expected " +
+                            std::to_string(expected));
+      }
+    } catch (const CommitError& e) {
+      failures.push_back(CurrentExceptionAsFailure(0));
+      outcome = e.outcome();
+    } catch (...) {
+      failures.push_back(CurrentExceptionAsFailure(0));
     }
   }
+  std::vector<std::string> replies(same_reply ? 1 : size);
+  for (size_t r = 0; r < replies.size(); ++r) {
+    pb::PhaseOutcome out;
+    out.set_phase(phase);
+    if (failures.empty()) {
+      out.set_payload(std::move(payloads[r]));
+    } else {
+      for (const auto& f : failures) *out.add_failures() = ToReport(f);
+      out.set_outcome(static_cast<int>(outcome));
+    }
+    replies[r] = out.SerializeAsString();
+  }
+  return replies;
+}
 
+// Every rank: deliver rank 0's replies (rank 0 sends them) and turn this rank's into its payload
+// or the phase's CollectiveError.
+std::string ReceiveVerdict(Communicator& comm, const std::string& phase,
+                           std::vector<std::string> replies, bool unknown_if_lost,
+                           bool same_reply) {
   auto deliver = [&](std::vector<std::string> r) {
     return same_reply ? comm.Broadcast(r.empty() ? std::string() : std::move(r[0]), 0, phase)
                       : comm.Scatter(std::move(r), 0, phase);
   };
+  const Outcome if_lost = unknown_if_lost ? Outcome::kUnknown : Outcome::kFailed;
   std::string reply;
-  if (rank == 0) {
+  if (comm.rank() == 0) {
     // Sends only: a communicator poisoned by this phase's gather still tells the peers.
     reply = deliver(std::move(replies));
   } else {
@@ -180,9 +205,7 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
       reply = deliver({});
     } catch (const CollectiveError& e) {
       comm.set_timeout(saved);
-      // Having reported its writes, this rank cannot tell whether rank 0 committed them.
-      FailPhase(comm, e.phase(), e.failures(),
-                decides_commit && reported_success ? Outcome::kUnknown : Outcome::kFailed);
+      FailPhase(comm, e.phase(), e.failures(), if_lost);
     } catch (...) {
       comm.set_timeout(saved);
       throw;
@@ -192,7 +215,7 @@ std::string RunPhase(Communicator& comm, const std::string& phase, const LocalSt
   pb::PhaseOutcome out;
   if (!out.ParseFromString(reply)) {
     FailPhase(comm, phase, {{0, ErrorCode::kInternal, "unreadable reply from rank 0", false}},
-              decides_commit && reported_success ? Outcome::kUnknown : Outcome::kFailed);
+              if_lost);
   }
   if (out.failures_size() > 0) {
     std::vector<RankFailure> failures;

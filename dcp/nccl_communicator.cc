@@ -17,8 +17,8 @@
 #include <numeric>
 #include <thread>
 
-#include "dcp/proto/cuda_util.h"
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/cuda_util.h"
+#include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
 
 namespace dcp {

@@ -14,7 +14,7 @@
 //
 // CUDA tensors (where LibTorch has CUDA, e.g. 2.x builds on GPU machines) are device views:
 // Save copies them through dcp's pinned pipeline and Load writes into them in place
-// (proto/device.h). FromTorch synchronises a CUDA tensor's device first, so kernels LibTorch
+// (proto/device/device.h). FromTorch synchronises a CUDA tensor's device first, so kernels LibTorch
 // queued on any stream have finished before dcp reads the bytes.
 //
 // Also: optimizer state by parameter name (Adam, AdamW, SGD), loading everything onto a device

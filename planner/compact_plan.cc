@@ -7,8 +7,8 @@
 
 #include "dcp/planner/default_planner.h"
 #include "dcp/proto/checksum.h"
-#include "dcp/proto/codec.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/schema/codec.h"
 
 namespace dcp {
 

@@ -11,15 +11,16 @@
 #include <string_view>
 #include <unordered_map>
 
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
 
 namespace dcp {
 
 namespace {
 
-// A device tensor is accepted when this process has a backend and the device (proto/device.h);
-// checking here makes every rank refuse it during planning, before any byte is written.
+// A device tensor is accepted when this process has a backend and the device
+// (proto/device/device.h); checking here makes every rank refuse it during planning, before any
+// byte is written.
 void CheckTensorView(const std::string& fqn, const TensorView& v) {
   if (!v.device.is_cpu()) DeviceBackendFor(v.device, "tensor '" + fqn + "'");
   if (!v.strides.empty() && v.strides.size() != v.shape.size()) {

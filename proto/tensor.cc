@@ -6,7 +6,7 @@
 #include <cstring>
 #include <sstream>
 
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/tensor_layout.h"
 

@@ -16,7 +16,7 @@
 namespace dcp {
 
 /// Every LibTorch dtype a checkpoint can hold (quantized types excepted). Values are stable:
-/// they match the enum in proto/dcp.proto.
+/// they match the enum in proto/schema/dcp.proto.
 enum class DType : uint8_t {
   kBool = 1,
   kUInt8 = 2,
@@ -137,7 +137,7 @@ std::optional<ChunkMeta> Intersect(const ChunkMeta& a, const ChunkMeta& b);
 /// Copy every element of `src` into `dst`. Both must have the same shape and dtype; they may
 /// have arbitrary strides but must not overlap. Host to host, runs of contiguous elements are
 /// copied with memcpy. When either side is on a device, the copy goes through that device's
-/// backend (proto/device.h) and is complete on return; UnsupportedError when there is none.
+/// backend (proto/device/device.h) and is complete on return; UnsupportedError when there is none.
 void CopyTensor(const TensorView& dst, const TensorView& src);
 
 /// True when the elements of `view`, visited in row-major order, occupy one gap-free ascending

@@ -18,7 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcp/dcp.h"
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 #include "tools/bench_util.h"
 #include "tools/fill_random.h"
 

@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "dcp/planner/default_planner.h"
-#include "dcp/proto/codec.h"
+#include "dcp/proto/schema/codec.h"
 
 using namespace dcp;
 // Thread CPU time: on a shared machine it is steadier than wall time (planning is

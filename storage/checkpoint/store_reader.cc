@@ -12,9 +12,9 @@
 #include <thread>
 
 #include "dcp/proto/checksum.h"
-#include "dcp/proto/codec.h"
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/slab_copy.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
@@ -731,7 +731,7 @@ class StoreReader : public StorageReader {
         if (check) VerifyCrc(item, info, crc.value);
       } else if (whole && !dst.device.is_cpu() && info.length == dst.nbytes()) {
         // A device destination: read piece by piece into pinned buffers, each piece's
-        // host-to-device copy overlapping the next read (proto/device.h).
+        // host-to-device copy overlapping the next read (proto/device/device.h).
         RunningCrc crc = NewCrc(info);
         uint64_t pos = info.offset;
         StreamFromHost(dst, kDevicePieceBytes, [&](void* buf, size_t n) {
@@ -803,7 +803,7 @@ class StoreReader : public StorageReader {
     TensorView dst = Destination(planner, item, entry);
     const bool whole = item.lengths == chunk.sizes;
     // A device destination takes the scratch path: each decompressed piece is copied host to
-    // device by CopyTensor (proto/device.h).
+    // device by CopyTensor (proto/device/device.h).
     if (whole && IsDense(dst) && dst.device.is_cpu()) {
       // The lowest address of a dense view is its data pointer (see ReadBox).
       z.ReadAll(dst.data);

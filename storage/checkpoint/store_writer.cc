@@ -25,9 +25,9 @@
 #include <thread>
 #include <unordered_set>
 
-#include "dcp/proto/codec.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/random_name.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/zstd_transform.h"

@@ -5,9 +5,9 @@
 #include <future>
 
 #include "dcp/proto/checksum.h"
-#include "dcp/proto/codec.h"
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/zstd_transform.h"
@@ -18,7 +18,7 @@ namespace {
 // Stream a tensor view (host or device, any strides) into `out` in row-major order, CRC-ing
 // each piece right after it is appended. Contiguous host views go straight from tensor memory;
 // strided ones through a reused staging buffer; device views through pinned buffers whose
-// device-to-host copy of the next piece overlaps this append (proto/device.h).
+// device-to-host copy of the next piece overlaps this append (proto/device/device.h).
 // A large piece's CRC runs on a helper thread while this thread appends the same bytes: both
 // only read them, and a large O_DIRECT write leaves the CPU idle while the device DMAs.
 uint32_t AppendTensor(WritableObject& out, const TensorView& view) {

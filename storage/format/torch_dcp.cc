@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "dcp/proto/checksum.h"
-#include "dcp/proto/codec.h"
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/format/pickle.h"
 
 namespace dcp {

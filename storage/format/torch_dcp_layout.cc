@@ -1,7 +1,7 @@
 // PyTorch DCP's layout (storage/format/torch_dcp.h): `.metadata`, a pickle, and record files
 // "__<rank>_<n>.<save>.distcp" of torch.save archives, one per item. torch reads neither dcp's
 // zstd items nor its CRC32C, so compression is refused; every record carries zip CRC-32s.
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/torch_dcp.h"

@@ -18,9 +18,9 @@
 #include <thread>
 
 #include "dcp/dcp.h"
-#include "dcp/proto/codec.h"
-#include "dcp/storage/registry.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/registry.h"
 
 using namespace dcp;
 

@@ -17,8 +17,8 @@
 #include <string_view>
 
 #include "dcp/checkpoint.h"
-#include "dcp/proto/codec.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/mem_store.h"
 
 namespace {

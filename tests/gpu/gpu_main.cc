@@ -4,7 +4,7 @@
 #include <catch2/catch.hpp>
 #include <cstdio>
 
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 
 int main(int argc, char** argv) {
   auto cuda = dcp::FindDeviceBackend(dcp::Device::Type::kCUDA);

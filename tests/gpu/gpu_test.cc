@@ -1,11 +1,11 @@
-// The device paths of proto/device.h on a real CUDA device: copies with any strides, save and
-// load of CUDA tensors (whole, resharded, through the pinned pipeline), async snapshots, and
+// The device paths of proto/device/device.h on a real CUDA device: copies with any strides, save
+// and load of CUDA tensors (whole, resharded, through the pinned pipeline), async snapshots, and
 // that dcp leaves the caller's current device alone.
 #include <cuda_runtime_api.h>
 
 #include <catch2/catch.hpp>
 
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 #include "support/fake_device.h"
 #include "support/test_support.h"
 

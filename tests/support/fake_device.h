@@ -15,7 +15,7 @@
 #include <mutex>
 #include <set>
 
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 
 namespace dcp::testing {
 

@@ -1,6 +1,6 @@
 // CRC32C, the wire encodings of plans and results, and the metadata file: its envelope, its
 // round trip, and the validation of untrusted metadata.
-#include "dcp/proto/codec.h"
+#include "dcp/proto/schema/codec.h"
 
 #include <sys/mman.h>
 
@@ -283,14 +283,15 @@ TEST_CASE("codec: WriteResults round trip", "[codec][plan]") {
   std::vector<WriteResult> results(3);
   results[0].index = {"model.w", {2, 3}, 2};
   results[0].size_in_bytes = 24;
-  results[0].storage = {"sub/__2_0.distcp", 4096, 24, 0u, {}, 24, std::nullopt};  // a CRC of 0 is a value
+  results[0].storage = {"sub/__2_0.distcp", 4096, 24, 0u, {}, 24,
+                        std::nullopt};  // a CRC of 0 is a value
   results[1].index = {"rng", {}, std::nullopt};
   results[1].size_in_bytes = 5;
   results[1].storage = {"__0_0.distcp", 0, 5, std::nullopt, {}, 5, std::nullopt};
   results[2].index = {"big", {0}, 0};
   results[2].size_in_bytes = uint64_t{3} << 33;
-  results[2].storage = {"__1_0.distcp", uint64_t{1} << 35, 1234, 0xDEADBEEFu, {"zstd"},
-                        uint64_t{3} << 33, std::nullopt};
+  results[2].storage = {"__1_0.distcp", uint64_t{1} << 35, 1234,        0xDEADBEEFu,
+                        {"zstd"},       uint64_t{3} << 33, std::nullopt};
 
   const auto back = DecodeWriteResults(EncodeWriteResults(results));
   REQUIRE(back.size() == results.size());
@@ -603,7 +604,8 @@ TEST_CASE("codec: Crc32cCombine equals the CRC of the concatenation", "[codec][c
   CHECK(Crc32cCombine(0xE3069283u, 0, 0) == 0xE3069283u);
 }
 
-TEST_CASE("codec: Crc32Combine (zip's CRC-32) equals the CRC of the concatenation", "[codec][crc]") {
+TEST_CASE("codec: Crc32Combine (zip's CRC-32) equals the CRC of the concatenation",
+          "[codec][crc]") {
   CHECK(Crc32(0, "123456789", 9) == 0xCBF43926u);
   std::vector<char> buf(1 << 20);
   dcp::testing::FillRandom(buf.data(), buf.size(), 78);

@@ -7,7 +7,7 @@
 
 #include "dcp/dcp.h"
 #include "dcp/planner/default_planner.h"
-#include "dcp/proto/codec.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/registry.h"
 #include "support/test_support.h"

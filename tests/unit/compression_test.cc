@@ -6,7 +6,7 @@
 #include <cstring>
 #include <random>
 
-#include "dcp/proto/codec.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/zstd_transform.h"

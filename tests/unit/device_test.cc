@@ -1,8 +1,8 @@
-// Device tensors in the core (proto/device.h), exercised through a fake device that keeps
+// Device tensors in the core (proto/device/device.h), exercised through a fake device that keeps
 // device memory behind poisoned addresses and runs copies asynchronously (support/fake_device.h),
 // so these run on machines without a GPU. The real CUDA backend is tested in tests/gpu.
 // Tagged [device]; CI also runs them under ThreadSanitizer.
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 
 #include <catch2/catch.hpp>
 #include <cstring>

@@ -10,7 +10,7 @@
 #include <mutex>
 #include <thread>
 
-#include "dcp/proto/codec.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/fault_store.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"

@@ -9,7 +9,7 @@
 #include <fstream>
 #include <string>
 
-#include "dcp/proto/codec.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/forwarding_store.h"

@@ -9,7 +9,7 @@
 #include <set>
 
 #include "dcp/dcp.h"
-#include "dcp/proto/codec.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/file_store.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"

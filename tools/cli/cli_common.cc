@@ -12,8 +12,8 @@
 #include <utility>
 
 #include "dcp/proto/checksum.h"
-#include "dcp/proto/codec.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/torch_dcp.h"
 #include "dcp/storage/format/zstd_transform.h"

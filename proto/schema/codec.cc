@@ -1,4 +1,4 @@
-#include "dcp/proto/codec.h"
+#include "dcp/proto/schema/codec.h"
 
 #include <google/protobuf/arena.h>
 #include <google/protobuf/io/coded_stream.h>
@@ -16,7 +16,7 @@
 #include <set>
 #include <utility>
 
-#include "dcp.pb.h"  // generated from proto/dcp.proto
+#include "dcp.pb.h"  // generated from proto/schema/dcp.proto
 #include "dcp/proto/checksum.h"
 
 namespace dcp {

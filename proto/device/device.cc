@@ -4,7 +4,7 @@
 // and the disk should be busy while the next piece crosses PCIe. Two pinned buffers, each with
 // its own stream, give that overlap with the simplest possible ordering: a buffer is refilled
 // only after its previous contents were consumed, and consumed only after its stream finished.
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/device.h"
 
 #include <algorithm>
 #include <cstring>
@@ -19,7 +19,7 @@
 namespace dcp {
 
 #ifdef DCP_HAVE_CUDA
-std::shared_ptr<DeviceBackend> MakeCudaBackend();  // proto/cuda_device.cc
+std::shared_ptr<DeviceBackend> MakeCudaBackend();  // proto/device/cuda_device.cc
 #endif
 
 namespace {

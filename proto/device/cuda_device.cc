@@ -1,4 +1,4 @@
-// The CUDA backend of proto/device.h, on the CUDA runtime API only.
+// The CUDA backend of proto/device/device.h, on the CUDA runtime API only.
 //
 // Why the runtime and never the driver library: libcuda.so.1 ships with the driver, so a binary
 // linked against it does not even start on a machine without a GPU (CI). The runtime loads the
@@ -11,8 +11,8 @@
 #include <mutex>
 #include <string>
 
-#include "dcp/proto/cuda_util.h"
-#include "dcp/proto/device.h"
+#include "dcp/proto/device/cuda_util.h"
+#include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
 
 namespace dcp {

@@ -1,5 +1,5 @@
 // Internal (not installed; builds with DCP_WITH_CUDA only): helpers shared by dcp's CUDA code
-// (proto/cuda_device.cc, dcp/nccl_communicator.cc). Includes the CUDA runtime header.
+// (proto/device/cuda_device.cc, dcp/nccl_communicator.cc). Includes the CUDA runtime header.
 #pragma once
 
 #include <cuda_runtime_api.h>
