@@ -267,7 +267,8 @@ TEST_CASE("manager: retention keeps the newest N and every Mth, crash leftovers 
   }
 }
 
-TEST_CASE("checkpoint io: Lightning-style save, load, weights-only, remove", "[async][manager][option:LoadOptions::weights_only]") {
+TEST_CASE("checkpoint io: Lightning-style save, load, weights-only, remove",
+          "[async][manager][option:LoadOptions::weights_only]") {
   TempDir dir("ckpt-io");
   LocalCommunicator comm;
   AsyncCheckpointIO io(comm, std::make_unique<LocalCommunicator>());

@@ -10,13 +10,16 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -101,7 +104,7 @@ long LockedKiB() {
 
 }  // namespace
 
-// ---- StorageOptions ----------------------------------------------------------------------------
+// ---- StorageOptions
 
 TEST_CASE("option: StorageOptions::files_per_rank is the number of data files each rank writes",
           "[options][option:StorageOptions::files_per_rank][option:SaveOptions::storage]") {
@@ -114,7 +117,9 @@ TEST_CASE("option: StorageOptions::files_per_rank is the number of data files ea
         StateDict sd;
         for (int i = 0; i < 8; ++i) {
           sd.Set("t" + std::to_string(i),
-                 ShardedTensor{DType::kFloat32, {2, 64, 16}, {{Clone(src[i].Narrow({r, 0, 0}, {1, 64, 16})), {r, 0, 0}}}});
+                 ShardedTensor{DType::kFloat32,
+                               {2, 64, 16},
+                               {{Clone(src[i].Narrow({r, 0, 0}, {1, 64, 16})), {r, 0, 0}}}});
         }
         SaveOptions so;
         so.storage.files_per_rank = files;
@@ -320,8 +325,7 @@ TEST_CASE("option: StorageOptions::backend reaches the backend on save and load"
   so.storage.backend["shelf"] = "top";
   Save(sd, "optrec://a", so);
   REQUIRE_FALSE(g_shelves.empty());
-  CHECK(std::set<std::string>(g_shelves.begin(), g_shelves.end()) ==
-        std::set<std::string>{"top"});
+  CHECK(std::set<std::string>(g_shelves.begin(), g_shelves.end()) == std::set<std::string>{"top"});
   g_shelves.clear();
   LoadOptions lo;
   lo.storage.backend["shelf"] = "bottom";
@@ -341,7 +345,7 @@ TEST_CASE("option: StorageOptions::backend reaches the backend on save and load"
   ClearMemStore("optrec/a");
 }
 
-// ---- SaveOptions ---------------------------------------------------------------------------------
+// ---- SaveOptions
 
 TEST_CASE("option: SaveOptions::checkpoint_id is recorded in the metadata",
           "[options][option:SaveOptions::checkpoint_id]") {
@@ -356,7 +360,7 @@ TEST_CASE("option: SaveOptions::checkpoint_id is recorded in the metadata",
   CHECK(ReadMetadata(named).checkpoint_id == "run-7/step-100");
 }
 
-// ---- LoadOptions ---------------------------------------------------------------------------------
+// ---- LoadOptions
 
 TEST_CASE("option: LoadOptions::weights_only loads tensors and leaves byte blobs alone",
           "[options][option:LoadOptions::weights_only]") {
@@ -381,7 +385,7 @@ TEST_CASE("option: LoadOptions::weights_only loads tensors and leaves byte blobs
   CHECK(LoadAll(uri).Find("rng") != nullptr);
 }
 
-// ---- AsyncOptions --------------------------------------------------------------------------------
+// ---- AsyncOptions
 
 TEST_CASE("option: AsyncOptions::on_complete is called with every save's metrics",
           "[options][async][option:AsyncOptions::on_complete]") {
@@ -544,7 +548,8 @@ TEST_CASE("option: AsyncOptions::copy_threads is the number of threads copying i
   const Shape shape{2048, 1024};  // 8 MiB of float32: 8 pieces for 4 threads, 4 for 1
   const TensorView ref = RandomTensor(DType::kFloat32, shape, 11);
   g_region_len = ref.nbytes();
-  void* mem = mmap(nullptr, g_region_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* mem =
+      mmap(nullptr, g_region_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   REQUIRE(mem != MAP_FAILED);
   g_region = static_cast<char*>(mem);
   for (int threads : {1, 4}) {
@@ -626,7 +631,7 @@ TEST_CASE("option: AsyncOptions::lock_staging page-locks the staging buffers",
   }
 }
 
-// ---- ManagerOptions ------------------------------------------------------------------------------
+// ---- ManagerOptions
 
 TEST_CASE("option: ManagerOptions::save is what every step's save uses",
           "[options][manager][option:ManagerOptions::save]") {
@@ -636,7 +641,8 @@ TEST_CASE("option: ManagerOptions::save is what every step's save uses",
   o.save.storage.files_per_rank = 3;
   o.save.checkpoint_id = "managed";
   StateDict sd;
-  for (int i = 0; i < 6; ++i) sd.Set("t" + std::to_string(i), RandomTensor(DType::kFloat32, {16, 16}, 20 + i));
+  for (int i = 0; i < 6; ++i)
+    sd.Set("t" + std::to_string(i), RandomTensor(DType::kFloat32, {16, 16}, 20 + i));
   CheckpointManager m(root, comm, nullptr, o);
   for (int64_t step : {1, 2}) {
     m.Save(step, sd);

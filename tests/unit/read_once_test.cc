@@ -225,7 +225,8 @@ uint64_t LoadAll(FaultInjectionStore& store, bool read_once, size_t budget,
 
 }  // namespace
 
-TEST_CASE("read-once: replicated entries are read from storage once at 4 ranks", "[read-once][option:LoadOptions::read_once]") {
+TEST_CASE("read-once: replicated entries are read from storage once at 4 ranks",
+          "[read-once][option:LoadOptions::read_once]") {
   auto store = SavedState("read-once-bytes");
   std::vector<LoadStats> off_stats, on_stats;
   const uint64_t off = LoadAll(*store, false, 256 << 20, off_stats);
