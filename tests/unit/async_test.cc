@@ -220,7 +220,7 @@ TEST_CASE("async: shutdown with a save in flight", "[async][fault]") {
 }
 
 TEST_CASE("manager: retention keeps the newest N and every Mth, crash leftovers are never chosen",
-          "[async][manager]") {
+          "[async][manager][option:ManagerOptions::keep_last][option:ManagerOptions::keep_every]") {
   for (bool async : {false, true}) {
     DYNAMIC_SECTION((async ? "async" : "sync")) {
       TempDir dir("manager");
@@ -267,7 +267,8 @@ TEST_CASE("manager: retention keeps the newest N and every Mth, crash leftovers 
   }
 }
 
-TEST_CASE("checkpoint io: Lightning-style save, load, weights-only, remove", "[async][manager]") {
+TEST_CASE("checkpoint io: Lightning-style save, load, weights-only, remove",
+          "[async][manager][option:LoadOptions::weights_only]") {
   TempDir dir("ckpt-io");
   LocalCommunicator comm;
   AsyncCheckpointIO io(comm, std::make_unique<LocalCommunicator>());

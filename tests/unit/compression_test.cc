@@ -135,7 +135,8 @@ std::string LoadFailure(StateDict& sd, const std::string& uri, ErrorCode code,
 
 }  // namespace
 
-TEST_CASE("compression: a checkpoint holds a mix, and every item loads back", "[compression]") {
+TEST_CASE("compression: a checkpoint holds a mix, and every item loads back",
+          "[compression][option:StorageOptions::compression]") {
   for (const char* scheme : kSchemes) {
     for (int files : {1, 2}) {
       DYNAMIC_SECTION(scheme << " files_per_rank=" << files) {

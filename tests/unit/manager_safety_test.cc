@@ -340,7 +340,7 @@ TEST_CASE(
 TEST_CASE(
     "manager: steps increase across restarts, and a complete step is replaced only when "
     "asked",
-    "[manager]") {
+    "[manager][option:ManagerOptions::allow_replacing_steps]") {
   RegisterChaos();
   g_chaos.Reset(4);
   const std::string root = FreshRoot("restart");
@@ -428,7 +428,7 @@ TEST_CASE("manager: Restore falls back to the newest step that loads, and says s
 }
 
 TEST_CASE("save: ranks that disagree about the step fail instead of pairing on a reused target",
-          "[manager][protocol]") {
+          "[manager][protocol][option:SaveOptions::step]") {
   // The "latest" pattern: one location overwritten by every save. Rank 1 skips step 2's save,
   // so its step-3 save meets rank 0's step-2 save.
   const std::string target = "mem://reused-latest-" + std::to_string(g_counter++);

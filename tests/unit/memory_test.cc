@@ -56,7 +56,8 @@ StateDict ManyTensors(std::vector<TensorView>& keep) {
 
 }  // namespace
 
-TEST_CASE("memory: the budget bounds concurrent writers and readers", "[memory]") {
+TEST_CASE("memory: the budget bounds concurrent writers and readers",
+          "[memory][option:StorageOptions::memory_budget_bytes]") {
   for (size_t budget : {size_t{1}, kWriterStagingBytes, 4 * kWriterStagingBytes}) {
     INFO("budget " << budget);
     auto store = std::make_shared<CountingStore>(MakeMemStore("budget-" + std::to_string(budget)));

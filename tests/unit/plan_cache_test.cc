@@ -81,7 +81,8 @@ void CheckCounts(const std::vector<std::shared_ptr<SavePlanCache>>& caches, uint
   }
 }
 
-TEST_CASE("plan cache: repeated saves reuse the plan, changes plan in full", "[plancache]") {
+TEST_CASE("plan cache: repeated saves reuse the plan, changes plan in full",
+          "[plancache][option:SaveOptions::plan_cache]") {
   ClearMemStore("plancache");
   std::vector<std::shared_ptr<SavePlanCache>> caches;
   for (int r = 0; r < kRanks; ++r) caches.push_back(std::make_shared<SavePlanCache>());

@@ -164,7 +164,7 @@ TEST_CASE("protocol: replicated tensors are written once, balanced across ranks"
 }
 
 TEST_CASE("protocol: a failing planner fails every rank alike and writes no metadata",
-          "[protocol][fault]") {
+          "[protocol][fault][option:SaveOptions::planner]") {
   for (std::string step : {"local", "global", "resolve"}) {
     DYNAMIC_SECTION("failure in " << step) {
       const std::string name = "proto-fail-" + step;

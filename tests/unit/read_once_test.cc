@@ -225,7 +225,8 @@ uint64_t LoadAll(FaultInjectionStore& store, bool read_once, size_t budget,
 
 }  // namespace
 
-TEST_CASE("read-once: replicated entries are read from storage once at 4 ranks", "[read-once]") {
+TEST_CASE("read-once: replicated entries are read from storage once at 4 ranks",
+          "[read-once][option:LoadOptions::read_once]") {
   auto store = SavedState("read-once-bytes");
   std::vector<LoadStats> off_stats, on_stats;
   const uint64_t off = LoadAll(*store, false, 256 << 20, off_stats);
@@ -249,7 +250,7 @@ TEST_CASE("read-once: replicated entries are read from storage once at 4 ranks",
 }
 
 TEST_CASE("read-once: a budget smaller than the shared bytes splits them into batches",
-          "[read-once]") {
+          "[read-once][option:StorageOptions::memory_budget_bytes]") {
   auto store = SavedState("read-once-budget");
   std::vector<LoadStats> stats;
   // 12 KiB: one 10 KiB matrix per batch; each root holds at most one batch ahead.
@@ -301,7 +302,7 @@ TEST_CASE("read-once: a root that cannot read its items fails every rank at once
 }
 
 TEST_CASE("read-once: a rank with its own planner reads for itself, values are the same",
-          "[read-once]") {
+          "[read-once][option:LoadOptions::planner]") {
   auto store = SavedState("read-once-mixed");
   std::vector<State> loaded(kWorld);
   std::vector<LoadStats> stats(kWorld);

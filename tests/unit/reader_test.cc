@@ -79,7 +79,7 @@ TEST_CASE("reader: large items read in parallel pieces, corruption in any piece 
 }
 
 TEST_CASE("reader: each read thread streams its stripe of a file through one open object",
-          "[reader]") {
+          "[reader][option:StorageOptions::read_threads][option:LoadOptions::storage]") {
   // The kernel's readahead state lives in the open file: a reader that opened the file afresh
   // for every 32 MiB piece, or read every other piece, restarted it each time, which filled the
   // page cache with small folios and slowed the next (warm) load. Each reader now reads a

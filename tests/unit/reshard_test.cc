@@ -305,7 +305,7 @@ TEST_CASE("reshard: indexed overlaps equal the naive ones on random tilings",
 }
 
 TEST_CASE("reshard: strided and partial reads stay within the scratch bound",
-          "[reshard][storage]") {
+          "[reshard][storage][option:StorageOptions::max_scratch_bytes]") {
   const std::string name = "reshard-bounded";
   ClearMemStore(name);
   const Shape shape{64, 3000};  // rows of 12000 bytes
@@ -351,7 +351,8 @@ TEST_CASE("reshard: strided and partial reads stay within the scratch bound",
 }
 
 TEST_CASE("reshard: a corrupted item is caught by a partial read that verifies",
-          "[reshard][storage]") {
+          "[reshard][storage][option:StorageOptions::verify_partial_reads]"
+          "[option:LoadOptions::storage]") {
   const std::string name = "reshard-corrupt";
   ClearMemStore(name);
   const TensorView ref = RandomTensor(DType::kFloat32, {16, 16}, 5);
@@ -419,7 +420,8 @@ TEST_CASE("reshard: a replicated tensor on 4 ranks is written about once", "[res
   ClearMemStore(name);
 }
 
-TEST_CASE("reshard: strict, partial, mismatch and extra keys", "[reshard][load]") {
+TEST_CASE("reshard: strict, partial, mismatch and extra keys",
+          "[reshard][load][option:LoadOptions::allow_partial_load]") {
   const std::string name = "reshard-keys";
   ClearMemStore(name);
   StateDict saved = Build(Layout::kFull, 0, 1, true, false, nullptr);

@@ -245,7 +245,7 @@ TEST_CASE("conformance: save and load round trip", "[storage][conformance]") {
 }
 
 TEST_CASE("conformance: overwrite is refused unless asked, and replaces atomically",
-          "[storage][conformance]") {
+          "[storage][conformance][option:StorageOptions::overwrite][option:SaveOptions::storage]") {
   for (const auto& scheme : Backends()) {
     for (CheckpointFormat format : Formats()) {
       DYNAMIC_SECTION(scheme << " " << CheckpointFormatName(format)) {
@@ -403,7 +403,9 @@ TEST_CASE("conformance: missing, incomplete and garbage checkpoints", "[storage]
   }
 }
 
-TEST_CASE("conformance: damaged data is detected and named", "[storage][conformance]") {
+TEST_CASE("conformance: damaged data is detected and named",
+          "[storage][conformance][option:StorageOptions::verify_checksums]"
+          "[option:LoadOptions::storage]") {
   for (const auto& scheme : Backends()) {
     for (CheckpointFormat format : Formats()) {
       DYNAMIC_SECTION(scheme << " " << CheckpointFormatName(format)) {
@@ -475,7 +477,8 @@ TEST_CASE("registry: unknown schemes, custom backends, plain paths", "[storage]"
   CHECK(std::filesystem::exists(dir.path() + "/rel/" + kMetadataName));
 }
 
-TEST_CASE("registry: URI queries choose the format and set backend options", "[storage]") {
+TEST_CASE("registry: URI queries choose the format and set backend options",
+          "[storage][option:StorageOptions::format]") {
   const ParsedUri p = ParseUri("S3://bkt/a/b?part_size_mib=16&format=torchdcp&x=%2Fy%26");
   CHECK(p.scheme == "s3");
   CHECK(p.location == "bkt/a/b");
