@@ -11,7 +11,7 @@
 #include <string_view>
 #include <typeinfo>
 
-#include "dcp.pb.h"  // generated from proto/schema/dcp.proto
+#include "schema/dcp.pb.h"  // generated from proto/schema/dcp.proto
 #include "dcp/planner/compact_plan.h"
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/read_sharing.h"

@@ -16,7 +16,7 @@
 #include <set>
 #include <utility>
 
-#include "dcp.pb.h"  // generated from proto/schema/dcp.proto
+#include "schema/dcp.pb.h"  // generated from proto/schema/dcp.proto
 #include "dcp/proto/checksum.h"
 
 namespace dcp {
