@@ -24,12 +24,12 @@
 #include <map>
 #include <mutex>
 #include <sstream>
-#include <thread>
 
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/flatten.h"
 #include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/executor.h"
 
 namespace dcp {
 
@@ -153,7 +153,7 @@ struct AsyncCheckpointer::Impl {
   };
   std::optional<Job> job;
   std::shared_ptr<AsyncSave::State> last;  // the most recent save, running or ended
-  std::thread worker;
+  Task<void> worker;
   bool closed = false;
   // Set when Close gave up on the thread: whatever it destroys last must make no device call.
   std::atomic<bool> detached{false};
@@ -264,23 +264,14 @@ struct AsyncCheckpointer::Impl {
         pieces.push_back({c.dst.Narrow(off, size), c.src.Narrow(off, size), c.name});
       }
     }
-    std::atomic<size_t> next{0};
     std::exception_ptr err;
-    std::mutex err_mu;
-    auto work = [&] {
-      for (size_t i; (i = next.fetch_add(1)) < pieces.size();) {
-        try {
-          CopyTensor(pieces[i].dst, pieces[i].src);
-        } catch (...) {
-          std::lock_guard<std::mutex> lock(err_mu);
-          if (!err) err = std::current_exception();
-        }
-      }
-    };
-    std::vector<std::thread> helpers;
-    for (int t = 1; t < threads && pieces.size() > 1; ++t) helpers.emplace_back(work);
-    work();
-    for (auto& h : helpers) h.join();
+    try {
+      ParallelFor(
+          pieces.size(), [&](size_t i) { CopyTensor(pieces[i].dst, pieces[i].src); },
+          static_cast<size_t>(threads));
+    } catch (...) {
+      err = std::current_exception();  // after the device copies below have ended
+    }
     for (auto& [device, stream] : streams) stream->Synchronize();
     if (err) std::rethrow_exception(err);
     return staged;
@@ -371,7 +362,7 @@ AsyncCheckpointer::AsyncCheckpointer(std::unique_ptr<Communicator> background_co
   impl_->options = std::move(options);
   // The thread holds its own reference, so giving up on it at shutdown is safe.
   std::shared_ptr<Impl> impl = impl_;
-  impl_->worker = std::thread([impl] { impl->Run(); });
+  impl_->worker = Spawn([impl] { impl->Run(); });
 }
 
 AsyncCheckpointer::~AsyncCheckpointer() {
@@ -445,12 +436,12 @@ void AsyncCheckpointer::Close(std::chrono::milliseconds timeout) {
         s->cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return s->done; });
     lock.unlock();
     if (ended) {
-      impl_->worker.join();
+      impl_->worker.Wait();
     } else {
       // Stuck in storage. The communicator is stopped: the thread makes no further transport
       // call, even when it ends after MPI_Finalize and destroys the communicator.
       impl_->detached = true;
-      impl_->worker.detach();
+      impl_->worker.Abandon();
     }
     throw Error(ErrorCode::kIo,
                 "checkpoint " + uri + " is unfinished: the background save did not end within " +
@@ -458,7 +449,7 @@ void AsyncCheckpointer::Close(std::chrono::milliseconds timeout) {
                     " ms; it has no metadata unless it completes later",
                 true);
   }
-  impl_->worker.join();
+  impl_->worker.Wait();
   impl_->WaitLast();
 }
 

@@ -18,7 +18,7 @@
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
-#include "dcp/proto/parallel.h"
+#include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/registry.h"
 #include "dcp_version.h"

@@ -52,7 +52,7 @@
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/read_sharing.h"
 #include "dcp/proto/checksum.h"
-#include "dcp/proto/parallel.h"
+#include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
 
 using namespace dcp;

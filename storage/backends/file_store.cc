@@ -13,11 +13,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <future>
 #include <mutex>
 #include <sstream>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/executor.h"
 #include "dcp/proto/random_name.h"
 
 namespace dcp {
@@ -182,7 +182,7 @@ class FileWritable : public WritableObject {
     char* b = buf_[cur_];
     const size_t n = fill_;
     const uint64_t off = flushed_;
-    pending_ = std::async(std::launch::async, [this, b, n, off] { WriteDirect(b, n, off); });
+    pending_ = Spawn([this, b, n, off] { WriteDirect(b, n, off); });
     flushed_ += n;
     fill_ = 0;
     cur_ ^= 1;
@@ -257,7 +257,7 @@ class FileWritable : public WritableObject {
   int cur_ = 0;
   size_t fill_ = 0;            // bytes in buf_[cur_]
   bool tail_written_ = false;  // the partial block in buf_[cur_] is already in the file
-  std::future<void> pending_;
+  Task<void> pending_;
 };
 
 class FileReadable : public ReadableObject {

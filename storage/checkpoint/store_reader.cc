@@ -14,6 +14,7 @@
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/slab_copy.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
@@ -165,7 +166,7 @@ struct Split {
   std::vector<RunningCrc> crcs;
   std::atomic<size_t> remaining{0};
 };
-struct Task {
+struct ReadTask {
   size_t file;
   std::vector<size_t> items;  // a run of items for ReadFile, or
   Split* split = nullptr;     // one piece of a split item
@@ -177,7 +178,7 @@ struct Task {
 // A load's tasks, in file order, and the split items their pieces belong to.
 struct ReadWork {
   std::vector<std::unique_ptr<Split>> splits;
-  std::vector<Task> tasks;
+  std::vector<ReadTask> tasks;
 };
 
 // Add a split item's pieces (of file f) to the work, one task each.
@@ -206,9 +207,9 @@ void AddSplitItem(ReadWork& work, size_t f, size_t i, const StorageInfo& info,
 // A reader whose stripe is done takes tasks from the back of the fullest other stripe.
 class TaskQueue {
  public:
-  TaskQueue(const std::vector<Task>& tasks, size_t nreaders) {
+  TaskQueue(const std::vector<ReadTask>& tasks, size_t nreaders) {
     uint64_t total = 0, done = 0;
-    for (const Task& t : tasks) total += t.bytes;
+    for (const ReadTask& t : tasks) total += t.bytes;
     size_t begin = 0;
     for (size_t i = 0; i < tasks.size(); ++i) {
       done += tasks[i].bytes;
@@ -313,18 +314,22 @@ class StoreReader : public StorageReader {
   std::future<void> ReadData(const LoadPlan& plan, LoadPlanner& planner) override {
     ResolveTorchRecords(plan);
     FileItems files = ItemsByFile(plan);
-    return std::async(std::launch::async, [this, &plan, &planner, files = std::move(files)] {
-      ReadWork work = PlanReadWork(plan, planner, files);
-      const size_t nthreads = ReaderCount(work.tasks.size());
-      TaskQueue queue(work.tasks, nthreads);
-      std::vector<std::thread> threads;
-      for (size_t t = 1; t < nthreads; ++t) {
-        threads.emplace_back([&, t] { RunReader(plan, planner, files, work.tasks, queue, t); });
-      }
-      RunReader(plan, planner, files, work.tasks, queue, 0);
-      for (auto& t : threads) t.join();
-      queue.RethrowFirstError();
-    });
+    return Spawn([this, &plan, &planner, files = std::move(files)] {
+             ReadWork work = PlanReadWork(plan, planner, files);
+             const size_t nthreads = ReaderCount(work.tasks.size());
+             TaskQueue queue(work.tasks, nthreads);
+             {
+               std::vector<Task<void>> readers;  // their destructors wait, also on a throw
+               for (size_t t = 1; t < nthreads; ++t) {
+                 readers.push_back(
+                     Spawn([&, t] { RunReader(plan, planner, files, work.tasks, queue, t); }));
+               }
+               RunReader(plan, planner, files, work.tasks, queue, 0);
+               for (auto& r : readers) r.get();
+             }
+             queue.RethrowFirstError();
+           })
+        .ToFuture();
   }
 
  private:
@@ -346,7 +351,7 @@ class StoreReader : public StorageReader {
     return files;
   }
 
-  // The load cut into tasks (see Split and Task): split items piece by piece, runs of the
+  // The load cut into tasks (see Split and ReadTask): split items piece by piece, runs of the
   // others.
   ReadWork PlanReadWork(const LoadPlan& plan, LoadPlanner& planner, const FileItems& files) const {
     ReadWork work;
@@ -404,12 +409,12 @@ class StoreReader : public StorageReader {
   // One read thread: the tasks `queue` hands it, through its own scratch buffer, open object
   // and (for device pieces) pinned pieces. Errors go to the queue.
   void RunReader(const LoadPlan& plan, LoadPlanner& planner, const FileItems& files,
-                 const std::vector<Task>& tasks, TaskQueue& queue, size_t reader) {
+                 const std::vector<ReadTask>& tasks, TaskQueue& queue, size_t reader) {
     std::vector<char> scratch = TakeScratch();
     OpenObject open(*store_);
     std::optional<DeviceStaging> staging;  // made at this thread's first device piece
     while (const std::optional<size_t> t = queue.Take(reader)) {
-      const Task& task = tasks[*t];
+      const ReadTask& task = tasks[*t];
       try {
         ReadableObject& in = open.Get(files[task.file].first);
         if (task.split == nullptr) {
@@ -430,8 +435,8 @@ class StoreReader : public StorageReader {
   }
 
   // One piece of a split item: read into place (host), or through `staging` (device).
-  void ReadPiece(const LoadPlan& plan, LoadPlanner& planner, ReadableObject& in, const Task& task,
-                 std::optional<DeviceStaging>& staging) const {
+  void ReadPiece(const LoadPlan& plan, LoadPlanner& planner, ReadableObject& in,
+                 const ReadTask& task, std::optional<DeviceStaging>& staging) const {
     Split& sp = *task.split;
     const ReadItem& item = plan.items[sp.item];
     const StorageInfo& info = Info(item);
@@ -520,10 +525,11 @@ class StoreReader : public StorageReader {
       }
     };
     const size_t nthreads = std::clamp<size_t>(std::max(options_.read_threads, 4), 1, todo.size());
-    std::vector<std::thread> threads;
-    for (size_t t = 1; t < nthreads; ++t) threads.emplace_back(worker);
-    worker();
-    for (auto& t : threads) t.join();
+    {
+      std::vector<Task<void>> helpers;  // their destructors wait, also on a throw
+      for (size_t t = 1; t < nthreads; ++t) helpers.push_back(Spawn(worker));
+      worker();
+    }
     for (size_t i = 0; i < todo.size(); ++i) {
       if (results[i].error) std::rethrow_exception(results[i].error);
       if (!results[i].rec) continue;  // not reached after an error elsewhere

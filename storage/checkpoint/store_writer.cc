@@ -26,6 +26,7 @@
 #include <unordered_set>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/executor.h"
 #include "dcp/proto/random_name.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
@@ -132,46 +133,38 @@ class StoreWriter : public StorageWriter {
         created_.push_back(layout_.DataFileName(plan.storage_data, b));
       }
     }
-    return std::async(std::launch::async, [this, &plan, &planner, buckets = std::move(buckets)] {
-      // Writers run concurrently as far as the memory budget allows, each taking the next file.
-      std::vector<size_t> to_write;
-      for (size_t b = 0; b < buckets.size(); ++b) {
-        if (!buckets[b].empty()) to_write.push_back(b);
-      }
-      const size_t writers = std::clamp<size_t>(options_.memory_budget_bytes / kWriterStagingBytes,
-                                                1, std::max<size_t>(to_write.size(), 1));
-      std::vector<std::vector<WriteResult>> results(buckets.size());
-      std::atomic<size_t> next{0};
-      std::mutex mu;
-      std::exception_ptr first_error;
-      auto worker = [&] {
-        for (size_t i; (i = next.fetch_add(1)) < to_write.size();) {
-          const size_t b = to_write[i];
-          try {
-            results[b] =
-                WriteBucket(plan, planner, layout_.DataFileName(plan.storage_data, b), buckets[b]);
-          } catch (...) {
-            std::lock_guard<std::mutex> lock(mu);
-            if (!first_error) first_error = std::current_exception();
-            next = to_write.size();  // start no more files; running writers finish theirs
-          }
-        }
-      };
-      std::vector<std::thread> threads;
-      for (size_t t = 1; t < writers; ++t) threads.emplace_back(worker);
-      worker();
-      for (auto& t : threads) t.join();
-      if (first_error) std::rethrow_exception(first_error);
-      std::vector<WriteResult> all;
-      for (auto& r : results) {
-        all.insert(all.end(), std::make_move_iterator(r.begin()), std::make_move_iterator(r.end()));
-      }
-      // In stored-item order, so the coordinator merges every rank's results into the metadata
-      // without a tree walk per item (FillStorageFromEncoded).
-      std::sort(all.begin(), all.end(),
-                [](const WriteResult& a, const WriteResult& b) { return a.index < b.index; });
-      return all;
-    });
+    return Spawn([this, &plan, &planner, buckets = std::move(buckets)] {
+             // Writers run concurrently as far as the memory budget allows, each taking the next
+             // file; after a failure no further file is started.
+             std::vector<size_t> to_write;
+             for (size_t b = 0; b < buckets.size(); ++b) {
+               if (!buckets[b].empty()) to_write.push_back(b);
+             }
+             const size_t writers =
+                 std::clamp<size_t>(options_.memory_budget_bytes / kWriterStagingBytes, 1,
+                                    std::max<size_t>(to_write.size(), 1));
+             std::vector<std::vector<WriteResult>> results(buckets.size());
+             ParallelFor(
+                 to_write.size(),
+                 [&](size_t i) {
+                   const size_t b = to_write[i];
+                   results[b] = WriteBucket(plan, planner,
+                                            layout_.DataFileName(plan.storage_data, b), buckets[b]);
+                 },
+                 writers);
+             std::vector<WriteResult> all;
+             for (auto& r : results) {
+               all.insert(all.end(), std::make_move_iterator(r.begin()),
+                          std::make_move_iterator(r.end()));
+             }
+             // In stored-item order, so the coordinator merges every rank's results into the
+             // metadata without a tree walk per item (FillStorageFromEncoded).
+             std::sort(all.begin(), all.end(), [](const WriteResult& a, const WriteResult& b) {
+               return a.index < b.index;
+             });
+             return all;
+           })
+        .ToFuture();
   }
 
   bool FinishTakesFilledStorage() const override { return true; }

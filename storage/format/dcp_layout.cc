@@ -2,11 +2,11 @@
 // files "data-<save>-r<rank>-b<bucket>.data" of items stored raw or zstd-compressed, each with
 // its CRC32C.
 #include <algorithm>
-#include <future>
 
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
@@ -30,9 +30,8 @@ uint32_t AppendTensor(WritableObject& out, const TensorView& view) {
       crc = Crc32c(crc, data, n);
       return;
     }
-    // The future's destructor waits, so `data` outlives the CRC even if Append throws.
-    auto pending =
-        std::async(std::launch::async, [seed = crc, data, n] { return Crc32c(seed, data, n); });
+    // The Task's destructor waits, so `data` outlives the CRC even if Append throws.
+    Task<uint32_t> pending = Spawn([seed = crc, data, n] { return Crc32c(seed, data, n); });
     out.Append(data, n);
     crc = pending.get();
   });

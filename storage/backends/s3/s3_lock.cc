@@ -9,10 +9,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
-#include <thread>
 #include <utility>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/executor.h"
 #include "dcp/proto/random_name.h"
 
 namespace dcp::s3 {
@@ -53,7 +53,7 @@ class S3Lock : public StoreLock {
         lease_ms_(client_->options().lock_lease_seconds * 1000),
         etag_(std::move(etag)),
         expires_ms_(expires_ms) {
-    heartbeat_ = std::thread([this] { Heartbeat(); });
+    heartbeat_ = Spawn([this] { Heartbeat(); });
   }
 
   ~S3Lock() override {
@@ -215,9 +215,7 @@ class S3Lock : public StoreLock {
       stop_ = true;
     }
     cv_.notify_all();
-    if (heartbeat_.joinable() && heartbeat_.get_id() != std::this_thread::get_id()) {
-      heartbeat_.join();
-    }
+    heartbeat_.Wait();
   }
 
   std::shared_ptr<Client> client_;
@@ -230,7 +228,7 @@ class S3Lock : public StoreLock {
   int64_t expires_ms_;
   std::string lost_why_, lost_to_;  // set once the lock is known lost
   bool released_ = false, stop_ = false, suspended_ = false;
-  std::thread heartbeat_;
+  Task<void> heartbeat_;
 };
 
 }  // namespace

@@ -19,11 +19,12 @@
 #include <cstring>
 #include <deque>
 #include <exception>
-#include <future>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/executor.h"
 #include "dcp/storage/backends/s3/s3_xml.h"
 
 namespace dcp::s3 {
@@ -73,7 +74,7 @@ class S3Writable : public WritableObject {
   // Parts already shipped are on the server once their PUT returned; the object itself becomes
   // durable (and visible) at Close. Sync surfaces any failed part now.
   void Sync() override {
-    for (auto& p : inflight_) p.etag.wait();
+    for (auto& p : inflight_) p.etag.Wait();
     Reap(0);
   }
 
@@ -122,7 +123,7 @@ class S3Writable : public WritableObject {
  private:
   struct Part {
     size_t index;
-    std::future<std::string> etag;
+    Task<std::string> etag;
   };
 
   void ShipPart() {
@@ -144,7 +145,7 @@ class S3Writable : public WritableObject {
     auto client = client_;
     const std::string key = key_, upload = upload_id_;
     inflight_.push_back(
-        {index, std::async(std::launch::async, [client, key, upload, index, shared] {
+        {index, Spawn([client, key, upload, index, shared] {
            Call c{"PUT", key, {{"partNumber", std::to_string(index + 1)}, {"uploadId", upload}}};
            c.body = shared->data();
            c.body_size = shared->size();
@@ -190,7 +191,7 @@ class S3Readable : public ReadableObject {
   S3Readable(std::shared_ptr<Client> client, std::string key, uint64_t size)
       : client_(std::move(client)), key_(std::move(key)), size_(size) {}
   ~S3Readable() override {
-    for (auto& c : window_) c.data.wait();
+    for (auto& c : window_) c.fetch.Wait();
   }
 
   void ReadAt(uint64_t offset, void* dst, size_t n) override {
@@ -212,7 +213,7 @@ class S3Readable : public ReadableObject {
       if (offset < c.offset) break;  // a backward jump: not in the window
       const std::string* bytes = nullptr;
       try {
-        bytes = &c.data.get();
+        bytes = &c.Bytes();
       } catch (const Error&) {
         // A failed prefetch: drop the window, the direct read below retries on its own.
         window_.clear();
@@ -244,7 +245,7 @@ class S3Readable : public ReadableObject {
         TopUp();
         return;
       }
-      window_.clear();  // futures of std::async wait in their destructors
+      window_.clear();  // a Task waits for its GET in its destructor
       next_ = offset;
       ahead_end_ = offset + n;
       TopUp();
@@ -257,7 +258,13 @@ class S3Readable : public ReadableObject {
   struct Chunk {
     uint64_t offset;
     uint64_t size;
-    std::shared_future<std::string> data;
+    Task<std::string> fetch;
+    std::optional<std::string> bytes;
+    // The prefetched bytes, waiting for them the first time (rethrows a failed GET).
+    const std::string& Bytes() {
+      if (!bytes) bytes = fetch.get();
+      return *bytes;
+    }
   };
 
   void TopUp() {
@@ -268,11 +275,12 @@ class S3Readable : public ReadableObject {
       auto client = client_;
       const std::string key = key_;
       const uint64_t off = next_;
-      window_.push_back({off, len, std::async(std::launch::async, [client, key, off, len] {
-                                     std::string buf(len, '\0');
-                                     Get(*client, key, off, buf.data(), len);
-                                     return buf;
-                                   }).share()});
+      window_.push_back({off, len, Spawn([client, key, off, len] {
+                           std::string buf(len, '\0');
+                           Get(*client, key, off, buf.data(), len);
+                           return buf;
+                         }),
+                         std::nullopt});
       next_ += len;
     }
   }
@@ -285,16 +293,15 @@ class S3Readable : public ReadableObject {
       return;
     }
     const size_t width = static_cast<size_t>(std::max(1, client_->options().read_ahead_parts));
-    std::deque<std::future<void>> running;
+    std::deque<Task<void>> running;
     for (uint64_t pos = 0; pos < n; pos += part) {
       if (running.size() >= width) {
         running.front().get();
         running.pop_front();
       }
       const uint64_t len = std::min<uint64_t>(part, n - pos);
-      running.push_back(std::async(std::launch::async, [this, offset, dst, pos, len] {
-        Get(*client_, key_, offset + pos, dst + pos, len);
-      }));
+      running.push_back(Spawn(
+          [this, offset, dst, pos, len] { Get(*client_, key_, offset + pos, dst + pos, len); }));
     }
     std::exception_ptr first;
     for (auto& f : running) {
