@@ -30,6 +30,7 @@
 #include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
+#include "dcp/proto/staging.h"
 
 namespace dcp {
 
@@ -40,8 +41,10 @@ double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// A reusable, 4 KiB-aligned, pre-faulted host buffer.
+// A tensor's staging: a host buffer from the process-wide pool (4 KiB-aligned, pre-faulted),
+// optionally page-locked.
 struct StagingBuffer {
+  HostBuffer memory;
   void* data = nullptr;
   size_t capacity = 0;
   bool locked = false;
@@ -53,7 +56,6 @@ struct StagingBuffer {
   ~StagingBuffer() {
     if (pinned_by) pinned_by->UnregisterHost(data);
     if (locked) ::munlock(data, capacity);
-    std::free(data);
   }
 };
 
@@ -180,13 +182,15 @@ struct AsyncCheckpointer::Impl {
   }
 
   void Allocate(std::unique_ptr<StagingBuffer>& slot, size_t bytes, size_t* allocations) {
+    if (slot) {
+      staging_bytes -= slot->capacity;
+      slot.reset();  // back to the pool first: the new lease may reuse its memory
+    }
     auto buf = std::make_unique<StagingBuffer>();
-    buf->capacity = std::max<size_t>(4096, (bytes + 4095) / 4096 * 4096);
-    buf->data = std::aligned_alloc(4096, buf->capacity);
-    if (buf->data == nullptr) throw std::bad_alloc();
-    std::memset(buf->data, 0, buf->capacity);  // fault the pages in now, not during a copy
+    buf->memory.Reserve(bytes);  // pre-faulted: no page fault during a copy
+    buf->data = buf->memory.data();
+    buf->capacity = buf->memory.size();
     if (options.lock_staging) buf->locked = ::mlock(buf->data, buf->capacity) == 0;
-    if (slot) staging_bytes -= slot->capacity;
     staging_bytes += buf->capacity;
     slot = std::move(buf);
     ++*allocations;

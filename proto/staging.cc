@@ -15,8 +15,12 @@ struct Pool {
   std::mutex mu;
   std::vector<std::pair<char*, size_t>> idle;
   uint64_t allocated = 0;
+  uint64_t idle_bytes = 0;
   // A few buffers per concurrent writer/reader; beyond that the smallest idle one is freed.
   static constexpr size_t kMaxIdle = 16;
+  // What an idle process keeps: a buffer that would take the pool past this (an async
+  // checkpointer's staging for a whole model, say) is freed when it comes back.
+  static constexpr uint64_t kMaxIdleBytes = uint64_t{1} << 30;
 };
 
 Pool& GetPool() {
@@ -41,6 +45,7 @@ void HostBuffer::Reserve(size_t bytes) {
     if (best != pool.idle.end()) {
       data_ = best->first;
       size_ = best->second;
+      pool.idle_bytes -= best->second;
       pool.idle.erase(best);
       return;
     }
@@ -76,19 +81,26 @@ HostBuffer::~HostBuffer() { Release(); }
 void HostBuffer::Release() noexcept {
   if (data_ == nullptr) return;
   Pool& pool = GetPool();
-  char* evicted = nullptr;
+  std::vector<char*> evicted;
   {
     std::lock_guard<std::mutex> lock(pool.mu);
-    pool.idle.emplace_back(data_, size_);
-    if (pool.idle.size() > Pool::kMaxIdle) {
-      auto smallest =
-          std::min_element(pool.idle.begin(), pool.idle.end(),
-                           [](const auto& a, const auto& b) { return a.second < b.second; });
-      evicted = smallest->first;
-      pool.idle.erase(smallest);
+    if (size_ > Pool::kMaxIdleBytes) {
+      evicted.push_back(data_);
+    } else {
+      pool.idle.emplace_back(data_, size_);
+      pool.idle_bytes += size_;
+      // Over a limit: free the smallest idle buffers (the big ones are the costly ones to fault).
+      while (pool.idle.size() > Pool::kMaxIdle || pool.idle_bytes > Pool::kMaxIdleBytes) {
+        auto smallest =
+            std::min_element(pool.idle.begin(), pool.idle.end(),
+                             [](const auto& a, const auto& b) { return a.second < b.second; });
+        evicted.push_back(smallest->first);
+        pool.idle_bytes -= smallest->second;
+        pool.idle.erase(smallest);
+      }
     }
   }
-  std::free(evicted);
+  for (char* p : evicted) std::free(p);
   data_ = nullptr;
   size_ = 0;
 }

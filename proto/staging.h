@@ -2,6 +2,11 @@
 // page-fault) no staging memory. Freshly allocated memory costs a page fault per 4 KiB on first
 // touch (~0.4 GB/s on the reference machine against ~10 GB/s for a warm memcpy), so reuse is
 // most of the speed of any copy through a staging buffer.
+//
+// The one host buffer pool of the libraries: direct-I/O write buffers (file store), read
+// scratch (store reader, zstd), S3 part buffers and the async checkpointer's staging all lease
+// from it. (Page-locked device staging is the device layer's: proto/device/device.h.) An idle
+// process keeps at most 16 buffers and 1 GiB in it.
 #pragma once
 
 #include <cstddef>

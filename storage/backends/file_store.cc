@@ -19,6 +19,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
 #include "dcp/proto/random_name.h"
+#include "dcp/proto/staging.h"
 
 namespace dcp {
 
@@ -56,43 +57,6 @@ void WriteFully(int fd, const char* p, size_t n, uint64_t offset, const std::str
 constexpr size_t kAlign = 4096;                  // O_DIRECT offset, length and memory alignment
 constexpr size_t kDirectBufferBytes = 16 << 20;  // each of the two staging buffers
 
-// Aligned staging buffers, kept for the life of the process so that saves after the first one
-// allocate (and first-touch) nothing.
-class BufferPool {
- public:
-  static BufferPool& Get() {
-    static BufferPool* pool = new BufferPool();
-    return *pool;
-  }
-  char* Take() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!free_.empty()) {
-        char* b = free_.back();
-        free_.pop_back();
-        return b;
-      }
-    }
-    void* p = std::aligned_alloc(kAlign, kDirectBufferBytes);
-    if (p == nullptr) throw std::bad_alloc();
-    return static_cast<char*>(p);
-  }
-  void Give(char* b) {
-    if (b == nullptr) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (free_.size() < kMaxKept) {
-      free_.push_back(b);
-    } else {
-      std::free(b);
-    }
-  }
-
- private:
-  static constexpr size_t kMaxKept = 16;
-  std::mutex mu_;
-  std::vector<char*> free_;
-};
-
 bool IsAligned(const void* p, uint64_t n) {
   return (reinterpret_cast<uintptr_t>(p) % kAlign) == 0 && n % kAlign == 0;
 }
@@ -126,8 +90,6 @@ class FileWritable : public WritableObject {
   }
   ~FileWritable() override {
     WaitPending(/*rethrow=*/false);
-    BufferPool::Get().Give(buf_[0]);
-    BufferPool::Get().Give(buf_[1]);
     if (fd_ >= 0) {
       ::close(fd_);
       ::unlink(path_.c_str());
@@ -151,9 +113,10 @@ class FileWritable : public WritableObject {
       n -= whole;
     }
     while (n > 0) {
-      if (buf_[cur_] == nullptr) buf_[cur_] = BufferPool::Get().Take();
+      // From the process-wide pool (4 KiB-aligned, reused by the next save); back at destruction.
+      buf_[cur_].Reserve(kDirectBufferBytes);
       const size_t take = std::min(n, kDirectBufferBytes - fill_);
-      std::memcpy(buf_[cur_] + fill_, p, take);
+      std::memcpy(buf_[cur_].data() + fill_, p, take);
       fill_ += take;
       p += take;
       n -= take;
@@ -179,7 +142,7 @@ class FileWritable : public WritableObject {
   // Hand the full current buffer to the background writer and switch to the other one.
   void Submit() {
     WaitPending(true);
-    char* b = buf_[cur_];
+    char* b = buf_[cur_].data();
     const size_t n = fill_;
     const uint64_t off = flushed_;
     pending_ = Spawn([this, b, n, off] { WriteDirect(b, n, off); });
@@ -205,7 +168,7 @@ class FileWritable : public WritableObject {
     if (!direct_) return;
     WaitPending(true);
     if (fill_ == 0) return;
-    char* b = buf_[cur_];
+    char* b = buf_[cur_].data();
     const size_t whole = fill_ / kAlign * kAlign;
     if (whole > 0) {
       WriteDirect(b, whole, flushed_);
@@ -253,7 +216,7 @@ class FileWritable : public WritableObject {
   bool direct_ = false;
   uint64_t size_ = 0;     // bytes appended
   uint64_t flushed_ = 0;  // bytes handed to whole-block writes (a multiple of kAlign)
-  char* buf_[2] = {nullptr, nullptr};
+  HostBuffer buf_[2];
   int cur_ = 0;
   size_t fill_ = 0;            // bytes in buf_[cur_]
   bool tail_written_ = false;  // the partial block in buf_[cur_] is already in the file

@@ -16,6 +16,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
+#include "dcp/proto/staging.h"
 #include "dcp/storage/checkpoint/slab_copy.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
@@ -136,24 +137,6 @@ class DeviceStaging {
   Slot slots_[2];
   int next_ = 0;
 };
-
-// Read scratch buffers outlive a load: reused by the next one instead of re-faulting pages.
-std::mutex scratch_pool_mu;
-std::vector<std::vector<char>> scratch_pool;
-
-std::vector<char> TakeScratch() {
-  std::lock_guard<std::mutex> lock(scratch_pool_mu);
-  if (scratch_pool.empty()) return {};
-  std::vector<char> v = std::move(scratch_pool.back());
-  scratch_pool.pop_back();
-  return v;
-}
-
-void GiveScratch(std::vector<char> v) {
-  if (v.empty()) return;
-  std::lock_guard<std::mutex> lock(scratch_pool_mu);
-  if (scratch_pool.size() < 4) scratch_pool.push_back(std::move(v));
-}
 
 // The units of a load's work. Large whole items bound for contiguous memory are split into
 // pieces that any reader reads into place (host) or through its pinned piece (device), each
@@ -410,7 +393,7 @@ class StoreReader : public StorageReader {
   // and (for device pieces) pinned pieces. Errors go to the queue.
   void RunReader(const LoadPlan& plan, LoadPlanner& planner, const FileItems& files,
                  const std::vector<ReadTask>& tasks, TaskQueue& queue, size_t reader) {
-    std::vector<char> scratch = TakeScratch();
+    HostBuffer scratch;  // from the process-wide pool (proto/staging.h), returned at the end
     OpenObject open(*store_);
     std::optional<DeviceStaging> staging;  // made at this thread's first device piece
     while (const std::optional<size_t> t = queue.Take(reader)) {
@@ -431,7 +414,6 @@ class StoreReader : public StorageReader {
     } catch (...) {
       queue.Fail();
     }
-    GiveScratch(std::move(scratch));
   }
 
   // One piece of a split item: read into place (host), or through `staging` (device).
@@ -625,9 +607,9 @@ class StoreReader : public StorageReader {
 
   size_t ScratchLimit() const { return std::max<size_t>(options_.max_scratch_bytes, 64); }
 
-  void EnsureScratch(std::vector<char>& scratch, size_t n) const {
+  void EnsureScratch(HostBuffer& scratch, size_t n) const {
     if (n > ScratchLimit()) throw InternalError("scratch request over the limit");
-    if (scratch.size() < n) scratch.resize(n);
+    scratch.Reserve(n);
   }
 
   void VerifyCrc(const ReadItem& item, const StorageInfo& info, uint32_t actual) const {
@@ -647,7 +629,7 @@ class StoreReader : public StorageReader {
   // accumulated into *crc.
   void ReadBox(ReadableObject& in, uint64_t base, DType dtype, const Shape& sizes,
                const Shape& box_off, const Shape& box_len, const TensorView& dst,
-               std::vector<char>& scratch, RunningCrc* crc) const {
+               HostBuffer& scratch, RunningCrc* crc) const {
     const size_t esize = ElementSize(dtype);
     const size_t rank = sizes.size();
     // One byte range: leading dims of length 1, then one partial dim, then full dims.
@@ -674,7 +656,7 @@ class StoreReader : public StorageReader {
 
   void ReadBoxDim(ReadableObject& in, uint64_t base, DType dtype, size_t esize, const Shape& sizes,
                   const Shape& box_off, const Shape& box_len, const TensorView& dst,
-                  std::vector<char>& scratch, RunningCrc* crc, Shape& prefix) const {
+                  HostBuffer& scratch, RunningCrc* crc, Shape& prefix) const {
     const size_t d = prefix.size();
     // Byte offset of the sub-block selected by `prefix`, and bytes per index along dim d.
     const Shape strides = ContiguousStrides(sizes);
@@ -705,7 +687,7 @@ class StoreReader : public StorageReader {
   }
 
   void ReadFile(const LoadPlan& plan, LoadPlanner& planner, const std::string& name,
-                ReadableObject& in, const std::vector<size_t>& items, std::vector<char>& scratch) {
+                ReadableObject& in, const std::vector<size_t>& items, HostBuffer& scratch) {
     std::set<MetadataIndex> verified;  // stored items whose CRC a partial read already checked
     for (size_t i : items) {
       const ReadItem& item = plan.items[i];
@@ -780,7 +762,7 @@ class StoreReader : public StorageReader {
   // through the scratch buffer, from the start of the item to the end of the box (to the end of the
   // item when it is verified, once per rank as for raw partial reads).
   void ReadTransformed(LoadPlanner& planner, const ReadItem& item, const StorageInfo& info,
-                       ReadableObject& in, const std::string& name, std::vector<char>& scratch,
+                       ReadableObject& in, const std::string& name, HostBuffer& scratch,
                        std::set<MetadataIndex>& verified) {
     if (info.transforms.size() == 1 && info.transforms[0] == kTorchSaveTransform) {
       ReadTorchRecord(planner, item, info, in, name);

@@ -358,16 +358,16 @@ void ZstdItemReader::ReadAll(void* dst) {
   CheckEnd();
 }
 
-void ZstdItemReader::Skip(uint64_t n, std::vector<char>& scratch, size_t limit) {
+void ZstdItemReader::Skip(uint64_t n, HostBuffer& scratch, size_t limit) {
   while (n > 0) {
     const size_t piece = static_cast<size_t>(std::min<uint64_t>(std::max<size_t>(limit, 1), n));
-    if (scratch.size() < piece) scratch.resize(piece);
+    scratch.Reserve(piece);
     Read(scratch.data(), piece);
     n -= piece;
   }
 }
 
-void ZstdItemReader::Finish(std::vector<char>& scratch, size_t limit) {
+void ZstdItemReader::Finish(HostBuffer& scratch, size_t limit) {
   Skip(info_.raw_length - produced_, scratch, limit);
   CheckEnd();
 }
@@ -398,7 +398,7 @@ struct BoxWalk {
   const Shape& off;
   const Shape& len;
   const TensorView& dst;
-  std::vector<char>& scratch;
+  HostBuffer& scratch;
   size_t limit;
   size_t split = 0;           // the dimension read in pieces; dimensions before it go one by one
   int64_t per_piece = 1;      // indices of `split` per piece
@@ -424,7 +424,7 @@ struct BoxWalk {
         reader.Skip(pending_skip, scratch, limit);
         pending_skip = 0;
         const size_t bytes = static_cast<size_t>(Bytes(d, n));
-        if (scratch.size() < bytes) scratch.resize(bytes);
+        scratch.Reserve(bytes);
         reader.Read(scratch.data(), bytes);
         CopySlabIntoBox(dst, scratch.data(), dtype, sizes, off, len, prefix, d, i, n);
       }
@@ -436,12 +436,12 @@ struct BoxWalk {
 }  // namespace
 
 void ReadZstdBox(ZstdItemReader& reader, DType dtype, const Shape& sizes, const Shape& box_off,
-                 const Shape& box_len, const TensorView& dst, std::vector<char>& scratch,
-                 size_t limit, bool to_end) {
+                 const Shape& box_len, const TensorView& dst, HostBuffer& scratch, size_t limit,
+                 bool to_end) {
   const size_t esize = ElementSize(dtype);
   limit = std::max(limit, esize);
   if (sizes.empty()) {  // a scalar: one element
-    if (scratch.size() < esize) scratch.resize(esize);
+    scratch.Reserve(esize);
     reader.Read(scratch.data(), esize);
     CopyTensor(dst, TensorView::FromContiguous(scratch.data(), dtype, {}));
   } else if (NumElements(box_len) > 0) {

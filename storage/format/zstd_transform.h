@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dcp/proto/plan.h"
+#include "dcp/proto/staging.h"
 #include "dcp/proto/tensor.h"
 #include "dcp/storage/storage.h"
 #include "dcp/storage/store.h"
@@ -101,10 +102,10 @@ class ZstdItemReader {
   void Read(void* dst, size_t n);
   /// Decompress and discard the next `n` raw bytes, through `scratch` (grown to at most
   /// `limit` bytes).
-  void Skip(uint64_t n, std::vector<char>& scratch, size_t limit);
+  void Skip(uint64_t n, HostBuffer& scratch, size_t limit);
   /// Decompress and discard the rest, then check that the item is exactly one frame of
   /// raw_length bytes, followed by nothing, and (when verifying) its CRC32C.
-  void Finish(std::vector<char>& scratch, size_t limit);
+  void Finish(HostBuffer& scratch, size_t limit);
   /// Raw bytes produced (read or skipped) so far.
   uint64_t position() const { return produced_; }
 
@@ -136,7 +137,7 @@ class ZstdItemReader {
 /// discarded. With `to_end` the rest of the item is decompressed too and every check of
 /// ZstdItemReader::Finish made; without it reading stops after the box (nothing is verified).
 void ReadZstdBox(ZstdItemReader& reader, DType dtype, const Shape& sizes, const Shape& box_off,
-                 const Shape& box_len, const TensorView& dst, std::vector<char>& scratch,
-                 size_t limit, bool to_end);
+                 const Shape& box_len, const TensorView& dst, HostBuffer& scratch, size_t limit,
+                 bool to_end);
 
 }  // namespace dcp

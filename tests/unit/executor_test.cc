@@ -18,12 +18,13 @@ TEST_CASE("executor reuses its threads for work that comes one after another", "
   Spawn([] {}).get();  // at least one thread exists
   const size_t before = PoolThreadCount();
   std::set<std::thread::id> ids;
-  for (int i = 0; i < 50; ++i) {
+  for (int i = 0; i < 200; ++i) {
     ids.insert(Spawn([] { return std::this_thread::get_id(); }).get());
   }
-  // std::async started 50 threads here; the pool starts none once one is idle.
-  CHECK(ids.size() <= 2);
-  CHECK(PoolThreadCount() <= before + 1);
+  // std::async starts 200 threads here. The pool starts one only when none is idle: get()
+  // can return before the thread that ran the work is back to idle, so a few, not 200.
+  CHECK(ids.size() <= 4);
+  CHECK(PoolThreadCount() <= before + 4);
 }
 
 TEST_CASE("executor runs work that waits on other work without deadlock", "[executor]") {
@@ -76,6 +77,7 @@ TEST_CASE("executor carries exceptions to get and ParallelFor rethrows the first
                         [&](size_t i) {
                           ++ran;
                           if (i == 3) throw std::runtime_error("item 3");
+                          std::this_thread::sleep_for(std::chrono::milliseconds(2));
                         },
                         4),
                     "item 3");

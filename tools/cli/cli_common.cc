@@ -14,6 +14,7 @@
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/schema/codec.h"
+#include "dcp/proto/staging.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/torch_dcp.h"
 #include "dcp/storage/format/zstd_transform.h"
@@ -449,7 +450,7 @@ void TensorStream::ReadChunkBytes(ChunkState& cs, uint64_t begin, size_t len) {
     cs.zstd->Read(scratch_.data(), len);
     cs.consumed += len;
     if (cs.consumed == cs.info->raw_length) {
-      std::vector<char> tail;
+      HostBuffer tail;
       cs.zstd->Finish(tail, 64);
       cs.zstd.reset();
     }

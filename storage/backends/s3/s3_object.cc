@@ -25,6 +25,7 @@
 
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
+#include "dcp/proto/staging.h"
 #include "dcp/storage/backends/s3/s3_xml.h"
 
 namespace dcp::s3 {
@@ -61,13 +62,17 @@ class S3Writable : public WritableObject {
   void Append(const void* data, size_t n) override {
     const char* p = static_cast<const char*>(data);
     while (n > 0) {
-      if (buffer_.capacity() < part_size_) buffer_.reserve(part_size_);
-      const size_t take = std::min(n, part_size_ - buffer_.size());
-      buffer_.append(p, take);
+      if (!buffer_) {
+        buffer_ = std::make_shared<PartBuffer>();
+        buffer_->memory.Reserve(part_size_);  // from the process-wide pool, back after its PUT
+      }
+      const size_t take = std::min(n, part_size_ - buffer_->size);
+      std::memcpy(buffer_->memory.data() + buffer_->size, p, take);
+      buffer_->size += take;
       p += take;
       n -= take;
       size_ += take;
-      if (buffer_.size() == part_size_) ShipPart();
+      if (buffer_->size == part_size_) ShipPart();
     }
   }
 
@@ -83,11 +88,11 @@ class S3Writable : public WritableObject {
     if (upload_id_.empty()) {
       // Smaller than one part: one PUT.
       Call c{"PUT", key_};
-      c.body = buffer_.data();
-      c.body_size = buffer_.size();
+      c.body = buffer_ ? buffer_->memory.data() : "";
+      c.body_size = buffer_ ? buffer_->size : 0;
       client_->Ok(c);
     } else {
-      if (!buffer_.empty()) ShipPart();
+      if (buffer_ && buffer_->size > 0) ShipPart();
       Reap(0);
       std::string xml = "<CompleteMultipartUpload>";
       for (size_t i = 0; i < etags_.size(); ++i) {
@@ -115,12 +120,16 @@ class S3Writable : public WritableObject {
       }
     }
     closed_ = true;
-    buffer_ = std::string();
+    buffer_.reset();
   }
 
   uint64_t size() const override { return size_; }
 
  private:
+  struct PartBuffer {
+    HostBuffer memory;
+    size_t size = 0;
+  };
   struct Part {
     size_t index;
     Task<std::string> etag;
@@ -133,22 +142,16 @@ class S3Writable : public WritableObject {
       upload_id_ = ParseInitiateMultipartUpload(r.body, client_->Describe(key_));
     }
     Reap(static_cast<size_t>(client_->options().parts_in_flight) - 1);
-    std::string part;
-    if (!spare_.empty()) {
-      part = std::move(spare_.back());
-      spare_.pop_back();
-    }
-    part.swap(buffer_);
-    buffer_.clear();
+    std::shared_ptr<const PartBuffer> shared = std::move(buffer_);
+    buffer_.reset();
     const size_t index = etags_.size() + inflight_.size();
-    auto shared = std::make_shared<std::string>(std::move(part));
     auto client = client_;
     const std::string key = key_, upload = upload_id_;
     inflight_.push_back(
         {index, Spawn([client, key, upload, index, shared] {
            Call c{"PUT", key, {{"partNumber", std::to_string(index + 1)}, {"uploadId", upload}}};
-           c.body = shared->data();
-           c.body_size = shared->size();
+           c.body = shared->memory.data();
+           c.body_size = shared->size;
            Response r = client->Ok(c);
            const std::string etag = r.headers["etag"];
            if (etag.empty()) {
@@ -158,7 +161,6 @@ class S3Writable : public WritableObject {
            }
            return etag;
          })});
-    parts_.push_back(shared);
   }
 
   // Wait until at most `keep` parts are in flight, oldest first; record their ETags.
@@ -166,21 +168,16 @@ class S3Writable : public WritableObject {
     while (inflight_.size() > keep) {
       Part p = std::move(inflight_.front());
       inflight_.pop_front();
-      auto buf = parts_.front();
-      parts_.pop_front();
       etags_.push_back(p.etag.get());  // rethrows a failed part
-      if (buf.use_count() == 1) spare_.push_back(std::move(*buf));
     }
   }
 
   std::shared_ptr<Client> client_;
   std::string key_;
   size_t part_size_;
-  std::string buffer_;
-  std::vector<std::string> spare_;
+  std::shared_ptr<PartBuffer> buffer_;  // the part being filled
   std::string upload_id_;
   std::deque<Part> inflight_;
-  std::deque<std::shared_ptr<std::string>> parts_;
   std::vector<std::string> etags_;
   uint64_t size_ = 0;
   bool closed_ = false;
