@@ -11,7 +11,6 @@
 #include <string_view>
 #include <typeinfo>
 
-#include "schema/dcp.pb.h"  // generated from proto/schema/dcp.proto
 #include "dcp/planner/compact_plan.h"
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/read_sharing.h"
@@ -22,6 +21,7 @@
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/registry.h"
 #include "dcp_version.h"
+#include "schema/dcp.pb.h"  // generated from proto/schema/dcp.proto
 
 namespace dcp {
 
@@ -944,6 +944,7 @@ class LoadOperation {
     LoadPlannerOptions planner_options;
     planner_options.allow_partial_load = options.allow_partial_load;
     planner_options.load_all = load_all;
+    planner_options.cast_dtypes = options.cast_dtypes;
     return planner_options;
   }
 
@@ -1032,6 +1033,11 @@ void CheckLoadOptions(const LoadOptions& options, bool load_all) {
     throw InvalidArgumentError(
         "LoadOptions::allow_partial_load applies to the default planner; a custom planner "
         "decides what a missing key means");
+  }
+  if (options.planner && options.cast_dtypes) {
+    throw InvalidArgumentError(
+        "LoadOptions::cast_dtypes applies to the default planner; a custom planner resolves "
+        "destinations itself");
   }
   if (options.planner && load_all) {
     throw InvalidArgumentError("LoadAll allocates through the default planner; pass no planner");

@@ -66,6 +66,13 @@ struct LoadOptions {
   /// Load tensors only: byte blobs of the state dict are left untouched (dcp::LoadAll leaves
   /// them out of the state dict it returns).
   bool weights_only = false;
+  /// Convert a tensor stored in another dtype than its destination's (a bf16 checkpoint into
+  /// fp32 parameters), as torch's DCP does through Tensor.copy_: floats round to nearest even,
+  /// floats to integers truncate and saturate. Between bool, integers, float16, bfloat16,
+  /// float32 and float64; float8 and complex tensors must match. Off (the default): a dtype
+  /// mismatch is an InvalidArgumentError naming the tensor. Default planner only (a custom
+  /// planner with it set is refused). Shapes must match either way.
+  bool cast_dtypes = false;
   /// Custom planner; nullptr uses DefaultLoadPlanner. Not owned; must outlive the load.
   LoadPlanner* planner = nullptr;
 };

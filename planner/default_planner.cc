@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "dcp/proto/device/device.h"
+#include "dcp/proto/dtype_cast.h"
 #include "dcp/proto/error.h"
 
 namespace dcp {
@@ -722,7 +723,7 @@ void AddTensorReads(const std::string& fqn, const WantedChunks& want, const Tens
 // The reads of one state dict entry from its saved entry, which must be of the same kind,
 // dtype and global shape.
 void AddEntryReads(const std::string& fqn, const StateValue& value, const EntryMetadata& entry,
-                   bool naive_overlaps, std::vector<ReadItem>& out) {
+                   const LoadPlannerOptions& options, std::vector<ReadItem>& out) {
   const auto* saved = std::get_if<TensorMetadata>(&entry);
   const bool want_tensor = !std::holds_alternative<Blob>(value);
   if ((saved != nullptr) != want_tensor) {
@@ -738,12 +739,18 @@ void AddEntryReads(const std::string& fqn, const StateValue& value, const EntryM
     return;
   }
   const WantedChunks want = WantedChunksOf(fqn, value);
-  if (want.dtype != saved->dtype || want.global != saved->shape) {
+  const bool castable = options.cast_dtypes && CanCastDType(saved->dtype, want.dtype);
+  if ((want.dtype != saved->dtype && !castable) || want.global != saved->shape) {
+    std::string hint;
+    if (want.global == saved->shape && !options.cast_dtypes &&
+        CanCastDType(saved->dtype, want.dtype)) {
+      hint = " (pass cast_dtypes to convert on load)";
+    }
     throw InvalidArgumentError("tensor '" + fqn + "': the checkpoint has " +
                                Describe(saved->dtype, saved->shape) + ", the state dict asks for " +
-                               Describe(want.dtype, want.global));
+                               Describe(want.dtype, want.global) + hint);
   }
-  AddTensorReads(fqn, want, *saved, naive_overlaps, out);
+  AddTensorReads(fqn, want, *saved, options.naive_overlaps, out);
 }
 
 [[noreturn]] void ThrowMissingKeys(const std::vector<std::string>& missing) {
@@ -767,7 +774,7 @@ LoadPlan DefaultLoadPlanner::CreateLocalPlan() {
       if (!options_.allow_partial_load) missing.push_back(fqn);
       continue;
     }
-    AddEntryReads(fqn, *entry.value, md_it->second, options_.naive_overlaps, plan.items);
+    AddEntryReads(fqn, *entry.value, md_it->second, options_, plan.items);
   }
   if (!missing.empty()) ThrowMissingKeys(missing);
   extra_keys_.clear();
@@ -790,13 +797,13 @@ void DefaultLoadPlanner::LoadBytes(const ReadItem& item, std::string bytes) {
   blob->bytes = std::move(bytes);
 }
 
-TensorView DefaultLoadPlanner::ResolveTensor(const ReadItem& item) {
+TensorView DefaultLoadPlanner::Destination(const ReadItem& item) const {
   auto it = flat_.find(item.dest_index.fqn);
   if (it == flat_.end()) throw InternalError("no tensor named '" + item.dest_index.fqn + "'");
-  StateValue& value = *it->second.value;
+  const StateValue& value = *it->second.value;
   if (auto* t = std::get_if<TensorView>(&value)) return t->Narrow(item.dest_offsets, item.lengths);
   if (auto* st = std::get_if<ShardedTensor>(&value)) {
-    for (auto& shard : st->local_shards) {
+    for (const auto& shard : st->local_shards) {
       if (shard.offsets == item.dest_index.offset) {
         return shard.view.Narrow(item.dest_offsets, item.lengths);
       }
@@ -805,7 +812,35 @@ TensorView DefaultLoadPlanner::ResolveTensor(const ReadItem& item) {
   throw InternalError("no local chunk " + item.dest_index.ToString());
 }
 
-void DefaultLoadPlanner::CommitTensor(const ReadItem&, const TensorView&) {}
+// A destination of another dtype than the stored one (cast_dtypes) is read into host memory of
+// the stored dtype, converted into the destination at CommitTensor.
+TensorView DefaultLoadPlanner::ResolveTensor(const ReadItem& item) {
+  TensorView dst = Destination(item);
+  auto entry = metadata_->entries.find(item.storage_index.fqn);
+  const auto* saved =
+      entry == metadata_->entries.end() ? nullptr : std::get_if<TensorMetadata>(&entry->second);
+  if (saved == nullptr || saved->dtype == dst.dtype) return dst;
+  TensorView staged = TensorView::Allocate(saved->dtype, item.lengths);
+  std::lock_guard<std::mutex> lock(casts_mu_);
+  casts_[staged.data] = {staged, dst};
+  return staged;
+}
+
+void DefaultLoadPlanner::CommitTensor(const ReadItem& item, const TensorView& tensor) {
+  std::pair<TensorView, TensorView> cast;
+  {
+    std::lock_guard<std::mutex> lock(casts_mu_);
+    auto it = casts_.find(tensor.data);
+    if (it == casts_.end()) return;
+    cast = std::move(it->second);
+    casts_.erase(it);
+  }
+  try {
+    CastTensor(cast.second, cast.first);
+  } catch (const DeviceError& e) {
+    throw DeviceError("tensor '" + item.dest_index.fqn + "': " + e.what());
+  }
+}
 
 StateDict StateDictFromMetadata(const Metadata& metadata) {
   StateDict sd;

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <map>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -104,6 +105,10 @@ struct LoadPlannerOptions {
   /// Load without a model: SetUp replaces the state dict's contents with
   /// StateDictFromMetadata(metadata), so every entry of the checkpoint is allocated and loaded.
   bool load_all = false;
+  /// Convert tensors stored in another dtype than the destination's (CanCastDType: bool,
+  /// integers, float16, bfloat16, float32, float64) as torch's Tensor.copy_ does; off, such a
+  /// tensor is an InvalidArgumentError naming it. Shapes must match either way.
+  bool cast_dtypes = false;
 };
 
 class DefaultLoadPlanner : public LoadPlanner {
@@ -122,8 +127,13 @@ class DefaultLoadPlanner : public LoadPlanner {
   const std::vector<std::string>& extra_keys() const { return extra_keys_; }
 
  private:
+  TensorView Destination(const ReadItem& item) const;
+
   LoadPlannerOptions options_;
   std::vector<std::string> extra_keys_;
+  // Items being cast (cast_dtypes): staged memory's address -> (staged view, destination).
+  std::mutex casts_mu_;
+  std::map<const void*, std::pair<TensorView, TensorView>> casts_;
   std::map<std::string, MutableFlatEntry> flat_;
   const Metadata* metadata_ = nullptr;
   PlannerContext ctx_;

@@ -385,6 +385,70 @@ TEST_CASE("option: LoadOptions::weights_only loads tensors and leaves byte blobs
   CHECK(LoadAll(uri).Find("rng") != nullptr);
 }
 
+TEST_CASE("option: LoadOptions::cast_dtypes converts tensors stored in another dtype",
+          "[options][option:LoadOptions::cast_dtypes]") {
+  const std::string uri = "mem://" + FreshMem("cast");
+  // bf16 values exactly representable: they convert to fp32 exactly.
+  std::vector<uint16_t> bf16(64);
+  for (size_t i = 0; i < bf16.size(); ++i) bf16[i] = static_cast<uint16_t>(0x3F80 + i * 3);
+  const TensorView stored_bf16 = TensorView::FromContiguous(bf16.data(), DType::kBFloat16, {8, 8});
+  std::vector<float> f32 = {1.5f, -2.75f, 3e9f, -3e9f, 0.0f, 7.9f, -7.9f, 1e-3f};
+  const TensorView stored_f32 = TensorView::FromContiguous(f32.data(), DType::kFloat32, {8});
+  StateDict sd;
+  sd.Set("emb", stored_bf16).Set("stat", stored_f32);
+  Save(sd, uri);
+
+  // Into fp32 (a strided destination: the rows of a wider tensor) and int32.
+  TensorView wide = TensorView::Allocate(DType::kFloat32, {8, 10});
+  TensorView ints = TensorView::Allocate(DType::kInt32, {8});
+  StateDict dst;
+  dst.Set("emb", wide.Narrow({0, 1}, {8, 8})).Set("stat", ints);
+  CHECK_THROWS_WITH(Load(dst, uri), Contains("tensor 'emb'") && Contains("cast_dtypes"));
+  LoadOptions cast;
+  cast.cast_dtypes = true;
+  Load(dst, uri, cast);
+  const float* w = static_cast<const float*>(wide.data);
+  for (int r = 0; r < 8; ++r) {
+    for (int c = 0; c < 8; ++c) {
+      const uint32_t bits = static_cast<uint32_t>(bf16[r * 8 + c]) << 16;
+      float want;
+      std::memcpy(&want, &bits, sizeof(want));
+      REQUIRE(w[r * 10 + 1 + c] == want);
+    }
+    CHECK(w[r * 10] == 0.0f);  // outside the view: untouched
+  }
+  const int32_t* n = static_cast<const int32_t*>(ints.data);
+  CHECK(std::vector<int32_t>(n, n + 8) ==
+        std::vector<int32_t>{1, -2, 2147483647, -2147483647 - 1, 0, 7, -7, 0});
+
+  // Resharded while cast: two shards of the bf16 tensor, loaded as float64.
+  TensorView top = TensorView::Allocate(DType::kFloat64, {3, 8});
+  TensorView bottom = TensorView::Allocate(DType::kFloat64, {5, 8});
+  ShardedTensor st;
+  st.dtype = DType::kFloat64;
+  st.global_shape = {8, 8};
+  st.local_shards = {{top, {0, 0}}, {bottom, {3, 0}}};
+  StateDict sharded;
+  sharded.Set("emb", st);
+  LoadOptions partial = cast;
+  partial.allow_partial_load = true;
+  Load(sharded, uri, partial);
+  const double* b = static_cast<const double*>(bottom.data);
+  const uint32_t bits = static_cast<uint32_t>(bf16[3 * 8 + 2]) << 16;
+  float want;
+  std::memcpy(&want, &bits, sizeof(want));
+  CHECK(b[2] == static_cast<double>(want));
+
+  // Shapes must still match, and a custom planner does its own resolving.
+  StateDict wrong;
+  wrong.Set("stat", TensorView::Allocate(DType::kFloat64, {9}));
+  CHECK_THROWS_WITH(Load(wrong, uri, cast), Contains("asks for float64[9]"));
+  DefaultLoadPlanner planner;
+  LoadOptions custom = cast;
+  custom.planner = &planner;
+  CHECK_THROWS_WITH(Load(dst, uri, custom), Contains("cast_dtypes"));
+}
+
 // ---- AsyncOptions
 
 TEST_CASE("option: AsyncOptions::on_complete is called with every save's metrics",
