@@ -53,6 +53,48 @@ std::string StoredZip(const std::vector<std::pair<std::string, std::string>>& en
   return out;
 }
 
+// The same zip with every size and offset in zip64 extra fields (0xffffffff in the 32-bit fields
+// and zip64 end records), as writers do for entries of 4 GiB or more. Debian's minizip 1.1 never
+// read a zip64 size on 64-bit Linux (it compared to (unsigned long)-1): it saw a 4294967295-byte
+// entry. Each local header also carries an extra field of `local_pad` bytes that the central
+// directory lacks, so where the data starts is known from the local header only.
+std::string StoredZip64(const std::vector<std::pair<std::string, std::string>>& entries,
+                        size_t local_pad) {
+  std::string out, central;
+  for (const auto& [name, data] : entries) {
+    const uint64_t at = out.size();
+    const uint32_t crc = ZipCrc32(data);
+    Le(out, 0x04034b50, 4);
+    Le(out, 45, 2), Le(out, 0, 2), Le(out, 0, 2), Le(out, 0, 2), Le(out, 0, 2);
+    Le(out, crc, 4), Le(out, 0xffffffffu, 4), Le(out, 0xffffffffu, 4);
+    Le(out, name.size(), 2), Le(out, 20 + 4 + local_pad, 2);
+    out += name;
+    Le(out, 1, 2), Le(out, 16, 2), Le(out, data.size(), 8), Le(out, data.size(), 8);
+    Le(out, 0xcafe, 2), Le(out, local_pad, 2), out += std::string(local_pad, 'p');
+    out += data;
+    Le(central, 0x02014b50, 4);
+    Le(central, 45, 2), Le(central, 45, 2), Le(central, 0, 2), Le(central, 0, 2);
+    Le(central, 0, 2), Le(central, 0, 2);
+    Le(central, crc, 4), Le(central, 0xffffffffu, 4), Le(central, 0xffffffffu, 4);
+    Le(central, name.size(), 2), Le(central, 28, 2), Le(central, 0, 2), Le(central, 0, 2);
+    Le(central, 0, 2), Le(central, 0, 4), Le(central, 0xffffffffu, 4);
+    central += name;
+    Le(central, 1, 2), Le(central, 24, 2);
+    Le(central, data.size(), 8), Le(central, data.size(), 8), Le(central, at, 8);
+  }
+  const uint64_t cd_at = out.size();
+  out += central;
+  const uint64_t eocd64_at = out.size();
+  Le(out, 0x06064b50, 4), Le(out, 44, 8), Le(out, 45, 2), Le(out, 45, 2);
+  Le(out, 0, 4), Le(out, 0, 4), Le(out, entries.size(), 8), Le(out, entries.size(), 8);
+  Le(out, central.size(), 8), Le(out, cd_at, 8);
+  Le(out, 0x07064b50, 4), Le(out, 0, 4), Le(out, eocd64_at, 8), Le(out, 1, 4);
+  Le(out, 0x06054b50, 4);
+  Le(out, 0, 2), Le(out, 0, 2), Le(out, 0xffff, 2), Le(out, 0xffff, 2);
+  Le(out, 0xffffffffu, 4), Le(out, 0xffffffffu, 4), Le(out, 0, 2);
+  return out;
+}
+
 std::string PickleStr(const std::string& s) {
   std::string out = "X";
   Le(out, s.size(), 4);
@@ -71,7 +113,7 @@ std::string PickleInts(const std::vector<int64_t>& v) {
 
 // torch._utils._rebuild_tensor_v2(storage, offset, sizes, strides, False, OrderedDict()) over a
 // FloatStorage of `numel` elements holding `storage`.
-std::string TensorRecord(int64_t offset, const std::vector<int64_t>& sizes,
+std::string TensorPickle(int64_t offset, const std::vector<int64_t>& sizes,
                          const std::vector<int64_t>& strides, const std::string& storage,
                          const std::string& storage_class = "FloatStorage", size_t esize = 4) {
   std::string pkl = "\x80\x02";
@@ -81,7 +123,14 @@ std::string TensorRecord(int64_t offset, const std::vector<int64_t>& sizes,
   pkl += PickleInt(offset) + PickleInts(sizes) + PickleInts(strides) + "\x89";
   pkl += "ccollections\nOrderedDict\n)R";
   pkl += "tR.";
-  return StoredZip({{"archive/data.pkl", pkl}, {"archive/data/0", storage}});
+  return pkl;
+}
+std::string TensorRecord(int64_t offset, const std::vector<int64_t>& sizes,
+                         const std::vector<int64_t>& strides, const std::string& storage,
+                         const std::string& storage_class = "FloatStorage", size_t esize = 4) {
+  return StoredZip(
+      {{"archive/data.pkl", TensorPickle(offset, sizes, strides, storage, storage_class, esize)},
+       {"archive/data/0", storage}});
 }
 
 class Bytes : public ReadableObject {
@@ -215,12 +264,56 @@ TEST_CASE("torch record: deflated entries cannot claim more than deflate's ratio
   // record of a few dozen KiB. Refused from the directory alone, before any inflation.
   const std::string bomb = DeflatedZip("archive/x", std::string(64, '\0'), 1000, uint64_t{1} << 30);
   Bytes b(bomb);
-  CHECK_THROWS_WITH(CheckTorchArchiveCrcs(b, 0, bomb.size(), "bomb"),
-                    Contains("bomb has compressed entries that claim") &&
-                        Contains("1032 times the record"));
-  // Within the budget but lying about the size: minizip inflates no more than the claim, and the
+  CHECK_THROWS_WITH(
+      CheckTorchArchiveCrcs(b, 0, bomb.size(), "bomb"),
+      Contains("bomb has compressed entries that claim") && Contains("1032 times the record"));
+  // Within the budget but lying about the size: the reader inflates no more than the claim, and the
   // entry then fails its length or CRC.
   const std::string liar = DeflatedZip("archive/version", "3\n", 1, 4096);
   Bytes l(liar);
   CHECK_THROWS_AS(CheckTorchArchiveCrcs(l, 0, liar.size(), "liar"), CorruptionError);
+}
+
+TEST_CASE("torch record: zip64 sizes and offsets are read (minizip 1.1 saw 4294967295 bytes)",
+          "[torch_dcp][hostile]") {
+  std::string storage(4 * 24, '\0');
+  for (size_t i = 0; i < storage.size(); ++i) storage[i] = static_cast<char>(i * 7 + 1);
+  const std::string pkl = TensorPickle(0, {4, 6}, {6, 1}, storage);
+  for (size_t pad : {size_t{0}, size_t{37}}) {
+    INFO("a local extra field of " << pad << " bytes");
+    const std::string zip = StoredZip64({{"archive/data.pkl", pkl},
+                                         {"archive/byteorder", "little"},
+                                         {"archive/data/0", storage},
+                                         {"archive/version", "3\n"}},
+                                        pad);
+    // At an offset inside a larger object, as records lie in a .distcp file.
+    const std::string file = std::string(1000, 'x') + zip + std::string(10, 'y');
+    Bytes in(file);
+    const TorchTensorRecord rec = ResolveTorchTensorRecord(in, 1000, zip.size(), "zip64 record");
+    CHECK(rec.storage_bytes == storage.size());
+    CHECK(rec.zip_crc32 == ZipCrc32(storage));
+    CHECK(rec.row_major());
+    REQUIRE(rec.storage_begin + storage.size() <= file.size());
+    CHECK(file.compare(rec.storage_begin, storage.size(), storage) == 0);
+    TorchTensorRecord checked;
+    CHECK_NOTHROW(CheckTorchArchiveCrcs(in, 1000, zip.size(), "zip64 record", &checked));
+    CHECK(checked.storage_begin == rec.storage_begin);
+    CHECK(ReadTorchRecordStorage(in, rec, "zip64 record", true) ==
+          std::vector<char>(storage.begin(), storage.end()));
+    // A flipped byte of the storage fails verify's CRC-32, naming the entry.
+    std::string bad = zip;
+    bad[rec.storage_begin - 1000 + 5] ^= 1;
+    Bytes b(bad);
+    CHECK_THROWS_WITH(CheckTorchArchiveCrcs(b, 0, bad.size(), "zip64 record"),
+                      Contains("zip64 record entry archive/data/0 fails its CRC-32"));
+  }
+  // A zip64 size that lies (one element more than the storage holds): the pickle disagrees.
+  std::string lying = StoredZip64({{"archive/data.pkl", pkl}, {"archive/data/0", storage}}, 0);
+  const std::string needle = std::string("archive/data/0") + "\x01\x00\x18\x00";
+  const size_t at = lying.rfind(needle);
+  REQUIRE(at != std::string::npos);
+  for (size_t k = 0; k < 2; ++k) lying[at + needle.size() + 8 * k] += 4;  // both sizes + 4
+  Bytes l(lying);
+  CHECK_THROWS_AS(ResolveTorchTensorRecord(l, 0, lying.size(), "liar"), CorruptionError);
+  CHECK_THROWS_AS(CheckTorchArchiveCrcs(l, 0, lying.size(), "liar"), CorruptionError);
 }
