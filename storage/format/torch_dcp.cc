@@ -290,6 +290,7 @@ zip_int64_t WindowSource(void* state, void* data, zip_uint64_t len, zip_source_c
 }
 
 constexpr size_t kMaxEntries = 1024;
+constexpr uint64_t kMaxDirectoryBytes = uint64_t{4} << 20;  // central directories, per record
 constexpr size_t kMaxPickleBytes = size_t{1} << 20;
 constexpr uint64_t kMaxInflatedBytes = uint64_t{64} << 20;  // deflated entries, per record
 
@@ -307,6 +308,7 @@ class Archive {
  public:
   Archive(ReadableObject& in, uint64_t offset, uint64_t length, std::string what)
       : window_(&in, offset, length), what_(std::move(what)) {
+    CheckDirectoryClaims();
     zip_error_t err;
     zip_error_init(&err);
     zip_source_t* src = zip_source_function_create(WindowSource, &window_, &err);
@@ -476,6 +478,63 @@ class Archive {
   struct Discard {
     void operator()(zip_t* z) const { zip_discard(z); }
   };
+
+  static uint64_t Le(const unsigned char* p, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; --i) v = (v << 8) | p[i];
+    return v;
+  }
+  // What libzip would parse, bounded before it does. zip_open tries every end-of-central-
+  // directory signature in the record's last 64 KiB + 42 bytes: for each it allocates the
+  // entries its (zip64) end record claims, up to one per 46 bytes of the record (a crafted
+  // 4 GiB record: gigabytes), and parses every entry of its directory. So each candidate whose
+  // directory libzip would read (it lies before the end record and starts with an entry's
+  // signature) may claim at most 1024 entries, and together at most 4 MiB of directory.
+  // Chance signatures in tensor data almost never pass for one; the bytes read are those
+  // libzip reads first (then from the cache), plus 4 or 56 at what a candidate points to.
+  void CheckDirectoryClaims() {
+    constexpr uint64_t kTail = 65536 + 22 + 20;  // libzip's CDBUFSIZE
+    const uint64_t n = std::min(window_.size, kTail), start = window_.size - n;
+    std::vector<unsigned char> tail(n);
+    auto read = [&](uint64_t at, void* dst, uint64_t k) {
+      window_.pos = at;
+      try {
+        window_.Read(dst, k);
+      } catch (...) {
+        window_.error = std::current_exception();
+        Fail("cannot be read");
+      }
+    };
+    read(start, tail.data(), n);
+    uint64_t claimed = 0;
+    for (uint64_t i = 0; i + 22 <= n; ++i) {
+      const unsigned char* e = tail.data() + i;
+      if (std::memcmp(e, "PK\x05\x06", 4) != 0) continue;
+      uint64_t entries = Le(e + 10, 2), size = Le(e + 12, 4), offset = Le(e + 16, 4);
+      uint64_t end = start + i;  // the directory must end before this
+      if (i >= 20 && std::memcmp(e - 20, "PK\x06\x07", 4) == 0) {
+        const uint64_t at = Le(e - 20 + 8, 8);  // the zip64 end record
+        unsigned char r[56];
+        if (at > end - 20 || end - 20 - at < sizeof(r)) continue;  // before the locator
+        read(at, r, sizeof(r));
+        if (std::memcmp(r, "PK\x06\x06", 4) != 0) continue;
+        entries = Le(r + 32, 8), size = Le(r + 40, 8), offset = Le(r + 48, 8);
+      }
+      if (size == 0 || offset > end || size > end - offset) continue;  // libzip stops there
+      unsigned char sig[4];
+      read(offset, sig, 4);
+      if (std::memcmp(sig, "PK\x01\x02", 4) != 0) continue;
+      if (entries > kMaxEntries && entries <= size / 46) {
+        Fail("claims " + std::to_string(entries) + " entries (limit " +
+             std::to_string(kMaxEntries) + ")");
+      }
+      claimed += size;
+      if (claimed > kMaxDirectoryBytes) {
+        Fail("has central directories of more than " + std::to_string(kMaxDirectoryBytes) +
+             " bytes");
+      }
+    }
+  }
   struct Close {
     void operator()(zip_file_t* f) const { zip_fclose(f); }
   };

@@ -2,8 +2,10 @@
 // file, so an extent that wraps around 2^64 must be refused, never read (it loaded heap bytes or
 // the zip header as tensor values, or crashed). The records are built here byte by byte: a
 // protocol-2 pickle in a stored zip, as torch.save writes it.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <map>
 
 #include "dcp/proto/error.h"
 #include "dcp/storage/format/torch_dcp.h"
@@ -316,4 +318,72 @@ TEST_CASE("torch record: zip64 sizes and offsets are read (minizip 1.1 saw 42949
   Bytes l(lying);
   CHECK_THROWS_AS(ResolveTorchTensorRecord(l, 0, lying.size(), "liar"), CorruptionError);
   CHECK_THROWS_AS(CheckTorchArchiveCrcs(l, 0, lying.size(), "liar"), CorruptionError);
+}
+
+namespace {
+
+// A large object of zeros but for a few patches, that costs no memory.
+class SparseObject : public ReadableObject {
+ public:
+  SparseObject(uint64_t size, std::map<uint64_t, std::string> patches)
+      : size_(size), patches_(std::move(patches)) {}
+  void ReadAt(uint64_t offset, void* dst, size_t n) override {
+    if (offset > size_ || n > size_ - offset) throw CorruptionError("short read");
+    ++reads;
+    read_bytes += n;
+    std::memset(dst, 0, n);
+    for (const auto& [at, bytes] : patches_) {
+      const uint64_t lo = std::max(at, offset), hi = std::min(at + bytes.size(), offset + n);
+      if (lo < hi)
+        std::memcpy(static_cast<char*>(dst) + (lo - offset), bytes.data() + (lo - at), hi - lo);
+    }
+  }
+  uint64_t size() const override { return size_; }
+  int reads = 0;
+  uint64_t read_bytes = 0;
+
+ private:
+  uint64_t size_;
+  std::map<uint64_t, std::string> patches_;
+};
+
+// End records claiming a central directory of `entries` entries, `cd_size` bytes at offset 0
+// (where an entry's signature is), zip64 when `zip64`.
+SparseObject ClaimingDirectory(uint64_t entries, uint64_t cd_size, bool zip64) {
+  std::string tail;
+  const uint64_t at = cd_size;  // the end records follow the directory
+  if (zip64) {
+    Le(tail, 0x06064b50, 4), Le(tail, 44, 8), Le(tail, 45, 2), Le(tail, 45, 2);
+    Le(tail, 0, 4), Le(tail, 0, 4), Le(tail, entries, 8), Le(tail, entries, 8);
+    Le(tail, cd_size, 8), Le(tail, 0, 8);
+    Le(tail, 0x07064b50, 4), Le(tail, 0, 4), Le(tail, at, 8), Le(tail, 1, 4);
+  }
+  Le(tail, 0x06054b50, 4);
+  Le(tail, 0, 2), Le(tail, 0, 2);
+  Le(tail, zip64 ? 0xffff : entries, 2), Le(tail, zip64 ? 0xffff : entries, 2);
+  Le(tail, zip64 ? 0xffffffffu : cd_size, 4), Le(tail, zip64 ? 0xffffffffu : 0, 4), Le(tail, 0, 2);
+  std::string first;
+  Le(first, 0x02014b50, 4);
+  return SparseObject(at + tail.size(), {{0, first}, {at, tail}});
+}
+
+}  // namespace
+
+TEST_CASE("torch record: a directory claiming millions of entries is refused before it is read",
+          "[torch_dcp][hostile]") {
+  // A zip64 end record claiming 10^8 entries of a 4.6 GB directory: libzip would allocate and
+  // initialise 3.2 GB of entries before reading the first. Refused from the end records.
+  SparseObject many = ClaimingDirectory(100000000, uint64_t{46} * 100000000, true);
+  CHECK_THROWS_WITH(ResolveTorchTensorRecord(many, 0, many.size(), "crafted"),
+                    Contains("crafted claims 100000000 entries (limit 1024)"));
+  CHECK(many.read_bytes < (1 << 20));
+  // A 5 MiB directory of few entries (libzip would parse every entry it holds).
+  SparseObject big = ClaimingDirectory(3, uint64_t{5} << 20, false);
+  CHECK_THROWS_WITH(CheckTorchArchiveCrcs(big, 0, big.size(), "crafted"),
+                    Contains("crafted has central directories of more than 4194304 bytes"));
+  // End-record signatures in tensor data (here the last bytes of the storage) are no directory.
+  std::string storage(64, '\0');
+  std::memcpy(storage.data() + 20, "PK\x05\x06", 4);
+  Bytes in(TensorRecord(0, {16}, {1}, storage));
+  CHECK(ResolveTorchTensorRecord(in, 0, in.size(), "record").storage_bytes == 64);
 }
