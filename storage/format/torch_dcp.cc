@@ -396,9 +396,10 @@ class Archive {
     const zip_int64_t tail = n < 0 ? -1 : zip_fread(f.get(), &extra, 1);  // the end: checks
     if (n < 0 || tail < 0) FailRead(name, f.get());
     if (static_cast<uint64_t>(n) != out.size()) Fail("entry " + name + " is truncated");
-    if (tail != 0)
+    if (tail != 0) {
       Fail("entry " + name + " holds more bytes than the " + std::to_string(e.size) + " it claims");
-    // libzip checks nothing of an entry without data: its CRC-32 must still be that of nothing.
+    }
+    // libzip checks nothing of an entry of no bytes: its CRC-32 must still be that of nothing.
     if (e.size == 0 && e.crc != 0) Fail("entry " + name + " fails its CRC-32");
     return out;
   }
