@@ -455,7 +455,7 @@ class StoreReader : public StorageReader {
     planner.CommitTensor(item, sp.dst);
   }
 
-  // A PyTorch DCP tensor record is a torch.save archive: find where its values lie (minizip
+  // A PyTorch DCP tensor record is a torch.save archive: find where its values lie (libzip
   // reads the archive's directories and its small pickle), once per record, before any read.
   // Row-major values become a plain stored item, read like dcp's own; other layouts (a
   // transposed tensor is saved with its strides) are copied by ReadTorchStrided.

@@ -1,18 +1,21 @@
 // PyTorch DCP metadata and torch.save records (see torch_dcp.h).
 //
-// Reading a record goes through minizip (zlib's contrib, packaged by Debian): it parses the
-// archive's central directory and local headers and, for a stored entry, tells where the data
-// starts (unzGetCurrentFileZStreamPos64), so the values are then read with dcp's own reader
-// straight into their destination. Writing is done here: minizip's writer seeks back to patch
-// each local header, which would force a whole tensor through a memory buffer, whereas a
-// stored entry with a data descriptor streams front to back; the few structures involved
-// (local header, data descriptor, central directory, zip64 end records) are written below and
-// every archive we write is read back by minizip, Python's zipfile and torch.load in tests.
+// Reading a record goes through libzip (Debian's libzip-dev 1.7): it parses the archive's
+// central directory, zip64 sizes and offsets included (Debian's minizip 1.1 never reads the zip64
+// size on 64-bit Linux, so entries of 4 GiB or more failed), and reads the small entries with
+// their CRC-32 checked. A stored entry's values are read with dcp's own reader straight into
+// their destination, from where libzip finds its data. Writing is done here: libzip's writer
+// seeks back to patch each local header, which stores that only append cannot take, whereas a
+// stored entry with a data descriptor streams front to back; the few
+// structures involved (local header, data descriptor, central directory, zip64 end records) are
+// written below and every archive we write is read back by libzip, Python's zipfile and
+// torch.load in tests.
 #include "dcp/storage/format/torch_dcp.h"
 
-#include <unzip.h>  // minizip (pkg-config puts its directory on the include path)
+#include <zip.h>  // libzip
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -179,14 +182,14 @@ class Reader {
 };
 
 // ---------------------------------------------------------------------------------------------
-// minizip over a byte range of a ReadableObject
+// libzip over a byte range of a ReadableObject
 
-// minizip reads a record a few bytes at a time (signatures, header fields, the directory entry
-// by entry, and backwards from the end for the end-of-directory record): tens of thousands of
-// reads for a small checkpoint, each a ranged GET on s3://. Small reads are therefore served
-// from one cached block: the first is the record's tail (where the directories are), later ones
-// the blocks at the positions asked for, up to four kept (a record's small entries sit at its head
-// and its tail, and verify alternates between them). Reads of a block or more go straight through.
+// libzip reads a record a few bytes at a time (header fields, local headers before each entry's
+// data) besides one read of the record's tail for its directories: each a ranged GET on s3://.
+// Small reads are therefore served from one cached block: the block at the position asked for
+// (the tail block when the position lies in it), up to four kept (a record's small entries sit at
+// its head and its tail, and verify alternates between them). Other reads of a block or more go
+// straight through.
 struct Window {
   static constexpr uint64_t kBlock = 64 << 10;
   static constexpr size_t kBlocks = 4;
@@ -196,8 +199,17 @@ struct Window {
   };
   ReadableObject* in;
   uint64_t base, size, pos = 0;
-  std::exception_ptr error;
+  uint64_t last_read = 0;    // where libzip's latest read began (see Archive::DataOffset)
+  std::exception_ptr error;  // what the ReadableObject threw, rethrown by Archive::Fail
+  zip_error_t zerr;          // what the source reports to libzip
   std::vector<Block> cache;  // most recently used last
+
+  Window(ReadableObject* in_, uint64_t base_, uint64_t size_) : in(in_), base(base_), size(size_) {
+    zip_error_init(&zerr);
+  }
+  ~Window() { zip_error_fini(&zerr); }
+  Window(const Window&) = delete;
+  Window& operator=(const Window&) = delete;
 
   void Read(void* buf, uint64_t k) {
     for (size_t i = 0; i < cache.size(); ++i) {
@@ -209,88 +221,134 @@ struct Window {
         return;
       }
     }
-    if (k >= kBlock) {
+    // libzip's first read is the record's last 64 KiB + 42 bytes (where the directories are):
+    // kept, as later small reads near the tail (local headers of the last entries) fall in it.
+    const bool tail_read = pos + k == size && k <= 2 * kBlock;
+    if (k >= kBlock && !tail_read) {
       in->ReadAt(base + pos, buf, k);
       return;
     }
     if (cache.size() == kBlocks) cache.erase(cache.begin());
     Block& b = cache.emplace_back();
     const uint64_t tail = size > kBlock ? size - kBlock : 0;
-    b.at = pos >= tail ? tail : pos;
-    b.bytes.resize(std::min(kBlock, size - b.at));
+    b.at = k >= kBlock || pos < tail ? pos : tail;
+    b.bytes.resize(std::max(k, std::min(kBlock, size - b.at)));
     in->ReadAt(base + b.at, b.bytes.data(), b.bytes.size());
     std::memcpy(buf, b.bytes.data() + (pos - b.at), k);
   }
 };
 
-voidpf ZOpen(voidpf, const void* path, int) { return const_cast<void*>(path); }
-uLong ZRead(voidpf, voidpf stream, void* buf, uLong n) {
-  auto* w = static_cast<Window*>(stream);
-  const uint64_t k = std::min<uint64_t>(n, w->size - std::min(w->pos, w->size));
-  if (k == 0) return 0;
-  try {
-    w->Read(buf, k);
-  } catch (...) {
-    w->error = std::current_exception();
-    return 0;
+// A read-only, seekable libzip source (zip_source_function_create) over a Window. Exceptions
+// must not cross libzip's C frames: the ReadableObject's is kept and reported as a read error.
+zip_int64_t WindowSource(void* state, void* data, zip_uint64_t len, zip_source_cmd_t cmd) {
+  auto* w = static_cast<Window*>(state);
+  switch (cmd) {
+    case ZIP_SOURCE_OPEN:
+      w->pos = 0;
+      return 0;
+    case ZIP_SOURCE_READ: {
+      const uint64_t k = std::min<uint64_t>(len, w->size - std::min(w->pos, w->size));
+      if (k == 0) return 0;
+      try {
+        w->last_read = w->pos;
+        w->Read(data, k);
+      } catch (...) {
+        w->error = std::current_exception();
+        zip_error_set(&w->zerr, ZIP_ER_READ, EIO);
+        return -1;
+      }
+      w->pos += k;
+      return static_cast<zip_int64_t>(k);
+    }
+    case ZIP_SOURCE_CLOSE:
+    case ZIP_SOURCE_FREE:  // the Window belongs to its Archive
+      return 0;
+    case ZIP_SOURCE_STAT: {
+      auto* st = ZIP_SOURCE_GET_ARGS(zip_stat_t, data, len, &w->zerr);
+      if (!st) return -1;
+      zip_stat_init(st);
+      st->size = w->size;
+      st->valid |= ZIP_STAT_SIZE;
+      return sizeof(zip_stat_t);
+    }
+    case ZIP_SOURCE_ERROR:
+      return zip_error_to_data(&w->zerr, data, len);
+    case ZIP_SOURCE_SEEK: {
+      const zip_int64_t at = zip_source_seek_compute_offset(w->pos, w->size, data, len, &w->zerr);
+      if (at < 0) return -1;
+      w->pos = static_cast<uint64_t>(at);
+      return 0;
+    }
+    case ZIP_SOURCE_TELL:
+      return static_cast<zip_int64_t>(w->pos);
+    case ZIP_SOURCE_SUPPORTS:
+      return ZIP_SOURCE_SUPPORTS_SEEKABLE;
+    default:
+      zip_error_set(&w->zerr, ZIP_ER_OPNOTSUPP, 0);
+      return -1;
   }
-  w->pos += k;
-  return static_cast<uLong>(k);
 }
-uLong ZWrite(voidpf, voidpf, const void*, uLong) { return 0; }
-ZPOS64_T ZTell(voidpf, voidpf stream) { return static_cast<Window*>(stream)->pos; }
-long ZSeek(voidpf, voidpf stream, ZPOS64_T offset, int origin) {
-  auto* w = static_cast<Window*>(stream);
-  uint64_t base = origin == ZLIB_FILEFUNC_SEEK_SET   ? 0
-                  : origin == ZLIB_FILEFUNC_SEEK_CUR ? w->pos
-                                                     : w->size;
-  if (offset > w->size || base + offset > w->size) return -1;
-  w->pos = base + offset;
-  return 0;
-}
-int ZClose(voidpf, voidpf) { return 0; }
-int ZError(voidpf, voidpf stream) { return static_cast<Window*>(stream)->error ? 1 : 0; }
 
 constexpr size_t kMaxEntries = 1024;
+constexpr uint64_t kMaxDirectoryBytes = uint64_t{4} << 20;  // central directories, per record
 constexpr size_t kMaxPickleBytes = size_t{1} << 20;
 constexpr uint64_t kMaxInflatedBytes = uint64_t{64} << 20;  // deflated entries, per record
+
+// One central directory entry, as libzip read it (zip64 sizes and offsets included).
+struct ZipEntry {
+  zip_uint64_t index = 0;
+  uint64_t size = 0;       // uncompressed
+  uint64_t comp_size = 0;  // in the archive
+  uint32_t crc = 0;
+  uint16_t method = 0;  // 0 stored, 8 deflated
+  bool encrypted = false;
+};
 
 class Archive {
  public:
   Archive(ReadableObject& in, uint64_t offset, uint64_t length, std::string what)
-      : window_{&in, offset, length, 0, nullptr, {}}, what_(std::move(what)) {
-    zlib_filefunc64_def ff{};
-    ff.zopen64_file = ZOpen;
-    ff.zread_file = ZRead;
-    ff.zwrite_file = ZWrite;
-    ff.ztell64_file = ZTell;
-    ff.zseek64_file = ZSeek;
-    ff.zclose_file = ZClose;
-    ff.zerror_file = ZError;
-    handle_.reset(unzOpen2_64(&window_, &ff));
-    zip_ = handle_.get();
-    if (!zip_) Fail("is not a zip archive (a torch.save record)");
-    int rc = unzGoToFirstFile(zip_);
-    while (rc == UNZ_OK) {
-      if (entries_.size() >= kMaxEntries) Fail("has more than 1024 entries");
-      unz_file_info64 info;
-      char name[512];
-      if (unzGetCurrentFileInfo64(zip_, &info, name, sizeof(name), nullptr, 0, nullptr, 0) !=
-          UNZ_OK) {
+      : window_(&in, offset, length), what_(std::move(what)) {
+    CheckDirectoryClaims();
+    zip_error_t err;
+    zip_error_init(&err);
+    zip_source_t* src = zip_source_function_create(WindowSource, &window_, &err);
+    if (src) {
+      zip_.reset(zip_open_from_source(src, ZIP_RDONLY, &err));
+      if (!zip_) zip_source_free(src);  // zip_open_from_source owns it only on success
+    }
+    if (!zip_) {
+      const std::string why = zip_error_strerror(&err);
+      zip_error_fini(&err);
+      Fail("is not a zip archive (a torch.save record): " + why);
+    }
+    zip_error_fini(&err);
+    const zip_int64_t n = zip_get_num_entries(zip_.get(), 0);
+    if (n < 0) Fail("has a damaged central directory");
+    if (static_cast<uint64_t>(n) > kMaxEntries) Fail("has more than 1024 entries");
+    for (zip_uint64_t i = 0; i < static_cast<zip_uint64_t>(n); ++i) {
+      zip_stat_t st;
+      zip_stat_init(&st);
+      if (zip_stat_index(zip_.get(), i, ZIP_FL_ENC_RAW, &st) != 0 || !st.name) {
         Fail("has an unreadable central directory entry");
       }
-      entries_.emplace(std::string(name, strnlen(name, sizeof(name))), info);
-      rc = unzGoToNextFile(zip_);
+      constexpr zip_uint64_t kNeeded = ZIP_STAT_SIZE | ZIP_STAT_COMP_SIZE | ZIP_STAT_CRC |
+                                       ZIP_STAT_COMP_METHOD | ZIP_STAT_ENCRYPTION_METHOD;
+      if ((st.valid & kNeeded) != kNeeded) Fail("has an unreadable central directory entry");
+      ZipEntry e;
+      e.index = i;
+      e.size = st.size;
+      e.comp_size = st.comp_size;
+      e.crc = st.crc;
+      e.method = st.comp_method;
+      e.encrypted = st.encryption_method != ZIP_EM_NONE;
+      entries_.emplace(st.name, e);  // a duplicate name: the first entry, as zip readers do
     }
-    if (rc != UNZ_END_OF_LIST_OF_FILE) Fail("has a damaged central directory");
     // Inflation is bounded: torch.save stores tensor data uncompressed (DataOffset refuses it
     // otherwise), so only small entries may be deflated. Entries sharing one deflate stream (a
     // zip bomb) could otherwise claim far more than deflate's 1032:1 of the record.
     uint64_t inflated = 0;
-    for (const auto& [name, info] : entries_) {
-      if (info.compression_method != 0) {
-        inflated += std::min<uint64_t>(info.uncompressed_size, kMaxInflatedBytes + 1);
-      }
+    for (const auto& [name, e] : entries_) {
+      if (e.method != 0) inflated += std::min<uint64_t>(e.size, kMaxInflatedBytes + 1);
     }
     if (inflated > kMaxInflatedBytes || inflated / 1032 > length) {
       Fail("has compressed entries that claim " + std::to_string(inflated) +
@@ -305,12 +363,12 @@ class Archive {
     if (window_.error) std::rethrow_exception(window_.error);
     throw CorruptionError(what_ + " " + why);
   }
-  const std::map<std::string, unz_file_info64>& entries() const { return entries_; }
+  const std::map<std::string, ZipEntry>& entries() const { return entries_; }
   // The folder every torch.save entry lives in ("archive/"), from its data.pkl.
   std::string Prefix() const {
     std::string prefix;
     int found = 0;
-    for (const auto& [name, info] : entries_) {
+    for (const auto& [name, e] : entries_) {
       const size_t n = name.size();
       if (n >= 8 && name.compare(n - 8, 8, "data.pkl") == 0 && name.find('/') == n - 9) {
         prefix = name.substr(0, n - 8);
@@ -320,58 +378,70 @@ class Archive {
     if (found != 1) Fail("has no single <name>/data.pkl (not a torch.save archive)");
     return prefix;
   }
-  const unz_file_info64* Find(const std::string& name) const {
+  const ZipEntry* Find(const std::string& name) const {
     auto it = entries_.find(name);
     return it == entries_.end() ? nullptr : &it->second;
   }
-  void Open(const std::string& name) {
-    if (unzLocateFile(zip_, name.c_str(), 1) != UNZ_OK) Fail("has no entry " + name);
-    if (unzOpenCurrentFile(zip_) != UNZ_OK) Fail("entry " + name + " cannot be opened");
-  }
-  // A small entry, whole; minizip checks its CRC-32 when it reaches the end.
+  // A small entry, whole; libzip checks its CRC-32 and length when a read reaches its end.
   std::string ReadSmall(const std::string& name, size_t limit) {
-    const unz_file_info64* info = Find(name);
-    if (!info) Fail("has no entry " + name);
-    if (info->uncompressed_size > limit) {
-      Fail("entry " + name + " claims " + std::to_string(info->uncompressed_size) +
-           " bytes (limit " + std::to_string(limit) + ")");
+    const ZipEntry& e = Get(name);
+    if (e.size > limit) {
+      Fail("entry " + name + " claims " + std::to_string(e.size) + " bytes (limit " +
+           std::to_string(limit) + ")");
     }
-    Open(name);
-    std::string out(info->uncompressed_size, '\0');
-    const int n = out.empty() ? 0 : unzReadCurrentFile(zip_, out.data(), out.size());
+    File f = Open(name, e);
+    std::string out(e.size, '\0');
+    const zip_int64_t n = out.empty() ? 0 : zip_fread(f.get(), out.data(), out.size());
     char extra;
-    const int tail = unzReadCurrentFile(zip_, &extra, 1);
-    const int closed = unzCloseCurrentFile(zip_);
-    if (n != static_cast<int>(out.size()) || tail != 0) Fail("entry " + name + " is truncated");
-    if (closed == UNZ_CRCERROR) Fail("entry " + name + " fails its CRC-32");
-    if (closed != UNZ_OK) Fail("entry " + name + " cannot be read");
+    const zip_int64_t tail = n < 0 ? -1 : zip_fread(f.get(), &extra, 1);  // the end: checks
+    if (n < 0 || tail < 0) FailRead(name, f.get());
+    if (static_cast<uint64_t>(n) != out.size()) Fail("entry " + name + " is truncated");
+    if (tail != 0) {
+      Fail("entry " + name + " holds more bytes than the " + std::to_string(e.size) + " it claims");
+    }
+    // libzip checks nothing of an entry of no bytes: its CRC-32 must still be that of nothing.
+    if (e.size == 0 && e.crc != 0) Fail("entry " + name + " fails its CRC-32");
     return out;
   }
-  // Where a stored (uncompressed) entry's data starts, relative to the archive.
+  // Where a stored (uncompressed) entry's data starts, relative to the archive. libzip 1.7 has no
+  // call for it (the local header's name and extra field lengths decide it, and only the central
+  // directory says where that header is), so it is observed: the first byte of the entry read
+  // through libzip is read by the source at the data's start, which the source records.
   uint64_t DataOffset(const std::string& name) {
-    const unz_file_info64* info = Find(name);
-    if (!info) Fail("has no entry " + name);
-    if (info->compression_method != 0) {
+    const ZipEntry& e = Get(name);
+    if (e.method != 0) {
       throw UnsupportedError(what_ + " entry " + name + " is compressed (method " +
-                             std::to_string(info->compression_method) +
+                             std::to_string(e.method) +
                              "); torch.save stores tensor data uncompressed");
     }
-    Open(name);
-    const uint64_t pos = unzGetCurrentFileZStreamPos64(zip_);
-    unzCloseCurrentFile(zip_);
-    if (pos > window_.size || info->uncompressed_size > window_.size - pos) {
+    CheckStored(name, e);
+    if (e.size == 0) return 0;  // nothing is read from it
+    File f = Open(name, e);
+    window_.last_read = window_.size;
+    char first;
+    if (zip_fread(f.get(), &first, 1) != 1) FailRead(name, f.get());
+    const uint64_t pos = window_.last_read;
+    if (pos > window_.size || e.size > window_.size - pos) {
       Fail("entry " + name + " lies outside the record");
+    }
+    // The byte read through libzip is the one at pos: libzip read it there (were it ever to read
+    // ahead from elsewhere, this refuses the record rather than read the wrong bytes).
+    char at;
+    window_.pos = pos;
+    window_.Read(&at, 1);
+    if (at != first) {
+      throw UnsupportedError(what_ + " entry " + name + ": cannot locate its data (libzip " +
+                             zip_libzip_version() + " read it from an unexpected place)");
     }
     return pos;
   }
-  // Read a whole entry of any size through minizip in pieces (CRC-checked at the end).
+  // Read a whole entry of any size (CRC-checked and its length checked at the end).
   void CheckEntry(const std::string& name) {
-    const unz_file_info64* info = Find(name);
-    if (!info) Fail("has no entry " + name);
-    if (info->compression_method == 0) {
-      // A stored entry (all tensor data): its bytes in large reads, not minizip's 16 KiB ones
-      // (each a ranged GET on s3://).
-      const uint64_t at = DataOffset(name), n = info->uncompressed_size;
+    const ZipEntry& e = Get(name);
+    if (e.method == 0) {
+      // A stored entry (all tensor data): its bytes in large reads straight from the record, not
+      // through libzip's (each a ranged GET on s3://).
+      const uint64_t at = DataOffset(name), n = e.size;
       std::vector<char> buf(std::min<uint64_t>(n, uint64_t{8} << 20));
       uint32_t crc = 0;
       for (uint64_t pos = 0; pos < n;) {
@@ -381,35 +451,144 @@ class Archive {
         crc = Crc32(crc, buf.data(), k);
         pos += k;
       }
-      if (crc != static_cast<uint32_t>(info->crc)) Fail("entry " + name + " fails its CRC-32");
+      if (crc != e.crc) Fail("entry " + name + " fails its CRC-32");
       return;
     }
-    Open(name);
+    File f = Open(name, e);
     std::vector<char> buf(1 << 20);
-    int n;
     uint64_t total = 0;
-    while ((n = unzReadCurrentFile(zip_, buf.data(), buf.size())) > 0) total += n;
-    const int closed = unzCloseCurrentFile(zip_);
-    if (n < 0) Fail("entry " + name + " cannot be read (minizip error " + std::to_string(n) + ")");
-    // minizip checks the CRC only of an entry read to its claimed size: a shorter one would pass.
-    if (total != info->uncompressed_size) {
-      Fail("entry " + name + " holds " + std::to_string(total) + " bytes but claims " +
-           std::to_string(info->uncompressed_size));
+    for (;;) {
+      // Never more than one byte past the claim: a deflate stream may inflate to far more.
+      const uint64_t want = std::min<uint64_t>(buf.size(), e.size - std::min(total, e.size) + 1);
+      const zip_int64_t n = zip_fread(f.get(), buf.data(), want);
+      if (n < 0) FailRead(name, f.get(), total);
+      if (n == 0) break;  // the end, where libzip checked the CRC-32 and the length
+      total += static_cast<uint64_t>(n);
+      if (total > e.size) {
+        Fail("entry " + name + " holds more bytes than the " + std::to_string(e.size) +
+             " it claims");
+      }
     }
-    if (closed == UNZ_CRCERROR) Fail("entry " + name + " fails its CRC-32");
-    if (closed != UNZ_OK) Fail("entry " + name + " cannot be read");
+    if (total != e.size) {
+      Fail("entry " + name + " holds " + std::to_string(total) + " bytes but claims " +
+           std::to_string(e.size));
+    }
   }
 
  private:
-  struct Closer {
-    void operator()(void* z) const { unzClose(z); }
+  struct Discard {
+    void operator()(zip_t* z) const { zip_discard(z); }
   };
+
+  static uint64_t Le(const unsigned char* p, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; --i) v = (v << 8) | p[i];
+    return v;
+  }
+  // What libzip would parse, bounded before it does. zip_open tries every end-of-central-
+  // directory signature in the record's last 64 KiB + 42 bytes: for each it allocates the
+  // entries its (zip64) end record claims, up to one per 46 bytes of the record (a crafted
+  // 4 GiB record: gigabytes), and parses every entry of its directory. So each candidate whose
+  // directory libzip would read (it lies before the end record and starts with an entry's
+  // signature) may claim at most 1024 entries, and together at most 4 MiB of directory.
+  // Chance signatures in tensor data almost never pass for one; the bytes read are those
+  // libzip reads first (then from the cache), plus 4 or 56 at what a candidate points to.
+  void CheckDirectoryClaims() {
+    constexpr uint64_t kTail = 65536 + 22 + 20;  // libzip's CDBUFSIZE
+    const uint64_t n = std::min(window_.size, kTail), start = window_.size - n;
+    std::vector<unsigned char> tail(n);
+    auto read = [&](uint64_t at, void* dst, uint64_t k) {
+      window_.pos = at;
+      try {
+        window_.Read(dst, k);
+      } catch (...) {
+        window_.error = std::current_exception();
+        Fail("cannot be read");
+      }
+    };
+    read(start, tail.data(), n);
+    uint64_t claimed = 0;
+    for (uint64_t i = 0; i + 22 <= n; ++i) {
+      const unsigned char* e = tail.data() + i;
+      if (std::memcmp(e, "PK\x05\x06", 4) != 0) continue;
+      uint64_t entries = Le(e + 10, 2), size = Le(e + 12, 4), offset = Le(e + 16, 4);
+      uint64_t end = start + i;  // the directory must end before this
+      if (i >= 20 && std::memcmp(e - 20, "PK\x06\x07", 4) == 0) {
+        const uint64_t at = Le(e - 20 + 8, 8);  // the zip64 end record
+        unsigned char r[56];
+        if (at > end - 20 || end - 20 - at < sizeof(r)) continue;  // before the locator
+        read(at, r, sizeof(r));
+        if (std::memcmp(r, "PK\x06\x06", 4) != 0) continue;
+        entries = Le(r + 32, 8), size = Le(r + 40, 8), offset = Le(r + 48, 8);
+      }
+      if (size == 0 || offset > end || size > end - offset) continue;  // libzip stops there
+      unsigned char sig[4];
+      read(offset, sig, 4);
+      if (std::memcmp(sig, "PK\x01\x02", 4) != 0) continue;
+      if (entries > kMaxEntries && entries <= size / 46) {
+        Fail("claims " + std::to_string(entries) + " entries (limit " +
+             std::to_string(kMaxEntries) + ")");
+      }
+      claimed += size;
+      if (claimed > kMaxDirectoryBytes) {
+        Fail("has central directories of more than " + std::to_string(kMaxDirectoryBytes) +
+             " bytes");
+      }
+    }
+  }
+  struct Close {
+    void operator()(zip_file_t* f) const { zip_fclose(f); }
+  };
+  using File = std::unique_ptr<zip_file_t, Close>;
+
+  const ZipEntry& Get(const std::string& name) const {
+    const ZipEntry* e = Find(name);
+    if (!e) Fail("has no entry " + name);
+    return *e;
+  }
+  // A stored entry is read directly: its two sizes must agree.
+  void CheckStored(const std::string& name, const ZipEntry& e) const {
+    if (e.encrypted) {
+      throw UnsupportedError(what_ + " entry " + name + " is encrypted");
+    }
+    if (e.comp_size != e.size) {
+      Fail("entry " + name + " is stored in " + std::to_string(e.comp_size) + " bytes but claims " +
+           std::to_string(e.size));
+    }
+  }
+  File Open(const std::string& name, const ZipEntry& e) {
+    if (e.encrypted) throw UnsupportedError(what_ + " entry " + name + " is encrypted");
+    if (e.method != 0 && e.method != 8) {
+      throw UnsupportedError(what_ + " entry " + name + " is compressed with zip method " +
+                             std::to_string(e.method) + " (torch.save stores or deflates)");
+    }
+    if (e.method == 0) CheckStored(name, e);
+    File f(zip_fopen_index(zip_.get(), e.index, 0));
+    if (!f) {
+      Fail("entry " + name + " cannot be opened (" + zip_error_strerror(zip_get_error(zip_.get())) +
+           ")");
+    }
+    return f;
+  }
+  [[noreturn]] void FailRead(const std::string& name, zip_file_t* f, uint64_t total = 0) const {
+    zip_error_t* err = zip_file_get_error(f);
+    switch (zip_error_code_zip(err)) {
+      case ZIP_ER_CRC:
+        Fail("entry " + name + " fails its CRC-32");
+      case ZIP_ER_INCONS:
+      case ZIP_ER_EOF:
+        Fail("entry " + name + " is truncated (" +
+             (total ? "holds " + std::to_string(total) + " bytes, " : std::string()) +
+             "fewer than it claims)");
+      default:
+        Fail("entry " + name + " cannot be read (libzip: " + zip_error_strerror(err) + ")");
+    }
+  }
+
   Window window_;
   std::string what_;
-  // Owns the handle, so a constructor that throws after opening still closes it.
-  std::unique_ptr<void, Closer> handle_;
-  unzFile zip_ = nullptr;
-  std::map<std::string, unz_file_info64> entries_;
+  std::unique_ptr<zip_t, Discard> zip_;  // closed before window_ goes
+  std::map<std::string, ZipEntry> entries_;
 };
 
 class StringObject : public ReadableObject {
@@ -1011,11 +1190,11 @@ StorageRef ReadRebuildCall(const Reader& r, const Value& root, TorchTensorRecord
 // The storage's zip entry: its size and CRC-32 into rec, checked against the pickle's numel.
 void ReadStorageEntry(const Reader& r, const Archive& zip, const std::string& entry,
                       const StorageRef& ref, TorchTensorRecord& rec) {
-  const unz_file_info64* info = zip.Find(entry);
+  const ZipEntry* info = zip.Find(entry);
   if (!info) r.Fail("has no storage entry " + entry);
   const uint64_t esize = ElementSize(rec.dtype);
-  rec.storage_bytes = info->uncompressed_size;
-  rec.zip_crc32 = static_cast<uint32_t>(info->crc);
+  rec.storage_bytes = info->size;
+  rec.zip_crc32 = info->crc;
   const uint64_t numel = static_cast<uint64_t>(ref.numel);
   if (ref.numel < 0 ||
       (ref.untyped ? numel != rec.storage_bytes

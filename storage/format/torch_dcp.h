@@ -47,7 +47,7 @@ Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source)
 std::string EncodeTorchDcpMetadata(const Metadata& md, TorchDcpFlavor flavor,
                                    const std::string& checkpoint_id);
 
-/// Where the values of one tensor record lie, from its archive (read with minizip).
+/// Where the values of one tensor record lie, from its archive (read with libzip).
 struct TorchTensorRecord {
   DType dtype = DType::kFloat32;
   Shape sizes;
@@ -82,10 +82,11 @@ std::vector<char> ReadTorchRecordStorage(ReadableObject& in, const TorchTensorRe
 TorchTensorRecord ResolveTorchTensorRecord(ReadableObject& in, uint64_t offset, uint64_t length,
                                            const std::string& what);
 
-/// Read every entry of the archive at [offset, offset + length) through minizip, which checks
-/// each entry's CRC-32 and that it holds the bytes it claims (CorruptionError naming `what` and
-/// the entry otherwise). For verify. With `record`, the archive is also resolved as a tensor
-/// record into it from the same read of its directory (ResolveTorchTensorRecord's checks).
+/// Read every entry of the archive at [offset, offset + length) and check each entry's CRC-32
+/// and that it holds the bytes it claims (CorruptionError naming `what` and the entry
+/// otherwise); zip64 sizes and offsets are read. For verify. With `record`, the archive is also
+/// resolved as a tensor record into it from the same read of its directory
+/// (ResolveTorchTensorRecord's checks).
 void CheckTorchArchiveCrcs(ReadableObject& in, uint64_t offset, uint64_t length,
                            const std::string& what, TorchTensorRecord* record = nullptr);
 /// The same for an archive held in memory (a PyTorch DCP byte entry, read whole).

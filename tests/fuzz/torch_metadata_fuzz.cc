@@ -1,6 +1,6 @@
 // libFuzzer target: PyTorch DCP inputs are untrusted. A `.metadata` pickle (restricted unpickler,
 // then the mapping onto dcp's Metadata and its validation), a torch.save record read as a load
-// reads it (minizip over the archive, the tensor pickle, its storage and CRC-32, a strided copy of
+// reads it (libzip over the archive, the tensor pickle, its storage and CRC-32, a strided copy of
 // its values) and a record's every entry inflated and checked as verify does must each either
 // succeed or throw a dcp::Error: never crash, hang, read out of bounds or allocate absurdly. The
 // first byte picks the target.

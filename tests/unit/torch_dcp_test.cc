@@ -449,7 +449,7 @@ TEST_CASE("torch DCP: damaged records fail naming the record", "[torchdcp]") {
     if (e.path().extension() == ".distcp") data_file = e.path();
   }
   REQUIRE(!data_file.empty());
-  // Truncate the archive's end (central directory): minizip cannot open it.
+  // Truncate the archive's end (central directory): the zip reader cannot open it.
   std::string bytes = ReadFileBytes(data_file);
   std::filesystem::permissions(data_file, std::filesystem::perms::owner_all);
   {

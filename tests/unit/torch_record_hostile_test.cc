@@ -2,8 +2,10 @@
 // file, so an extent that wraps around 2^64 must be refused, never read (it loaded heap bytes or
 // the zip header as tensor values, or crashed). The records are built here byte by byte: a
 // protocol-2 pickle in a stored zip, as torch.save writes it.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <map>
 
 #include "dcp/proto/error.h"
 #include "dcp/storage/format/torch_dcp.h"
@@ -53,6 +55,48 @@ std::string StoredZip(const std::vector<std::pair<std::string, std::string>>& en
   return out;
 }
 
+// The same zip with every size and offset in zip64 extra fields (0xffffffff in the 32-bit fields
+// and zip64 end records), as writers do for entries of 4 GiB or more. Debian's minizip 1.1 never
+// read a zip64 size on 64-bit Linux (it compared to (unsigned long)-1): it saw a 4294967295-byte
+// entry. Each local header also carries an extra field of `local_pad` bytes that the central
+// directory lacks, so where the data starts is known from the local header only.
+std::string StoredZip64(const std::vector<std::pair<std::string, std::string>>& entries,
+                        size_t local_pad) {
+  std::string out, central;
+  for (const auto& [name, data] : entries) {
+    const uint64_t at = out.size();
+    const uint32_t crc = ZipCrc32(data);
+    Le(out, 0x04034b50, 4);
+    Le(out, 45, 2), Le(out, 0, 2), Le(out, 0, 2), Le(out, 0, 2), Le(out, 0, 2);
+    Le(out, crc, 4), Le(out, 0xffffffffu, 4), Le(out, 0xffffffffu, 4);
+    Le(out, name.size(), 2), Le(out, 20 + 4 + local_pad, 2);
+    out += name;
+    Le(out, 1, 2), Le(out, 16, 2), Le(out, data.size(), 8), Le(out, data.size(), 8);
+    Le(out, 0xcafe, 2), Le(out, local_pad, 2), out += std::string(local_pad, 'p');
+    out += data;
+    Le(central, 0x02014b50, 4);
+    Le(central, 45, 2), Le(central, 45, 2), Le(central, 0, 2), Le(central, 0, 2);
+    Le(central, 0, 2), Le(central, 0, 2);
+    Le(central, crc, 4), Le(central, 0xffffffffu, 4), Le(central, 0xffffffffu, 4);
+    Le(central, name.size(), 2), Le(central, 28, 2), Le(central, 0, 2), Le(central, 0, 2);
+    Le(central, 0, 2), Le(central, 0, 4), Le(central, 0xffffffffu, 4);
+    central += name;
+    Le(central, 1, 2), Le(central, 24, 2);
+    Le(central, data.size(), 8), Le(central, data.size(), 8), Le(central, at, 8);
+  }
+  const uint64_t cd_at = out.size();
+  out += central;
+  const uint64_t eocd64_at = out.size();
+  Le(out, 0x06064b50, 4), Le(out, 44, 8), Le(out, 45, 2), Le(out, 45, 2);
+  Le(out, 0, 4), Le(out, 0, 4), Le(out, entries.size(), 8), Le(out, entries.size(), 8);
+  Le(out, central.size(), 8), Le(out, cd_at, 8);
+  Le(out, 0x07064b50, 4), Le(out, 0, 4), Le(out, eocd64_at, 8), Le(out, 1, 4);
+  Le(out, 0x06054b50, 4);
+  Le(out, 0, 2), Le(out, 0, 2), Le(out, 0xffff, 2), Le(out, 0xffff, 2);
+  Le(out, 0xffffffffu, 4), Le(out, 0xffffffffu, 4), Le(out, 0, 2);
+  return out;
+}
+
 std::string PickleStr(const std::string& s) {
   std::string out = "X";
   Le(out, s.size(), 4);
@@ -71,7 +115,7 @@ std::string PickleInts(const std::vector<int64_t>& v) {
 
 // torch._utils._rebuild_tensor_v2(storage, offset, sizes, strides, False, OrderedDict()) over a
 // FloatStorage of `numel` elements holding `storage`.
-std::string TensorRecord(int64_t offset, const std::vector<int64_t>& sizes,
+std::string TensorPickle(int64_t offset, const std::vector<int64_t>& sizes,
                          const std::vector<int64_t>& strides, const std::string& storage,
                          const std::string& storage_class = "FloatStorage", size_t esize = 4) {
   std::string pkl = "\x80\x02";
@@ -81,7 +125,14 @@ std::string TensorRecord(int64_t offset, const std::vector<int64_t>& sizes,
   pkl += PickleInt(offset) + PickleInts(sizes) + PickleInts(strides) + "\x89";
   pkl += "ccollections\nOrderedDict\n)R";
   pkl += "tR.";
-  return StoredZip({{"archive/data.pkl", pkl}, {"archive/data/0", storage}});
+  return pkl;
+}
+std::string TensorRecord(int64_t offset, const std::vector<int64_t>& sizes,
+                         const std::vector<int64_t>& strides, const std::string& storage,
+                         const std::string& storage_class = "FloatStorage", size_t esize = 4) {
+  return StoredZip(
+      {{"archive/data.pkl", TensorPickle(offset, sizes, strides, storage, storage_class, esize)},
+       {"archive/data/0", storage}});
 }
 
 class Bytes : public ReadableObject {
@@ -215,12 +266,124 @@ TEST_CASE("torch record: deflated entries cannot claim more than deflate's ratio
   // record of a few dozen KiB. Refused from the directory alone, before any inflation.
   const std::string bomb = DeflatedZip("archive/x", std::string(64, '\0'), 1000, uint64_t{1} << 30);
   Bytes b(bomb);
-  CHECK_THROWS_WITH(CheckTorchArchiveCrcs(b, 0, bomb.size(), "bomb"),
-                    Contains("bomb has compressed entries that claim") &&
-                        Contains("1032 times the record"));
-  // Within the budget but lying about the size: minizip inflates no more than the claim, and the
+  CHECK_THROWS_WITH(
+      CheckTorchArchiveCrcs(b, 0, bomb.size(), "bomb"),
+      Contains("bomb has compressed entries that claim") && Contains("1032 times the record"));
+  // Within the budget but lying about the size: the reader inflates no more than the claim, and the
   // entry then fails its length or CRC.
   const std::string liar = DeflatedZip("archive/version", "3\n", 1, 4096);
   Bytes l(liar);
   CHECK_THROWS_AS(CheckTorchArchiveCrcs(l, 0, liar.size(), "liar"), CorruptionError);
+}
+
+TEST_CASE("torch record: zip64 sizes and offsets are read (minizip 1.1 saw 4294967295 bytes)",
+          "[torch_dcp][hostile]") {
+  std::string storage(4 * 24, '\0');
+  for (size_t i = 0; i < storage.size(); ++i) storage[i] = static_cast<char>(i * 7 + 1);
+  const std::string pkl = TensorPickle(0, {4, 6}, {6, 1}, storage);
+  for (size_t pad : {size_t{0}, size_t{37}}) {
+    INFO("a local extra field of " << pad << " bytes");
+    const std::string zip = StoredZip64({{"archive/data.pkl", pkl},
+                                         {"archive/byteorder", "little"},
+                                         {"archive/data/0", storage},
+                                         {"archive/version", "3\n"}},
+                                        pad);
+    // At an offset inside a larger object, as records lie in a .distcp file.
+    const std::string file = std::string(1000, 'x') + zip + std::string(10, 'y');
+    Bytes in(file);
+    const TorchTensorRecord rec = ResolveTorchTensorRecord(in, 1000, zip.size(), "zip64 record");
+    CHECK(rec.storage_bytes == storage.size());
+    CHECK(rec.zip_crc32 == ZipCrc32(storage));
+    CHECK(rec.row_major());
+    REQUIRE(rec.storage_begin + storage.size() <= file.size());
+    CHECK(file.compare(rec.storage_begin, storage.size(), storage) == 0);
+    TorchTensorRecord checked;
+    CHECK_NOTHROW(CheckTorchArchiveCrcs(in, 1000, zip.size(), "zip64 record", &checked));
+    CHECK(checked.storage_begin == rec.storage_begin);
+    CHECK(ReadTorchRecordStorage(in, rec, "zip64 record", true) ==
+          std::vector<char>(storage.begin(), storage.end()));
+    // A flipped byte of the storage fails verify's CRC-32, naming the entry.
+    std::string bad = zip;
+    bad[rec.storage_begin - 1000 + 5] ^= 1;
+    Bytes b(bad);
+    CHECK_THROWS_WITH(CheckTorchArchiveCrcs(b, 0, bad.size(), "zip64 record"),
+                      Contains("zip64 record entry archive/data/0 fails its CRC-32"));
+  }
+  // A zip64 size that lies (one element more than the storage holds): the pickle disagrees.
+  std::string lying = StoredZip64({{"archive/data.pkl", pkl}, {"archive/data/0", storage}}, 0);
+  const std::string needle = std::string("archive/data/0") + "\x01\x00\x18\x00";
+  const size_t at = lying.rfind(needle);
+  REQUIRE(at != std::string::npos);
+  for (size_t k = 0; k < 2; ++k) lying[at + needle.size() + 8 * k] += 4;  // both sizes + 4
+  Bytes l(lying);
+  CHECK_THROWS_AS(ResolveTorchTensorRecord(l, 0, lying.size(), "liar"), CorruptionError);
+  CHECK_THROWS_AS(CheckTorchArchiveCrcs(l, 0, lying.size(), "liar"), CorruptionError);
+}
+
+namespace {
+
+// A large object of zeros but for a few patches, that costs no memory.
+class SparseObject : public ReadableObject {
+ public:
+  SparseObject(uint64_t size, std::map<uint64_t, std::string> patches)
+      : size_(size), patches_(std::move(patches)) {}
+  void ReadAt(uint64_t offset, void* dst, size_t n) override {
+    if (offset > size_ || n > size_ - offset) throw CorruptionError("short read");
+    ++reads;
+    read_bytes += n;
+    std::memset(dst, 0, n);
+    for (const auto& [at, bytes] : patches_) {
+      const uint64_t lo = std::max(at, offset), hi = std::min(at + bytes.size(), offset + n);
+      if (lo < hi)
+        std::memcpy(static_cast<char*>(dst) + (lo - offset), bytes.data() + (lo - at), hi - lo);
+    }
+  }
+  uint64_t size() const override { return size_; }
+  int reads = 0;
+  uint64_t read_bytes = 0;
+
+ private:
+  uint64_t size_;
+  std::map<uint64_t, std::string> patches_;
+};
+
+// End records claiming a central directory of `entries` entries, `cd_size` bytes at offset 0
+// (where an entry's signature is), zip64 when `zip64`.
+SparseObject ClaimingDirectory(uint64_t entries, uint64_t cd_size, bool zip64) {
+  std::string tail;
+  const uint64_t at = cd_size;  // the end records follow the directory
+  if (zip64) {
+    Le(tail, 0x06064b50, 4), Le(tail, 44, 8), Le(tail, 45, 2), Le(tail, 45, 2);
+    Le(tail, 0, 4), Le(tail, 0, 4), Le(tail, entries, 8), Le(tail, entries, 8);
+    Le(tail, cd_size, 8), Le(tail, 0, 8);
+    Le(tail, 0x07064b50, 4), Le(tail, 0, 4), Le(tail, at, 8), Le(tail, 1, 4);
+  }
+  Le(tail, 0x06054b50, 4);
+  Le(tail, 0, 2), Le(tail, 0, 2);
+  Le(tail, zip64 ? 0xffff : entries, 2), Le(tail, zip64 ? 0xffff : entries, 2);
+  Le(tail, zip64 ? 0xffffffffu : cd_size, 4), Le(tail, zip64 ? 0xffffffffu : 0, 4), Le(tail, 0, 2);
+  std::string first;
+  Le(first, 0x02014b50, 4);
+  return SparseObject(at + tail.size(), {{0, first}, {at, tail}});
+}
+
+}  // namespace
+
+TEST_CASE("torch record: a directory claiming millions of entries is refused before it is read",
+          "[torch_dcp][hostile]") {
+  // A zip64 end record claiming 10^8 entries of a 4.6 GB directory: libzip would allocate and
+  // initialise 3.2 GB of entries before reading the first. Refused from the end records.
+  SparseObject many = ClaimingDirectory(100000000, uint64_t{46} * 100000000, true);
+  CHECK_THROWS_WITH(ResolveTorchTensorRecord(many, 0, many.size(), "crafted"),
+                    Contains("crafted claims 100000000 entries (limit 1024)"));
+  CHECK(many.read_bytes < (1 << 20));
+  // A 5 MiB directory of few entries (libzip would parse every entry it holds).
+  SparseObject big = ClaimingDirectory(3, uint64_t{5} << 20, false);
+  CHECK_THROWS_WITH(CheckTorchArchiveCrcs(big, 0, big.size(), "crafted"),
+                    Contains("crafted has central directories of more than 4194304 bytes"));
+  // End-record signatures in tensor data (here the last bytes of the storage) are no directory.
+  std::string storage(64, '\0');
+  std::memcpy(storage.data() + 20, "PK\x05\x06", 4);
+  Bytes in(TensorRecord(0, {16}, {1}, storage));
+  CHECK(ResolveTorchTensorRecord(in, 0, in.size(), "record").storage_bytes == 64);
 }

@@ -168,8 +168,8 @@ class Verifier {
     }
   }
 
-  // A torch.save archive: minizip reads every entry and checks its CRC-32; a tensor record
-  // must hold the dtype and shape the metadata gives its chunk.
+  // A torch.save archive: every entry is read and its CRC-32 checked (zip64 included); a tensor
+  // record must hold the dtype and shape the metadata gives its chunk.
   void CheckTorchRecord(ReadableObject& obj, const std::string& file, const Item& it) {
     const StorageInfo& info = *it.info;
     const std::string what =
