@@ -463,10 +463,13 @@ class Machine {
 class Writer {
  public:
   std::string Finish(const Value& v) {
+    // Protocol 2, as torch.save writes (torch 2.x's weights_only loader warns on others);
+    // protocol 3 only when a bytes value needs BINBYTES.
     out_ += '\x80';
-    out_ += '\x03';  // protocol 3: BINBYTES for bytes; everything else is protocol 2
+    out_ += '\x02';
     Emit(v);
     out_ += '.';
+    if (wrote_bytes_) out_[1] = '\x03';
     return std::move(out_);
   }
 
@@ -538,6 +541,7 @@ class Writer {
         return;
       }
       case Kind::kBytes:
+        wrote_bytes_ = true;
         if (v.str.size() < 256) {
           out_ += 'C';
           LE(v.str.size(), 1);
@@ -609,6 +613,7 @@ class Writer {
   }
 
   std::string out_;
+  bool wrote_bytes_ = false;
   std::map<std::string, size_t> memo_;
 };
 

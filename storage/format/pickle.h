@@ -105,8 +105,8 @@ ValuePtr Object(ValuePtr callable, std::vector<ValuePtr> args, ValuePtr state = 
                 bool newobj = false);
 ValuePtr Persistent(ValuePtr id);
 
-/// Serialise `value` as a protocol-2 pickle (memoising strings and globals, so repeated names
-/// cost a few bytes). InvalidArgumentError for a value that cannot be written (a kDict with an
+/// Serialise `value` as a protocol-2 pickle, or protocol 3 when it holds bytes (BINBYTES);
+/// strings and globals are memoised, so repeated names cost a few bytes. InvalidArgumentError for a value that cannot be written (a kDict with an
 /// odd item count, an object without a global callable).
 std::string Dump(const Value& value);
 

@@ -16,11 +16,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
+#include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "dcp/proto/checksum.h"
@@ -617,7 +621,7 @@ class ZipWriter {
     Entry e{name, Crc32(0, content.data(), content.size()), content.size(), Pos(), false};
     LocalHeader(e, 0);
     out_.Append(content.data(), content.size());
-    entries_.push_back(e);
+    Written(e);
   }
   // An entry whose bytes `write` appends (`size` of them, CRC-32 returned); its data starts at
   // a multiple of 64 from the archive's start, as torch aligns storages.
@@ -638,7 +642,23 @@ class ZipWriter {
       Put32(d, static_cast<uint32_t>(size));
     }
     out_.Append(d.data(), d.size());
-    entries_.push_back(e);
+    Written(e);
+  }
+  // The entry torch 2.x's writer adds last, ".data/serialization_id": 20 decimal digits of a
+  // hash over the record names, then 20 of a hash over the entries' CRC-32s, combined as
+  // PyTorchStreamWriter does (c10::hash_combine over std::hash of each name, visited in an
+  // unordered_set's order, and over the CRCs in write order), so dcp's records carry the id
+  // torch would give the same entries (checked against the torch 2.11 fixtures).
+  void AddSerializationId() {
+    std::unordered_set<std::string> names;
+    for (const Entry& e : entries_) names.insert(e.name.substr(e.name.find('/') + 1));
+    size_t name_hash = 0;
+    for (const std::string& name : names) {
+      name_hash = HashCombine(name_hash, std::hash<std::string>{}(name));
+    }
+    char id[41];
+    std::snprintf(id, sizeof(id), "%020zu%020zu", name_hash, crc_hash_);
+    AddSmall("archive/.data/serialization_id", std::string_view(id, 40));
   }
   uint64_t Finish() {
     const uint64_t cd_at = Pos();
@@ -756,9 +776,18 @@ class ZipWriter {
     out_.Append(h.data(), h.size());
   }
 
+  static size_t HashCombine(size_t seed, size_t value) {
+    return seed ^ (value + 0x9e3779b9 + (seed << 6) + (seed >> 2));
+  }
+  void Written(const Entry& e) {
+    entries_.push_back(e);
+    crc_hash_ = HashCombine(crc_hash_, e.crc);
+  }
+
   WritableObject& out_;
   uint64_t base_;
   std::vector<Entry> entries_;
+  size_t crc_hash_ = 0;
 };
 
 class StringSink : public WritableObject {
@@ -1295,6 +1324,7 @@ std::string TorchSaveOfBytes(std::string_view payload) {
   ZipWriter zip(sink);
   AddHeaderEntries(zip, pickle::Dump(*pickle::Bytes(std::string(payload))), true);
   zip.AddSmall("archive/version", "3\n");
+  zip.AddSerializationId();
   zip.Finish();
   return std::move(sink.s);
 }
@@ -1349,6 +1379,7 @@ uint64_t AppendTorchTensorRecord(WritableObject& out, const TensorView& view, bo
     return crc;
   });
   zip.AddSmall("archive/version", "3\n");
+  if (torch2) zip.AddSerializationId();
   zip.Finish();
   return out.size() - begin;
 }

@@ -465,5 +465,85 @@ TEST_CASE("torch DCP: damaged records fail naming the record", "[torchdcp]") {
   CHECK_THAT(err, Catch::Contains("record of 'w'") && Catch::Contains(".distcp"));
 }
 
+struct ZipEntry {
+  std::string name;
+  uint32_t crc;
+  std::string content;  // stored entries under 1 KiB
+};
+
+// The entries of every archive in a .distcp file, each archive's in central-directory order.
+std::vector<std::vector<ZipEntry>> DistcpArchives(const std::string& bytes) {
+  auto u16 = [&](size_t at) {
+    return static_cast<uint32_t>(static_cast<uint8_t>(bytes[at])) |
+           static_cast<uint32_t>(static_cast<uint8_t>(bytes[at + 1])) << 8;
+  };
+  auto u32 = [&](size_t at) { return u16(at) | u16(at + 2) << 16; };
+  std::vector<std::vector<ZipEntry>> archives;
+  size_t archive_start = 0;
+  for (size_t at = bytes.find("PK\x01\x02"); at != std::string::npos;
+       at = bytes.find("PK\x01\x02", at + 4)) {
+    const size_t name_len = u16(at + 28);
+    ZipEntry e{bytes.substr(at + 46, name_len), u32(at + 16), {}};
+    if (e.name == "archive/data.pkl") {
+      // Local header offsets count from each archive's start: data.pkl's header is there
+      // (its offset is 0), the nearest one before this directory.
+      archives.emplace_back();
+      archive_start = bytes.rfind("PK\x03\x04", bytes.rfind("archive/data.pkl", at));
+    }
+    const size_t local = archive_start + u32(at + 42);
+    const size_t size = u32(at + 24);
+    if (size < 1024) {
+      const size_t data = local + 30 + u16(local + 26) + u16(local + 28);
+      e.content = bytes.substr(data, size);
+    }
+    archives.back().push_back(std::move(e));
+  }
+  return archives;
+}
+
+TEST_CASE("torch DCP: tensor records are protocol-2 pickles with torch's serialization id",
+          "[torchdcp]") {
+  TempDir dir("sid");
+  StateDict sd;
+  sd.Set("w", testing::RandomTensor(DType::kFloat32, {4, 4}, 3));
+  Save(sd, "torchdcp://" + dir.path() + "/out");
+  std::string data_file;
+  for (const auto& f : std::filesystem::directory_iterator(dir.path() + "/out")) {
+    if (f.path().extension() == ".distcp") data_file = f.path();
+  }
+  const auto ours = DistcpArchives(ReadFileBytes(data_file));
+  REQUIRE(ours.size() == 1);
+  const auto& record = ours[0];
+  std::vector<std::string> names;
+  for (const auto& e : record) names.push_back(e.name);
+  // The entries torch 2.11 writes, in its order (the fixtures' tensor records).
+  CHECK(names == std::vector<std::string>{"archive/data.pkl", "archive/.format_version",
+                                          "archive/.storage_alignment", "archive/byteorder",
+                                          "archive/data/0", "archive/version",
+                                          "archive/.data/serialization_id"});
+  CHECK(record[0].content.substr(0, 2) == "\x80\x02");  // protocol 2, as torch.save writes
+  const std::string id = record.back().content;
+  REQUIRE(id.size() == 40);
+
+  // The id's first half hashes the entry names: the same names give torch's own value.
+  const auto theirs = DistcpArchives(ReadFileBytes(kFixtures + "/model_adamw/__0_0.distcp"));
+  bool compared = false;
+  for (const auto& archive : theirs) {
+    if (archive.size() != record.size() || archive[4].name != "archive/data/0") continue;
+    CHECK(archive.back().content.substr(0, 20) == id.substr(0, 20));
+    compared = true;
+    break;
+  }
+  CHECK(compared);
+  // The second half combines the CRC-32s of the entries before it, as torch combines them.
+  size_t crcs = 0;
+  for (size_t i = 0; i + 1 < record.size(); ++i) {
+    crcs ^= size_t{record[i].crc} + 0x9e3779b9 + (crcs << 6) + (crcs >> 2);
+  }
+  char want[21];
+  std::snprintf(want, sizeof(want), "%020zu", crcs);
+  CHECK(id.substr(20) == want);
+}
+
 }  // namespace
 }  // namespace dcp
