@@ -18,8 +18,9 @@
 // Everything read is untrusted: the header length is bounded (kMaxSafetensorsHeaderBytes), the
 // JSON parsed by nlohmann-json, dtype names, shapes (overflow), offsets (inside the file, sized
 // numel x itemsize, no overlap) and weight_map file names (plain names: no '/', no "..") checked.
-// Failures are CorruptionError (UnsupportedError for a dtype dcp lacks) naming the file and the
-// tensor. dcp reads this format; it does not write it yet (issue 24): a save in it is refused.
+// Failures are CorruptionError (UnsupportedError for a dtype dcp lacks, NotFoundError for a file
+// the index names that is missing) naming the file and the tensor. dcp reads this format; it does
+// not write it yet (issue 24): a save in it is refused.
 #pragma once
 
 #include <cstdint>
