@@ -360,3 +360,25 @@ TEST_CASE("safetensors: hostile indexes are refused with the file and tensor nam
     }
   }
 }
+
+TEST_CASE("safetensors: detection comes after dcp and PyTorch DCP", "[safetensors]") {
+  TempDir dir("st-detect");
+  TensorView v = dcp::testing::RandomTensor(DType::kFloat32, {4}, 1);
+  StateDict sd;
+  sd.Set("w", v);
+  Save(sd, dir / "ckpt");
+  // A model.safetensors beside a dcp checkpoint changes nothing: the dcp checkpoint loads.
+  std::filesystem::copy_file(kFixtures + "/single/model.safetensors",
+                             dir / "ckpt/model.safetensors");
+  const Metadata md = ReadMetadata(dir / "ckpt");
+  CHECK(md.entries.size() == 1);
+  CHECK(md.library_version != "safetensors");
+  // A directory with safetensors files under other names is no checkpoint (name the file).
+  std::filesystem::create_directories(dir / "other");
+  std::filesystem::copy_file(kFixtures + "/single/model.safetensors",
+                             dir / "other/adapter.safetensors");
+  CHECK_THROWS_AS(ReadMetadata(dir / "other"), NotFoundError);
+  CHECK(ReadMetadata(dir / "other/adapter.safetensors").entries.size() == 5);
+  // A URI naming a file that does not exist is no checkpoint either.
+  CHECK_THROWS_AS(ReadMetadata(dir / "other/missing.safetensors"), NotFoundError);
+}
