@@ -17,6 +17,7 @@
 #endif
 #include "dcp/storage/backend_options.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/safetensors.h"
 
 namespace dcp {
 
@@ -63,14 +64,38 @@ void RegisterInto(Registry& reg, StorageBackend backend, bool replace) {
   reg.backends[backend.scheme] = std::move(backend);
 }
 
+// The store a reader of `location` reads: a location naming one existing `*.safetensors`
+// object is a read-only view of its parent holding only that object (a Hugging Face file loads
+// by its own name); anything else is the store at `location`.
+std::shared_ptr<Store> OpenForReading(const StoreOpener& open, const std::string& scheme,
+                                      const std::string& location,
+                                      const BackendOptionMap& options) {
+  const size_t slash = location.rfind('/');
+  if (IsSafetensorsName(location) && (slash != std::string::npos || scheme == "file")) {
+    const std::string name = slash == std::string::npos ? location : location.substr(slash + 1);
+    const std::string parent = slash == std::string::npos ? std::string(".")
+                               : slash == 0               ? std::string("/")
+                                                          : location.substr(0, slash);
+    std::shared_ptr<Store> dir;
+    try {
+      dir = open(parent, options);
+      if (!IsSafetensorsName(name) || !dir->Size(name)) dir.reset();
+    } catch (const Error&) {
+      dir.reset();  // e.g. a directory named *.safetensors: opened as one below
+    }
+    if (dir) return SafetensorsFileView(std::move(dir), name);
+  }
+  return open(location, options);
+}
+
 void RegisterStoreInto(Registry& reg, const std::string& scheme, StoreOpener open, bool replace) {
   StorageBackend b;
   b.scheme = scheme;
   b.make_writer = [open](const std::string& loc, const StorageOptions& o) {
     return MakeStoreWriter(open(loc, o.backend), o);
   };
-  b.make_reader = [open](const std::string& loc, const StorageOptions& o) {
-    return MakeStoreReader(open(loc, o.backend), o);
+  b.make_reader = [open, scheme](const std::string& loc, const StorageOptions& o) {
+    return MakeStoreReader(OpenForReading(open, scheme, loc, o.backend), o);
   };
   RegisterInto(reg, std::move(b), replace);
   reg.stores[scheme] = std::move(open);
@@ -341,6 +366,24 @@ std::shared_ptr<Store> OpenStore(const std::string& uri, const BackendOptionMap&
     open = it->second;
   }
   return open(r.location, r.options.backend);
+}
+
+std::shared_ptr<Store> OpenStoreForReading(const std::string& uri,
+                                           const BackendOptionMap& options) {
+  Registry& reg = GetRegistry();
+  StorageOptions given;
+  given.backend = options;
+  Resolved r = Resolve(reg, uri, given);
+  StoreOpener open;
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    auto it = reg.stores.find(r.scheme);
+    if (it == reg.stores.end()) {
+      throw InvalidArgumentError("'" + uri + "' is not served by a Store-based backend");
+    }
+    open = it->second;
+  }
+  return OpenForReading(open, r.scheme, r.location, r.options.backend);
 }
 
 void LoadStoragePlugin(const std::string& library_path) {

@@ -12,9 +12,9 @@
 // LoadStoragePlugin dlopen()s a shared library whose initialiser registers backends.
 //
 // A URI with a scheme may carry a query: `scheme://location?key=value&key=value` (values
-// %-escaped where needed). `format` (dcp, torchdcp, torchdcp113) chooses the layout a writer
-// writes, on any Store-based backend; every other key is a backend option (StorageOptions::backend
-// gives the same from code):
+// %-escaped where needed). `format` (dcp, torchdcp, torchdcp113; safetensors is read only) chooses
+// the layout a writer writes, on any Store-based backend; every other key is a backend option
+// (StorageOptions::backend gives the same from code):
 //   file://   direct_io=0|1 (default: on, or DCP_DIRECT_IO)
 //   s3://     endpoint, region, part_size_mib, parts_in_flight, read_ahead_parts, max_retries,
 //             lock_lease_s, sign_payload, request_timeout_s (defaults: the DCP_S3_* / AWS_*
@@ -90,6 +90,12 @@ std::unique_ptr<StorageReader> OpenStorageReader(const std::string& uri,
 /// accepted and has no effect on a store); InvalidArgumentError for schemes registered as full
 /// backends.
 std::shared_ptr<Store> OpenStore(const std::string& uri, const BackendOptionMap& options = {});
+/// OpenStore for reading a checkpoint, as OpenStorageReader opens it: a URI whose location
+/// names an existing `*.safetensors` object (file:///m/model-00001-of-00002.safetensors,
+/// s3://b/m/model.safetensors) is a read-only view of its parent in which only that object
+/// exists, so that one Hugging Face safetensors file loads by its own name (docs/SAFETENSORS.md).
+std::shared_ptr<Store> OpenStoreForReading(const std::string& uri,
+                                           const BackendOptionMap& options = {});
 
 /// Load a shared library that registers backends from a static initialiser or from an
 /// exported `extern "C" void dcp_register_storage()`. IoError naming the library on failure.

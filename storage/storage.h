@@ -34,8 +34,10 @@ enum class CheckpointFormat : uint8_t {
   kDcp,          // dcp's own (docs/FORMAT.md)
   kTorchDcp,     // torch.distributed.checkpoint as torch 2.x writes it
   kTorchDcp113,  // torch 1.13's torch.distributed._shard.checkpoint
+  kSafetensors,  // Hugging Face safetensors (docs/SAFETENSORS.md): read only; a save in it is
+                 // refused with UnsupportedError (not written yet, issue 24)
 };
-/// "dcp", "torchdcp", "torchdcp113": the names URIs (`?format=`) and the CLI use.
+/// "dcp", "torchdcp", "torchdcp113", "safetensors": the names URIs (`?format=`) and the CLI use.
 std::string_view CheckpointFormatName(CheckpointFormat format);
 /// The format named `name`; InvalidArgumentError listing the names otherwise.
 CheckpointFormat ParseCheckpointFormat(std::string_view name);

@@ -149,10 +149,12 @@ case "$mode" in
         -DDCP_FUZZ=ON -DDCP_SANITIZE=address -DDCP_WITH_TORCH=OFF -DDCP_WITH_MPI=OFF \
         -DDCP_WITH_CUDA=OFF -DDCP_BUILD_TOOLS=OFF -DDCP_BUILD_TESTS=OFF
     fi
-    cmake --build "$fuzz" -j "$jobs" --target dcp_metadata_fuzz dcp_torch_metadata_fuzz
+    cmake --build "$fuzz" -j "$jobs" --target dcp_metadata_fuzz dcp_torch_metadata_fuzz \
+      dcp_safetensors_fuzz
     # dcp's metadata, then PyTorch DCP input (the restricted unpickler, .metadata, torch.save
-    # records), each from its seed corpus.
-    for target in dcp_metadata_fuzz:corpus dcp_torch_metadata_fuzz:torch_corpus; do
+    # records), then safetensors headers and indexes, each from its seed corpus.
+    for target in dcp_metadata_fuzz:corpus dcp_torch_metadata_fuzz:torch_corpus \
+      dcp_safetensors_fuzz:safetensors_corpus; do
       corpus=$(mktemp -d)
       cp "$root/tests/fuzz/${target#*:}"/* "$corpus"/
       log "fuzzing with ${target%%:*} for ${DCP_FUZZ_SECONDS:-60} s"

@@ -69,7 +69,7 @@ class StoreWriter : public StorageWriter {
     lock_ = store_->TryLock(LockHolder(ctx));
     if (!lock_) WarnNoLock();
     for (const CheckpointLayout* other : AllLayouts()) {
-      if (other->metadata_name() == metadata_name_ || !store_->Size(other->metadata_name())) {
+      if (other->metadata_name() == metadata_name_ || !other->Detect(*store_)) {
         continue;
       }
       lock_.reset();

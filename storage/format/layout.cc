@@ -8,6 +8,7 @@ namespace dcp {
 const CheckpointLayout& DcpLayout();
 const CheckpointLayout& TorchDcpLayout();
 const CheckpointLayout& TorchDcp113Layout();
+const CheckpointLayout& SafetensorsLayout();
 
 std::string_view CheckpointFormatName(CheckpointFormat format) {
   switch (format) {
@@ -17,20 +18,26 @@ std::string_view CheckpointFormatName(CheckpointFormat format) {
       return "torchdcp";
     case CheckpointFormat::kTorchDcp113:
       return "torchdcp113";
+    case CheckpointFormat::kSafetensors:
+      return "safetensors";
   }
   return "?";
 }
 
 CheckpointFormat ParseCheckpointFormat(std::string_view name) {
-  for (CheckpointFormat f :
-       {CheckpointFormat::kDcp, CheckpointFormat::kTorchDcp, CheckpointFormat::kTorchDcp113}) {
+  for (CheckpointFormat f : {CheckpointFormat::kDcp, CheckpointFormat::kTorchDcp,
+                             CheckpointFormat::kTorchDcp113, CheckpointFormat::kSafetensors}) {
     if (CheckpointFormatName(f) == name) return f;
   }
   throw InvalidArgumentError("unknown checkpoint format '" + std::string(name) +
-                             "' (known: dcp, torchdcp, torchdcp113)");
+                             "' (known: dcp, torchdcp, torchdcp113, safetensors)");
 }
 
 void CheckpointLayout::CheckWriteOptions(const StorageOptions&, const std::string&) const {}
+
+bool CheckpointLayout::Detect(Store& store) const {
+  return store.Size(metadata_name()).has_value();
+}
 
 const CheckpointLayout& LayoutFor(CheckpointFormat format) {
   switch (format) {
@@ -40,21 +47,25 @@ const CheckpointLayout& LayoutFor(CheckpointFormat format) {
       return TorchDcpLayout();
     case CheckpointFormat::kTorchDcp113:
       return TorchDcp113Layout();
+    case CheckpointFormat::kSafetensors:
+      return SafetensorsLayout();  // read only: its writer refuses (CheckWriteOptions)
   }
   throw InvalidArgumentError("unknown checkpoint format " +
                              std::to_string(static_cast<int>(format)));
 }
 
 // The torch 1.13 layout differs from 2.x only in how its metadata is written; a reader needs
-// one entry for both (same metadata name, same decoder).
+// one entry for both (same metadata name, same decoder). safetensors comes last: a directory
+// holding a dcp or PyTorch DCP checkpoint beside a model.safetensors loads as the former.
 const std::vector<const CheckpointLayout*>& AllLayouts() {
-  static const std::vector<const CheckpointLayout*> all = {&DcpLayout(), &TorchDcpLayout()};
+  static const std::vector<const CheckpointLayout*> all = {&DcpLayout(), &TorchDcpLayout(),
+                                                           &SafetensorsLayout()};
   return all;
 }
 
 const CheckpointLayout* DetectLayout(Store& store) {
   for (const CheckpointLayout* layout : AllLayouts()) {
-    if (store.Size(layout->metadata_name())) return layout;
+    if (layout->Detect(store)) return layout;
   }
   return nullptr;
 }

@@ -47,6 +47,9 @@ class CheckpointLayout {
   virtual bool IsDataFile(const std::string& name) const = 0;
   /// The committed metadata's bytes. `uri` names the checkpoint in errors.
   virtual std::string EncodeMetadata(const Metadata& md, const std::string& uri) const = 0;
+  /// True when `store` holds a checkpoint of this layout (its commit marker exists). Default:
+  /// metadata_name() exists.
+  virtual bool Detect(Store& store) const;
   /// Read and decode the metadata file of `store` (untrusted: bounded, validated).
   virtual Metadata ReadMetadata(Store& store) const = 0;
   virtual std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions& options) const = 0;
@@ -54,7 +57,7 @@ class CheckpointLayout {
 
 /// The layout a writer of `format` writes (static lifetime).
 const CheckpointLayout& LayoutFor(CheckpointFormat format);
-/// Every layout a reader recognises, in detection order (dcp first).
+/// Every layout a reader recognises, in detection order (dcp, PyTorch DCP, safetensors).
 const std::vector<const CheckpointLayout*>& AllLayouts();
 /// The layout of the checkpoint committed in `store`, or nullptr when there is none.
 const CheckpointLayout* DetectLayout(Store& store);

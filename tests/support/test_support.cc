@@ -125,6 +125,44 @@ std::map<std::string, std::string> ReadSafetensors(const std::string& path) {
   return out;
 }
 
+std::map<std::string, ExpectedTensor> ReadSafetensorsExpected(const std::string& fixtures,
+                                                              const std::string& which) {
+  const nlohmann::json all = nlohmann::json::parse(ReadFileBytes(fixtures + "/expected.json"));
+  std::map<std::string, ExpectedTensor> out;
+  for (const auto& [name, v] : all.at(which).items()) {
+    ExpectedTensor& t = out[name];
+    const std::string dtype = v.at("dtype").get<std::string>();
+    const std::map<std::string, DType> names = {{"BOOL", DType::kBool},
+                                                {"U8", DType::kUInt8},
+                                                {"I8", DType::kInt8},
+                                                {"I16", DType::kInt16},
+                                                {"I32", DType::kInt32},
+                                                {"I64", DType::kInt64},
+                                                {"F16", DType::kFloat16},
+                                                {"BF16", DType::kBFloat16},
+                                                {"F32", DType::kFloat32},
+                                                {"F64", DType::kFloat64},
+                                                {"F8_E4M3", DType::kFloat8_e4m3fn},
+                                                {"F8_E5M2", DType::kFloat8_e5m2}};
+    t.dtype = names.at(dtype);
+    t.shape = v.at("shape").get<Shape>();
+    t.file = v.at("file").get<std::string>();
+    const std::string hex = v.at("hex").get<std::string>();
+    for (size_t i = 0; i + 1 < hex.size(); i += 2) {
+      t.bytes.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+    }
+  }
+  return out;
+}
+
+std::string RowSlice(const std::string& bytes, const Shape& shape, size_t esize, int64_t b,
+                     int64_t e) {
+  if (shape.empty()) return bytes;
+  size_t row = esize;
+  for (size_t k = 1; k < shape.size(); ++k) row *= static_cast<size_t>(shape[k]);
+  return bytes.substr(static_cast<size_t>(b) * row, static_cast<size_t>(e - b) * row);
+}
+
 StepState::StepState() { sd.Nested("model").Set("w", w).Set("step", step); }
 
 void StepState::Fill(int64_t s) {

@@ -86,6 +86,22 @@ std::string ReadFileBytes(const std::string& path);
 /// Every tensor of a safetensors file: name -> its raw bytes.
 std::map<std::string, std::string> ReadSafetensors(const std::string& path);
 
+/// One tensor of the safetensors fixtures (tests/fixtures/safetensors/expected.json): what a
+/// reader must produce, written by numpy apart from the files.
+struct ExpectedTensor {
+  DType dtype = DType::kFloat32;
+  Shape shape;
+  std::string file;   // the safetensors file holding it
+  std::string bytes;  // row-major little-endian
+};
+/// The fixture case `which` ("sharded", "single") of expected.json in `fixtures`, by name.
+std::map<std::string, ExpectedTensor> ReadSafetensorsExpected(const std::string& fixtures,
+                                                              const std::string& which);
+/// The bytes of rows [b, e) of a row-major tensor of `shape` (dimension 0; the whole tensor
+/// when it is 0-d).
+std::string RowSlice(const std::string& bytes, const Shape& shape, size_t esize, int64_t b,
+                     int64_t e);
+
 /// Fail the current test if any rank failed, with that rank's message.
 void RequireNoErrors(const std::vector<std::exception_ptr>& errors);
 

@@ -539,3 +539,122 @@ TEST_CASE("registry: URI queries choose the format and set backend options",
   Save(sd, "torchdcp://" + dir.path() + "/alias");
   CHECK(std::filesystem::exists(dir.path() + "/alias/.metadata"));
 }
+
+// safetensors is a read-only format: the "writer" of this suite puts the numpy-written fixture
+// files (tests/fixtures/safetensors) into each backend through the Store interface, then every
+// backend must load them bit-exact, whole and resharded, from the directory and from a URI
+// naming one file; and refuse a save in the format.
+TEST_CASE("conformance: safetensors checkpoints are read on every backend",
+          "[storage][conformance][safetensors]") {
+  const std::string fixtures = DCP_SAFETENSORS_FIXTURES;
+  for (const auto& scheme : Backends()) {
+    for (const std::string which : {"sharded", "single"}) {
+      DYNAMIC_SECTION(scheme << " " << which) {
+        const auto want = dcp::testing::ReadSafetensorsExpected(fixtures, which);
+        Location loc = FreshLocation(scheme);
+        auto store = OpenStore(loc.uri);
+        store->CreateRoot();
+        for (const auto& e : std::filesystem::directory_iterator(fixtures + "/" + which)) {
+          const std::string bytes = dcp::testing::ReadFileBytes(e.path().string());
+          auto w = store->Create(e.path().filename().string());
+          w->Append(bytes.data(), bytes.size());
+          w->Close();
+        }
+        REQUIRE(DetectLayout(*store) != nullptr);
+        CHECK(DetectLayout(*store)->format() == CheckpointFormat::kSafetensors);
+
+        // Whole, at one rank, every entry.
+        const Metadata md = ReadMetadata(loc.uri);
+        CHECK(md.entries.size() == want.size());
+        StateDict sd;
+        std::map<std::string, TensorView> views;
+        for (const auto& [name, t] : want) {
+          if (name == "rng") {
+            sd.Set(name, Blob{});
+            continue;
+          }
+          views.emplace(name, TensorView::Allocate(t.dtype, t.shape));
+          sd.Set(name, views.at(name));
+        }
+        Load(sd, loc.uri);
+        for (const auto& [name, v] : views) {
+          INFO(name);
+          CHECK(std::string(static_cast<const char*>(v.data), v.nbytes()) == want.at(name).bytes);
+        }
+        if (which == "single") {
+          CHECK(std::get<Blob>(*sd.Find("rng")).bytes == want.at("rng").bytes);
+        }
+
+        // Resharded: rows split over 2 ranks.
+        dcp::testing::RequireNoErrors(dcp::testing::RunRanks(2, [&](int r, Communicator& comm) {
+          StateDict part;
+          std::map<std::string, std::pair<TensorView, std::pair<int64_t, int64_t>>> mine;
+          for (const auto& [name, t] : want) {
+            if (name == "rng") {
+              part.Set(name, Blob{});
+              continue;
+            }
+            if (t.shape.empty()) {
+              TensorView v = TensorView::Allocate(t.dtype, t.shape);
+              part.Set(name, v);
+              mine.emplace(name, std::make_pair(v, std::make_pair(int64_t{0}, int64_t{1})));
+              continue;
+            }
+            const auto [b, e] = dcp::testing::RowRange(t.shape[0], r, 2);
+            Shape local = t.shape, offsets(t.shape.size(), 0);
+            local[0] = e - b;
+            offsets[0] = b;
+            TensorView v = TensorView::Allocate(t.dtype, local);
+            ShardedTensor st{t.dtype, t.shape, {}};
+            if (e > b) st.local_shards.push_back({v, offsets});
+            part.Set(name, st);
+            mine.emplace(name, std::make_pair(v, std::make_pair(b, e)));
+          }
+          Load(part, loc.uri, comm);
+          for (const auto& [name, got] : mine) {
+            const auto& t = want.at(name);
+            dcp::testing::Expect(
+                std::string(static_cast<const char*>(got.first.data), got.first.nbytes()) ==
+                    dcp::testing::RowSlice(t.bytes, t.shape, ElementSize(t.dtype), got.second.first,
+                                           got.second.second),
+                name + " differs at rank " + std::to_string(r));
+          }
+        }));
+
+        // A URI naming one file loads that file alone.
+        const std::string first = want.begin()->second.file;
+        const Metadata one = ReadMetadata(JoinUri(loc.uri, first));
+        size_t in_first = 0;
+        for (const auto& [name, t] : want) in_first += t.file == first;
+        CHECK(one.entries.size() == in_first);
+        CHECK(one.world_size == 1);
+
+        // Read only: a save in the format is refused, and a dcp save does not mix in.
+        try {
+          Save(sd, loc.uri + "?format=safetensors");
+          FAIL("a safetensors save succeeded");
+        } catch (const CollectiveError& e) {
+          CHECK(e.failures()[0].code == ErrorCode::kUnsupported);
+        } catch (const UnsupportedError&) {
+        }
+        try {
+          Save(sd, loc.uri);
+          FAIL("a dcp save over a safetensors checkpoint succeeded");
+        } catch (const CollectiveError& e) {
+          CHECK(e.failures()[0].code == ErrorCode::kAlreadyExists);
+        }
+
+        // A shard the index names, missing: NotFoundError naming it.
+        if (which == "sharded") {
+          store->Remove(first);
+          try {
+            ReadMetadata(loc.uri);
+            FAIL("read metadata with a shard missing");
+          } catch (const NotFoundError& e) {
+            CHECK_THAT(e.what(), Contains(first));
+          }
+        }
+      }
+    }
+  }
+}

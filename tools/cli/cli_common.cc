@@ -16,6 +16,7 @@
 #include "dcp/proto/schema/codec.h"
 #include "dcp/proto/staging.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/torch_dcp.h"
 #include "dcp/storage/format/zstd_transform.h"
 #include "dcp/storage/registry.h"
@@ -132,7 +133,7 @@ Checkpoint OpenCheckpoint(const std::string& path) {
   Checkpoint c;
   c.uri = path;
   try {
-    c.store = OpenStore(path);
+    c.store = OpenStoreForReading(path);
   } catch (const InvalidArgumentError& e) {
     // A registered scheme refusing its location (e.g. s3:// without credentials) says why
     // itself; the plugin hint is for schemes nobody registered.
@@ -159,6 +160,21 @@ Checkpoint OpenCheckpoint(const std::string& path) {
         c.md = DecodeTorchDcpMetadata(c.store->ReadAll(kTorchDcpMetadataName),
                                       c.store->uri() + "/" + kTorchDcpMetadataName);
         c.format = "torchdcp";
+      } catch (const CorruptionError& e) {
+        throw CliError{kCorruptMetadata, std::string("corrupt metadata: ") + e.what()};
+      } catch (const UnsupportedError& e) {
+        throw CliError{kUnsupported, std::string("unsupported checkpoint: ") + e.what()};
+      }
+      return c;
+    }
+    const CheckpointLayout& st = LayoutFor(CheckpointFormat::kSafetensors);
+    if (!size && st.Detect(*c.store)) {
+      // A Hugging Face safetensors directory or file (storage/format/safetensors.h).
+      try {
+        c.md = st.ReadMetadata(*c.store);
+        c.format = "safetensors";
+      } catch (const NotFoundError& e) {  // a shard the index names is missing
+        throw CliError{ExitCodeFor(ErrorCode::kNotFound), std::string("damaged data: ") + e.what()};
       } catch (const CorruptionError& e) {
         throw CliError{kCorruptMetadata, std::string("corrupt metadata: ") + e.what()};
       } catch (const UnsupportedError& e) {

@@ -18,6 +18,7 @@
 #include "dcp/checkpoint.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/state_dict.h"
+#include "dcp/storage/format/safetensors.h"
 
 namespace dcp::cli {
 
@@ -27,52 +28,12 @@ using nlohmann::ordered_json;
 
 constexpr char kBlobsKey[] = "dcp.blobs";
 
-std::optional<std::string> SafetensorsDType(DType d) {
-  switch (d) {
-    case DType::kBool:
-      return "BOOL";
-    case DType::kUInt8:
-      return "U8";
-    case DType::kInt8:
-      return "I8";
-    case DType::kInt16:
-      return "I16";
-    case DType::kUInt16:
-      return "U16";
-    case DType::kInt32:
-      return "I32";
-    case DType::kUInt32:
-      return "U32";
-    case DType::kInt64:
-      return "I64";
-    case DType::kUInt64:
-      return "U64";
-    case DType::kFloat16:
-      return "F16";
-    case DType::kBFloat16:
-      return "BF16";
-    case DType::kFloat32:
-      return "F32";
-    case DType::kFloat64:
-      return "F64";
-    case DType::kComplex64:
-      return "C64";
-    case DType::kFloat8_e4m3fn:
-      return "F8_E4M3";
-    case DType::kFloat8_e5m2:
-      return "F8_E5M2";
-    case DType::kFloat8_e8m0fnu:
-      return "F8_E8M0";
-    default:
-      return std::nullopt;
-  }
-}
+// The dtype names are the reader's (storage/format/safetensors.h), so that what an export
+// writes loads back through the safetensors layout.
+std::optional<std::string> SafetensorsDType(DType d) { return SafetensorsDTypeName(d); }
 
 std::optional<DType> FromSafetensorsDType(const std::string& s) {
-  for (DType d : AllDTypes()) {
-    if (SafetensorsDType(d) == s) return d;
-  }
-  return std::nullopt;
+  return DTypeFromSafetensorsName(s);
 }
 
 class OutFile {

@@ -19,6 +19,7 @@
 #include "dcp/checkpoint.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/safetensors.h"
 #include "dcp/storage/format/torch_dcp.h"
 #include "dcp/storage/registry.h"
 #include "tools/cli/cli_common.h"
@@ -42,19 +43,26 @@ std::string GuessFormat(const std::string& path) {
   const ParsedUri uri = ParseUri(path);
   if (uri.scheme == "torchdcp" || uri.scheme == "torchdcp113") return "torchdcp";
   if (auto f = uri.query.find("format"); f != uri.query.end()) {
-    return f->second == "dcp" ? "dcp" : "torchdcp";  // torchdcp or torchdcp113
+    if (f->second == "dcp" || f->second == "safetensors") return f->second;
+    return "torchdcp";  // torchdcp or torchdcp113
   }
   std::error_code ec;
   if (path.find("://") == std::string::npos &&
-      std::filesystem::exists(std::filesystem::path(path) / kTorchDcpMetadataName, ec) &&
       !std::filesystem::exists(std::filesystem::path(path) / kMetadataName, ec)) {
-    return "torchdcp";
+    const std::filesystem::path p(path);
+    if (std::filesystem::exists(p / kTorchDcpMetadataName, ec)) return "torchdcp";
+    // A Hugging Face directory (storage/format/safetensors.h).
+    if (std::filesystem::exists(p / kSafetensorsIndexName, ec) ||
+        std::filesystem::exists(p / kSafetensorsSingleName, ec)) {
+      return "safetensors";
+    }
   }
   return "dcp";
 }
 
-// Between checkpoint formats (dcp and PyTorch DCP, either direction, or re-layout within one):
-// a load of everything, then a save. Holds the whole checkpoint in memory.
+// Between checkpoint formats (dcp and PyTorch DCP, either direction, or re-layout within one;
+// from a safetensors directory or file): a load of everything, then a save. Holds the whole
+// checkpoint in memory.
 void ConvertCheckpoint(const std::string& src, std::string dst, const std::string& to,
                        const ConvertOptions& o) {
   // Diagnosed as every other command does (a missing source is "not a checkpoint", 3), before
@@ -83,23 +91,29 @@ int Convert(const std::string& src, const std::string& dst, std::string from, st
   if (o.compress != "none" && to != "dcp") {
     throw CliError{kUsage, "--compress applies to conversions to dcp"};
   }
-  const bool ckpt_from = from == "dcp" || from == "torchdcp";
-  if (ckpt_from && (to == "dcp" || to == "torchdcp")) {
+  // One safetensors file on the local disk converts to dcp straight from its mapping; any other
+  // safetensors source (a sharded directory, a URI) is read as a checkpoint through its layout.
+  std::error_code ec;
+  const bool local_file =
+      src.find("://") == std::string::npos && std::filesystem::is_regular_file(src, ec);
+  const bool ckpt_from = from == "dcp" || from == "torchdcp" || from == "safetensors";
+  if (from == "safetensors" && to == "dcp" && local_file) {
+    ImportSafetensors(src, dst, o);
+  } else if (ckpt_from && (to == "dcp" || to == "torchdcp")) {
     ConvertCheckpoint(src, dst, to, o);
   } else if (ckpt_from && to == "safetensors") {
     const Checkpoint c = OpenCheckpoint(src);
     CheckDataFiles(c);  // before anything the metadata claims is allocated or read
     ExportSafetensors(c, dst, o);
-  } else if (from == "safetensors" && to == "dcp") {
-    ImportSafetensors(src, dst, o);
   } else if (ckpt_from && to == "torch") {
     ConvertTorch(true, src, dst, o);
   } else if (from == "torch" && to == "dcp") {
     ConvertTorch(false, src, dst, o);
   } else {
     throw CliError{kUsage, "cannot convert " + from + " to " + to +
-                               " (supported: dcp or torchdcp <-> safetensors, dcp <-> "
-                               "torchdcp, dcp or torchdcp -> torch, torch -> dcp)"};
+                               " (supported: dcp or torchdcp <-> safetensors, safetensors "
+                               "directory -> dcp or torchdcp, dcp <-> torchdcp, dcp or torchdcp "
+                               "-> torch, torch -> dcp)"};
   }
   // What was written, read back from the result: a checkpoint's metadata (its data bytes), or
   // the file's size and the source checkpoint's entry count (a file's entries are its source's).

@@ -281,8 +281,12 @@ class Verifier {
         unchecked_ == 0
             ? "checksums (CRC32C, or zip CRC-32 for PyTorch DCP records), sizes and chunk "
               "tiling verified"
-        : checked_ == 0 ? "sizes and chunk tiling verified; NO item carried a checksum, so no "
-                          "contents were verified"
+        : checked_ == 0 ? std::string(
+                              "sizes and chunk tiling verified; NO item carried a "
+                              "checksum, so no contents were verified") +
+                              (c_.format == "safetensors"
+                                   ? " (safetensors stores none: headers, sizes and offsets only)"
+                                   : "")
                         : "sizes and chunk tiling verified; checksums verified for " +
                               std::to_string(checked_) + " items, " + std::to_string(unchecked_) +
                               " carried none";
