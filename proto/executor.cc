@@ -1,5 +1,7 @@
 #include "dcp/proto/executor.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -40,6 +42,7 @@ class ThreadPool {
     std::lock_guard<std::mutex> lock(mu_);
     return threads_;
   }
+  std::mutex& mu() { return mu_; }
 
  private:
   void Work() {
@@ -70,10 +73,24 @@ class ThreadPool {
   size_t threads_ = 0;
 };
 
+// Never destroyed: detached threads still use it while the process exits.
+std::atomic<ThreadPool*> current_pool{nullptr};
+
+// fork() copies only the calling thread: a child that kept the parent's pool would count idle
+// threads that do not exist in it and queue work that never runs. The pool's lock is held
+// across fork (no thread is inside it then), and the child starts from a fresh, empty pool;
+// the parent's copy is left unused.
+void LockPoolForFork() { current_pool.load()->mu().lock(); }
+void UnlockPoolAfterFork() { current_pool.load()->mu().unlock(); }
+void FreshPoolInChild() { current_pool.store(new ThreadPool); }
+
 ThreadPool& Pool() {
-  // Never destroyed: detached threads still use it while the process exits.
-  static ThreadPool* pool = new ThreadPool;
-  return *pool;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    current_pool.store(new ThreadPool);
+    pthread_atfork(LockPoolForFork, UnlockPoolAfterFork, FreshPoolInChild);
+  });
+  return *current_pool.load();
 }
 
 }  // namespace

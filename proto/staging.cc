@@ -1,5 +1,7 @@
 #include "dcp/proto/staging.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -23,9 +25,17 @@ struct Pool {
   static constexpr uint64_t kMaxIdleBytes = uint64_t{1} << 30;
 };
 
+Pool* the_pool = nullptr;
+
 Pool& GetPool() {
-  static Pool* p = new Pool;  // never destroyed: leases may be returned during exit
-  return *p;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    the_pool = new Pool;  // never destroyed: leases may be returned during exit
+    // Held across fork(), so a child never inherits it locked by a thread it does not have.
+    pthread_atfork([] { the_pool->mu.lock(); }, [] { the_pool->mu.unlock(); },
+                   [] { the_pool->mu.unlock(); });
+  });
+  return *the_pool;
 }
 
 }  // namespace

@@ -10,7 +10,7 @@
 #                           start), then: a clang-16 build (all but LibTorch) and its unit tests
 #                           ($DCP_BUILD_DIR-clang16), the unit, fault and MPI tests under ASan+UBSan
 #                           ($DCP_BUILD_DIR-asan),
-#                           the threaded parts (async save, protocol, communicators, readers) under TSan
+#                           the threaded parts (async save, protocol, communicators, readers, executor) under TSan
 #                           ($DCP_BUILD_DIR-tsan), and the metadata fuzzer for $DCP_FUZZ_SECONDS
 #                           (default 60) over tests/fuzz/corpus ($DCP_BUILD_DIR-fuzz, clang)
 #
@@ -188,7 +188,7 @@ case "$mode" in
     cmake --build "$tsan" -j "$jobs" --target dcp_unit_tests
     cd "$tsan"
     export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
-    exec ctest --output-on-failure -j "$jobs" -R '^(fault:)?(async|manager|checkpoint io|protocol|communicator|conformance|device|reader|read-once|compact plan|failfast):'
+    exec ctest --output-on-failure -j "$jobs" -R '^(fault:)?(async|manager|checkpoint io|protocol|communicator|conformance|device|reader|read-once|compact plan|failfast|executor):'
     ;;
   *) echo "usage: $0 [deps|build|demo|test] [args...]" >&2; exit 2 ;;
 esac

@@ -2,6 +2,9 @@
 // deadlock it, a Task waits for its work when dropped, and exceptions reach the caller.
 #include "dcp/proto/executor.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -14,7 +17,7 @@
 namespace dcp {
 namespace {
 
-TEST_CASE("executor reuses its threads for work that comes one after another", "[executor]") {
+TEST_CASE("executor: reuses its threads for work that comes one after another", "[executor]") {
   Spawn([] {}).get();  // at least one thread exists
   const size_t before = PoolThreadCount();
   std::set<std::thread::id> ids;
@@ -27,7 +30,7 @@ TEST_CASE("executor reuses its threads for work that comes one after another", "
   CHECK(PoolThreadCount() <= before + 4);
 }
 
-TEST_CASE("executor runs work that waits on other work without deadlock", "[executor]") {
+TEST_CASE("executor: runs work that waits on other work without deadlock", "[executor]") {
   // More blocked parents than cores, each waiting on children: a fixed-size pool would hang.
   const int parents = 4 * static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
   std::atomic<int> done{0};
@@ -46,7 +49,7 @@ TEST_CASE("executor runs work that waits on other work without deadlock", "[exec
   CHECK(done == parents);
 }
 
-TEST_CASE("a dropped Task waits for its work", "[executor]") {
+TEST_CASE("executor: a dropped Task waits for its work", "[executor]") {
   std::atomic<bool> finished{false};
   {
     Task<void> t = Spawn([&finished] {
@@ -65,7 +68,7 @@ TEST_CASE("a dropped Task waits for its work", "[executor]") {
   CHECK(finished);
 }
 
-TEST_CASE("executor carries exceptions to get and ParallelFor rethrows the first", "[executor]") {
+TEST_CASE("executor: carries exceptions to get and ParallelFor rethrows the first", "[executor]") {
   Task<int> t = Spawn([]() -> int { throw std::runtime_error("boom"); });
   CHECK_THROWS_WITH(t.get(), "boom");
   std::future<int> f = Spawn([]() -> int { throw std::logic_error("bang"); }).ToFuture();
@@ -84,7 +87,8 @@ TEST_CASE("executor carries exceptions to get and ParallelFor rethrows the first
   CHECK(ran < 100);  // items not started after the failure are skipped
 }
 
-TEST_CASE("ParallelFor runs every item once and inline when given one thread", "[executor]") {
+TEST_CASE("executor: ParallelFor runs every item once and inline when given one thread",
+          "[executor]") {
   std::vector<std::atomic<int>> hits(1000);
   ParallelFor(
       hits.size(), [&](size_t i) { ++hits[i]; }, 3);
@@ -94,6 +98,37 @@ TEST_CASE("ParallelFor runs every item once and inline when given one thread", "
   ParallelFor(
       10, [&](size_t) { inline_only = inline_only && std::this_thread::get_id() == caller; }, 1);
   CHECK(inline_only);
+}
+
+TEST_CASE("executor: works in a child forked while the parent's pool has idle threads",
+          "[executor]") {
+#if defined(__SANITIZE_THREAD__)
+  WARN("skipped: ThreadSanitizer does not support threads started after a multi-threaded fork");
+  return;
+#endif
+  std::vector<Task<void>> warm;
+  for (int i = 0; i < 4; ++i) warm.push_back(Spawn([] {}));
+  for (auto& t : warm) t.get();
+  REQUIRE(PoolThreadCount() > 0);  // idle threads that a child does not inherit
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    // Without a fresh pool in the child this waits forever for a thread that is not there.
+    std::thread watchdog([] {
+      std::this_thread::sleep_for(std::chrono::seconds(20));
+      ::_exit(2);
+    });
+    watchdog.detach();
+    int sum = 0;
+    ParallelFor(
+        8, [&](size_t) { Spawn([] {}).get(); }, 4);
+    sum = Spawn([] { return 7; }).get();
+    ::_exit(sum == 7 ? 0 : 1);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
 }
 
 }  // namespace
