@@ -16,12 +16,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_set>
@@ -982,10 +984,27 @@ void ReadPlannerData(const Reader& r, const Value& st, Metadata& md) {
 }
 
 // The number of data files (at least 1), which stands for the world size.
-int32_t DataFileCount(const Metadata& md) {
+// torch records no world size; its writer names data files "__<rank>_<n>.distcp", so the
+// highest rank named plus one is what the files show (a rank that wrote nothing leaves no
+// trace). Files named otherwise count one rank each.
+int32_t WorldSizeFromFileNames(const Metadata& md) {
   std::set<std::string> files;
   for (const auto& [index, info] : md.storage) files.insert(info.relative_path);
-  return static_cast<int32_t>(std::max<size_t>(files.size(), 1));
+  int64_t ranks = 0;
+  for (const std::string& name : files) {
+    int64_t rank = -1;
+    if (name.rfind("__", 0) == 0) {
+      const char* begin = name.data() + 2;
+      const char* end = name.data() + name.size();
+      auto [next, ec] = std::from_chars(begin, end, rank);
+      if (ec != std::errc() || next == end || *next != '_' || rank < 0 || rank >= (1 << 24)) {
+        rank = -1;
+      }
+    }
+    if (rank < 0) return static_cast<int32_t>(std::max<size_t>(files.size(), 1));
+    ranks = std::max(ranks, rank + 1);
+  }
+  return static_cast<int32_t>(std::max<int64_t>(ranks, 1));
 }
 
 // storage_meta: the save and checkpoint ids, when present.
@@ -1022,7 +1041,7 @@ Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source)
   ReadStateDictMetadata(r, st, md, chunk_bytes);
   ReadStorageData(r, st, source, chunk_bytes, md);
   ReadPlannerData(r, st, md);
-  md.world_size = DataFileCount(md);
+  md.world_size = WorldSizeFromFileNames(md);
   ReadStorageMeta(r, st, md);
   md.library_version = LibraryVersion(*root, st);
   ValidateMetadata(md, source);
@@ -1329,17 +1348,66 @@ std::string TorchSaveOfBytes(std::string_view payload) {
   return std::move(sink.s);
 }
 
+namespace {
+
+// How Python pickles a bytes object: BINBYTES from protocol 3 on; protocol 2 (torch.save's)
+// has no bytes opcode and writes _codecs.encode(<latin-1 text>, 'latin1'), or bytes() when
+// empty.
+bool AllowBytesGlobal(std::string_view module, std::string_view name) {
+  return (module == "_codecs" && name == "encode") ||
+         ((module == "__builtin__" || module == "builtins") && name == "bytes");
+}
+
+// The Latin-1 bytes of UTF-8 text whose code points are all below 256.
+std::optional<std::string> Latin1OfUtf8(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size(); ++i) {
+    const auto c = static_cast<uint8_t>(text[i]);
+    if (c < 0x80) {
+      out += static_cast<char>(c);
+    } else if ((c == 0xC2 || c == 0xC3) && i + 1 < text.size() &&
+               (static_cast<uint8_t>(text[i + 1]) & 0xC0) == 0x80) {
+      out += static_cast<char>(((c & 0x03) << 6) | (static_cast<uint8_t>(text[++i]) & 0x3F));
+    } else {
+      return std::nullopt;  // not Latin-1: not what pickle writes for bytes
+    }
+  }
+  return out;
+}
+
+bool BytesOfPickledValue(const Value& v, std::string* payload) {
+  if (v.kind == Kind::kBytes) {
+    *payload = v.str;
+    return true;
+  }
+  if (v.kind != Kind::kObject || v.newobj || v.state || !v.args) return false;
+  const std::string callable = v.global_name();
+  const auto& args = v.args->items;
+  if ((callable == "__builtin__.bytes" || callable == "builtins.bytes") && args.empty()) {
+    payload->clear();
+    return true;
+  }
+  if (callable != "_codecs.encode" || args.size() != 2 || args[0]->kind != Kind::kStr ||
+      args[1]->kind != Kind::kStr || args[1]->str != "latin1") {
+    return false;
+  }
+  std::optional<std::string> bytes = Latin1OfUtf8(args[0]->str);
+  if (!bytes) return false;
+  *payload = std::move(*bytes);
+  return true;
+}
+
+}  // namespace
+
 bool TorchSaveBytesPayload(std::string_view record, std::string* payload) {
   if (!IsTorchSaveArchive(record)) return false;
   try {
     StringObject in(record);
     Archive zip(in, 0, record.size(), "record");
     const std::string pkl = zip.ReadSmall(zip.Prefix() + "data.pkl", record.size());
-    const ValuePtr v = pickle::Load(
-        pkl, [](std::string_view, std::string_view) { return false; }, "record");
-    if (v->kind != Kind::kBytes) return false;
-    *payload = v->str;
-    return true;
+    const ValuePtr v = pickle::Load(pkl, AllowBytesGlobal, "record");
+    return BytesOfPickledValue(*v, payload);
   } catch (const Error&) {
     return false;  // some other object: the record is the blob
   }

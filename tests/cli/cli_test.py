@@ -526,6 +526,14 @@ def test_hostile(good):
     # every command that reads values checks the record's zip CRC-32, as verify does (1).
     fixtures = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures",
                             "pytorch-dcp-2.11")
+    # inspect of a PyTorch DCP directory: the world size comes from the data file names
+    # (__<rank>_<n>.distcp; 4 ranks wrote dist4_dtensor), and torch records no date.
+    _, out = dcp("inspect", os.path.join(fixtures, "dist4_dtensor"))
+    contains(out, "world size      4 (from data file names)", "created         not recorded")
+    _, out = dcp("inspect", os.path.join(fixtures, "dist4_dtensor"), "--json")
+    doc = json.loads(out)
+    check(doc["world_size"] == 4 and doc["world_size_source"] == "data file names" and
+          doc["created"] is None, str({k: doc[k] for k in ("world_size", "created")}))
     d = os.path.join(args.workdir, "torch-flipped")
     shutil.rmtree(d, ignore_errors=True)
     shutil.copytree(os.path.join(fixtures, "single_dtypes"), d)

@@ -545,5 +545,23 @@ TEST_CASE("torch DCP: tensor records are protocol-2 pickles with torch's seriali
   CHECK(id.substr(20) == want);
 }
 
+TEST_CASE("torch DCP: bytes that torch.save pickled (protocol 2) come back as the bytes",
+          "[torchdcp]") {
+  const std::string dir = kFixtures + "/../torch-save-bytes/";
+  std::string payload = "unchanged";
+  CHECK(TorchSaveBytesPayload(ReadFileBytes(dir + "hello_ff_00.pt"), &payload));
+  CHECK(payload == "hello\xff\x00"s);
+  CHECK(TorchSaveBytesPayload(ReadFileBytes(dir + "empty.pt"), &payload));
+  CHECK(payload.empty());
+  // dcp's own wrapping (protocol 3, BINBYTES) too; a pickled int is not bytes.
+  CHECK(TorchSaveBytesPayload(TorchSaveOfBytes("\x01\x02"s), &payload));
+  CHECK(payload == "\x01\x02"s);
+  const Fixture f = LoadFixture("single_dtypes");
+  StateDict sd;
+  sd.Set("step", Blob{});
+  Load(sd, f.dir);
+  CHECK_FALSE(TorchSaveBytesPayload(std::get<Blob>(*sd.Find("step")).bytes, &payload));
+}
+
 }  // namespace
 }  // namespace dcp

@@ -87,21 +87,32 @@ ordered_json EntryJson(const Metadata& md, const std::string& fqn, const EntryMe
   return je;
 }
 
+// dcp records the world size; PyTorch DCP's is read off its data file names (__<rank>_<n>);
+// safetensors has none (one per file is shown).
+std::string WorldSizeSource(const Checkpoint& c) {
+  if (c.format == "torchdcp" || c.format == "torchdcp113") return "data file names";
+  if (c.format == "safetensors") return "file count";
+  return "metadata";
+}
+
 void PrintJson(const Checkpoint& c, const Counts& n, const std::string& filter) {
   const Metadata& md = c.md;
-  ordered_json j = {{"uri", c.store->uri()},
-                    {"format", c.format},
-                    {"checkpoint_id", md.checkpoint_id},
-                    {"save_id", md.save_id},
-                    {"world_size", md.world_size},
-                    {"created_unix_ns", md.created_unix_ns},
-                    {"created", FormatTime(md.created_unix_ns)},
-                    {"library_version", md.library_version},
-                    {"format_version", md.format_version},
-                    {"total_bytes", md.TotalStoredBytes()},
-                    {"files", n.files},
-                    {"tensors", n.tensors},
-                    {"blobs", n.blobs}};
+  ordered_json j = {
+      {"uri", c.store->uri()},
+      {"format", c.format},
+      {"checkpoint_id", md.checkpoint_id},
+      {"save_id", md.save_id},
+      {"world_size", md.world_size},
+      {"world_size_source", WorldSizeSource(c)},
+      {"created_unix_ns", md.created_unix_ns},
+      {"created", md.created_unix_ns != 0 ? ordered_json(FormatTime(md.created_unix_ns))
+                                          : ordered_json(nullptr)},
+      {"library_version", md.library_version},
+      {"format_version", md.format_version},
+      {"total_bytes", md.TotalStoredBytes()},
+      {"files", n.files},
+      {"tensors", n.tensors},
+      {"blobs", n.blobs}};
   ordered_json entries = ordered_json::array();
   for (const auto& [fqn, e] : md.entries) {
     if (Selected(filter, fqn)) entries.push_back(EntryJson(md, fqn, e));
@@ -115,8 +126,12 @@ void PrintSummary(const Checkpoint& c, const Counts& n) {
   std::printf("checkpoint      %s\n", md.checkpoint_id.c_str());
   std::printf("location        %s\n", c.store->uri().c_str());
   std::printf("save id         %s\n", md.save_id.c_str());
-  std::printf("world size      %d\n", md.world_size);
-  std::printf("created         %s\n", FormatTime(md.created_unix_ns).c_str());
+  const std::string source = WorldSizeSource(c);
+  std::printf("world size      %d%s\n", md.world_size,
+              source == "metadata" ? "" : (" (from " + source + ")").c_str());
+  std::printf("created         %s\n", md.created_unix_ns != 0
+                                          ? FormatTime(md.created_unix_ns).c_str()
+                                          : "not recorded (this format keeps no date)");
   std::printf("library         %s (format version %u)\n", md.library_version.c_str(),
               md.format_version);
   std::printf("stored          %s (%llu bytes) in %zu files\n",
