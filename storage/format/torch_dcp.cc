@@ -1048,6 +1048,21 @@ Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source)
   return md;
 }
 
+namespace {
+
+// torch's flatten_state_dict records list positions (param_groups' 0, 1...) as ints and
+// dcp's key paths are strings: a canonical decimal element goes out as the int torch wrote
+// (so dcp_to_torch_save rebuilds a list, not a dict keyed '0'). A dict key that is a string of
+// digits therefore becomes an int too.
+ValuePtr KeyPathElement(const std::string& element) {
+  const bool canonical = !element.empty() && element.size() <= 18 &&
+                         element.find_first_not_of("0123456789") == std::string::npos &&
+                         (element.size() == 1 || element[0] != '0');
+  return canonical ? pickle::Int(std::stoll(element)) : pickle::Str(element);
+}
+
+}  // namespace
+
 std::string EncodeTorchDcpMetadata(const Metadata& md, TorchDcpFlavor flavor,
                                    const std::string& checkpoint_id) {
   using namespace pickle;
@@ -1116,7 +1131,7 @@ std::string EncodeTorchDcpMetadata(const Metadata& md, TorchDcpFlavor flavor,
       std::vector<ValuePtr> path;
       auto kp = md.key_paths.find(fqn);
       if (kp != md.key_paths.end()) {
-        for (const auto& p : kp->second) path.push_back(str(p));
+        for (const auto& p : kp->second) path.push_back(KeyPathElement(p));
       } else {
         path.push_back(str(fqn));
       }

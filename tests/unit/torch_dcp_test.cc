@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -561,6 +562,37 @@ TEST_CASE("torch DCP: bytes that torch.save pickled (protocol 2) come back as th
   sd.Set("step", Blob{});
   Load(sd, f.dir);
   CHECK_FALSE(TorchSaveBytesPayload(std::get<Blob>(*sd.Find("step")).bytes, &payload));
+}
+
+TEST_CASE("torch DCP: planner_data key paths keep torch's int list positions", "[torchdcp]") {
+  // model_adamw's optimizer state: torch records optim.param_groups.0.lr's path with the int 0.
+  const std::string src = kFixtures + "/model_adamw";
+  TempDir dir("pd");
+  Save(LoadAll(src), "torchdcp://" + dir.path() + "/out");
+  auto planner_data = [](const std::string& file) {
+    const pk::ValuePtr root = pk::Load(
+        ReadFileBytes(file), [](std::string_view, std::string_view) { return true; }, file);
+    const pk::Value* state = root->state.get();
+    REQUIRE(state != nullptr);
+    const pk::Value* pd = state->Get("planner_data");
+    REQUIRE(pd != nullptr);
+    std::map<std::string, std::vector<std::string>> paths;  // element kind + value
+    for (size_t i = 0; i + 1 < pd->items.size(); i += 2) {
+      for (const auto& e : pd->items[i + 1]->items) {
+        paths[pd->items[i]->str].push_back(
+            e->kind == pk::Kind::kInt ? "int " + std::to_string(e->integer) : "str " + e->str);
+      }
+    }
+    return paths;
+  };
+  const auto theirs = planner_data(src + "/.metadata");
+  const auto ours = planner_data(dir.path() + "/out/.metadata");
+  CHECK(ours == theirs);
+  bool saw_int = false;
+  for (const auto& [fqn, path] : theirs) {
+    for (const auto& e : path) saw_int = saw_int || e.rfind("int ", 0) == 0;
+  }
+  CHECK(saw_int);
 }
 
 }  // namespace
