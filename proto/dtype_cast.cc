@@ -12,11 +12,56 @@
 namespace dcp {
 namespace {
 
-static_assert(sizeof(_Float16) == 2, "float16 needs the compiler's _Float16");
-
 struct BFloat16 {
   uint16_t bits;
 };
+
+// IEEE binary16 by hand: not every supported compiler has _Float16 on x86-64 (clang 14 does
+// not).
+struct Float16 {
+  uint16_t bits;
+};
+
+float ToFloat(Float16 v) {
+  const uint32_t sign = static_cast<uint32_t>(v.bits & 0x8000) << 16;
+  const uint32_t exponent = (v.bits >> 10) & 0x1F;
+  const uint32_t mantissa = v.bits & 0x3FF;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float
+    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -magnitude : magnitude;
+  }
+  const uint32_t bits = exponent == 31 ? sign | 0x7F800000 | (mantissa << 13)
+                                       : sign | ((exponent + 112) << 23) | (mantissa << 13);
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Round to nearest even, as a hardware conversion does.
+Float16 ToFloat16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof(x));
+  const auto sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  const uint32_t abs = x & 0x7FFFFFFF;
+  if (abs > 0x7F800000) {  // NaN: quiet, keeping the top payload bits
+    return {static_cast<uint16_t>(sign | 0x7E00 | ((abs >> 13) & 0x3FF))};
+  }
+  if (abs >= 0x477FF000) return {static_cast<uint16_t>(sign | 0x7C00)};  // >= 65520: infinity
+  if (abs >= 0x38800000) {  // normal in binary16 (>= 2^-14): rebias, round on 13 bits
+    uint32_t r = abs - (112u << 23);
+    r += 0xFFF + ((r >> 13) & 1);
+    return {static_cast<uint16_t>(sign | (r >> 13))};
+  }
+  if (abs < 0x33000000) return {sign};  // below 2^-25: rounds to zero
+  // Subnormal: units of 2^-24.
+  const uint32_t mantissa = (abs & 0x7FFFFF) | 0x800000;
+  const uint32_t shift = 126 - (abs >> 23);
+  uint32_t units = mantissa >> shift;
+  const uint32_t rest = mantissa & ((1u << shift) - 1);
+  const uint32_t half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (units & 1))) ++units;
+  return {static_cast<uint16_t>(sign | units)};
+}
 
 float ToFloat(BFloat16 v) {
   const uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
@@ -39,8 +84,8 @@ template <class T>
 long double Widen(T v) {
   if constexpr (std::is_same_v<T, BFloat16>) {
     return ToFloat(v);
-  } else if constexpr (std::is_same_v<T, _Float16>) {
-    return static_cast<float>(v);
+  } else if constexpr (std::is_same_v<T, Float16>) {
+    return ToFloat(v);
   } else {
     return static_cast<long double>(v);
   }
@@ -52,8 +97,8 @@ T Narrow(long double v) {
     return v != 0;
   } else if constexpr (std::is_same_v<T, BFloat16>) {
     return ToBFloat16(static_cast<float>(v));
-  } else if constexpr (std::is_same_v<T, _Float16>) {
-    return static_cast<_Float16>(static_cast<float>(v));
+  } else if constexpr (std::is_same_v<T, Float16>) {
+    return ToFloat16(static_cast<float>(v));
   } else if constexpr (std::is_floating_point_v<T>) {
     return static_cast<T>(v);
   } else {
@@ -113,7 +158,7 @@ bool WithType(DType dtype, Fn&& fn) {
       fn(uint64_t{});
       return true;
     case DType::kFloat16:
-      fn(_Float16{});
+      fn(Float16{});
       return true;
     case DType::kBFloat16:
       fn(BFloat16{});

@@ -351,38 +351,34 @@ std::unique_ptr<StorageReader> OpenStorageReader(const std::string& uri,
   return FindBackend(reg, r.scheme, uri).make_reader(r.location, r.options);
 }
 
-std::shared_ptr<Store> OpenStore(const std::string& uri, const BackendOptionMap& options) {
+namespace {
+
+// The Store opener serving `uri` and what it is to open (InvalidArgumentError for a scheme
+// whose backend is a writer/reader pair, not a Store).
+std::pair<Resolved, StoreOpener> StoreOpenerFor(const std::string& uri,
+                                                const BackendOptionMap& options) {
   Registry& reg = GetRegistry();
   StorageOptions given;
   given.backend = options;
   Resolved r = Resolve(reg, uri, given);
-  StoreOpener open;
-  {
-    std::lock_guard<std::mutex> lock(reg.mu);
-    auto it = reg.stores.find(r.scheme);
-    if (it == reg.stores.end()) {
-      throw InvalidArgumentError("'" + uri + "' is not served by a Store-based backend");
-    }
-    open = it->second;
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.stores.find(r.scheme);
+  if (it == reg.stores.end()) {
+    throw InvalidArgumentError("'" + uri + "' is not served by a Store-based backend");
   }
+  return {std::move(r), it->second};
+}
+
+}  // namespace
+
+std::shared_ptr<Store> OpenStore(const std::string& uri, const BackendOptionMap& options) {
+  auto [r, open] = StoreOpenerFor(uri, options);
   return open(r.location, r.options.backend);
 }
 
 std::shared_ptr<Store> OpenStoreForReading(const std::string& uri,
                                            const BackendOptionMap& options) {
-  Registry& reg = GetRegistry();
-  StorageOptions given;
-  given.backend = options;
-  Resolved r = Resolve(reg, uri, given);
-  StoreOpener open;
-  {
-    std::lock_guard<std::mutex> lock(reg.mu);
-    auto it = reg.stores.find(r.scheme);
-    if (it == reg.stores.end()) {
-      throw InvalidArgumentError("'" + uri + "' is not served by a Store-based backend");
-    }
-    open = it->second;
-  }
+  auto [r, open] = StoreOpenerFor(uri, options);
   return OpenForReading(open, r.scheme, r.location, r.options.backend);
 }
 

@@ -11,7 +11,7 @@
 #                           ($DCP_BUILD_DIR-clang16), the unit, fault and MPI tests under ASan+UBSan
 #                           ($DCP_BUILD_DIR-asan),
 #                           the threaded parts (async save, protocol, communicators, readers, executor) under TSan
-#                           ($DCP_BUILD_DIR-tsan), and the metadata fuzzer for $DCP_FUZZ_SECONDS
+#                           ($DCP_BUILD_DIR-tsan), and each fuzzer (metadata, PyTorch metadata, safetensors) for $DCP_FUZZ_SECONDS
 #                           (default 60) over tests/fuzz/corpus ($DCP_BUILD_DIR-fuzz, clang)
 #
 # Non-interactive. Needs root (or sudo) only to install missing packages. The build directory is
@@ -157,8 +157,8 @@ case "$mode" in
       dcp_safetensors_fuzz:safetensors_corpus; do
       corpus=$(mktemp -d)
       cp "$root/tests/fuzz/${target#*:}"/* "$corpus"/
-      log "fuzzing with ${target%%:*} for ${DCP_FUZZ_SECONDS:-60} s"
-      "$fuzz/${target%%:*}" -max_total_time="${DCP_FUZZ_SECONDS:-60}" -rss_limit_mb=2048 \
+      log "fuzzing with ${target%%:*} for ${DCP_FUZZ_SECONDS:-40} s"
+      "$fuzz/${target%%:*}" -max_total_time="${DCP_FUZZ_SECONDS:-40}" -rss_limit_mb=2048 \
         -print_final_stats=1 "$corpus" 2>&1 |
         grep -E '^(#|Done|stat::number_of_executed_units|==)' | tail -4
       rm -rf "$corpus"

@@ -54,6 +54,21 @@ TEST_CASE("cast: float16 both ways and float to integer truncation with saturati
   const std::vector<float> in = {0.5f, 65504.0f, 1e6f, -1.0f};
   const auto half = Cast<uint16_t>(in, DType::kFloat32, DType::kFloat16);
   CHECK(half == std::vector<uint16_t>{0x3800, 0x7BFF, 0x7C00, 0xBC00});  // 1e6 overflows to inf
+  // Subnormals: 2^-24 is one unit; 3 * 2^-25 is a tie between 1 and 2 units (even: 2); 2^-26
+  // rounds to zero; NaN stays NaN.
+  const std::vector<float> tiny = {std::ldexp(1.0f, -24), 3 * std::ldexp(1.0f, -25),
+                                   std::ldexp(1.0f, -26), -std::ldexp(1.0f, -14),
+                                   std::numeric_limits<float>::quiet_NaN()};
+  const auto tiny_half = Cast<uint16_t>(tiny, DType::kFloat32, DType::kFloat16);
+  CHECK(tiny_half[0] == 0x0001);
+  CHECK(tiny_half[1] == 0x0002);
+  CHECK(tiny_half[2] == 0x0000);
+  CHECK(tiny_half[3] == 0x8400);
+  CHECK((tiny_half[4] & 0x7C00) == 0x7C00);
+  CHECK((tiny_half[4] & 0x03FF) != 0);
+  const auto tiny_back = Cast<float>(tiny_half, DType::kFloat16, DType::kFloat32);
+  CHECK(tiny_back[0] == std::ldexp(1.0f, -24));
+  CHECK(tiny_back[3] == -std::ldexp(1.0f, -14));
   const auto back = Cast<float>(half, DType::kFloat16, DType::kFloat32);
   CHECK(back[0] == 0.5f);
   CHECK(back[1] == 65504.0f);
