@@ -12,7 +12,7 @@
 #                           ($DCP_BUILD_DIR-asan),
 #                           the threaded parts (async save, protocol, communicators, readers, executor) under TSan
 #                           ($DCP_BUILD_DIR-tsan), and each fuzzer (metadata, PyTorch metadata, safetensors) for $DCP_FUZZ_SECONDS
-#                           (default 60) over tests/fuzz/corpus ($DCP_BUILD_DIR-fuzz, clang)
+#                           (default 40) over tests/fuzz/corpus ($DCP_BUILD_DIR-fuzz, clang)
 #
 # Non-interactive. Needs root (or sudo) only to install missing packages. The build directory is
 # $DCP_BUILD_DIR (default: build/ in the repository).
