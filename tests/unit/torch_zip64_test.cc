@@ -49,7 +49,7 @@ class Sparse {
   uint64_t n_;
 };
 
-double Seconds(std::chrono::steady_clock::time_point since) {
+[[maybe_unused]] double Seconds(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
 }
 
