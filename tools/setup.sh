@@ -187,7 +187,7 @@ case "$mode" in
     fi
     cmake --build "$tsan" -j "$jobs" --target dcp_unit_tests
     cd "$tsan"
-    export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
+    export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$root/tests/tsan.supp"
     exec ctest --output-on-failure -j "$jobs" -R '^(fault:)?(async|manager|checkpoint io|protocol|communicator|conformance|device|reader|read-once|compact plan|failfast|executor):'
     ;;
   *) echo "usage: $0 [deps|build|demo|test] [args...]" >&2; exit 2 ;;
