@@ -11,6 +11,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
@@ -60,13 +61,35 @@ class Task {
   std::future<T> future_;
 };
 
-/// Start fn() on the pool; its result (or exception) comes back through the Task.
+/// Start fn() on the pool; its result (or exception) comes back through the Task. fn and its
+/// captures are destroyed on the pool thread once it has run; the Task's shared state holds only
+/// the result, so work that owns the object holding its Task forms no reference cycle.
 template <class F>
 Task<std::invoke_result_t<F&>> Spawn(F fn) {
   using R = std::invoke_result_t<F&>;
-  auto work = std::make_shared<std::packaged_task<R()>>(std::move(fn));
-  Task<R> task(work->get_future());
-  RunOnPoolThread([work] { (*work)(); });
+  struct Work {
+    std::promise<R> promise;
+    std::optional<F> fn;
+  };
+  auto work = std::make_shared<Work>();
+  work->fn.emplace(std::move(fn));
+  Task<R> task(work->promise.get_future());
+  RunOnPoolThread([work] {
+    try {
+      if constexpr (std::is_void_v<R>) {
+        (*work->fn)();
+        work->fn.reset();
+        work->promise.set_value();
+      } else {
+        R result = (*work->fn)();
+        work->fn.reset();
+        work->promise.set_value(std::move(result));
+      }
+    } catch (...) {
+      work->fn.reset();
+      work->promise.set_exception(std::current_exception());
+    }
+  });
   return task;
 }
 
