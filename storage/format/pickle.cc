@@ -386,7 +386,12 @@ class Machine {
     return v;
   }
   void Extend(const ValuePtr& target, std::vector<ValuePtr> items, Kind want) {
-    if (target->kind != want) {
+    // An OrderedDict is REDUCE(collections.OrderedDict, ()) followed by SETITEMS on the object
+    // (torch.save(model.state_dict())): its pairs go to items, as a dict's do.
+    const bool ordered_dict = want == Kind::kDict && target->kind == Kind::kObject &&
+                              !target->newobj && target->args && target->args->items.empty() &&
+                              target->global_name() == "collections.OrderedDict";
+    if (target->kind != want && !ordered_dict) {
       Corrupt(std::string(want == Kind::kList ? "APPEND" : "SETITEM") + " on a " +
               target->Describe());
     }
@@ -599,6 +604,12 @@ class Writer {
         Emit(*v.callable);
         Emit(*v.args);
         out_ += v.newobj ? '\x81' : 'R';
+        if (!v.items.empty()) {  // an OrderedDict's pairs
+          if (v.items.size() % 2) throw InvalidArgumentError("pickle: dict with an odd item count");
+          out_ += '(';
+          for (const auto& item : v.items) Emit(*item);
+          out_ += 'u';
+        }
         if (v.state) {
           Emit(*v.state);
           out_ += 'b';

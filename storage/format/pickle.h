@@ -6,8 +6,8 @@
 // caller's allow-list and becomes a kGlobal value naming it; REDUCE and NEWOBJ become kObject
 // values recording the callable, its arguments and (after BUILD) its state; BINPERSID becomes a
 // kPersistent value around its id. Interpreting those (a torch.Size, a dtype, a dataclass) is
-// the caller's business (storage/format/torch_dcp.cc). Untrusted input is bounded: input size, value
-// count, container depth, memo size and stack depth all have limits, integers beyond 64 bits
+// the caller's business (storage/format/torch_dcp.cc). Untrusted input is bounded: input size,
+// value count, container depth, memo size and stack depth all have limits, integers beyond 64 bits
 // and recursive structures are refused. Every failure is a CorruptionError (malformed or
 // over-limit input) or an UnsupportedError (a valid pickle using an opcode or a global this
 // reader does not accept), naming the source, the byte offset and, for globals, the global.
@@ -47,12 +47,14 @@ struct Value {
   bool boolean = false;
   int64_t integer = 0;
   double real = 0;
-  std::string str;              // kStr (UTF-8), kBytes, kGlobal
-  std::vector<ValuePtr> items;  // kTuple, kList; kDict: key, value, key, value...; kPersistent
-  ValuePtr callable;            // kObject: a kGlobal
-  ValuePtr args;                // kObject: a kTuple
-  ValuePtr state;               // kObject: set by BUILD, else null
-  bool newobj = false;          // kObject: made by NEWOBJ (cls.__new__) rather than REDUCE
+  std::string str;  // kStr (UTF-8), kBytes, kGlobal
+  // kTuple, kList; kDict: key, value, key, value...; kPersistent; and a kObject made by
+  // collections.OrderedDict() holds the pairs SETITEM(S) gave it, as a kDict does.
+  std::vector<ValuePtr> items;
+  ValuePtr callable;    // kObject: a kGlobal
+  ValuePtr args;        // kObject: a kTuple
+  ValuePtr state;       // kObject: set by BUILD, else null
+  bool newobj = false;  // kObject: made by NEWOBJ (cls.__new__) rather than REDUCE
   // Reader bookkeeping: a value nested in another may no longer change (no cycles).
   bool frozen = false;
   uint32_t depth = 1;
@@ -106,8 +108,9 @@ ValuePtr Object(ValuePtr callable, std::vector<ValuePtr> args, ValuePtr state = 
 ValuePtr Persistent(ValuePtr id);
 
 /// Serialise `value` as a protocol-2 pickle, or protocol 3 when it holds bytes (BINBYTES);
-/// strings and globals are memoised, so repeated names cost a few bytes. InvalidArgumentError for a value that cannot be written (a kDict with an
-/// odd item count, an object without a global callable).
+/// strings and globals are memoised, so repeated names cost a few bytes. InvalidArgumentError for a
+/// value that cannot be written (a kDict with an odd item count, an object without a global
+/// callable).
 std::string Dump(const Value& value);
 
 }  // namespace dcp::pickle

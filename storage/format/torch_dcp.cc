@@ -313,8 +313,14 @@ struct ZipEntry {
 
 class Archive {
  public:
-  Archive(ReadableObject& in, uint64_t offset, uint64_t length, std::string what)
-      : window_(&in, offset, length), what_(std::move(what)) {
+  // `max_entries` and `max_directory_bytes` bound what the central directories may claim: a
+  // PyTorch DCP record holds one tensor, a whole torch.save file (ReadTorchSaveFile) many.
+  Archive(ReadableObject& in, uint64_t offset, uint64_t length, std::string what,
+          size_t max_entries = kMaxEntries, uint64_t max_directory_bytes = kMaxDirectoryBytes)
+      : window_(&in, offset, length),
+        what_(std::move(what)),
+        max_entries_(max_entries),
+        max_directory_bytes_(max_directory_bytes) {
     CheckDirectoryClaims();
     zip_error_t err;
     zip_error_init(&err);
@@ -331,7 +337,9 @@ class Archive {
     zip_error_fini(&err);
     const zip_int64_t n = zip_get_num_entries(zip_.get(), 0);
     if (n < 0) Fail("has a damaged central directory");
-    if (static_cast<uint64_t>(n) > kMaxEntries) Fail("has more than 1024 entries");
+    if (static_cast<uint64_t>(n) > max_entries_) {
+      Fail("has more than " + std::to_string(max_entries_) + " entries");
+    }
     for (zip_uint64_t i = 0; i < static_cast<zip_uint64_t>(n); ++i) {
       zip_stat_t st;
       zip_stat_init(&st);
@@ -532,13 +540,13 @@ class Archive {
       unsigned char sig[4];
       read(offset, sig, 4);
       if (std::memcmp(sig, "PK\x01\x02", 4) != 0) continue;
-      if (entries > kMaxEntries && entries <= size / 46) {
+      if (entries > max_entries_ && entries <= size / 46) {
         Fail("claims " + std::to_string(entries) + " entries (limit " +
-             std::to_string(kMaxEntries) + ")");
+             std::to_string(max_entries_) + ")");
       }
       claimed += size;
-      if (claimed > kMaxDirectoryBytes) {
-        Fail("has central directories of more than " + std::to_string(kMaxDirectoryBytes) +
+      if (claimed > max_directory_bytes_) {
+        Fail("has central directories of more than " + std::to_string(max_directory_bytes_) +
              " bytes");
       }
     }
@@ -594,6 +602,8 @@ class Archive {
 
   Window window_;
   std::string what_;
+  size_t max_entries_;
+  uint64_t max_directory_bytes_;
   std::unique_ptr<zip_t, Discard> zip_;  // closed before window_ goes
   std::map<std::string, ZipEntry> entries_;
 };
@@ -1355,13 +1365,7 @@ bool IsTorchSaveArchive(std::string_view bytes) {
 }
 
 std::string TorchSaveOfBytes(std::string_view payload) {
-  StringSink sink;
-  ZipWriter zip(sink);
-  AddHeaderEntries(zip, pickle::Dump(*pickle::Bytes(std::string(payload))), true);
-  zip.AddSmall("archive/version", "3\n");
-  zip.AddSerializationId();
-  zip.Finish();
-  return std::move(sink.s);
+  return TorchSaveOfPickle(pickle::Dump(*pickle::Bytes(std::string(payload))));
 }
 
 namespace {
@@ -1427,6 +1431,158 @@ bool TorchSaveBytesPayload(std::string_view record, std::string* payload) {
   } catch (const Error&) {
     return false;  // some other object: the record is the blob
   }
+}
+
+std::string TorchSaveOfPickle(const std::string& data_pkl) {
+  StringSink sink;
+  ZipWriter zip(sink);
+  AddHeaderEntries(zip, data_pkl, true);
+  zip.AddSmall("archive/version", "3\n");
+  zip.AddSerializationId();
+  zip.Finish();
+  return std::move(sink.s);
+}
+
+namespace {
+
+// A whole torch.save file (a state dict) holds one storage entry per tensor and a pickle that
+// grows with the number of tensors: bounds far above real state dicts, still bounded.
+constexpr size_t kMaxFileEntries = size_t{1} << 20;
+constexpr uint64_t kMaxFileDirectoryBytes = uint64_t{256} << 20;
+constexpr size_t kMaxFilePickleBytes = size_t{256} << 20;
+
+bool AllowStateDictGlobal(std::string_view module, std::string_view name) {
+  if (module == "torch._utils" && name == "_rebuild_parameter") return true;
+  if (module == "torch.jit._pickle" && name == "restore_type_tag") return true;
+  return AllowTensorGlobal(module, name) || AllowBytesGlobal(module, name);
+}
+
+// LibTorch's pickler (torch::pickle_save) wraps typed containers in
+// torch.jit._pickle.restore_type_tag(value, "Dict[str, Tensor]"), which returns the value.
+const ValuePtr& Untagged(const ValuePtr& v) {
+  if (v->kind == Kind::kObject && v->global_name() == "torch.jit._pickle.restore_type_tag" &&
+      !v->args->items.empty()) {
+    return v->args->items[0];
+  }
+  return v;
+}
+
+bool IsDictValue(const Value& v) {
+  return v.kind == Kind::kDict ||
+         (v.kind == Kind::kObject && v.global_name() == "collections.OrderedDict");
+}
+
+bool IsTensorValue(const Value& v) {
+  const std::string fn = v.kind == Kind::kObject ? v.global_name() : std::string();
+  return fn == "torch._utils._rebuild_tensor_v2" || fn == "torch._utils._rebuild_tensor_v3" ||
+         fn == "torch._utils._rebuild_parameter";
+}
+
+// True when `v` holds a tensor or a storage anywhere (such a value cannot be kept as a record of
+// its own: its storages live in this file).
+bool HoldsTensor(const Value& v) {
+  if (IsTensorValue(v) || v.kind == Kind::kPersistent) return true;
+  for (const auto& item : v.items) {
+    if (HoldsTensor(*item)) return true;
+  }
+  if (v.args && HoldsTensor(*v.args)) return true;
+  return v.state && HoldsTensor(*v.state);
+}
+
+class StateDictWalker {
+ public:
+  StateDictWalker(Archive& zip, const std::string& what)
+      : zip_(zip), what_(what), prefix_(zip.Prefix()) {}
+
+  void Walk(const Value& dict, const std::string& path, std::vector<TorchSaveLeaf>& out) {
+    for (size_t i = 0; i + 1 < dict.items.size(); i += 2) {
+      const Value& key = *dict.items[i];
+      std::string name;
+      if (key.kind == Kind::kStr) {
+        name = key.str;
+      } else if (key.kind == Kind::kInt) {
+        name = std::to_string(key.integer);  // optimizer state: {param index: {...}}
+      } else {
+        throw UnsupportedError(what_ + ": a key under '" + Shown(path) + "' is a " +
+                               key.Describe() + " (only string and int keys are converted)");
+      }
+      const std::string fqn = path.empty() ? name : path + "." + name;
+      const ValuePtr value = Untagged(dict.items[i + 1]);
+      const Value& v = *value;
+      if (IsDictValue(v)) {
+        Walk(v, fqn, out);
+        continue;
+      }
+      TorchSaveLeaf leaf;
+      leaf.fqn = fqn;
+      if (IsTensorValue(v)) {
+        leaf.tensor = Tensor(v, fqn);
+      } else if (HoldsTensor(v)) {
+        throw UnsupportedError(what_ + ": '" + fqn + "' is a " + v.Describe() +
+                               " holding tensors (only dicts of tensors are converted)");
+      } else if (!BytesOfPickledValue(v, &leaf.bytes)) {
+        leaf.record = TorchSaveOfPickle(pickle::Dump(v));
+        leaf.value = value;
+      } else {
+        leaf.is_bytes = true;
+      }
+      out.push_back(std::move(leaf));
+    }
+  }
+
+ private:
+  static std::string Shown(const std::string& path) { return path.empty() ? "<root>" : path; }
+
+  TorchTensorRecord Tensor(const Value& v, const std::string& fqn) {
+    const Value* t = &v;
+    if (v.global_name() == "torch._utils._rebuild_parameter") {  // nn.Parameter(data, ...)
+      if (v.args->items.empty() || !IsTensorValue(*v.args->items[0]) ||
+          v.args->items[0]->global_name() == "torch._utils._rebuild_parameter") {
+        throw CorruptionError(what_ + ": parameter '" + fqn + "' holds no tensor");
+      }
+      t = v.args->items[0].get();
+    }
+    const Reader r{what_ + " tensor '" + fqn + "'"};
+    TorchTensorRecord rec;
+    const StorageRef ref = ReadRebuildCall(r, *t, rec);
+    const std::string entry = prefix_ + "data/" + ref.key;
+    ReadStorageEntry(r, zip_, entry, ref, rec);
+    CheckExtent(r, rec);
+    auto known = storage_begin_.find(entry);
+    if (known == storage_begin_.end()) {
+      known = storage_begin_.emplace(entry, zip_.DataOffset(entry)).first;
+    }
+    rec.storage_begin = known->second;
+    return rec;
+  }
+
+  Archive& zip_;
+  const std::string& what_;
+  std::string prefix_;
+  std::map<std::string, uint64_t> storage_begin_;  // tensors may share a storage
+};
+
+}  // namespace
+
+std::vector<TorchSaveLeaf> ReadTorchSaveFile(ReadableObject& in, uint64_t length,
+                                             const std::string& what) {
+  Archive zip(in, 0, length, what, kMaxFileEntries, kMaxFileDirectoryBytes);
+  const std::string prefix = zip.Prefix();
+  CheckByteOrder(zip, prefix, what);
+  const std::string pkl = zip.ReadSmall(prefix + "data.pkl", kMaxFilePickleBytes);
+  pickle::Limits limits;
+  limits.max_input_bytes = kMaxFilePickleBytes;
+  const ValuePtr loaded =
+      pickle::Load(pkl, AllowStateDictGlobal, what + " " + prefix + "data.pkl", limits);
+  const ValuePtr root = Untagged(loaded);
+  if (!IsDictValue(*root)) {
+    throw UnsupportedError(what + " holds a " + root->Describe() +
+                           ", not a dict (only dicts of tensors, as torch.save(state_dict) "
+                           "writes, are converted)");
+  }
+  std::vector<TorchSaveLeaf> leaves;
+  StateDictWalker(zip, what).Walk(*root, "", leaves);
+  return leaves;
 }
 
 uint64_t AppendTorchTensorRecord(WritableObject& out, const TensorView& view, bool torch2) {

@@ -21,12 +21,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "dcp/proto/plan.h"
 #include "dcp/proto/tensor.h"
+#include "dcp/storage/format/pickle.h"
 #include "dcp/storage/store.h"
 
 namespace dcp {
@@ -99,6 +101,34 @@ bool IsTorchSaveArchive(std::string_view bytes);
 std::string TorchSaveOfBytes(std::string_view payload);
 /// If `record` is a torch.save archive of a Python bytes object (TorchSaveOfBytes), its payload.
 bool TorchSaveBytesPayload(std::string_view record, std::string* payload);
+
+/// The torch.save archive of the pickle `data_pkl` (torch.load returns the pickled value).
+std::string TorchSaveOfPickle(const std::string& data_pkl);
+
+/// One value of a torch.save file (ReadTorchSaveFile).
+struct TorchSaveLeaf {
+  std::string fqn;  // the dict keys from the root down, joined with '.' (int keys in decimal)
+  std::optional<TorchTensorRecord> tensor;  // a tensor or nn.Parameter: where its values lie
+  bool is_bytes = false;                    // a Python bytes object, whose payload is `bytes`
+  std::string bytes;
+  /// Any other value (an int, a string, a list of numbers...): a torch.save archive of it
+  /// alone, as PyTorch DCP stores such a value (torch.load returns the value).
+  std::string record;
+  pickle::ValuePtr value;  // that value, as read (null for a tensor or bytes)
+};
+
+/// The values of the torch.save file in `in` (`length` bytes from offset 0), read without
+/// LibTorch: its root must be a dict or OrderedDict (what torch.save(model.state_dict()) and
+/// torch.save({...}) write), nested dicts are flattened into dotted names, and each leaf is a
+/// tensor (located, not read: its storage entry, offset, sizes and strides, checked to lie in
+/// the storage as ResolveTorchTensorRecord checks), bytes, or another value kept as a record.
+/// Tensors may share storages (views, tied weights). Untrusted input: the archive's entries
+/// (at most 2^20), directories (256 MiB) and pickle (256 MiB) are bounded, and no code runs.
+/// CorruptionError naming `what` (and the tensor) for a malformed file; UnsupportedError for a
+/// root that is not a dict, a key that is neither a string nor an int, a list or other
+/// container holding tensors, or a global the reader does not know.
+std::vector<TorchSaveLeaf> ReadTorchSaveFile(ReadableObject& in, uint64_t length,
+                                             const std::string& what);
 
 /// Append one torch.save archive of `view` (host or device, any strides; stored row-major) to
 /// `out`, computing the data's CRC-32 as it streams (a zip data descriptor carries it). Returns

@@ -1,9 +1,9 @@
 // libFuzzer target: PyTorch DCP inputs are untrusted. A `.metadata` pickle (restricted unpickler,
 // then the mapping onto dcp's Metadata and its validation), a torch.save record read as a load
 // reads it (libzip over the archive, the tensor pickle, its storage and CRC-32, a strided copy of
-// its values) and a record's every entry inflated and checked as verify does must each either
-// succeed or throw a dcp::Error: never crash, hang, read out of bounds or allocate absurdly. The
-// first byte picks the target.
+// its values), a record's every entry inflated and checked as verify does, and a whole torch.save
+// file as `dcp convert` reads it must each either succeed or throw a dcp::Error: never crash,
+// hang, read out of bounds or allocate absurdly. The first byte picks the target.
 // Built with clang when DCP_FUZZ is on; `tools/setup.sh test` runs it over tests/fuzz/torch_corpus.
 #include <cstddef>
 #include <cstdint>
@@ -37,7 +37,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string_view bytes(reinterpret_cast<const char*>(data) + 1, size - 1);
   try {
-    switch (data[0] % 4) {
+    switch (data[0] % 8) {  // 4-7: a whole torch.save file (ReadTorchSaveFile)
       case 0:
         dcp::DecodeTorchDcpMetadata(bytes, "fuzz");
         break;
@@ -64,6 +64,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         // Every entry of a record inflated and CRC-checked, as `dcp verify` does.
         BytesObject in(bytes);
         dcp::CheckTorchArchiveCrcs(in, 0, bytes.size(), "fuzz");
+        break;
+      }
+      default: {
+        // A whole torch.save file, as `dcp convert FILE.pt` reads it: every leaf located, and
+        // each tensor's storage read and CRC-checked.
+        BytesObject in(bytes);
+        for (const auto& leaf : dcp::ReadTorchSaveFile(in, bytes.size(), "fuzz")) {
+          if (leaf.tensor) dcp::ReadTorchRecordStorage(in, *leaf.tensor, "fuzz", true);
+        }
         break;
       }
       case 2:

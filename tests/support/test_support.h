@@ -13,6 +13,16 @@
 
 #include "dcp/dcp.h"
 
+// Defined in builds with AddressSanitizer or ThreadSanitizer (g++ spells it __SANITIZE_*__,
+// clang __has_feature), for tests too slow or too memory-hungry to run under them.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define DCP_UNDER_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define DCP_UNDER_SANITIZER 1
+#endif
+#endif
+
 namespace dcp::testing {
 
 /// Fill `n` bytes with a deterministic pseudo-random pattern derived from `seed`.

@@ -14,6 +14,8 @@
 #include <thread>
 #include <vector>
 
+#include "support/test_support.h"
+
 namespace dcp {
 namespace {
 
@@ -102,7 +104,7 @@ TEST_CASE("executor: ParallelFor runs every item once and inline when given one 
 
 TEST_CASE("executor: works in a child forked while the parent's pool has idle threads",
           "[executor]") {
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+#ifdef DCP_UNDER_SANITIZER
   WARN("skipped under sanitizers: threads started after a multi-threaded fork");
   return;
 #endif

@@ -23,18 +23,10 @@ using dcp::testing::RequireNoErrors;
 using dcp::testing::RunRanks;
 using dcp::testing::SameElements;
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define DCP_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define DCP_SANITIZED 1
-#endif
-#endif
-
 namespace {
 
 constexpr uint64_t kGiB = uint64_t{1} << 30;
-#ifdef DCP_SANITIZED
+#ifdef DCP_UNDER_SANITIZER
 constexpr double kMaxSeconds = 20.0;  // sanitizers slow everything down up to ~10x
 #else
 constexpr double kMaxSeconds = 2.0;
@@ -242,7 +234,7 @@ TEST_CASE("hostile: load_all of a [2^30] float32 entry in a tiny file allocates 
 
 TEST_CASE("hostile: allocation failures are resource errors naming entry, file and size",
           "[hostile][load]") {
-#ifdef DCP_SANITIZED
+#ifdef DCP_UNDER_SANITIZER
   WARN("skipped: sanitizer allocators abort on petabyte requests instead of throwing");
 #else
   const std::string name = "hostile-alloc";

@@ -558,14 +558,6 @@ TEST_CASE("option: AsyncOptions::close_timeout bounds how long destruction waits
   ClearMemStore("optgate/x");
 }
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define DCP_UNDER_SANITIZER 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define DCP_UNDER_SANITIZER 1
-#endif
-#endif
-
 namespace {
 
 // Which threads read a region: its pages are unreadable, and the SIGSEGV handler records the

@@ -5,14 +5,15 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
-#include <map>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
 #include "dcp/checkpoint.h"
 #include "dcp/planner/flatten.h"
+#include "dcp/proto/dtype_cast.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/pickle.h"
@@ -593,6 +594,106 @@ TEST_CASE("torch DCP: planner_data key paths keep torch's int list positions", "
     for (const auto& e : path) saw_int = saw_int || e.rfind("int ", 0) == 0;
   }
   CHECK(saw_int);
+}
+
+// torch.save files read without LibTorch (ReadTorchSaveFile), written by torch 1.13
+// (tests/fixtures/torch-save-files/make_files.py).
+struct SaveFile {
+  std::shared_ptr<Store> store = OpenStore("file://" + kFixtures + "/../torch-save-files");
+  std::unique_ptr<ReadableObject> in;
+  std::map<std::string, TorchSaveLeaf> leaves;
+  explicit SaveFile(const std::string& name) : in(store->Open(name)) {
+    for (auto& leaf : ReadTorchSaveFile(*in, in->size(), name)) {
+      const std::string fqn = leaf.fqn;
+      CHECK(leaves.emplace(fqn, std::move(leaf)).second);
+    }
+  }
+  // The tensor's values, row-major, as floats.
+  std::vector<double> Values(const std::string& fqn) {
+    const TorchTensorRecord& rec = *leaves.at(fqn).tensor;
+    const std::vector<char> storage = ReadTorchRecordStorage(*in, rec, fqn, true);
+    TensorView src;
+    src.data = const_cast<char*>(storage.data()) + (rec.values_begin() - rec.storage_begin);
+    src.dtype = rec.dtype;
+    src.shape = rec.sizes;
+    src.strides = rec.strides;
+    TensorView dst = TensorView::Allocate(DType::kFloat64, rec.sizes);
+    CastTensor(dst, src);
+    const auto* d = static_cast<const double*>(dst.data);
+    return std::vector<double>(d, d + NumElements(rec.sizes));
+  }
+};
+
+std::vector<double> Iota(int n, double scale, int skip = 0) {
+  std::vector<double> v;
+  for (int i = skip; i < skip + n; ++i) v.push_back(i * scale);
+  return v;
+}
+
+TEST_CASE("torch.save files: a model's state_dict reads without LibTorch", "[torchdcp]") {
+  SaveFile f("state_dict.pt");  // an OrderedDict with _metadata, filled by SETITEMS
+  CHECK(f.leaves.size() == 4);
+  CHECK(f.Values("0.weight") == Iota(12, 0.25));
+  CHECK(f.Values("0.bias") == Iota(3, 0.5));
+  CHECK(f.Values("2.weight") == Iota(6, 0.75));
+  CHECK(f.Values("2.bias") == Iota(2, 1.0));
+  CHECK(f.leaves.at("2.weight").tensor->sizes == Shape{2, 3});
+  SaveFile one("one_entry.pt");  // SETITEM: LibTorch 1.13's unpickler refuses it
+  REQUIRE(one.leaves.count("w"));
+  CHECK(one.leaves.at("w").tensor->dtype == DType::kInt64);
+  CHECK(one.Values("w") == Iota(6, 1));
+}
+
+TEST_CASE("torch.save files: nested dicts, shared storages, views and plain values", "[torchdcp]") {
+  SaveFile f("mixed.pt");
+  const auto& emb = *f.leaves.at("model.emb").tensor;
+  const auto& tied = *f.leaves.at("model.tied").tensor;
+  CHECK(emb.storage_begin == tied.storage_begin);  // one storage, listed once
+  CHECK(f.Values("model.emb") == Iota(24, 1));
+  CHECK(f.Values("model.tied") == Iota(24, 1));
+  CHECK(f.Values("model.rows") == Iota(12, 1, 6));  // base[1:3]: storage offset 6
+  CHECK(f.leaves.at("model.t").tensor->strides == Shape{1, 6});
+  CHECK_FALSE(f.leaves.at("model.t").tensor->row_major());
+  const std::vector<double> t = f.Values("model.t");  // base.t()
+  REQUIRE(t.size() == 24);
+  CHECK(t[1] == 6);
+  CHECK(t[4] == 1);
+  CHECK(f.Values("model.p") == std::vector<double>(4, 1.5));  // an nn.Parameter
+  CHECK(f.leaves.at("model.h").tensor->dtype == DType::kBFloat16);
+  CHECK(f.Values("model.h") == std::vector<double>{-2, -1, 0, 1, 2});
+  CHECK(f.Values("optim.state.0.buf") == std::vector<double>{1, 1, 1});  // an int key
+  // Values that are not tensors: bytes as bytes, others as torch.save records of their own.
+  CHECK(f.leaves.at("rng").is_bytes);
+  CHECK(f.leaves.at("rng").bytes == "\x00\x01\xff"s);
+  REQUIRE(f.leaves.at("epoch").value);
+  CHECK(f.leaves.at("epoch").value->integer == 3);
+  CHECK(f.leaves.at("name").value->str == "run-1");
+  CHECK(f.leaves.at("optim.state.0.step").value->integer == 7);
+  const TorchSaveLeaf& groups = f.leaves.at("optim.param_groups");
+  REQUIRE(groups.value);
+  CHECK(groups.value->kind == pk::Kind::kList);
+  CHECK(IsTorchSaveArchive(groups.record));
+  CheckTorchArchiveCrcs(groups.record, "param_groups");
+  std::string payload;
+  CHECK_FALSE(TorchSaveBytesPayload(groups.record, &payload));
+}
+
+TEST_CASE("torch.save files: a list of tensors or a bare tensor is refused by name", "[torchdcp]") {
+  CHECK_THROWS_AS(SaveFile("tensor_list.pt"), UnsupportedError);
+  CHECK_THROWS_WITH(SaveFile("tensor_list.pt"), Catch::Matchers::Contains("'layers'"));
+  CHECK_THROWS_AS(SaveFile("bare_tensor.pt"), UnsupportedError);
+  CHECK_THROWS_WITH(SaveFile("bare_tensor.pt"), Catch::Matchers::Contains("not a dict"));
+  // A truncated file is corrupt, named.
+  const std::string bytes = ReadFileBytes(kFixtures + "/../torch-save-files/state_dict.pt");
+  TempDir dir("tsf");
+  {
+    std::ofstream out(dir / "cut.pt", std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size() - 30));
+  }
+  auto in = OpenStore("file://" + dir.path())->Open("cut.pt");
+  CHECK_THROWS_AS(ReadTorchSaveFile(*in, in->size(), "cut.pt"), CorruptionError);
+  CHECK_THROWS_WITH(ReadTorchSaveFile(*in, in->size(), "cut.pt"),
+                    Catch::Matchers::Contains("cut.pt"));
 }
 
 }  // namespace

@@ -19,14 +19,6 @@
 #include "dcp/storage/format/torch_dcp.h"
 #include "support/test_support.h"
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define DCP_UNDER_SANITIZER 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define DCP_UNDER_SANITIZER 1
-#endif
-#endif
-
 namespace dcp {
 namespace {
 

@@ -24,14 +24,22 @@ void ExportSafetensors(const Checkpoint& src, const std::string& out, const Conv
 void ImportSafetensors(const std::string& in, const std::string& out_uri, const ConvertOptions& o);
 
 /// dcp <-> torch.save files (a file Python's torch.load reads: a dict {fqn: tensor}, blobs as
-/// uint8 tensors listed under "__dcp_blobs__"). Implemented in a module loaded on demand
-/// (libdcp_cli_torch.so, built with LibTorch), so that the other commands do not pay LibTorch's
-/// start-up; CliError kUnsupported when this build has no such module. LibTorch pickles one
-/// value, so the whole state is in memory at once in both directions. LibTorch 1.13's unpickler
-/// rejects some files Python writes (a dict with exactly one entry uses the SETITEM opcode,
-/// which it lacks).
+/// uint8 tensors listed under "__dcp_blobs__"). To torch.save: implemented in a module loaded on
+/// demand (libdcp_cli_torch.so, built with LibTorch), so that the other commands do not pay
+/// LibTorch's start-up; CliError kUnsupported when this build has no such module. LibTorch
+/// pickles one value, so the whole state is in memory at once. From torch.save: ImportTorch.
 void ConvertTorch(bool to_torch, const std::string& src, const std::string& dst,
                   const ConvertOptions& o);
+
+/// A torch.save file into a new dcp checkpoint at `out_uri`, without LibTorch: what
+/// torch.save(model.state_dict()) or torch.save({...nested dicts...}) writes. The file is
+/// memory-mapped and saved from the mapping (tensors that share a storage, and strided views,
+/// included). Nested dict keys join with '.'; int keys become their decimal text; values that
+/// are neither tensors nor dicts become byte entries (bytes as themselves, any other value as
+/// its own torch.save record, as PyTorch DCP stores it). CliError kNotCheckpoint for a file
+/// that is not a valid torch.save archive, kUnsupported for one whose root is not a dict or that
+/// holds tensors inside lists.
+void ImportTorch(const std::string& in, const std::string& out_uri, const ConvertOptions& o);
 
 /// Entry point of the torch module: to_torch != 0 converts the checkpoint at `src` into the
 /// torch.save file `dst`, else the reverse. Returns an exit code (Exit); on failure writes a

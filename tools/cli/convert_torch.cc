@@ -1,11 +1,12 @@
-// dcp <-> torch.save files, through LibTorch's pickler (torch::pickle_save / pickle_load write
-// and read the zip format of Python's torch.save / torch.load). Built only with LibTorch, as the
-// module libdcp_cli_torch.so that the `dcp` command loads on demand (convert_torch_loader.cc).
+// dcp -> torch.save files, through LibTorch's pickler (torch::pickle_save writes the zip format
+// of Python's torch.save). Built only with LibTorch, as the module libdcp_cli_torch.so that the
+// `dcp` command loads on demand (convert_torch_loader.cc). The way back needs no LibTorch
+// (convert_torch_import.cc).
 //
-// Memory: LibTorch pickles one IValue, so the whole state lives in memory at once in both
-// directions (the checkpoint's tensors are still read chunk by chunk, in bounded pieces, into
-// the destination tensors; no second copy is made). For states larger than memory use
-// safetensors, which streams.
+// Memory: LibTorch pickles one IValue, so the whole state lives in memory at once (the
+// checkpoint's tensors are still read chunk by chunk, in bounded pieces, into the destination
+// tensors; no second copy is made). For states larger than memory use safetensors, which
+// streams.
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/torch.h>
 
@@ -13,8 +14,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
-#include <set>
 
 #include "dcp/checkpoint.h"
 #include "dcp/proto/error.h"
@@ -34,35 +33,9 @@ torch::Tensor BytesTensor(const std::string& bytes) {
   return t;
 }
 
-void Collect(const c10::IValue& value, const std::string& prefix,
-             std::vector<std::pair<std::string, torch::Tensor>>& tensors,
-             std::set<std::string>& blobs) {
-  if (!value.isGenericDict()) {
-    throw CliError{kUnsupported, "'" + (prefix.empty() ? std::string("<root>") : prefix) +
-                                     "' is a " + value.tagKind() +
-                                     "; only (nested) dicts of tensors are converted"};
-  }
-  for (const auto& kv : value.toGenericDict()) {
-    if (!kv.key().isString()) {
-      throw CliError{kUnsupported, "dict key under '" + prefix + "' is not a string"};
-    }
-    const std::string key = kv.key().toStringRef();
-    const std::string fqn = prefix.empty() ? key : prefix + "." + key;
-    const c10::IValue& v = kv.value();
-    if (prefix.empty() && key == kBlobsKey && v.isList()) {
-      for (const auto& n : v.toListRef()) blobs.insert(n.toStringRef());
-    } else if (v.isTensor()) {
-      tensors.emplace_back(fqn, v.toTensor());
-    } else {
-      Collect(v, fqn, tensors, blobs);
-    }
-  }
-}
-
 }  // namespace
 
 void ExportTorch(const Checkpoint& src, const std::string& out, const ConvertOptions& o);
-void ImportTorch(const std::string& in, const std::string& out_uri, const ConvertOptions& o);
 
 void ExportTorch(const Checkpoint& src, const std::string& out, const ConvertOptions& o) {
   if (!o.overwrite && std::filesystem::exists(out)) {
@@ -79,9 +52,11 @@ void ExportTorch(const Checkpoint& src, const std::string& out, const ConvertOpt
         // still lack the memory, which is reported naming the entry, not as a bare failure.
         const uint64_t nbytes =
             static_cast<uint64_t>(NumElements(t->shape)) * ElementSize(t->dtype);
+        // A dtype this LibTorch lacks is UnsupportedError (exit 6), not an allocation failure.
+        const c10::ScalarType dtype = ToTorchDType(t->dtype);
         torch::Tensor tensor;
         try {
-          tensor = torch::empty(t->shape, torch::dtype(ToTorchDType(t->dtype)));
+          tensor = torch::empty(t->shape, torch::dtype(dtype));
         } catch (const std::exception& e) {  // c10's allocation failure, or std::bad_alloc
           throw ResourceError(OutOfMemoryMessage("entry '" + fqn + "'", nbytes) + " (" + e.what() +
                               ")");
@@ -120,45 +95,6 @@ void ExportTorch(const Checkpoint& src, const std::string& out, const ConvertOpt
   std::filesystem::rename(tmp, out);
 }
 
-void ImportTorch(const std::string& in, const std::string& out_uri, const ConvertOptions& o) {
-  std::ifstream f(in, std::ios::binary);
-  if (!f) throw IoError("cannot open '" + in + "'", false);
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(f)),
-                                std::istreambuf_iterator<char>());
-  c10::IValue root;
-  try {
-    root = torch::pickle_load(bytes);
-  } catch (const c10::Error& e) {
-    std::string hint;
-    if (std::strstr(e.what_without_backtrace(), "Unknown opcode")) {
-      // LibTorch 1.13's unpickler lacks opcodes Python emits, notably SETITEM (0x73), which
-      // Python uses for a dict with exactly one entry.
-      hint =
-          " (this LibTorch cannot unpickle every torch.save file; a dict with a single entry "
-          "is a known case: convert it with safetensors instead)";
-    }
-    throw CliError{kNotCheckpoint, "'" + in + "' is not a torch.save file LibTorch can read: " +
-                                       e.what_without_backtrace() + hint};
-  }
-  std::vector<std::pair<std::string, torch::Tensor>> tensors;
-  std::set<std::string> blobs;
-  Collect(root, "", tensors, blobs);
-  StateDict sd;
-  for (auto& [fqn, t] : tensors) {
-    torch::Tensor c = t.to(torch::kCPU).contiguous();
-    if (blobs.count(fqn) && c.scalar_type() == torch::kUInt8 && c.dim() == 1) {
-      InsertDotted(sd, fqn,
-                   Blob{std::string(static_cast<const char*>(c.data_ptr()),
-                                    static_cast<size_t>(c.numel()))});
-    } else {
-      InsertDotted(sd, fqn, FromTorch(c));
-    }
-  }
-  SaveOptions so;
-  so.storage.overwrite = o.overwrite;
-  Save(sd, out_uri, so);
-}
-
 }  // namespace dcp::cli
 
 extern "C" int dcp_cli_torch_convert(int to_torch, const char* src, const char* dst, int overwrite,
@@ -168,13 +104,10 @@ extern "C" int dcp_cli_torch_convert(int to_torch, const char* src, const char* 
     ConvertOptions o;
     o.overwrite = overwrite != 0;
     o.budget_bytes = static_cast<size_t>(budget_bytes);
-    if (to_torch) {
-      const Checkpoint c = OpenCheckpoint(src);
-      CheckDataFiles(c);
-      ExportTorch(c, dst, o);
-    } else {
-      ImportTorch(src, dst, o);
-    }
+    if (!to_torch) throw CliError{kUsage, "this module writes torch.save files only"};
+    const Checkpoint c = OpenCheckpoint(src);
+    CheckDataFiles(c);
+    ExportTorch(c, dst, o);
     return kOk;
   } catch (...) {
     const CliError e = ClassifyCurrentException();

@@ -1,6 +1,7 @@
-// ConvertTorch: loads the LibTorch-based module (libdcp_cli_torch.so, next to the executable in
-// the build tree, or in the library directory when installed) only when a torch conversion is
-// asked for, so that the other commands start in milliseconds instead of loading LibTorch.
+// ConvertTorch: a checkpoint into a torch.save file loads the LibTorch-based module
+// (libdcp_cli_torch.so, next to the executable in the build tree, or in the library directory
+// when installed) only when asked for, so that the other commands start in milliseconds instead
+// of loading LibTorch. The other way needs no LibTorch (convert_torch_import.cc).
 #include <dlfcn.h>
 #include <unistd.h>
 
@@ -24,8 +25,9 @@ ConvertTorchFn* LoadModule() {
   const std::string module = DCP_CLI_TORCH_MODULE;
   if (module.empty()) {
     throw CliError{kUnsupported,
-                   "this dcp was built without LibTorch: torch.save conversion is unavailable "
-                   "(rebuild with -DDCP_WITH_TORCH=ON and LibTorch installed); safetensors works"};
+                   "this dcp was built without LibTorch: writing torch.save files is unavailable "
+                   "(rebuild with -DDCP_WITH_TORCH=ON and LibTorch installed); reading them, and "
+                   "safetensors both ways, work"};
   }
   std::error_code ec;
   const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
@@ -57,6 +59,10 @@ ConvertTorchFn* LoadModule() {
 
 void ConvertTorch(bool to_torch, const std::string& src, const std::string& dst,
                   const ConvertOptions& o) {
+  if (!to_torch) {
+    ImportTorch(src, dst, o);  // needs no LibTorch (convert_torch_import.cc)
+    return;
+  }
   ConvertTorchFn* fn = LoadModule();
   std::vector<char> err(8192, '\0');
   const int rc = fn(to_torch ? 1 : 0, src.c_str(), dst.c_str(), o.overwrite ? 1 : 0, o.budget_bytes,
