@@ -7,12 +7,13 @@
 #   tools/setup.sh test     build + run the whole test suite with ctest (extra args go to ctest)
 #                           with a Ceph RADOS Gateway on loopback for the s3:// tests and the S3
 #                           benchmark (tests/s3/start_rgw.sh; skipped with the reason if it cannot
-#                           start), then: a clang-16 build (all but LibTorch) and its unit tests
-#                           ($DCP_BUILD_DIR-clang16), the unit, fault and MPI tests under ASan+UBSan
-#                           ($DCP_BUILD_DIR-asan),
-#                           the threaded parts (async save, protocol, communicators, readers, executor) under TSan
-#                           ($DCP_BUILD_DIR-tsan), and each fuzzer (metadata, PyTorch metadata, safetensors) for $DCP_FUZZ_SECONDS
-#                           (default 40) over tests/fuzz/corpus ($DCP_BUILD_DIR-fuzz, clang)
+#                           start), then: one clang-16 build with ASan+UBSan and libFuzzer coverage
+#                           (all but LibTorch, $DCP_BUILD_DIR-clang16) that runs each fuzzer
+#                           (metadata, PyTorch input, safetensors) for $DCP_FUZZ_SECONDS (default
+#                           40) and the unit, fault and MPI tests; the LibTorch adapter's tests
+#                           under g++'s ASan+UBSan ($DCP_BUILD_DIR-asan); and the threaded parts
+#                           (async save, protocol, communicators, readers, executor) under TSan
+#                           ($DCP_BUILD_DIR-tsan). Each log line carries the time since the start.
 #
 # Non-interactive. Needs root (or sudo) only to install missing packages. The build directory is
 # $DCP_BUILD_DIR (default: build/ in the repository).
