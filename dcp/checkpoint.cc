@@ -531,6 +531,30 @@ void SavePlanCache::Clear() { entry = Entry{}; }
 
 namespace {
 
+// The writer's exchange among ranks (StorageContext::exchange) as one Gather per destination:
+// a non-root's Gather only sends, so every rank posts its messages, then collects its own at its
+// turn. Runs inside the save's operation, so each message carries its id and phase.
+class CommunicatorExchange : public RankExchange {
+ public:
+  explicit CommunicatorExchange(Communicator& comm) : comm_(comm) {}
+  std::vector<std::string> AllToAll(std::vector<std::string> to, std::string_view what) override {
+    const int n = comm_.size();
+    if (to.size() != static_cast<size_t>(n)) {
+      throw InternalError("exchange " + std::string(what) + ": " + std::to_string(to.size()) +
+                          " messages for " + std::to_string(n) + " ranks");
+    }
+    std::vector<std::string> got;
+    for (int r = 0; r < n; ++r) {
+      std::vector<std::string> in = comm_.Gather(std::move(to[static_cast<size_t>(r)]), r, what);
+      if (r == comm_.rank()) got = std::move(in);
+    }
+    return got;
+  }
+
+ private:
+  Communicator& comm_;
+};
+
 // One rank's part of one save: the state machine of docs/PROTOCOL.md as named steps.
 //   Run:  open the operation -> TryPlanCache -> Plan -> WriteAndCommit
 // Every local step runs inside a phase (RunPhase), so an error on one rank is everyone's; only
@@ -548,7 +572,8 @@ class SaveOperation {
         planner_(options.planner ? *options.planner : default_planner_),
         planner_type_(typeid(planner_).name()),
         cache_(options.plan_cache.get()),
-        sctx_{rank_, size_, rank_ == 0, std::string()} {}
+        exchange_(comm),
+        sctx_{rank_, size_, rank_ == 0, std::string(), &exchange_} {}
 
   SaveResult Run() {
     try {
@@ -867,6 +892,7 @@ class SaveOperation {
   SavePlanner& planner_;
   const std::string planner_type_;
   SavePlanCache* cache_;
+  CommunicatorExchange exchange_;
   StorageContext sctx_;  // its save id is set from the operation's id once it is open
   SaveStats stats_;
   SavePlan my_full_;  // this rank's local plan (LocalPlan)
@@ -965,7 +991,7 @@ class LoadOperation {
         comm_, "load/plan",
         [&] {
           md_ = DecodeMetadata(md_bytes, reader_.uri());
-          reader_.SetUp(md_, StorageContext{rank_, size_, rank_ == 0, {}});
+          reader_.SetUp(md_, StorageContext{rank_, size_, rank_ == 0, {}, nullptr});
           planner_.SetUp(state_dict_, md_, PlannerContext{rank_, size_, rank_ == 0});
           return EncodeLocalLoadPlan(reader_.PrepareLocalPlan(planner_.CreateLocalPlan()),
                                      can_share_);

@@ -12,7 +12,7 @@
 // LoadStoragePlugin dlopen()s a shared library whose initialiser registers backends.
 //
 // A URI with a scheme may carry a query: `scheme://location?key=value&key=value` (values
-// %-escaped where needed). `format` (dcp, torchdcp, torchdcp113; safetensors is read only) chooses
+// %-escaped where needed). `format` (dcp, torchdcp, torchdcp113, safetensors) chooses
 // the layout a writer writes, on any Store-based backend; every other key is a backend option
 // (StorageOptions::backend gives the same from code):
 //   file://   direct_io=0|1 (default: on, or DCP_DIRECT_IO)

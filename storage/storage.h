@@ -34,8 +34,8 @@ enum class CheckpointFormat : uint8_t {
   kDcp,          // dcp's own (docs/FORMAT.md)
   kTorchDcp,     // torch.distributed.checkpoint as torch 2.x writes it
   kTorchDcp113,  // torch 1.13's torch.distributed._shard.checkpoint
-  kSafetensors,  // Hugging Face safetensors (docs/SAFETENSORS.md): read only; a save in it is
-                 // refused with UnsupportedError (not written yet, issue 24)
+  kSafetensors,  // Hugging Face safetensors (docs/SAFETENSORS.md): whole tensors, each file
+                 // written by one rank from shards the ranks exchange (StorageContext::exchange)
 };
 /// "dcp", "torchdcp", "torchdcp113", "safetensors": the names URIs (`?format=`) and the CLI use.
 std::string_view CheckpointFormatName(CheckpointFormat format);
@@ -112,6 +112,18 @@ struct StorageOptions {
   std::map<std::string, std::string> backend;
 };
 
+/// Collective byte exchange among the ranks of one save, for writers whose files hold data of
+/// several ranks (safetensors: whole tensors). dcp::Save provides one over its Communicator
+/// (storage cannot depend on dcp/). Called by every rank in the same order, from the thread that
+/// called WriteData; failures are dcp::Error (a peer that does not answer: CollectiveError).
+class RankExchange {
+ public:
+  virtual ~RankExchange() = default;
+  /// Send `to[r]` to rank r (to.size() == world size); returns what every rank sent this rank
+  /// (index = sender). `what` names the step in errors.
+  virtual std::vector<std::string> AllToAll(std::vector<std::string> to, std::string_view what) = 0;
+};
+
 struct StorageContext {
   int rank = 0;
   int world_size = 1;
@@ -119,6 +131,9 @@ struct StorageContext {
   /// Saves: this save's id (the same on every rank); it names the data files and is recorded in
   /// the committed metadata, so a rank can tell whether the metadata in place is this save's.
   std::string save_id;
+  /// Saves: the exchange among the ranks (null where the caller has none: a writer that needs it
+  /// refuses a save of more than one rank).
+  RankExchange* exchange = nullptr;
 };
 
 class StorageWriter {

@@ -13,6 +13,14 @@
 //     absent has null keys. Medians over R runs (a ratio to
 //     raw: the median of the per-run ratios); with --json the last line is one JSON object.
 //
+//   dcp-bench --safetensors [--ranks 2,4] [--size-mib N] [--repeats R] [--dir DIR] [--json]
+//     For each rank count N (an InProcessGroup: N threads, every tensor of the disk mode's mixed
+//     state row-sharded): an N-rank save (fsync) into safetensors (whole tensors, shards exchanged
+//     among the ranks, each file written by one rank) against a dcp save of the same bytes, runs
+//     interleaved; the ratio is the median over repeats of dcp's time over safetensors' in the
+//     same repeat (1.0: as fast as dcp). One load of the safetensors checkpoint is checked
+//     bit-exact.
+//
 //   dcp-bench --async [--size-mib N] [--repeats R] [--dir DIR] [--json]
 //     Blocking time of an asynchronous save against a plain memcpy of the same bytes into warm
 //     buffers; a synchronous save of the same state; and how much a compute loop slows down while
@@ -540,6 +548,62 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
   return 0;
 }
 
+// ---- safetensors mode --------------------------------------------------------------------------
+
+int RunSafetensors(size_t total, int repeats, const std::string& dir, const std::vector<int>& ranks,
+                   bool json) {
+  std::vector<TensorView> src = MakeMixedTensors(total), dst;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < src.size(); ++i) {
+    Fill(src[i].data, src[i].nbytes(), i + 1);
+    dst.push_back(AlignedTensor(src[i].dtype, src[i].shape));
+    bytes += src[i].nbytes();
+  }
+  std::printf("dcp-bench --safetensors: %.1f MiB in %zu tensors, %d repeats (medians), %u cores\n",
+              bytes / 1048576.0, src.size(), repeats, std::thread::hardware_concurrency());
+  nlohmann::json rows = nlohmann::json::array();
+  bool ok = true;
+  for (int n : ranks) {
+    std::vector<StateDict> states = ShardedStates(src, n), backs = ShardedStates(dst, n);
+    InProcessGroup group(n);
+    const std::string st = dir + "/st-" + std::to_string(n),
+                      native = dir + "/dcp-" + std::to_string(n);
+    SaveOptions so;
+    so.storage.overwrite = true;
+    std::vector<double> st_s, dcp_s, ratios;
+    for (int r = 0; r < repeats; ++r) {
+      dcp_s.push_back(TimeRanks(group, [&](int rank, Communicator& comm) {
+        Save(states[static_cast<size_t>(rank)], native, comm, so);
+      }));
+      st_s.push_back(TimeRanks(group, [&](int rank, Communicator& comm) {
+        Save(states[static_cast<size_t>(rank)], "file://" + st + "?format=safetensors", comm, so);
+      }));
+      ratios.push_back(dcp_s.back() / st_s.back());
+    }
+    for (auto& t : dst) std::memset(t.data, 0, t.nbytes());
+    TimeRanks(group, [&](int rank, Communicator& comm) {
+      Load(backs[static_cast<size_t>(rank)], st, comm);
+    });
+    const bool same = SameBytes(src, dst);
+    ok = ok && same;
+    const double st_med = Median(st_s), dcp_med = Median(dcp_s), ratio = Median(ratios);
+    std::printf(
+        "  %d ranks: safetensors save %7.3f s %6.2f GB/s | dcp save %7.3f s %6.2f GB/s | "
+        "ratio %.2f%s\n",
+        n, st_med, bytes / st_med / 1e9, dcp_med, bytes / dcp_med / 1e9, ratio,
+        same ? "" : "  LOAD MISMATCH");
+    rows.push_back({{"ranks", n},
+                    {"safetensors_save_s", st_med},
+                    {"dcp_save_s", dcp_med},
+                    {"ratio", ratio},
+                    {"load_matches", same}});
+  }
+  if (json) {
+    std::printf("%s\n", nlohmann::json{{"bytes", bytes}, {"safetensors", rows}}.dump().c_str());
+  }
+  return ok ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -550,6 +614,12 @@ int main(int argc, char** argv) {
   int files_per_rank = 1;
   std::string dir, python = "/usr/bin/python3", torch_peer = DefaultTorchPeer();
   app.add_flag("--async", async_mode, "measure async-save blocking time against memcpy");
+  bool st_mode = false;
+  std::vector<int> st_ranks = {2, 4};
+  app.add_flag("--safetensors", st_mode, "N-rank safetensors save against a dcp save");
+  app.add_option("--ranks", st_ranks, "rank counts of --safetensors (default 2,4)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
   app.add_option("--size-mib", size_mib, "bytes of state (MiB; default 1024 --async, 2048 disk)")
       ->check(CLI::PositiveNumber);
   app.add_option("--files-per-rank", files_per_rank, "dcp data files per rank (disk mode)")
@@ -572,6 +642,12 @@ int main(int argc, char** argv) {
     if (::mkdtemp(tmpl.data()) == nullptr) return 2;
     dir = tmpl;
     remove_dir = true;
+  }
+  if (st_mode) {
+    const int rc =
+        RunSafetensors(static_cast<size_t>(size_mib) << 20, repeats, dir, st_ranks, json);
+    if (remove_dir) std::filesystem::remove_all(dir);
+    return rc;
   }
   if (!async_mode) {
     const int rc = RunDisk(static_cast<size_t>(size_mib) << 20, repeats, dir, files_per_rank,

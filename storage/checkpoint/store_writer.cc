@@ -31,6 +31,7 @@
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
+#include "dcp/storage/format/safetensors.h"
 #include "dcp/storage/format/zstd_transform.h"
 
 namespace dcp {
@@ -378,7 +379,12 @@ class StoreWriter : public StorageWriter {
 
 std::unique_ptr<StorageWriter> MakeStoreWriter(std::shared_ptr<Store> store,
                                                const StorageOptions& options) {
-  return std::make_unique<StoreWriter>(std::move(store), options);
+  auto writer = std::make_unique<StoreWriter>(store, options);
+  // safetensors files hold whole tensors: its writer wraps this protocol with its own data path.
+  if (options.format == CheckpointFormat::kSafetensors) {
+    return MakeSafetensorsWriter(std::move(writer), std::move(store), options);
+  }
+  return writer;
 }
 
 }  // namespace dcp

@@ -48,7 +48,7 @@ const CheckpointLayout& LayoutFor(CheckpointFormat format) {
     case CheckpointFormat::kTorchDcp113:
       return TorchDcp113Layout();
     case CheckpointFormat::kSafetensors:
-      return SafetensorsLayout();  // read only: its writer refuses (CheckWriteOptions)
+      return SafetensorsLayout();
   }
   throw InvalidArgumentError("unknown checkpoint format " +
                              std::to_string(static_cast<int>(format)));

@@ -1,8 +1,9 @@
 // How a checkpoint is laid out in a store: its metadata file, its data file names, and how one
 // item becomes bytes in a data file. The checkpoint protocol
 // (storage/checkpoint/store_writer.cc: lock, overwrite, commit, clean-up) is the same for every
-// layout and runs over any Store, so every format can be written to every store. Internal: not
-// installed.
+// layout and runs over any Store, so every format can be written to every store. (safetensors,
+// whose files hold whole tensors assembled across ranks, keeps the protocol and replaces only its
+// per-rank data path: format/safetensors_writer.cc.) Internal: not installed.
 //
 // Layouts are stateless and shared; they are thread-safe. An ItemEncoder serves one data file
 // on one thread.

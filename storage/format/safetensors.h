@@ -31,12 +31,15 @@
 
 #include "dcp/proto/plan.h"
 #include "dcp/proto/tensor.h"
+#include "dcp/storage/storage.h"
 #include "dcp/storage/store.h"
 
 namespace dcp {
 
 inline constexpr char kSafetensorsIndexName[] = "model.safetensors.index.json";
 inline constexpr char kSafetensorsSingleName[] = "model.safetensors";
+/// The `__metadata__` key listing byte entries (a JSON list of names, in a string).
+inline constexpr char kSafetensorsBlobsKey[] = "dcp.blobs";
 /// The largest header (and index file) read: real headers are a few MiB at most.
 inline constexpr uint64_t kMaxSafetensorsHeaderBytes = uint64_t{100} << 20;
 
@@ -59,6 +62,18 @@ Metadata ReadSafetensorsMetadata(Store& store);
 /// `only`, when given, lists the tensors the index assigns to this file (others are an error).
 void AddSafetensorsFile(std::string_view head, uint64_t file_size, const std::string& file,
                         const std::string& where, Metadata& md);
+
+/// True for the data file names a safetensors save creates
+/// (model-<5+ digits>-of-<5+ digits>-<hex save id>.safetensors); clean-up removes only these.
+bool IsSafetensorsDataName(const std::string& name);
+
+/// The safetensors save: `protocol` (MakeStoreWriter's generic writer of this format over the
+/// same store) keeps the lock, the commit of the index and the clean-up; the returned writer
+/// plans the files, exchanges shards through StorageContext::exchange (required for more than
+/// one rank) and writes each file on its owner rank.
+std::unique_ptr<StorageWriter> MakeSafetensorsWriter(std::unique_ptr<StorageWriter> protocol,
+                                                     std::shared_ptr<Store> store,
+                                                     const StorageOptions& options);
 
 /// A read-only view of `dir` in which only the object `name` exists: what a URI naming one
 /// `*.safetensors` file loads from (registry.cc). Writes are refused (UnsupportedError).

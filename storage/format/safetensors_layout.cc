@@ -1,6 +1,7 @@
 // Hugging Face safetensors as a readable layout (storage/format/safetensors.h): the index and
 // the file headers become dcp Metadata whose items are plain byte ranges, so the generic reader
-// does every load, reshard and device copy. Writing is not implemented yet (issue 24).
+// does every load, reshard and device copy. The layout's write side is the index (the commit
+// marker); the data path is safetensors_writer.cc's, which replaces the per-rank item encoders.
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -19,8 +20,11 @@ namespace {
 
 using Json = nlohmann::json;
 
-// The blobs a `dcp convert` export lists in __metadata__ (tools/cli/convert.cc).
-constexpr char kBlobsKey[] = "dcp.blobs";
+// The blobs a `dcp convert` export or a safetensors save lists in __metadata__.
+constexpr const char* kBlobsKey = kSafetensorsBlobsKey;
+// Where the index of a dcp save records its save id (the Hub's "metadata" object holds
+// "total_size" and whatever else a writer adds).
+constexpr char kSaveIdKey[] = "dcp.save_id";
 // Real headers nest three deep (root, tensor, shape) and shapes have a handful of dimensions;
 // the bounds only keep a hostile header from costing the parser's memory or stack.
 constexpr int kMaxJsonDepth = 8;
@@ -174,7 +178,8 @@ void AddFile(Store& store, const std::string& file, Metadata& md) {
 }
 
 // The file names an index's weight_map maps tensors to, checked, and the map itself.
-std::map<std::string, std::string> ReadIndex(Store& store, const std::string& where) {
+std::map<std::string, std::string> ReadIndex(Store& store, const std::string& where,
+                                             std::string* save_id) {
   const std::optional<uint64_t> size = store.Size(kSafetensorsIndexName);
   if (!size) throw NotFoundError("'" + where + "' does not exist");
   if (*size > kMaxSafetensorsHeaderBytes) {
@@ -187,6 +192,12 @@ std::map<std::string, std::string> ReadIndex(Store& store, const std::string& wh
     return CorruptionError("safetensors index '" + where + "': " + what);
   };
   if (!index.is_object()) throw bad("not a JSON object");
+  if (auto meta = index.find("metadata"); meta != index.end() && meta->is_object()) {
+    auto id = meta->find(kSaveIdKey);
+    if (id != meta->end() && id->is_string() && id->get_ref<const std::string&>().size() <= 64) {
+      *save_id = id->get<std::string>();
+    }
+  }
   auto wm = index.find("weight_map");
   if (wm == index.end() || !wm->is_object()) throw bad("no \"weight_map\" object");
   std::map<std::string, std::string> map;
@@ -218,19 +229,32 @@ class SafetensorsLayoutImpl : public CheckpointLayout {
     return AsFileView(store) != nullptr || store.Size(kSafetensorsIndexName) ||
            store.Size(kSafetensorsSingleName);
   }
-  // Reached by every writer of this format (store_writer.cc's constructor), before anything
-  // is written.
-  void CheckWriteOptions(const StorageOptions&, const std::string& uri) const override {
-    throw UnsupportedError("cannot save " + uri +
-                           " as safetensors: dcp reads safetensors checkpoints but does not "
-                           "write them yet (issue 24); save as dcp or torchdcp, or export a "
-                           "file with `dcp convert CKPT out.safetensors`");
+  // Checked by the protocol's constructor (store_writer.cc), before anything is written.
+  void CheckWriteOptions(const StorageOptions& options, const std::string& uri) const override {
+    if (options.compression != Compression::kNone) {
+      throw InvalidArgumentError("compression cannot be used for a safetensors checkpoint at " +
+                                 uri + " (the format stores raw tensors only)");
+    }
   }
+  // The data path is safetensors_writer.cc's (whole tensors assembled across ranks): the
+  // protocol's per-rank files and item encoders are never used for this layout.
   std::string FilePrefix(const std::string&, size_t) const override { Unreachable(); }
   std::string DataFileName(const std::string&, size_t) const override { Unreachable(); }
-  // Never dcp's to remove: the files are the user's.
-  bool IsDataFile(const std::string&) const override { return false; }
-  std::string EncodeMetadata(const Metadata&, const std::string&) const override { Unreachable(); }
+  // Only names a dcp save creates (they carry its save id): a Hub download's
+  // model-00001-of-00002.safetensors is never dcp's to remove.
+  bool IsDataFile(const std::string& name) const override { return IsSafetensorsDataName(name); }
+  // The index: the Hub's {"metadata": {"total_size"}, "weight_map"}, plus the save id.
+  std::string EncodeMetadata(const Metadata& md, const std::string&) const override {
+    Json weight_map = Json::object();
+    uint64_t total = 0;
+    for (const auto& [index, info] : md.storage) {
+      weight_map[index.fqn] = info.relative_path;
+      total += info.length;
+    }
+    Json index = {{"metadata", {{"total_size", total}, {kSaveIdKey, md.save_id}}},
+                  {"weight_map", weight_map}};
+    return index.dump(2) + "\n";
+  }
   Metadata ReadMetadata(Store& store) const override { return ReadSafetensorsMetadata(store); }
   std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions&) const override {
     Unreachable();
@@ -238,7 +262,9 @@ class SafetensorsLayoutImpl : public CheckpointLayout {
 
  private:
   [[noreturn]] static void Unreachable() {
-    throw UnsupportedError("writing safetensors is not implemented yet (issue 24)");
+    throw InternalError(
+        "the safetensors layout has no per-rank data files (its writer is "
+        "safetensors_writer.cc)");
   }
   const std::string name_ = kSafetensorsIndexName;
 };
@@ -408,7 +434,7 @@ Metadata ReadSafetensorsMetadata(Store& store) {
     files.insert(view->name());
   } else if (store.Size(kSafetensorsIndexName)) {
     source = store.uri() + "/" + kSafetensorsIndexName;
-    const std::map<std::string, std::string> map = ReadIndex(store, source);
+    const std::map<std::string, std::string> map = ReadIndex(store, source, &md.save_id);
     for (const auto& [name, file] : map) files.insert(file);
     for (const std::string& file : files) {
       if (!store.Size(file)) {

@@ -1,8 +1,11 @@
 // Hugging Face safetensors checkpoints at several ranks (1, 2 and 4 in CTest): the numpy-written
 // sharded directory and single file (tests/fixtures/safetensors) load into row shards and into
 // column shards at this run's world size, bit-exact against the values numpy recorded; then what
-// was loaded saves as dcp at this world size and loads back whole.
+// was loaded saves as dcp at this world size and loads back whole. And safetensors saves at this
+// world size (shards exchanged among the ranks, each file written by one rank) load back whole,
+// resharded along another dimension, and at another world size (rank 0 alone).
 #include <catch2/catch.hpp>
+#include <cstring>
 
 #include "dcp/checkpoint.h"
 #include "mpi/mpi_support.h"
@@ -102,6 +105,60 @@ TEST_CASE("mpi: safetensors checkpoints load resharded bit-exact", "[mpi][safete
         Fill(whole, want, 99, blobs);  // no tensor has 100 dimensions: every one whole
         Load(whole.sd, dir, Comm());
         Check(whole, want, 99);
+        RemoveSharedDir(dir);
+      }
+    }
+  }
+}
+
+TEST_CASE("mpi: safetensors saves at this world size reshard on load", "[mpi][safetensors]") {
+  for (const std::string which : {"sharded", "single"}) {
+    auto want = testing::ReadSafetensorsExpected(kFixtures, which);
+    const std::set<std::string> blobs =
+        which == "single" ? std::set<std::string>{"rng"} : std::set<std::string>{};
+    // A tensor over the 1 MiB exchange rounds: its rows travel in several rounds.
+    const TensorView big = testing::RandomTensor(DType::kFloat32, {700, 600}, 24);
+    want["big"] = ExpectedTensor{DType::kFloat32, big.shape, "",
+                                 std::string(static_cast<const char*>(big.data), big.nbytes())};
+    for (int files : {1, 2}) {
+      DYNAMIC_SECTION(which << " files_per_rank " << files) {
+        // Row shards of every tensor, filled from the values numpy recorded.
+        Request rows;
+        Fill(rows, want, 0, blobs);
+        for (auto& [name, got] : rows.views) {
+          const ExpectedTensor& t = want.at(name);
+          const auto [b, e] = got.second;
+          const std::string bytes =
+              b < 0 ? t.bytes : Slice(t.bytes, t.shape, ElementSize(t.dtype), 0, b, e);
+          std::memcpy(got.first.data, bytes.data(), bytes.size());
+        }
+        for (const auto& b : blobs) rows.sd.Set(b, Blob{want.at(b).bytes});
+
+        const std::string dir = SharedDir("st-save");
+        SaveOptions so;
+        so.storage.files_per_rank = files;
+        so.storage.memory_budget_bytes = 4 << 20;
+        const SaveResult saved = Save(rows.sd, "file://" + dir + "?format=safetensors", Comm(), so);
+        CHECK(saved.metadata.world_size == Comm().size());
+
+        Request whole;
+        Fill(whole, want, 99, blobs);
+        Load(whole.sd, dir, Comm());
+        Check(whole, want, 99);
+        for (const auto& b : blobs) {
+          CHECK(std::get<Blob>(*whole.sd.Find(b)).bytes == want.at(b).bytes);
+        }
+        Request cols;
+        Fill(cols, want, 1, blobs);
+        Load(cols.sd, dir, Comm());
+        Check(cols, want, 1);
+        if (Comm().rank() == 0) {  // another world size: one rank
+          Request alone;
+          Fill(alone, want, 99, blobs);
+          Load(alone.sd, dir);
+          Check(alone, want, 99);
+        }
+        Comm().Barrier("st-save checked");
         RemoveSharedDir(dir);
       }
     }

@@ -1,7 +1,10 @@
 // Hugging Face safetensors checkpoints read as a format (storage/format/safetensors.h): the
 // numpy-written fixtures (tests/fixtures/safetensors, make_safetensors.py) load bit-exact, whole
-// and resharded, from a directory or from a URI naming one file; a save in the format is refused;
-// hostile headers and indexes fail with the error, file and tensor named, never a crash.
+// and resharded, from a directory or from a URI naming one file; hostile headers and indexes fail
+// with the error, file and tensor named, never a crash. Saves in the format
+// (safetensors_writer.cc) round-trip every dtype it names and byte entries, from 1, 2 and 4
+// ranks with row and column shards, reshard on load, refuse what the format cannot hold, fail
+// every rank at once when one fails mid-exchange, and are read by an independent numpy reader.
 #include "dcp/storage/format/safetensors.h"
 
 #include <catch2/catch.hpp>
@@ -10,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcp/storage/format/layout.h"
+#include "dcp/storage/registry.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -192,31 +196,62 @@ TEST_CASE("safetensors: loads reshard into row shards at 2 and 3 ranks", "[safet
   }
 }
 
-TEST_CASE("safetensors: a save in the format is refused as not yet supported", "[safetensors]") {
+TEST_CASE("safetensors: a save writes the Hub layout and replaces atomically", "[safetensors]") {
   TempDir dir("st-save");
   TensorView v = dcp::testing::RandomTensor(DType::kFloat32, {4}, 1);
   StateDict sd;
-  sd.Set("w", v);
-  // Section names must not change between Catch's runs of the test (no temporary paths).
-  for (const std::string scheme : {"file", "mem"}) {
-    DYNAMIC_SECTION(scheme) {
-      const std::string uri = scheme == "mem" ? std::string("mem://st-save?format=safetensors")
-                                              : "file://" + dir.path() + "/x?format=safetensors";
-      try {
-        Save(sd, uri);
-        FAIL("the save succeeded");
-      } catch (const Error& e) {
-        const ErrorCode code = dynamic_cast<const CollectiveError*>(&e)
-                                   ? dynamic_cast<const CollectiveError&>(e).failures()[0].code
-                                   : e.code();
-        CHECK(code == ErrorCode::kUnsupported);
-        CHECK_THAT(e.what(), Contains("not write them yet (issue 24)"));
-      }
-    }
+  sd.Set("w", v).Set("u", dcp::testing::RandomTensor(DType::kInt32, {3}, 2));
+  const std::string uri = "file://" + dir.path() + "/x?format=safetensors";
+  SaveOptions two;
+  two.storage.files_per_rank = 2;
+  const Metadata first = Save(sd, uri, two).metadata;
+  auto store = OpenStore("file://" + dir.path() + "/x");
+  std::vector<std::string> names = store->List();
+  std::sort(names.begin(), names.end());
+  REQUIRE(names.size() == 3);
+  CHECK(names[2] == kSafetensorsIndexName);
+  for (size_t i = 0; i < 2; ++i) {
+    CHECK(names[i] ==
+          "model-0000" + std::to_string(i + 1) + "-of-00002-" + first.save_id + ".safetensors");
+    CHECK(IsSafetensorsDataName(names[i]));
   }
+  const auto index = nlohmann::json::parse(store->ReadAll(kSafetensorsIndexName));
+  CHECK(index["metadata"]["total_size"] == 4 * 4 + 3 * 4);
+  CHECK(index["metadata"]["dcp.save_id"] == first.save_id);
+  CHECK(index["weight_map"].size() == 2);
+  CHECK(ReadMetadata(uri).save_id == first.save_id);
+  CHECK(ReadMetadata(uri).library_version == "safetensors");
+  // The SaveResult describes the files as a reader sees them: one chunk per tensor.
+  CHECK(std::get<TensorMetadata>(first.entries.at("w")).chunks.size() == 1);
+
+  // Not over an existing one unless asked; then only the new save's files remain, and a Hub
+  // download's file names are never dcp's to remove.
+  try {
+    Save(sd, uri);
+    FAIL("the save succeeded");
+  } catch (const CollectiveError& e) {
+    CHECK(e.failures()[0].code == ErrorCode::kAlreadyExists);
+  }
+  WriteFile(dir.path() + "/x/model-00001-of-00002.safetensors", "user file");
+  CHECK_FALSE(IsSafetensorsDataName("model-00001-of-00002.safetensors"));
+  SaveOptions over;
+  over.storage.overwrite = true;
+  const Metadata second = Save(sd, uri, over).metadata;
+  names = store->List();
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"model-00001-of-00001-" + second.save_id + ".safetensors",
+                                          "model-00001-of-00002.safetensors",
+                                          kSafetensorsIndexName});
+  TensorView back = TensorView::Allocate(DType::kFloat32, {4});
+  StateDict in;
+  in.Set("w", back);
+  Load(in, uri, LoadOptions{});
+  CHECK(Bytes(back) == Bytes(v));
+
   CHECK(CheckpointFormatName(CheckpointFormat::kSafetensors) == "safetensors");
   CHECK(ParseCheckpointFormat("safetensors") == CheckpointFormat::kSafetensors);
-  // A dcp save refuses to share a location with a safetensors checkpoint.
+  // A dcp save refuses to share a location with a safetensors checkpoint, and a safetensors
+  // save does not shadow a lone model.safetensors unless asked.
   std::filesystem::create_directories(dir / "hf");
   std::filesystem::copy_file(kFixtures + "/single/model.safetensors", dir / "hf/model.safetensors");
   try {
@@ -225,6 +260,13 @@ TEST_CASE("safetensors: a save in the format is refused as not yet supported", "
   } catch (const CollectiveError& e) {
     CHECK(e.failures()[0].code == ErrorCode::kAlreadyExists);
     CHECK_THAT(e.what(), Contains("safetensors"));
+  }
+  try {
+    Save(sd, "file://" + dir.path() + "/hf?format=safetensors");
+    FAIL("the save succeeded");
+  } catch (const CollectiveError& e) {
+    CHECK(e.failures()[0].code == ErrorCode::kAlreadyExists);
+    CHECK_THAT(e.what(), Contains("model.safetensors"));
   }
 }
 
