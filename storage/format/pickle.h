@@ -6,8 +6,8 @@
 // caller's allow-list and becomes a kGlobal value naming it; REDUCE and NEWOBJ become kObject
 // values recording the callable, its arguments and (after BUILD) its state; BINPERSID becomes a
 // kPersistent value around its id. Interpreting those (a torch.Size, a dtype, a dataclass) is
-// the caller's business (storage/format/torch_dcp.cc). Untrusted input is bounded: input size, value
-// count, container depth, memo size and stack depth all have limits, integers beyond 64 bits
+// the caller's business (storage/format/torch_dcp.cc). Untrusted input is bounded: input size,
+// value count, container depth, memo size and stack depth all have limits, integers beyond 64 bits
 // and recursive structures are refused. Every failure is a CorruptionError (malformed or
 // over-limit input) or an UnsupportedError (a valid pickle using an opcode or a global this
 // reader does not accept), naming the source, the byte offset and, for globals, the global.
@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -68,6 +69,18 @@ struct Value {
   const Value* Get(std::string_view key) const;
   /// A short description for messages ("dict", "tuple of 3", "torch.Size(...)").
   std::string Describe() const;
+
+  // Typed reads of a plain Python value, as Python would convert it: nullopt when the kind does
+  // not fit (never an exception).
+  /// kFloat, kInt (as float(x)); not kBool.
+  std::optional<double> AsFloat() const;
+  /// kInt; not kBool.
+  std::optional<int64_t> AsInt() const;
+  /// kBool only.
+  std::optional<bool> AsBool() const;
+  /// kStr (UTF-8).
+  std::optional<std::string> AsStr() const;
+  bool IsNone() const { return kind == Kind::kNone; }
 };
 
 struct Limits {
@@ -106,8 +119,9 @@ ValuePtr Object(ValuePtr callable, std::vector<ValuePtr> args, ValuePtr state = 
 ValuePtr Persistent(ValuePtr id);
 
 /// Serialise `value` as a protocol-2 pickle, or protocol 3 when it holds bytes (BINBYTES);
-/// strings and globals are memoised, so repeated names cost a few bytes. InvalidArgumentError for a value that cannot be written (a kDict with an
-/// odd item count, an object without a global callable).
+/// strings and globals are memoised, so repeated names cost a few bytes. InvalidArgumentError for a
+/// value that cannot be written (a kDict with an odd item count, an object without a global
+/// callable).
 std::string Dump(const Value& value);
 
 }  // namespace dcp::pickle

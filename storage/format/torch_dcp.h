@@ -27,6 +27,7 @@
 
 #include "dcp/proto/plan.h"
 #include "dcp/proto/tensor.h"
+#include "dcp/storage/format/pickle.h"
 #include "dcp/storage/store.h"
 
 namespace dcp {
@@ -99,6 +100,17 @@ bool IsTorchSaveArchive(std::string_view bytes);
 std::string TorchSaveOfBytes(std::string_view payload);
 /// If `record` is a torch.save archive of a Python bytes object (TorchSaveOfBytes), its payload.
 bool TorchSaveBytesPayload(std::string_view record, std::string* payload);
+/// The torch.save archive of the Python object pickled in `pickle` (e.g. pickle::Dump of a
+/// float, a tuple, a list of str): torch.load returns that object, and dcp writes such a blob to
+/// a torchdcp:// checkpoint unchanged (a byte entry as torch writes one).
+std::string TorchSaveOfPickle(std::string_view pickle);
+/// The Python object a byte entry holds: the object pickled in a torch.save archive's data.pkl
+/// (what torch writes for any non-tensor value), or a bare pickle. Plain data only: no global
+/// is allowed, except the ones a pickled bytes object uses (which comes back as kBytes).
+/// CorruptionError for a malformed archive or pickle, UnsupportedError for a pickle that refers
+/// to other globals (a class instance) or uses an opcode the reader lacks, InvalidArgumentError
+/// when `bytes` is neither an archive nor a pickle; each names `what`.
+pickle::ValuePtr TorchSaveObject(std::string_view bytes, const std::string& what);
 
 /// Append one torch.save archive of `view` (host or device, any strides; stored row-major) to
 /// `out`, computing the data's CRC-32 as it streams (a zip data descriptor carries it). Returns
