@@ -480,7 +480,11 @@ bool BoolOf(const pickle::Value& v, const std::string& key) {
 // Adds the group options of a torch 2.x param group as byte entries under `gsd`.
 class Torch2Group {
  public:
-  Torch2Group(StateDict& gsd, std::string base) : gsd_(gsd), base_(std::move(base)) {}
+  Torch2Group(StateDict& gsd, std::string base, bool extras)
+      : gsd_(gsd), base_(std::move(base)), extras_(extras) {}
+  // Whether the options LibTorch has no counterpart for are part of the layout
+  // (OptimizerStateOptions::torch2_extra_options).
+  bool extras() const { return extras_; }
   void Add(const std::string& key, PyGetter get, PySetter set = {}) {
     auto binding = std::make_shared<PyFieldBinding>(base_ + key, std::move(get), std::move(set));
     std::string bytes = binding->Bytes();
@@ -496,6 +500,7 @@ class Torch2Group {
   // (an implementation choice of the torch that wrote it: foreach, fused, ...) or refused with
   // `refuse` (it changes the results: maximize).
   void AddFixed(const std::string& key, pickle::ValuePtr value, const char* refuse = nullptr) {
+    if (!extras_) return;
     std::string expect = pickle::Dump(*value);
     Add(
         key, [value] { return value; },
@@ -540,6 +545,7 @@ class Torch2Group {
  private:
   StateDict& gsd_;
   std::string base_;
+  bool extras_;
 };
 
 // Adam/AdamW options as torch 2.11 lays out a param group (its keys, in its types).
@@ -585,6 +591,7 @@ void AddAdamGroupTorch2(torch::optim::Optimizer& opt, size_t g, Torch2Group& t, 
   t.AddFixed("differentiable", pickle::Bool(false));
   t.AddFixed("fused", pickle::None());
   // torch >= 2.6: AdamW is Adam with decoupled_weight_decay=True.
+  if (!t.extras()) return;
   t.Add(
       "decoupled_weight_decay", [adamw] { return pickle::Bool(adamw); },
       [adamw](const pickle::Value& v, const std::string& k) {
@@ -621,8 +628,9 @@ void AddSgdGroupTorch2(torch::optim::Optimizer& opt, size_t g, Torch2Group& t) {
 
 StateDict& AddOptimizerStateImpl(torch::optim::Optimizer& optimizer,
                                  const torch::nn::Module& module, StateDict& into,
-                                 const StateWrapper& wrap, OptimizerLayout layout,
-                                 const std::string& prefix) {
+                                 const OptimizerStateOptions& options) {
+  const StateWrapper& wrap = options.wrap;
+  const std::string& prefix = options.prefix;
   auto* adam = dynamic_cast<torch::optim::Adam*>(&optimizer);
   auto* adamw = dynamic_cast<torch::optim::AdamW*>(&optimizer);
   auto* sgd = dynamic_cast<torch::optim::SGD*>(&optimizer);
@@ -633,7 +641,7 @@ StateDict& AddOptimizerStateImpl(torch::optim::Optimizer& optimizer,
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     names.emplace(item.value().unsafeGetTensorImpl(), item.key());
   }
-  const bool torch2 = layout == OptimizerLayout::kTorch2;
+  const bool torch2 = options.layout == OptimizerLayout::kTorch2;
   StateDict* base = &into;
   for (size_t begin = 0; begin < prefix.size();) {
     size_t end = prefix.find('.', begin);
@@ -649,7 +657,10 @@ StateDict& AddOptimizerStateImpl(torch::optim::Optimizer& optimizer,
   for (size_t g = 0; g < groups.size(); ++g) {
     StateDict& gsd = groups_sd.Nested(std::to_string(g));
     std::optional<Torch2Group> t2;
-    if (torch2) t2.emplace(gsd, fqn_base + "param_groups." + std::to_string(g) + ".");
+    if (torch2) {
+      t2.emplace(gsd, fqn_base + "param_groups." + std::to_string(g) + ".",
+                 options.torch2_extra_options);
+    }
     if (adam) {
       if (torch2) {
         AddAdamGroupTorch2<torch::optim::AdamOptions>(optimizer, g, *t2, false);
@@ -709,13 +720,16 @@ StateDict& AddOptimizerStateImpl(torch::optim::Optimizer& optimizer,
 
 StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                              StateDict& into, const StateWrapper& wrap) {
-  return AddOptimizerStateImpl(optimizer, module, into, wrap, OptimizerLayout::kDcp, "");
+  OptimizerStateOptions options;
+  options.layout = OptimizerLayout::kDcp;
+  options.prefix = "";
+  options.wrap = wrap;
+  return AddOptimizerStateImpl(optimizer, module, into, options);
 }
 
 StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                              StateDict& into, const OptimizerStateOptions& options) {
-  return AddOptimizerStateImpl(optimizer, module, into, options.wrap, options.layout,
-                               options.prefix);
+  return AddOptimizerStateImpl(optimizer, module, into, options);
 }
 
 namespace {

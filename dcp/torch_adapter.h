@@ -127,8 +127,10 @@ enum class OptimizerLayout : uint8_t {
   /// and this layout does not name (initial_lr from a torch LR scheduler, options of a later
   /// torch) are not read. Keys this layout names and the checkpoint lacks (an older torch's
   /// groups without decoupled_weight_decay, a parameter torch never stepped) fail the load with
-  /// dcp's NotFoundError naming them, unless LoadOptions::allow_partial_load (the optimizer then
-  /// keeps its own value). With LoadOptions::weights_only the group options are not loaded.
+  /// dcp's missing-key error naming them (kNotFound), unless LoadOptions::allow_partial_load (the
+  /// optimizer then keeps its own value) or, for the options LibTorch lacks,
+  /// torch2_extra_options is off. With LoadOptions::weights_only the group options are not
+  /// loaded.
   /// The model's weights go elsewhere, e.g. AddModuleState(model, sd.Nested("model")) for
   /// get_state_dict's `model.<name>`.
   kTorch2,
@@ -142,6 +144,14 @@ struct OptimizerStateOptions {
   std::string prefix = "optim";
   /// As for the overload above.
   StateWrapper wrap;
+  /// kTorch2: include the group options LibTorch has no counterpart for (maximize, foreach,
+  /// capturable, differentiable, fused; Adam/AdamW's decoupled_weight_decay), written as torch
+  /// 2.11 writes them and checked on load as described above. Off: they are neither written nor
+  /// read, so a checkpoint from a torch whose groups lack some of them (decoupled_weight_decay
+  /// came with torch 2.x's AdamW-as-Adam) loads; what the checkpoint holds for them is then not
+  /// checked (a maximize=True checkpoint loads as if False), and torch 2.x loading dcp's output
+  /// gets its own defaults for them.
+  bool torch2_extra_options = true;
 };
 
 /// AddOptimizerState in the layout and at the place `options` choose. The same contract as
