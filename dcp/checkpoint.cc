@@ -19,6 +19,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
+#include "dcp/storage/format/torch_dcp.h"
 #include "dcp/storage/registry.h"
 #include "dcp_version.h"
 #include "schema/dcp.pb.h"  // generated from proto/schema/dcp.proto
@@ -1193,6 +1194,10 @@ StateDict LoadAll(const std::string& uri, const LoadOptions& options) {
 
 Metadata ReadMetadata(const std::string& uri, const StorageOptions& options) {
   return OpenStorageReader(uri, options)->ReadMetadata();
+}
+
+pickle::ValuePtr PythonValue(const Blob& blob, const std::string& what) {
+  return TorchSaveObject(blob.bytes, what);
 }
 
 }  // namespace dcp

@@ -2,13 +2,18 @@
 
 #include <torch/version.h>
 
+#include <algorithm>
+#include <cmath>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <type_traits>
 #include <unordered_map>
 
 #include "dcp/planner/flatten.h"
 #include "dcp/proto/error.h"
+#include "dcp/storage/format/pickle.h"
+#include "dcp/storage/format/torch_dcp.h"
 
 namespace dcp {
 
@@ -233,6 +238,9 @@ class FieldBinding : public ViewBinding {
         case DType::kBool:
           static_cast<bool*>(v.data)[i] = values[i] != 0;
           break;
+        case DType::kFloat32:
+          static_cast<float*>(v.data)[i] = static_cast<float>(values[i]);
+          break;
         default:
           static_cast<double*>(v.data)[i] = values[i];
       }
@@ -248,6 +256,9 @@ class FieldBinding : public ViewBinding {
           break;
         case DType::kBool:
           values[i] = static_cast<const bool*>(loaded.data)[i] ? 1 : 0;
+          break;
+        case DType::kFloat32:
+          values[i] = static_cast<const float*>(loaded.data)[i];
           break;
         default:
           values[i] = static_cast<const double*>(loaded.data)[i];
@@ -404,7 +415,7 @@ ParamState& FindState(torch::optim::Optimizer& opt, const torch::Tensor& param, 
 
 template <typename ParamState, typename Options>
 void AddAdamParam(torch::optim::Optimizer& opt, size_t g, const torch::Tensor& p,
-                  const std::string& name, StateDict& psd, const StateWrapper& wrap) {
+                  const std::string& name, StateDict& psd, const StateWrapper& wrap, bool torch2) {
   auto amsgrad = [&opt, g] { return GroupOptions<Options>(opt, g).amsgrad(); };
   auto st = [&opt, p, amsgrad]() -> ParamState& {
     return FindState<ParamState>(opt, p, amsgrad());
@@ -412,19 +423,214 @@ void AddAdamParam(torch::optim::Optimizer& opt, size_t g, const torch::Tensor& p
   auto add = [&](const char* key, const std::function<torch::Tensor()>& find) {
     psd.Set(key, StateTensor(find, name, wrap));
   };
-  psd.Set("step",
-          Field(
-              DType::kInt64, [st] { return std::vector<double>{static_cast<double>(st().step())}; },
-              [st](const std::vector<double>& v) { st().step(static_cast<int64_t>(v.at(0))); }));
+  // torch 2.x keeps step as a 0-d float32 tensor; LibTorch as an int64.
+  psd.Set("step", Field(
+                      torch2 ? DType::kFloat32 : DType::kInt64,
+                      [st] { return std::vector<double>{static_cast<double>(st().step())}; },
+                      [st](const std::vector<double>& v) {
+                        st().step(static_cast<int64_t>(std::llround(v.at(0))));
+                      }));
   add("exp_avg", [st] { return st().exp_avg(); });
   add("exp_avg_sq", [st] { return st().exp_avg_sq(); });
   if (amsgrad()) add("max_exp_avg_sq", [st] { return st().max_exp_avg_sq(); });
 }
 
-}  // namespace
+// ---------------------------------------------------------------------------------------------
+// The torch 2.x layout's parameter-group options: byte entries, each a torch.save archive of the
+// pickled Python value (as torch.distributed.checkpoint writes a non-tensor), made from the
+// optimizer at each save and parsed and written back after each load.
 
-StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
-                             StateDict& into, const StateWrapper& wrap) {
+using PyGetter = std::function<pickle::ValuePtr()>;
+// Applies a loaded value; `key` is the entry's full name, for messages.
+using PySetter = std::function<void(const pickle::Value&, const std::string& key)>;
+
+class PyFieldBinding : public BlobBinding {
+ public:
+  PyFieldBinding(std::string key, PyGetter get, PySetter set)
+      : key_(std::move(key)), get_(std::move(get)), set_(std::move(set)) {}
+  std::string Bytes() const override { return TorchSaveOfPickle(pickle::Dump(*get_())); }
+  void Loaded(const std::string& bytes) const override {
+    const pickle::ValuePtr v = TorchSaveObject(bytes, key_);
+    if (set_) set_(*v, key_);
+  }
+
+ private:
+  std::string key_;
+  PyGetter get_;
+  PySetter set_;
+};
+
+[[noreturn]] void BadGroupValue(const std::string& key, const char* want, const pickle::Value& v) {
+  throw InvalidArgumentError("'" + key + "': expected " + want + ", the checkpoint has " +
+                             v.Describe());
+}
+
+double FloatOf(const pickle::Value& v, const std::string& key) {
+  const auto f = v.AsFloat();
+  if (!f) BadGroupValue(key, "a float", v);
+  return *f;
+}
+
+bool BoolOf(const pickle::Value& v, const std::string& key) {
+  const auto b = v.AsBool();
+  if (!b) BadGroupValue(key, "a bool", v);
+  return *b;
+}
+
+// Adds the group options of a torch 2.x param group as byte entries under `gsd`.
+class Torch2Group {
+ public:
+  Torch2Group(StateDict& gsd, std::string base, bool extras)
+      : gsd_(gsd), base_(std::move(base)), extras_(extras) {}
+  // Whether the options LibTorch has no counterpart for are part of the layout
+  // (OptimizerStateOptions::torch2_extra_options).
+  bool extras() const { return extras_; }
+  void Add(const std::string& key, PyGetter get, PySetter set = {}) {
+    auto binding = std::make_shared<PyFieldBinding>(base_ + key, std::move(get), std::move(set));
+    std::string bytes = binding->Bytes();
+    gsd_.Set(key, Blob{std::move(bytes), std::move(binding)});
+  }
+  void AddFloat(const std::string& key, std::function<double()> get,
+                std::function<void(double)> set) {
+    Add(
+        key, [get] { return pickle::Float(get()); },
+        [set](const pickle::Value& v, const std::string& k) { set(FloatOf(v, k)); });
+  }
+  // A torch option LibTorch lacks, always `value` here; a checkpoint's other value is accepted
+  // (an implementation choice of the torch that wrote it: foreach, fused, ...) or refused with
+  // `refuse` (it changes the results: maximize).
+  void AddFixed(const std::string& key, pickle::ValuePtr value, const char* refuse = nullptr) {
+    if (!extras_) return;
+    std::string expect = pickle::Dump(*value);
+    Add(
+        key, [value] { return value; },
+        [refuse, expect](const pickle::Value& v, const std::string& k) {
+          if (refuse && pickle::Dump(v) != expect) {
+            throw UnsupportedError("'" + k + "' is " + v.Describe() + " other than " + refuse +
+                                   ", which LibTorch's optimizer cannot do");
+          }
+        });
+  }
+  // `params`: the parameter names of the group; a load checks the checkpoint's group holds the
+  // same ones.
+  void AddParams(std::vector<std::string> names) {
+    std::vector<pickle::ValuePtr> items;
+    for (const auto& n : names) items.push_back(pickle::Str(n));
+    auto list = pickle::List(std::move(items));
+    Add(
+        "params", [list] { return list; },
+        [names](const pickle::Value& v, const std::string& k) {
+          if (v.kind != pickle::Kind::kList) BadGroupValue(k, "a list of parameter names", v);
+          std::vector<std::string> got;
+          for (const auto& item : v.items) {
+            const auto s = item->AsStr();
+            if (!s) BadGroupValue(k, "a list of parameter names (str)", *item);
+            got.push_back(*s);
+          }
+          std::vector<std::string> a = names, b = got;
+          std::sort(a.begin(), a.end());
+          std::sort(b.begin(), b.end());
+          if (a != b) {
+            std::string msg = "'" + k +
+                              "': the checkpoint's group holds other parameters than "
+                              "the optimizer's (checkpoint:";
+            for (const auto& s : got) msg += " " + s;
+            msg += "; optimizer:";
+            for (const auto& s : names) msg += " " + s;
+            throw InvalidArgumentError(msg + ")");
+          }
+        });
+  }
+
+ private:
+  StateDict& gsd_;
+  std::string base_;
+  bool extras_;
+};
+
+// Adam/AdamW options as torch 2.11 lays out a param group (its keys, in its types).
+template <typename Options>
+void AddAdamGroupTorch2(torch::optim::Optimizer& opt, size_t g, Torch2Group& t, bool adamw) {
+  auto get = [&opt, g] { return &GroupOptions<Options>(opt, g); };
+  t.AddFloat(
+      "lr", [get] { return get()->lr(); }, [get](double v) { get()->lr(v); });
+  t.Add(
+      "betas",
+      [get] {
+        const auto& b = get()->betas();
+        return pickle::Tuple({pickle::Float(std::get<0>(b)), pickle::Float(std::get<1>(b))});
+      },
+      [get](const pickle::Value& v, const std::string& k) {
+        if ((v.kind != pickle::Kind::kTuple && v.kind != pickle::Kind::kList) ||
+            v.items.size() != 2) {
+          BadGroupValue(k, "a tuple of 2 floats", v);
+        }
+        get()->betas(std::make_tuple(FloatOf(*v.items[0], k), FloatOf(*v.items[1], k)));
+      });
+  t.AddFloat(
+      "eps", [get] { return get()->eps(); }, [get](double v) { get()->eps(v); });
+  t.AddFloat(
+      "weight_decay", [get] { return get()->weight_decay(); },
+      [get](double v) { get()->weight_decay(v); });
+  const bool built_amsgrad = get()->amsgrad();
+  t.Add(
+      "amsgrad", [get] { return pickle::Bool(get()->amsgrad()); },
+      [get, built_amsgrad](const pickle::Value& v, const std::string& k) {
+        const bool a = BoolOf(v, k);
+        if (a != built_amsgrad) {
+          throw InvalidArgumentError(
+              "'" + k + "': the checkpoint has amsgrad=" + (a ? "True" : "False") +
+              " but the optimizer was built with amsgrad=" + (built_amsgrad ? "true" : "false") +
+              " (max_exp_avg_sq would be lost); build it with the checkpoint's amsgrad before "
+              "AddOptimizerState");
+        }
+      });
+  t.AddFixed("foreach", pickle::None());
+  t.AddFixed("maximize", pickle::Bool(false), "False");
+  t.AddFixed("capturable", pickle::Bool(false));
+  t.AddFixed("differentiable", pickle::Bool(false));
+  t.AddFixed("fused", pickle::None());
+  // torch >= 2.6: AdamW is Adam with decoupled_weight_decay=True.
+  if (!t.extras()) return;
+  t.Add(
+      "decoupled_weight_decay", [adamw] { return pickle::Bool(adamw); },
+      [adamw](const pickle::Value& v, const std::string& k) {
+        if (BoolOf(v, k) != adamw) {
+          throw InvalidArgumentError("'" + k + "': the checkpoint's optimizer was " +
+                                     (adamw ? "Adam" : "AdamW") +
+                                     " (decoupled_weight_decay=" + (adamw ? "False" : "True") +
+                                     "), this one is " + (adamw ? "AdamW" : "Adam"));
+        }
+      });
+}
+
+// SGD options as torch 2.11 lays out a param group.
+void AddSgdGroupTorch2(torch::optim::Optimizer& opt, size_t g, Torch2Group& t) {
+  using O = torch::optim::SGDOptions;
+  auto get = [&opt, g] { return &GroupOptions<O>(opt, g); };
+  t.AddFloat(
+      "lr", [get] { return get()->lr(); }, [get](double v) { get()->lr(v); });
+  t.AddFloat(
+      "momentum", [get] { return get()->momentum(); }, [get](double v) { get()->momentum(v); });
+  t.AddFloat(
+      "dampening", [get] { return get()->dampening(); }, [get](double v) { get()->dampening(v); });
+  t.AddFloat(
+      "weight_decay", [get] { return get()->weight_decay(); },
+      [get](double v) { get()->weight_decay(v); });
+  t.Add(
+      "nesterov", [get] { return pickle::Bool(get()->nesterov()); },
+      [get](const pickle::Value& v, const std::string& k) { get()->nesterov(BoolOf(v, k)); });
+  t.AddFixed("maximize", pickle::Bool(false), "False");
+  t.AddFixed("foreach", pickle::None());
+  t.AddFixed("differentiable", pickle::Bool(false));
+  t.AddFixed("fused", pickle::None());
+}
+
+StateDict& AddOptimizerStateImpl(torch::optim::Optimizer& optimizer,
+                                 const torch::nn::Module& module, StateDict& into,
+                                 const OptimizerStateOptions& options) {
+  const StateWrapper& wrap = options.wrap;
+  const std::string& prefix = options.prefix;
   auto* adam = dynamic_cast<torch::optim::Adam*>(&optimizer);
   auto* adamw = dynamic_cast<torch::optim::AdamW*>(&optimizer);
   auto* sgd = dynamic_cast<torch::optim::SGD*>(&optimizer);
@@ -435,18 +641,44 @@ StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     names.emplace(item.value().unsafeGetTensorImpl(), item.key());
   }
-  StateDict& state_sd = into.Nested("state");
-  StateDict& groups_sd = into.Nested("param_groups");
+  const bool torch2 = options.layout == OptimizerLayout::kTorch2;
+  StateDict* base = &into;
+  for (size_t begin = 0; begin < prefix.size();) {
+    size_t end = prefix.find('.', begin);
+    if (end == std::string::npos) end = prefix.size();
+    if (end == begin) throw InvalidArgumentError("optimizer state prefix '" + prefix + "'");
+    base = &base->Nested(prefix.substr(begin, end - begin));
+    begin = end + 1;
+  }
+  const std::string fqn_base = prefix.empty() ? std::string() : prefix + ".";
+  StateDict& state_sd = base->Nested("state");
+  StateDict& groups_sd = base->Nested("param_groups");
   auto& groups = optimizer.param_groups();
   for (size_t g = 0; g < groups.size(); ++g) {
     StateDict& gsd = groups_sd.Nested(std::to_string(g));
+    std::optional<Torch2Group> t2;
+    if (torch2) {
+      t2.emplace(gsd, fqn_base + "param_groups." + std::to_string(g) + ".",
+                 options.torch2_extra_options);
+    }
     if (adam) {
-      AddAdamGroup<torch::optim::AdamOptions>(optimizer, g, gsd);
+      if (torch2) {
+        AddAdamGroupTorch2<torch::optim::AdamOptions>(optimizer, g, *t2, false);
+      } else {
+        AddAdamGroup<torch::optim::AdamOptions>(optimizer, g, gsd);
+      }
     } else if (adamw) {
-      AddAdamGroup<torch::optim::AdamWOptions>(optimizer, g, gsd);
+      if (torch2) {
+        AddAdamGroupTorch2<torch::optim::AdamWOptions>(optimizer, g, *t2, true);
+      } else {
+        AddAdamGroup<torch::optim::AdamWOptions>(optimizer, g, gsd);
+      }
+    } else if (torch2) {
+      AddSgdGroupTorch2(optimizer, g, *t2);
     } else {
       AddSgdGroup(optimizer, g, gsd);
     }
+    std::vector<std::string> group_names;
     for (auto& p : groups[g].params()) {
       auto name_it = names.find(p.unsafeGetTensorImpl());
       if (name_it == names.end()) {
@@ -455,13 +687,14 @@ StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn
                                    " is not a parameter of the module");
       }
       const std::string& name = name_it->second;
+      group_names.push_back(name);
       StateDict& psd = state_sd.Nested(name);
       if (adam) {
         AddAdamParam<torch::optim::AdamParamState, torch::optim::AdamOptions>(optimizer, g, p, name,
-                                                                              psd, wrap);
+                                                                              psd, wrap, torch2);
       } else if (adamw) {
-        AddAdamParam<torch::optim::AdamWParamState, torch::optim::AdamWOptions>(optimizer, g, p,
-                                                                                name, psd, wrap);
+        AddAdamParam<torch::optim::AdamWParamState, torch::optim::AdamWOptions>(
+            optimizer, g, p, name, psd, wrap, torch2);
       } else {
         if (static_cast<torch::optim::SGDOptions&>(groups[g].options()).momentum() == 0) {
           continue;
@@ -472,8 +705,31 @@ StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn
         psd.Set("momentum_buffer", StateTensor(find, name, wrap));
       }
     }
+    if (torch2) t2->AddParams(std::move(group_names));
+  }
+  // A parameter without state (SGD without momentum) has no entry: no empty nested dict either.
+  for (auto it = torch2 ? state_sd.items().begin() : state_sd.items().end();
+       it != state_sd.items().end();) {
+    auto* nested = std::get_if<std::shared_ptr<StateDict>>(&it->second);
+    it = nested && *nested && (*nested)->empty() ? state_sd.items().erase(it) : std::next(it);
   }
   return into;
+}
+
+}  // namespace
+
+StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
+                             StateDict& into, const StateWrapper& wrap) {
+  OptimizerStateOptions options;
+  options.layout = OptimizerLayout::kDcp;
+  options.prefix = "";
+  options.wrap = wrap;
+  return AddOptimizerStateImpl(optimizer, module, into, options);
+}
+
+StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
+                             StateDict& into, const OptimizerStateOptions& options) {
+  return AddOptimizerStateImpl(optimizer, module, into, options);
 }
 
 namespace {

@@ -17,8 +17,10 @@
 // (proto/device/device.h). FromTorch synchronises a CUDA tensor's device first, so kernels LibTorch
 // queued on any stream have finished before dcp reads the bytes.
 //
-// Also: optimizer state by parameter name (Adam, AdamW, SGD), loading everything onto a device
-// (map_location), and helpers that shard a tensor along a dimension and reassemble it.
+// Also: optimizer state by parameter name (Adam, AdamW, SGD), in dcp's layout or in PyTorch 2.x's
+// (get_state_dict's, so checkpoints cross between a PyTorch trainer and C++), loading everything
+// onto a device (map_location), and helpers that shard a tensor along a dimension and reassemble
+// it.
 //
 // Builds against LibTorch 1.13 (Debian) and 2.x; dtypes that a LibTorch version lacks
 // (fp8 kinds before 2.1, unsigned 16/32/64 before 2.3) are simply not mapped there.
@@ -95,6 +97,68 @@ using StateWrapper =
 /// not name. Returns `into`.
 StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                              StateDict& into, const StateWrapper& wrap = {});
+
+/// Which layout AddOptimizerState writes.
+enum class OptimizerLayout : uint8_t {
+  /// dcp's own, above (step int64, group options float64/bool tensors).
+  kDcp,
+  /// PyTorch 2.x's: what torch.distributed.checkpoint.state_dict.get_state_dict(model, optim)
+  /// returns for the optimizer, so a checkpoint crosses between a PyTorch 2.x trainer and C++
+  /// (checked field for field against one torch 2.11 wrote, tests/fixtures/pytorch-dcp-2.11/
+  /// model_adamw; see docs/TORCH_DCP.md for what no live torch 2.x has checked):
+  ///   state.<param name>.exp_avg, .exp_avg_sq, .max_exp_avg_sq (amsgrad only)    (Adam/AdamW)
+  ///   state.<param name>.step          a 0-d float32 tensor, as torch 2.x keeps it (Adam/AdamW)
+  ///   state.<param name>.momentum_buffer                          (SGD with momentum only)
+  ///   param_groups.<i>.<option>        byte entries: a torch.save'd Python object each, as torch
+  ///                                    writes non-tensors:
+  ///     Adam/AdamW: lr, betas (a tuple), eps, weight_decay (floats), amsgrad, maximize,
+  ///       capturable, differentiable, decoupled_weight_decay (True for AdamW) (bools), foreach,
+  ///       fused (None)
+  ///     SGD: lr, momentum, dampening, weight_decay (floats), nesterov, maximize,
+  ///       differentiable (bools), foreach, fused (None)
+  ///     both: params, the list of the group's parameter names ('0.weight', ...)
+  /// Loading parses each option (dcp's restricted unpickler: plain data only) and writes it back
+  /// into the optimizer; an int where a float belongs is accepted (torch writes weight_decay=0
+  /// as an int). Accepted whatever their value: foreach, fused, capturable, differentiable
+  /// (how torch ran, not what it computes). Refused: maximize=True (UnsupportedError: LibTorch
+  /// has no maximize), a value of the wrong type, decoupled_weight_decay naming the other of
+  /// Adam/AdamW, an amsgrad other than the optimizer's, a `params` list naming other parameters
+  /// than the optimizer's group (InvalidArgumentError naming the key). Keys the checkpoint has
+  /// and this layout does not name (initial_lr from a torch LR scheduler, options of a later
+  /// torch) are not read. Keys this layout names and the checkpoint lacks (an older torch's
+  /// groups without decoupled_weight_decay, a parameter torch never stepped) fail the load with
+  /// dcp's missing-key error naming them (kNotFound), unless LoadOptions::allow_partial_load (the
+  /// optimizer then keeps its own value) or, for the options LibTorch lacks,
+  /// torch2_extra_options is off. With LoadOptions::weights_only the group options are not
+  /// loaded.
+  /// The model's weights go elsewhere, e.g. AddModuleState(model, sd.Nested("model")) for
+  /// get_state_dict's `model.<name>`.
+  kTorch2,
+};
+
+struct OptimizerStateOptions {
+  OptimizerLayout layout = OptimizerLayout::kDcp;
+  /// Where under `into` the entries go, as a dotted path ("optim" puts them at
+  /// optim.state..., optim.param_groups..., as PyTorch trainers save {"model": ..., "optim":
+  /// ...}; "" puts them in `into` itself). InvalidArgumentError for an empty path component.
+  std::string prefix = "optim";
+  /// As for the overload above.
+  StateWrapper wrap;
+  /// kTorch2: include the group options LibTorch has no counterpart for (maximize, foreach,
+  /// capturable, differentiable, fused; Adam/AdamW's decoupled_weight_decay), written as torch
+  /// 2.11 writes them and checked on load as described above. Off: they are neither written nor
+  /// read, so a checkpoint from a torch whose groups lack some of them (decoupled_weight_decay
+  /// came with torch 2.x's AdamW-as-Adam) loads; what the checkpoint holds for them is then not
+  /// checked (a maximize=True checkpoint loads as if False), and torch 2.x loading dcp's output
+  /// gets its own defaults for them.
+  bool torch2_extra_options = true;
+};
+
+/// AddOptimizerState in the layout and at the place `options` choose. The same contract as
+/// above otherwise (names, state created for a fresh optimizer, values copied out at each save
+/// and written back after each load, supported optimizers).
+StateDict& AddOptimizerState(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
+                             StateDict& into, const OptimizerStateOptions& options);
 
 /// The state of an LR scheduler (torch::optim::LRScheduler subclasses such as StepLR: its step
 /// count; the learning rates themselves live in the optimizer's param groups), added to `into`

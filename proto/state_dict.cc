@@ -57,6 +57,18 @@ TensorView ResolveView(const TensorView& v) {
   return r;
 }
 
+// A resolved blob: its bytes came from `from`, which gets what a load reads.
+class ResolvedBlobMark : public BlobBinding {
+ public:
+  explicit ResolvedBlobMark(std::shared_ptr<const BlobBinding> from) : from(std::move(from)) {}
+  std::string Bytes() const override { return from->Bytes(); }
+  std::shared_ptr<const BlobBinding> from;
+};
+
+bool Bound(const Blob& b) {
+  return b.binding && !dynamic_cast<const ResolvedBlobMark*>(b.binding.get());
+}
+
 void LoadedView(const TensorView& v) {
   if (const auto* mark = dynamic_cast<const ResolvedMark*>(v.binding.get())) {
     mark->from->Loaded(v);
@@ -65,10 +77,14 @@ void LoadedView(const TensorView& v) {
 
 }  // namespace
 
+void BlobBinding::Loaded(const std::string&) const {}
+
 bool HasBindings(const StateDict& sd) {
   for (const auto& [key, value] : sd.items()) {
     if (const auto* t = std::get_if<TensorView>(&value)) {
       if (Bound(*t)) return true;
+    } else if (const auto* b = std::get_if<Blob>(&value)) {
+      if (Bound(*b)) return true;
     } else if (const auto* st = std::get_if<ShardedTensor>(&value)) {
       for (const auto& shard : st->local_shards) {
         if (Bound(shard.view)) return true;
@@ -104,6 +120,8 @@ StateDict ResolveBindings(const StateDict& sd) {
       out.Set(key, std::move(copy));
     } else if (const auto* nested = std::get_if<std::shared_ptr<StateDict>>(&value)) {
       out.Set(key, *nested ? std::make_shared<StateDict>(ResolveBindings(**nested)) : nullptr);
+    } else if (const auto* b = std::get_if<Blob>(&value); b && Bound(*b)) {
+      out.Set(key, Blob{b->binding->Bytes(), std::make_shared<ResolvedBlobMark>(b->binding)});
     } else {
       out.Set(key, value);
     }
@@ -122,7 +140,12 @@ void FinishBoundLoad(StateDict& original, const StateDict& resolved) {
       auto* orig_nested = orig ? std::get_if<std::shared_ptr<StateDict>>(orig) : nullptr;
       if (*nested && orig_nested && *orig_nested) FinishBoundLoad(**orig_nested, **nested);
     } else if (const auto* blob = std::get_if<Blob>(&value)) {
-      if (orig && std::holds_alternative<Blob>(*orig)) *orig = *blob;
+      const auto* mark = dynamic_cast<const ResolvedBlobMark*>(blob->binding.get());
+      if (mark) mark->from->Loaded(blob->bytes);
+      if (auto* o = orig ? std::get_if<Blob>(orig) : nullptr) {
+        o->bytes = blob->bytes;
+        if (!mark) o->binding = blob->binding;
+      }
     }
   }
 }

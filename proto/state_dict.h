@@ -30,9 +30,28 @@ struct ShardedTensor {
   std::vector<Shard> local_shards;
 };
 
+class BlobBinding;
+
 /// Opaque bytes (RNG state, a dataloader position, a config...). Saved as is.
 struct Blob {
   std::string bytes;
+  /// When set, Save and Load take the bytes from binding->Bytes() at their start, and a load
+  /// hands what it read to binding->Loaded() (see BlobBinding); `bytes` is then what it gave
+  /// when the blob was made.
+  std::shared_ptr<const BlobBinding> binding = nullptr;
+};
+
+/// Late binding of a blob to a value kept elsewhere (an optimizer's parameter-group option,
+/// serialised as the caller likes): the blob counterpart of ViewBinding, called at the same
+/// points and from the same thread.
+class BlobBinding {
+ public:
+  virtual ~BlobBinding() = default;
+  /// The bytes to save now.
+  virtual std::string Bytes() const = 0;
+  /// A load read `bytes` for this blob: e.g. parse them and set the value they came from.
+  /// Exceptions propagate out of Load. The default does nothing.
+  virtual void Loaded(const std::string& bytes) const;
 };
 
 class StateDict;
@@ -61,7 +80,7 @@ class StateDict {
 };
 
 /// True when a view of `sd` (a tensor or a shard of a sharded tensor, at any depth) has a
-/// binding (TensorView::binding).
+/// binding (TensorView::binding), or a blob has one (Blob::binding).
 bool HasBindings(const StateDict& sd);
 
 /// A copy of `sd` in which every bound view is replaced by what its binding resolves to now
@@ -76,8 +95,8 @@ StateDict ResolveBindings(const StateDict& sd);
 uint64_t ResolveEpoch();
 
 /// After a load into `resolved` (made by ResolveBindings(original)): give each bound view's
-/// loaded contents to its binding (ViewBinding::Loaded) and copy the loaded blobs back into
-/// `original`.
+/// loaded contents to its binding (ViewBinding::Loaded, BlobBinding::Loaded) and copy the loaded
+/// blobs' bytes back into `original`.
 void FinishBoundLoad(StateDict& original, const StateDict& resolved);
 
 }  // namespace dcp

@@ -636,6 +636,27 @@ std::string Value::global_name() const {
   return g->module() + "." + g->name();
 }
 
+std::optional<double> Value::AsFloat() const {
+  if (kind == Kind::kFloat) return real;
+  if (kind == Kind::kInt) return static_cast<double>(integer);
+  return std::nullopt;
+}
+
+std::optional<int64_t> Value::AsInt() const {
+  if (kind == Kind::kInt) return integer;
+  return std::nullopt;
+}
+
+std::optional<bool> Value::AsBool() const {
+  if (kind == Kind::kBool) return boolean;
+  return std::nullopt;
+}
+
+std::optional<std::string> Value::AsStr() const {
+  if (kind == Kind::kStr) return str;
+  return std::nullopt;
+}
+
 const Value* Value::Get(std::string_view key) const {
   if (kind != Kind::kDict) return nullptr;
   for (size_t i = 0; i + 1 < items.size(); i += 2) {

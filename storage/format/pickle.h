@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -70,6 +71,18 @@ struct Value {
   const Value* Get(std::string_view key) const;
   /// A short description for messages ("dict", "tuple of 3", "torch.Size(...)").
   std::string Describe() const;
+
+  // Typed reads of a plain Python value, as Python would convert it: nullopt when the kind does
+  // not fit (never an exception).
+  /// kFloat, kInt (as float(x)); not kBool.
+  std::optional<double> AsFloat() const;
+  /// kInt; not kBool.
+  std::optional<int64_t> AsInt() const;
+  /// kBool only.
+  std::optional<bool> AsBool() const;
+  /// kStr (UTF-8).
+  std::optional<std::string> AsStr() const;
+  bool IsNone() const { return kind == Kind::kNone; }
 };
 
 struct Limits {

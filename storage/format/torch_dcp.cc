@@ -1364,6 +1364,16 @@ bool IsTorchSaveArchive(std::string_view bytes) {
   return bytes.size() >= 30 && bytes.compare(0, 4, "PK\x03\x04", 4) == 0;
 }
 
+std::string TorchSaveOfPickle(std::string_view pickle) {
+  StringSink sink;
+  ZipWriter zip(sink);
+  AddHeaderEntries(zip, std::string(pickle), true);
+  zip.AddSmall("archive/version", "3\n");
+  zip.AddSerializationId();
+  zip.Finish();
+  return std::move(sink.s);
+}
+
 std::string TorchSaveOfBytes(std::string_view payload) {
   return TorchSaveOfPickle(pickle::Dump(*pickle::Bytes(std::string(payload))));
 }
@@ -1431,16 +1441,6 @@ bool TorchSaveBytesPayload(std::string_view record, std::string* payload) {
   } catch (const Error&) {
     return false;  // some other object: the record is the blob
   }
-}
-
-std::string TorchSaveOfPickle(const std::string& data_pkl) {
-  StringSink sink;
-  ZipWriter zip(sink);
-  AddHeaderEntries(zip, data_pkl, true);
-  zip.AddSmall("archive/version", "3\n");
-  zip.AddSerializationId();
-  zip.Finish();
-  return std::move(sink.s);
 }
 
 namespace {
@@ -1583,6 +1583,53 @@ std::vector<TorchSaveLeaf> ReadTorchSaveFile(ReadableObject& in, uint64_t length
   std::vector<TorchSaveLeaf> leaves;
   StateDictWalker(zip, what).Walk(*root, "", leaves);
   return leaves;
+}
+
+namespace {
+
+// `v` with every pickled bytes object (protocol 2's _codecs.encode form) made a kBytes value;
+// UnsupportedError for any other object or global.
+ValuePtr PlainValue(const ValuePtr& v, const std::string& what) {
+  std::string payload;
+  switch (v->kind) {
+    case Kind::kObject:
+    case Kind::kGlobal:
+      if (v->kind == Kind::kObject && BytesOfPickledValue(*v, &payload)) {
+        return pickle::Bytes(std::move(payload));
+      }
+      throw UnsupportedError(what + ": holds a Python object of a class (" + v->Describe() +
+                             "), not plain data");
+    case Kind::kPersistent:
+      throw UnsupportedError(what + ": holds a tensor or storage, not plain data");
+    case Kind::kTuple:
+    case Kind::kList:
+    case Kind::kDict: {
+      auto out = std::make_shared<Value>(*v);
+      for (auto& item : out->items) item = PlainValue(item, what);
+      return out;
+    }
+    default:
+      return v;
+  }
+}
+
+}  // namespace
+
+ValuePtr TorchSaveObject(std::string_view bytes, const std::string& what) {
+  std::string pkl;
+  if (IsTorchSaveArchive(bytes)) {
+    StringObject in(bytes);
+    Archive zip(in, 0, bytes.size(), what);
+    pkl = zip.ReadSmall(zip.Prefix() + "data.pkl", kMaxPickleBytes);
+  } else if (!bytes.empty() && static_cast<uint8_t>(bytes[0]) == 0x80) {  // PROTO
+    pkl.assign(bytes);
+  } else {
+    throw InvalidArgumentError(what + ": its " + std::to_string(bytes.size()) +
+                               " bytes are neither a torch.save archive nor a pickle");
+  }
+  pickle::Limits limits;
+  limits.max_input_bytes = kMaxPickleBytes;
+  return PlainValue(pickle::Load(pkl, AllowBytesGlobal, what, limits), what);
 }
 
 uint64_t AppendTorchTensorRecord(WritableObject& out, const TensorView& view, bool torch2) {

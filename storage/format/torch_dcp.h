@@ -101,9 +101,17 @@ bool IsTorchSaveArchive(std::string_view bytes);
 std::string TorchSaveOfBytes(std::string_view payload);
 /// If `record` is a torch.save archive of a Python bytes object (TorchSaveOfBytes), its payload.
 bool TorchSaveBytesPayload(std::string_view record, std::string* payload);
-
-/// The torch.save archive of the pickle `data_pkl` (torch.load returns the pickled value).
-std::string TorchSaveOfPickle(const std::string& data_pkl);
+/// The torch.save archive of the Python object pickled in `pickle` (e.g. pickle::Dump of a
+/// float, a tuple, a list of str): torch.load returns that object, and dcp writes such a blob to
+/// a torchdcp:// checkpoint unchanged (a byte entry as torch writes one).
+std::string TorchSaveOfPickle(std::string_view pickle);
+/// The Python object a byte entry holds: the object pickled in a torch.save archive's data.pkl
+/// (what torch writes for any non-tensor value), or a bare pickle. Plain data only: no global
+/// is allowed, except the ones a pickled bytes object uses (which comes back as kBytes).
+/// CorruptionError for a malformed archive or pickle, UnsupportedError for a pickle that refers
+/// to other globals (a class instance) or uses an opcode the reader lacks, InvalidArgumentError
+/// when `bytes` is neither an archive nor a pickle; each names `what`.
+pickle::ValuePtr TorchSaveObject(std::string_view bytes, const std::string& what);
 
 /// One value of a torch.save file (ReadTorchSaveFile).
 struct TorchSaveLeaf {

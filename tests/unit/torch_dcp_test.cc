@@ -2,7 +2,9 @@
 // their expected safetensors), and dcp writing torch's layout and reading it back.
 #include "dcp/storage/format/torch_dcp.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <charconv>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -694,6 +696,148 @@ TEST_CASE("torch.save files: a list of tensors or a bare tensor is refused by na
   CHECK_THROWS_AS(ReadTorchSaveFile(*in, in->size(), "cut.pt"), CorruptionError);
   CHECK_THROWS_WITH(ReadTorchSaveFile(*in, in->size(), "cut.pt"),
                     Catch::Matchers::Contains("cut.pt"));
+}
+
+}  // namespace
+}  // namespace dcp
+
+namespace dcp {
+namespace {
+
+// Python's repr() of a plain value, as far as the fixtures' byte entries need it (floats in the
+// shortest round-trip form, as Python prints them).
+std::string PyRepr(const pk::Value& v) {
+  switch (v.kind) {
+    case pk::Kind::kNone:
+      return "None";
+    case pk::Kind::kBool:
+      return v.boolean ? "True" : "False";
+    case pk::Kind::kInt:
+      return std::to_string(v.integer);
+    case pk::Kind::kFloat: {
+      char buf[64];
+      auto r = std::to_chars(buf, buf + sizeof(buf), v.real, std::chars_format::scientific);
+      const std::string sci(buf, r.ptr);  // d[.ddd]e±XX
+      const size_t e_at = sci.find('e');
+      std::string digits = sci.substr(0, e_at);
+      const int exp = std::stoi(sci.substr(e_at + 1));
+      const bool negative = digits[0] == '-';
+      if (negative) digits.erase(0, 1);
+      digits.erase(std::remove(digits.begin(), digits.end(), '.'), digits.end());
+      std::string out;
+      if (exp >= -4 && exp < 16) {
+        if (exp < 0) {
+          out = "0." + std::string(static_cast<size_t>(-exp - 1), '0') + digits;
+        } else if (static_cast<size_t>(exp) + 1 >= digits.size()) {
+          out = digits + std::string(static_cast<size_t>(exp) + 1 - digits.size(), '0') + ".0";
+        } else {
+          out = digits.substr(0, static_cast<size_t>(exp) + 1) + "." +
+                digits.substr(static_cast<size_t>(exp) + 1);
+        }
+      } else {
+        out = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "") + "e" +
+              (exp < 0 ? "-" : "+") + (std::abs(exp) < 10 ? "0" : "") +
+              std::to_string(std::abs(exp));
+      }
+      return (negative ? "-" : "") + out;
+    }
+    case pk::Kind::kStr:
+      return "'" + v.str + "'";
+    case pk::Kind::kTuple:
+    case pk::Kind::kList: {
+      const bool tuple = v.kind == pk::Kind::kTuple;
+      std::string out = tuple ? "(" : "[";
+      for (size_t i = 0; i < v.items.size(); ++i) out += (i ? ", " : "") + PyRepr(*v.items[i]);
+      if (tuple && v.items.size() == 1) out += ",";
+      return out + (tuple ? ")" : "]");
+    }
+    case pk::Kind::kDict: {
+      std::string out = "{";
+      for (size_t i = 0; i + 1 < v.items.size(); i += 2) {
+        out += (i ? ", " : "") + PyRepr(*v.items[i]) + ": " + PyRepr(*v.items[i + 1]);
+      }
+      return out + "}";
+    }
+    default:
+      return "<" + v.Describe() + ">";
+  }
+}
+
+TEST_CASE("PythonValue: the byte entries torch 2.11 wrote read as their Python values",
+          "[torchdcp]") {
+  size_t checked = 0;
+  for (const char* name : {"model_adamw", "single_dtypes", "dist4_dtensor"}) {
+    const std::string dir = kFixtures + "/" + name;
+    if (!std::filesystem::exists(dir + "/.metadata")) {
+      WARN("no fixture " << dir << "; not checked");
+      continue;
+    }
+    const Json json = Json::parse(ReadFileBytes(kFixtures + "/" + name + ".json"));
+    const StateDict all = LoadAll("torchdcp://" + dir);
+    const auto flat = FlattenStateDict(all);
+    for (const auto& [fqn, e] : json["entries"].items()) {
+      if (e["kind"] != "bytes") continue;
+      INFO(name << " " << fqn);
+      const Blob& blob = std::get<Blob>(*flat.at(fqn).value);
+      CHECK(PyRepr(*PythonValue(blob, fqn)) == e["python_repr"].get<std::string>());
+      ++checked;
+    }
+  }
+  CHECK(checked >= 12);
+  // The typed reads, on the optimizer's group options.
+  const std::string dir = kFixtures + "/model_adamw";
+  if (!std::filesystem::exists(dir + "/.metadata")) return;
+  const StateDict all = LoadAll("torchdcp://" + dir);
+  const auto flat = FlattenStateDict(all);
+  auto value = [&](const std::string& key) {
+    const std::string fqn = "optim.param_groups.0." + key;
+    return PythonValue(std::get<Blob>(*flat.at(fqn).value), fqn);
+  };
+  CHECK(value("lr")->AsFloat() == 0.001);
+  CHECK(value("eps")->AsFloat() == 1e-8);
+  CHECK(value("weight_decay")->AsFloat() == 0.01);
+  CHECK_FALSE(value("lr")->AsInt().has_value());
+  CHECK_FALSE(value("lr")->AsBool().has_value());
+  const auto betas = value("betas");
+  REQUIRE(betas->kind == pk::Kind::kTuple);
+  REQUIRE(betas->items.size() == 2);
+  CHECK(betas->items[0]->AsFloat() == 0.9);
+  CHECK(betas->items[1]->AsFloat() == 0.999);
+  CHECK(value("amsgrad")->AsBool() == false);
+  CHECK(value("decoupled_weight_decay")->AsBool() == true);
+  CHECK_FALSE(value("amsgrad")->AsFloat().has_value());  // a bool is not a float here
+  CHECK(value("foreach")->IsNone());
+  CHECK(value("fused")->IsNone());
+  const auto params = value("params");
+  REQUIRE(params->kind == pk::Kind::kList);
+  REQUIRE(params->items.size() == 7);
+  CHECK(params->items[0]->AsStr() == "0.weight");
+  CHECK(params->items[6]->AsStr() == "4.bias");
+  // An int reads as a float too, as Python's float() takes it.
+  CHECK(pk::Int(3)->AsFloat() == 3.0);
+}
+
+TEST_CASE("PythonValue: what is not a plain pickled value fails with its category", "[torchdcp]") {
+  // Neither an archive nor a pickle.
+  CHECK_THROWS_AS(PythonValue(Blob{"plain text"}, "x"), InvalidArgumentError);
+  CHECK_THAT(ErrorOf([] { PythonValue(Blob{"plain text"}, "my.entry"); }),
+             Catch::Contains("my.entry"));
+  // A bare pickle, and the archive of one, read alike.
+  const std::string pkl = pk::Dump(*pk::Tuple({pk::Float(0.5), pk::None()}));
+  CHECK(PythonValue(Blob{pkl})->items.at(0)->AsFloat() == 0.5);
+  CHECK(PythonValue(Blob{TorchSaveOfPickle(pkl)})->items.at(1)->IsNone());
+  // A class instance: refused, naming the entry.
+  const std::string obj = pk::Dump(*pk::Object(pk::Global("collections", "OrderedDict"), {}));
+  CHECK_THROWS_AS(PythonValue(Blob{TorchSaveOfPickle(obj)}, "x"), UnsupportedError);
+  // A truncated pickle, and a damaged archive.
+  CHECK_THROWS_AS(PythonValue(Blob{pkl.substr(0, pkl.size() - 3)}, "x"), CorruptionError);
+  std::string archive = TorchSaveOfPickle(pkl);
+  archive.resize(archive.size() - 30);
+  CHECK_THROWS_AS(PythonValue(Blob{archive}, "x"), CorruptionError);
+  // Python bytes (protocol 2's _codecs.encode form) come back as kBytes.
+  const auto bytes = PythonValue(Blob{TorchSaveOfBytes("ab\xff"s)}, "x");
+  CHECK(bytes->kind == pk::Kind::kBytes);
+  CHECK(bytes->str == "ab\xff"s);
 }
 
 }  // namespace
