@@ -19,13 +19,22 @@ namespace {
 // between the phases of a save, short enough that an idle process holds no thread for long.
 constexpr auto kIdleRetire = std::chrono::seconds(10);
 
+class ThreadPool;
+
+// The pool the current thread works for (null on other threads), and whether its job has said
+// it is about to end (AboutToFinishPoolJob).
+thread_local ThreadPool* t_pool = nullptr;
+thread_local bool t_finishing = false;
+
 class ThreadPool {
  public:
   void Post(std::function<void()> job) {
     std::unique_lock<std::mutex> lock(mu_);
     jobs_.push_back(std::move(job));
-    // Each waiting thread takes one queued job; a job beyond them gets a thread of its own.
-    if (jobs_.size() <= idle_) {
+    // Each waiting thread takes one queued job, and so does each thread whose job is about to
+    // end (it has delivered, or is delivering, its result: a caller that waited for it may post
+    // again before that thread waits); a job beyond them gets a thread of its own.
+    if (jobs_.size() <= idle_ + finishing_) {
       cv_.notify_one();
       return;
     }
@@ -44,8 +53,14 @@ class ThreadPool {
   }
   std::mutex& mu() { return mu_; }
 
+  void Finishing() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++finishing_;
+  }
+
  private:
   void Work() {
+    t_pool = this;
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
       if (jobs_.empty()) {
@@ -63,6 +78,10 @@ class ThreadPool {
       job();
       job = nullptr;  // captures die before the thread waits again
       lock.lock();
+      if (t_finishing) {
+        t_finishing = false;
+        --finishing_;
+      }
     }
   }
 
@@ -70,6 +89,7 @@ class ThreadPool {
   std::condition_variable cv_;
   std::deque<std::function<void()>> jobs_;
   size_t idle_ = 0;
+  size_t finishing_ = 0;  // threads between AboutToFinishPoolJob and their next wait
   size_t threads_ = 0;
 };
 
@@ -96,6 +116,13 @@ ThreadPool& Pool() {
 }  // namespace
 
 void RunOnPoolThread(std::function<void()> job) { Pool().Post(std::move(job)); }
+
+void AboutToFinishPoolJob() noexcept {
+  // A forked child's pool is a new one: a thread of the parent's never runs there.
+  if (t_pool == nullptr || t_finishing || t_pool != current_pool.load()) return;
+  t_pool->Finishing();
+  t_finishing = true;
+}
 
 size_t PoolThreadCount() { return Pool().threads(); }
 

@@ -21,6 +21,11 @@ namespace dcp {
 /// no thread can be created. `job` must not throw (Spawn wraps it so).
 void RunOnPoolThread(std::function<void()> job);
 
+/// Called by a job on a pool thread that has done its work and only delivers its result now
+/// (fulfils a promise): the pool counts the thread as available, so work posted by whoever that
+/// result wakes reuses it rather than starting another thread. No effect on other threads.
+void AboutToFinishPoolJob() noexcept;
+
 /// The result of work started by Spawn: like the std::future of std::async, its destructor
 /// waits for the work to end, so work that borrows the caller's objects cannot outlive them,
 /// even when the caller unwinds with an exception. Exceptions travel to get(). Move-only; one
@@ -79,14 +84,17 @@ Task<std::invoke_result_t<F&>> Spawn(F fn) {
       if constexpr (std::is_void_v<R>) {
         (*work->fn)();
         work->fn.reset();
+        AboutToFinishPoolJob();
         work->promise.set_value();
       } else {
         R result = (*work->fn)();
         work->fn.reset();
+        AboutToFinishPoolJob();
         work->promise.set_value(std::move(result));
       }
     } catch (...) {
       work->fn.reset();
+      AboutToFinishPoolJob();
       work->promise.set_exception(std::current_exception());
     }
   });

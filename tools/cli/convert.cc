@@ -211,6 +211,10 @@ void ImportSafetensors(const std::string& in, const std::string& out_uri, const 
   } catch (const nlohmann::json::exception& e) {
     throw bad(std::string("bad header entry: ") + e.what());
   }
+  SaveConverted(sd, out_uri, o);
+}
+
+void SaveConverted(const StateDict& sd, const std::string& out_uri, const ConvertOptions& o) {
   SaveOptions so;
   so.storage.overwrite = o.overwrite;
   if (o.compress == "zstd") so.storage.compression = Compression::kZstd;

@@ -23,6 +23,10 @@ void ExportSafetensors(const Checkpoint& src, const std::string& out, const Conv
 /// saved straight from the mapping (no copy of the data in memory).
 void ImportSafetensors(const std::string& in, const std::string& out_uri, const ConvertOptions& o);
 
+/// Save `sd` (an imported file's entries) as a new checkpoint at `out_uri`, as `o` asks
+/// (overwrite, compression).
+void SaveConverted(const StateDict& sd, const std::string& out_uri, const ConvertOptions& o);
+
 /// dcp <-> torch.save files (a file Python's torch.load reads: a dict {fqn: tensor}, blobs as
 /// uint8 tensors listed under "__dcp_blobs__"). To torch.save: implemented in a module loaded on
 /// demand (libdcp_cli_torch.so, built with LibTorch), so that the other commands do not pay

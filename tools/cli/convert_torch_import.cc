@@ -97,11 +97,7 @@ void ImportTorch(const std::string& in, const std::string& out_uri, const Conver
       InsertDotted(sd, leaf.fqn, Blob{leaf.is_bytes ? leaf.bytes : leaf.record});
     }
   }
-  SaveOptions so;
-  so.storage.overwrite = o.overwrite;
-  if (o.compress == "zstd") so.storage.compression = Compression::kZstd;
-  so.storage.compression_level = o.compress_level;
-  Save(sd, out_uri, so);
+  SaveConverted(sd, out_uri, o);
 }
 
 }  // namespace dcp::cli
