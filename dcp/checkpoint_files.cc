@@ -15,7 +15,7 @@ namespace dcp {
 bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted) {
   std::shared_ptr<Store> store = OpenStore(uri);
   auto [scheme, location] = SplitUri(uri);
-  if (!DetectLayout(*store) && store->List().empty()) {
+  if (!DetectLayout(*store) && store->List().empty() && store->ListIncomplete().empty()) {
     if (scheme == "file") {
       std::error_code ec;
       std::filesystem::remove(location, ec);  // an empty directory at most; absent is fine
@@ -30,6 +30,8 @@ bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted) {
   for (const auto& name : store->List()) {
     if (name != kLockObjectName) store->Remove(name);
   }
+  // A crashed save's unfinished uploads (s3://): their parts stay billed until discarded.
+  for (const auto& name : store->ListIncomplete()) store->DiscardIncomplete(name);
   if (lock) lock->Release();
   if (scheme == "file") {
     std::error_code ec;

@@ -30,6 +30,12 @@ void ForwardingStore::PublishNew(const std::string& name, std::string_view bytes
   target_->PublishNew(name, bytes);
 }
 
+std::vector<std::string> ForwardingStore::ListIncomplete() { return target_->ListIncomplete(); }
+
+void ForwardingStore::DiscardIncomplete(const std::string& name) {
+  target_->DiscardIncomplete(name);
+}
+
 ForwardingWritableObject::ForwardingWritableObject(std::unique_ptr<WritableObject> target)
     : target_(std::move(target)) {}
 ForwardingWritableObject::~ForwardingWritableObject() = default;

@@ -54,6 +54,8 @@ class ForwardingStore : public Store {
   void Remove(const std::string& name) override;
   std::unique_ptr<StoreLock> TryLock(const std::string& holder) override;
   void PublishNew(const std::string& name, std::string_view bytes) override;
+  std::vector<std::string> ListIncomplete() override;
+  void DiscardIncomplete(const std::string& name) override;
 
  protected:
   std::shared_ptr<Store> target_;

@@ -36,6 +36,10 @@ void Store::PublishNew(const std::string& name, std::string_view bytes) {
 // No primitive by default: the writer then runs without exclusion (documented in store.h).
 std::unique_ptr<StoreLock> Store::TryLock(const std::string&) { return nullptr; }
 
+// No write of these backends outlives its process unseen (store.h).
+std::vector<std::string> Store::ListIncomplete() { return {}; }
+void Store::DiscardIncomplete(const std::string&) {}
+
 namespace {
 
 // A scheme that is another scheme's store written in a given format (torchdcp:// = file:// with

@@ -116,6 +116,21 @@ class Store {
   /// last so that the existing virtual functions keep their places for built plugins.)
   virtual void PublishNew(const std::string& name, std::string_view bytes);
 
+  /// Names with a write in progress that List() does not show and that holds storage: on
+  /// s3://, multipart uploads started and neither completed nor aborted (their parts stay
+  /// stored, and billed, until aborted). A writer's own Create that is still open is one; so is
+  /// a crashed process's. The default is none (file:// and mem:// objects under construction
+  /// are temporaries that List() shows or that die with their process). Thread-safe. IoError
+  /// when the listing fails.
+  virtual std::vector<std::string> ListIncomplete();
+  /// Discard every write in progress under `name` (see ListIncomplete), whoever started it: a
+  /// live writer of that name then fails at its Close. Call it only under the location's lock
+  /// (TryLock) when no write of the caller's own job is open, so that what is discarded can
+  /// only be a dead (or lock-less) writer's. Discarding nothing is not an error. The default
+  /// does nothing. Thread-safe. IoError when the backend refuses. (ListIncomplete and this are
+  /// declared last so that the existing virtual functions keep their places for built plugins.)
+  virtual void DiscardIncomplete(const std::string& name);
+
   /// Read a whole object.
   std::string ReadAll(const std::string& name);
 };

@@ -134,8 +134,10 @@ case "$mode" in
     # newest CMake Debian 12 can install (clang-16 with our -Werror flags, bookworm-backports'
     # CMake 3.31), so code that only g++ 12 accepts, or CMake code that only 3.25 accepts, cannot
     # land; the fuzzers; and the unit, fault and MPI tests under the sanitizers. One build does
-    # all three because compiling is most of CI's time. (GCC 13 + CMake 4 + LibTorch 2.x are
-    # checked on GPU machines, docs/GPU.md.) Everything but the LibTorch adapter is built:
+    # all three because compiling is most of CI's time, and at -O0 for the same reason
+    # (DCP_SANITIZE_OPTIMIZE in CMakeLists.txt: a third of -O1's compile time). (GCC 13 +
+    # CMake 4 + LibTorch 2.x are checked on GPU machines, docs/GPU.md.) Everything but the
+    # LibTorch adapter is built:
     # Debian's LibTorch 1.13 headers do not compile with clang-16 (c10::IValue is incomplete in
     # ivalue_inl.h); the adapter gets its own g++ ASan build below.
     clang16="$build-clang16"
@@ -146,22 +148,39 @@ case "$mode" in
       CC=clang-16 CXX=clang++-16 "$cmake_new" -S "$root" -B "$clang16" -G Ninja \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
         -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-        -DDCP_SANITIZE=address -DDCP_FUZZ=ON -DDCP_WITH_CUDA=OFF -DDCP_WITH_TORCH=OFF
+        -DDCP_SANITIZE=address -DDCP_SANITIZE_OPTIMIZE=-O0 -DDCP_FUZZ=ON -DDCP_WITH_CUDA=OFF \
+        -DDCP_WITH_TORCH=OFF
     fi
     "$cmake_new" --build "$clang16" -j "$jobs"
     # Metadata is untrusted input: fuzz its decoding and validation for a bounded time: dcp's
-    # metadata, then PyTorch DCP input (the restricted unpickler, .metadata, torch.save records),
-    # then safetensors headers and indexes, each from its seed corpus.
-    for target in dcp_metadata_fuzz:corpus dcp_torch_metadata_fuzz:torch_corpus \
-      dcp_safetensors_fuzz:safetensors_corpus; do
-      corpus=$(mktemp -d)
-      cp "$root/tests/fuzz/${target#*:}"/* "$corpus"/
-      log "fuzzing with ${target%%:*} for ${DCP_FUZZ_SECONDS:-40} s"
+    # metadata, PyTorch DCP input (the restricted unpickler, .metadata, torch.save records), and
+    # safetensors headers and indexes, each from its seed corpus. The three run side by side
+    # (each is one process on one core); a crash fails the stage after all three reported.
+    fuzz_out=$(mktemp -d)
+    fuzz_pids=()
+    fuzz_targets=(dcp_metadata_fuzz:corpus dcp_torch_metadata_fuzz:torch_corpus
+      dcp_safetensors_fuzz:safetensors_corpus)
+    log "fuzzing with ${fuzz_targets[*]%%:*} for ${DCP_FUZZ_SECONDS:-40} s, side by side"
+    for target in "${fuzz_targets[@]}"; do
+      mkdir "$fuzz_out/${target%%:*}"
+      cp "$root/tests/fuzz/${target#*:}"/* "$fuzz_out/${target%%:*}"/
       "$clang16/${target%%:*}" -max_total_time="${DCP_FUZZ_SECONDS:-40}" -rss_limit_mb=2048 \
-        -print_final_stats=1 "$corpus" 2>&1 |
-        grep -E '^(#|Done|stat::number_of_executed_units|==)' | tail -4
-      rm -rf "$corpus"
+        -print_final_stats=1 "$fuzz_out/${target%%:*}" >"$fuzz_out/${target%%:*}.log" 2>&1 &
+      fuzz_pids+=($!)
     done
+    fuzz_failed=0
+    for i in "${!fuzz_targets[@]}"; do
+      name=${fuzz_targets[$i]%%:*}
+      wait "${fuzz_pids[$i]}" || fuzz_failed=1
+      echo "-- $name"
+      grep -E '^(#|Done|stat::number_of_executed_units|==)' "$fuzz_out/$name.log" | tail -4 || true
+    done
+    if [ "$fuzz_failed" -ne 0 ]; then
+      for f in "$fuzz_out"/*.log; do echo "== $f"; tail -60 "$f"; done
+      log "a fuzzer found a failure (its report above)"
+      exit 1
+    fi
+    rm -rf "$fuzz_out"
     # Open MPI's own allocations are reported as leaks at exit; leak checking stays on for the
     # unit tests, off for the MPI ones.
     log "clang-16 ASan: unit and fault tests"
@@ -176,7 +195,7 @@ case "$mode" in
     if [ ! -f "$asan/build.ninja" ]; then
       log "configuring $asan (g++, AddressSanitizer + UndefinedBehaviorSanitizer, LibTorch)"
       cmake -S "$root" -B "$asan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDCP_SANITIZE=address \
-        -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
+        -DDCP_SANITIZE_OPTIMIZE=-O0 -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
         -DDCP_WITH_CUDA=OFF -DDCP_WITH_MPI=OFF -DDCP_BUILD_TOOLS=OFF
     fi
     log "building $asan (the LibTorch adapter's tests)"

@@ -290,9 +290,14 @@ class StoreWriter : public StorageWriter {
           dead.push_back(name);
         }
       }
+      // Writes in progress that List() does not show (s3:// multipart uploads) are dead too
+      // under the lock: every write of this save is closed, so they are a crashed or failed
+      // save's, still holding (and billing) their parts.
+      const std::vector<std::string> unfinished =
+          lock_ ? store_->ListIncomplete() : std::vector<std::string>{};
       // Files are dead only while no other writer can exist: with a lock that can be lost,
       // confirm it after the listing (a lost lock leaves them for the next locked save).
-      if (lock_ && !dead.empty()) lock_->CheckHeld();
+      if (lock_ && !(dead.empty() && unfinished.empty())) lock_->CheckHeld();
       for (const auto& name : dead) {
         try {
           store_->Remove(name);
@@ -300,6 +305,13 @@ class StoreWriter : public StorageWriter {
           // Leftover garbage does not make the committed checkpoint wrong; `dcp verify` lists
           // unreferenced files, and the next locked save removes them.
           report("removing the dead file " + name, e.what());
+        }
+      }
+      for (const auto& name : unfinished) {
+        try {
+          store_->DiscardIncomplete(name);
+        } catch (const std::exception& e) {
+          report("discarding the unfinished upload " + name, e.what());
         }
       }
     } catch (const std::exception& e) {

@@ -108,6 +108,11 @@ class SpyStore : public Store {
     if (mem_->Size(n)) throw AlreadyExistsError(n + " exists");  // a conditional create
     mem_->PublishAtomically(n, b);
   }
+  std::vector<std::string> ListIncomplete() override {
+    Log("ListIncomplete");
+    return {"upload"};
+  }
+  void DiscardIncomplete(const std::string& n) override { Log("DiscardIncomplete " + n); }
 
  private:
   void Log(const std::string& call) const { calls.push_back(call); }
@@ -174,9 +179,11 @@ TEST_CASE("forwarding store: every Store call reaches the target", "[storage][fo
     CHECK(lock);
   }
   fwd.PublishNew("n", "new");
+  CHECK(fwd.ListIncomplete() == Calls{"upload"});
+  fwd.DiscardIncomplete("upload");
   CHECK(spy->calls == Calls{"uri", "CreateRoot", "Size a", "Create a", "Append", "Close", "Size a",
                             "PublishAtomically m", "List", "Remove m", "TryLock job-a",
-                            "PublishNew n"});
+                            "PublishNew n", "ListIncomplete", "DiscardIncomplete upload"});
 
   // The target's own PublishNew (a conditional create), not Store's default (an overwrite).
   CHECK_THROWS_AS(fwd.PublishNew("n", "again"), AlreadyExistsError);

@@ -3,16 +3,19 @@
 // that apply to an object store: a connection dropped mid-upload, a 5xx retried, a 4xx not
 // retried (one injected through the client's test hook, one a real 403 from the server), an
 // abandoned upload aborted. Every test SKIPs, printing why, where no server is running.
+#include <sys/wait.h>
+
 #include <atomic>
 #include <catch2/catch.hpp>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <thread>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/registry.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/registry.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"
 #ifdef DCP_HAVE_S3
@@ -129,7 +132,7 @@ TEST_CASE("s3: multipart uploads in parallel parts with ranged and prefetched re
   r->ReadAt(bytes.size() - 200, tail, 200);
   CHECK(std::string(tail, 200) == bytes.substr(bytes.size() - 200));
   CHECK_THROWS_AS(r->ReadAt(bytes.size() - 10, tail, 20), CorruptionError);
-  CHECK(S3IncompleteUploads(*store).empty());
+  CHECK(store->ListIncomplete().empty());
 }
 
 TEST_CASE("s3: the commit is a conditional create so two jobs cannot both commit", "[s3]") {
@@ -217,7 +220,7 @@ TEST_CASE("fault: s3 connection dropped mid-upload is retried and the save compl
   Load(b.sd, root);
   CHECK(SameElements(b.big, s.big));
   CHECK(SameElements(b.small, s.small));
-  CHECK(S3IncompleteUploads(*OpenStore(root)).empty());
+  CHECK(OpenStore(root)->ListIncomplete().empty());
   WARN("s3 connections dropped mid-upload: " << dropped << ", all retried, checkpoint intact");
 }
 
@@ -270,7 +273,7 @@ TEST_CASE(
   Load(b.sd, root);
   CHECK(SameElements(b.big, v1.big));  // the previous checkpoint, intact
   auto store = OpenStore(root);
-  CHECK(S3IncompleteUploads(*store).empty());  // the failed upload was aborted
+  CHECK(store->ListIncomplete().empty());  // the failed upload was aborted
   int data = 0;
   for (const auto& n : store->List()) data += IsDataObjectName(n);
   CHECK(data == 1);
@@ -293,7 +296,7 @@ TEST_CASE("fault: s3 4xx is not retried (an injected 400 and a real 403 from the
     }
     CHECK(hook.Count([](const S3RequestInfo& i) { return IsPart(i, 1); }) == 1);  // no retry
   }
-  CHECK(S3IncompleteUploads(*OpenStore(root)).empty());
+  CHECK(OpenStore(root)->ListIncomplete().empty());
   // Wrong credentials: the server's own 403, once, with the bucket, key and variables named.
   S3Options wrong;
   wrong.secret_access_key = "not-the-secret";
@@ -318,10 +321,111 @@ TEST_CASE("s3: a writer destroyed without Close aborts its multipart upload", "[
   {
     auto w = store->Create("abandoned");
     w->Append(bytes.data(), bytes.size());  // two parts uploaded, the third buffered
-    CHECK(S3IncompleteUploads(*store).size() == 1);
+    CHECK(store->ListIncomplete().size() == 1);
   }
-  CHECK(S3IncompleteUploads(*store).empty());
+  CHECK(store->ListIncomplete().empty());
   CHECK_FALSE(store->Size("abandoned"));
+}
+
+namespace {
+// A multipart upload of `name` left behind as by a process killed mid-save: its writer's abort
+// is refused (the hook answers 400), so the upload stays in progress.
+void LeaveUnfinishedUpload(Store& store, const std::string& name) {
+  Hook hook([](const S3RequestInfo& i) {
+    return i.method == "DELETE" && i.query.find("uploadId=") == 0 ? S3Fault::kClientError400
+                                                                  : S3Fault::kNone;
+  });
+  const std::string bytes = Pattern(9 << 20, 5);
+  auto w = store.Create(name);
+  w->Append(bytes.data(), bytes.size());  // one 8 MiB part uploaded, the rest buffered
+}
+}  // namespace
+
+TEST_CASE("s3: the next save at a location discards a crashed save's unfinished uploads", "[s3]") {
+  if (!HaveServer()) return;
+  const std::string root = S3TestRoot("crashed-upload");
+  auto store = OpenStore(root);
+  store->CreateRoot();
+  LeaveUnfinishedUpload(*store, "data-deadbeef-r0-b0.data");
+  LeaveUnfinishedUpload(*store, "data-deadbeef-r1-b0.data");
+  REQUIRE(store->ListIncomplete() ==
+          std::vector<std::string>{"data-deadbeef-r0-b0.data", "data-deadbeef-r1-b0.data"});
+  BigState s;
+  Save(s.sd, root);  // commits, then discards what is unfinished under its lock
+  CHECK(store->ListIncomplete().empty());
+  BigBack b;
+  Load(b.sd, root);
+  CHECK(SameElements(b.big, s.big));
+  // An unfinished upload in a sub-location is that location's, not this one's.
+  auto child = OpenStore(root + "/child");
+  child->CreateRoot();
+  LeaveUnfinishedUpload(*child, "data-cafe-r0-b0.data");
+  CHECK(store->ListIncomplete().empty());
+  CHECK(child->ListIncomplete().size() == 1);
+  SaveOptions so;
+  so.storage.overwrite = true;
+  Save(s.sd, root, so);
+  CHECK(child->ListIncomplete().size() == 1);
+#ifdef DCP_CLI
+  // `dcp incomplete` lists it; --abort is refused while a save holds the location's lock, and
+  // discards it once the lock is free.
+  auto cli = [](const std::string& args, int* rc) {
+    std::string out;
+    FILE* p = ::popen((std::string(DCP_CLI) + " " + args + " 2>&1").c_str(), "r");
+    REQUIRE(p != nullptr);
+    char buf[512];
+    while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+    *rc = WEXITSTATUS(::pclose(p));
+    return out;
+  };
+  int rc = -1;
+  CHECK_THAT(cli("incomplete " + root + "/child", &rc),
+             Contains("unfinished data-cafe-r0-b0.data"));
+  CHECK(rc == 0);
+  {
+    auto lock = child->TryLock("a save in progress");
+    REQUIRE(lock);
+    CHECK_THAT(cli("incomplete " + root + "/child --abort", &rc), Contains("a save in progress"));
+    CHECK(rc == 2);
+    CHECK(child->ListIncomplete().size() == 1);
+  }
+  CHECK_THAT(cli("incomplete " + root + "/child --abort", &rc),
+             Contains("aborted data-cafe-r0-b0.data"));
+  CHECK(rc == 0);
+  CHECK(child->ListIncomplete().empty());
+  CHECK_THAT(cli("incomplete " + root + "/child", &rc), Contains("no unfinished writes"));
+  // verify warns of one left beside a checkpoint, which stays valid.
+  LeaveUnfinishedUpload(*store, "data-feed-r0-b0.data");
+  CHECK_THAT(cli("verify " + root, &rc), Contains("unfinished write 'data-feed-r0-b0.data'"));
+  CHECK(rc == 0);
+#endif
+}
+
+TEST_CASE("s3: retention removes a crashed step's unfinished uploads, though it holds no object",
+          "[s3]") {
+  if (!HaveServer()) return;
+  const std::string root = S3TestRoot("crashed-step");
+  LocalCommunicator comm;
+  ManagerOptions o;
+  o.keep_last = 1;
+  CheckpointManager m(root, comm, nullptr, o);
+  BigState s;
+  m.Save(1, s.sd);
+  {
+    // Step 2 dies mid-upload and its abort never reaches the server: a killed process.
+    Hook hook([](const S3RequestInfo& i) {
+      return IsPart(i, 2) || (i.method == "DELETE" && i.query.find("uploadId=") == 0)
+                 ? S3Fault::kClientError400
+                 : S3Fault::kNone;
+    });
+    CHECK_THROWS_AS(m.Save(2, s.sd), CollectiveError);
+  }
+  auto step2 = OpenStore(m.PathFor(2));
+  REQUIRE(step2->ListIncomplete().size() == 1);
+  m.Save(3, s.sd);  // retention: step 2 is a crashed save's leftovers
+  CHECK(step2->ListIncomplete().empty());
+  CHECK(step2->List().empty());
+  CHECK(m.CompleteSteps() == std::vector<int64_t>{3});
 }
 #else
 TEST_CASE("s3: backend", "[s3]") {

@@ -1,4 +1,4 @@
-// The `dcp` commands that read checkpoints: inspect, verify and diff (main.cc parses the command
+// The `dcp` commands that read checkpoints: inspect, verify and diff, and incomplete (main.cc parses the command
 // line and calls one). Each returns the command's exit code (cli_common.h's Exit) and throws
 // what ClassifyCurrentException maps to one.
 #pragma once
@@ -18,5 +18,9 @@ int Verify(const std::string& path, bool json);
 /// else by stored checksum).
 int Diff(const std::string& pa, const std::string& pb, bool values, double atol, double rtol,
          bool json);
+/// `dcp incomplete`: list the writes left unfinished at `path` (Store::ListIncomplete: s3://
+/// multipart uploads of a crashed save); with `abort`, discard them under the location's writer
+/// lock (LockedError, exit 2, while a save holds it).
+int Incomplete(const std::string& path, bool abort, bool json);
 
 }  // namespace dcp::cli

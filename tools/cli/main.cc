@@ -4,6 +4,7 @@
 //   dcp verify PATH [--json]
 //   dcp diff A B [--values] [--atol X] [--rtol Y] [--json]
 //   dcp convert SRC DST [--from FMT] [--to FMT] [--overwrite] [--compress zstd] [--json]
+//   dcp incomplete PATH [--abort] [--json]
 //   --plugin LIB (repeatable) loads a storage backend before anything else.
 //   --json prints one JSON document on stdout, with the same exit code as without it; an error
 //   prints {"error": {"category", "exit_code", "message"}} there (and the message on stderr).
@@ -220,6 +221,15 @@ int Main(int argc, char** argv) {
   convert->add_option("--piece-bytes", budget_bytes, "the same in bytes (overrides --piece-mib)");
   convert->add_flag("--json", json, "print one JSON document (formats, entries, bytes written)");
 
+  bool abort_incomplete = false;
+  auto* incomplete = app.add_subcommand(
+      "incomplete",
+      "list writes left unfinished at a location (s3:// multipart uploads of a crashed save); "
+      "--abort discards them under the location's writer lock");
+  incomplete->add_option("PATH", path, "location")->required();
+  incomplete->add_flag("--abort", abort_incomplete, "discard them (refused while a save runs)");
+  incomplete->add_flag("--json", json, "print one JSON document");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -236,6 +246,7 @@ int Main(int argc, char** argv) {
     if (inspect->parsed()) return Inspect(path, filter, json);
     if (verify->parsed()) return Verify(path, json);
     if (diff->parsed()) return Diff(path, other, values, atol, rtol, json);
+    if (incomplete->parsed()) return Incomplete(path, abort_incomplete, json);
     if (convert->parsed()) {
       co.budget_bytes = budget_bytes ? budget_bytes : std::max<size_t>(1, budget_mib) << 20;
       return Convert(path, other, from, to, co, json);

@@ -266,6 +266,14 @@ class Verifier {
              "... and " + std::to_string(strays_ - kNamedStrays) + " more unreferenced data files",
              kOk, std::nullopt, strays_ - kNamedStrays});
       }
+      // Writes a killed save left unfinished (s3:// multipart uploads): invisible to a listing,
+      // yet stored and billed.
+      for (const auto& n : store_.ListIncomplete()) {
+        warnings_.push_back({"unfinished_write", n, nullptr,
+                             "unfinished write '" + n +
+                                 "' (an upload a killed save left; `dcp incomplete --abort` "
+                                 "discards it, as does the next save here)"});
+      }
     } catch (const Error& e) {
       warnings_.push_back({"list_failed", "", nullptr,
                            std::string("cannot list the checkpoint's objects: ") + e.what()});

@@ -177,30 +177,30 @@ class S3Store : public Store {
     client_->Throw(del, r);
   }
 
-  std::vector<std::string> IncompleteUploads() {
-    std::vector<std::string> keys;
-    const std::string pre = prefix_.empty() ? "" : prefix_ + "/";
-    std::string key_marker, id_marker;
-    const std::string what = uri() + " (incomplete uploads)";
-    ListingBounds bounds(what);
-    for (;;) {
-      Call c{"GET", "", {{"uploads", ""}, {"prefix", pre}}};
-      if (!key_marker.empty()) {
-        c.query.emplace_back("key-marker", key_marker);
-        c.query.emplace_back("upload-id-marker", id_marker);
-      }
-      Response r = client_->Send(c);
-      if (r.status == 404 && ErrorCodeOf(r) == "NoSuchBucket") return keys;
-      if (r.status / 100 != 2) client_->Throw(c, r);
-      ListUploadsPage page = ParseListMultipartUploads(r.body, what);
-      keys.insert(keys.end(), page.keys.begin(), page.keys.end());
-      if (!page.truncated) break;
-      key_marker = std::move(page.next_key_marker);
-      id_marker = std::move(page.next_upload_id_marker);
-      if (key_marker.empty()) break;
-      bounds.NextPage(page.keys.size(), key_marker + "\n" + id_marker);
+  // A multipart upload started under the location and neither completed nor aborted: a
+  // writer's that is still open, or a crashed one's (its parts are stored, and billed, until
+  // aborted; a bucket lifecycle rule is the only other way they go).
+  std::vector<std::string> ListIncomplete() override {
+    std::vector<std::string> names;
+    const size_t skip = prefix_.empty() ? 0 : prefix_.size() + 1;
+    for (const auto& upload : Uploads(prefix_.empty() ? "" : prefix_ + "/")) {
+      const std::string name = upload.key.substr(skip);
+      // Only the location's own objects: "/"-free names, as List() shows them.
+      if (name.empty() || name.find('/') != std::string::npos) continue;
+      if (names.empty() || names.back() != name) names.push_back(name);
     }
-    return keys;
+    return names;
+  }
+
+  void DiscardIncomplete(const std::string& name) override {
+    const std::string key = Key(name);
+    for (const auto& upload : Uploads(key)) {
+      if (upload.key != key) continue;  // the prefix also matches longer names
+      Call c{"DELETE", key, {{"uploadId", upload.id}}};
+      Response r = client_->Send(c);
+      // 404 NoSuchUpload: it ended meanwhile (completed or aborted by its writer).
+      if (r.status / 100 != 2 && r.status != 404) client_->Throw(c, r);
+    }
   }
 
   std::unique_ptr<StoreLock> TryLock(const std::string& holder) override {
@@ -210,6 +210,38 @@ class S3Store : public Store {
 
  private:
   static std::string ErrorCodeOf(const Response& r) { return Client::ErrorCode(r); }
+
+  struct Upload {
+    std::string key;
+    std::string id;
+  };
+  // ListMultipartUploads under `key_prefix`, every page (in key order).
+  std::vector<Upload> Uploads(const std::string& key_prefix) {
+    std::vector<Upload> uploads;
+    std::string key_marker, id_marker;
+    const std::string what = uri() + " (incomplete uploads)";
+    ListingBounds bounds(what);
+    for (;;) {
+      Call c{"GET", "", {{"uploads", ""}, {"prefix", key_prefix}}};
+      if (!key_marker.empty()) {
+        c.query.emplace_back("key-marker", key_marker);
+        c.query.emplace_back("upload-id-marker", id_marker);
+      }
+      Response r = client_->Send(c);
+      if (r.status == 404 && ErrorCodeOf(r) == "NoSuchBucket") return uploads;
+      if (r.status / 100 != 2) client_->Throw(c, r);
+      ListUploadsPage page = ParseListMultipartUploads(r.body, what);
+      for (size_t i = 0; i < page.keys.size(); ++i) {
+        uploads.push_back({page.keys[i], page.upload_ids[i]});
+      }
+      if (!page.truncated) break;
+      key_marker = std::move(page.next_key_marker);
+      id_marker = std::move(page.next_upload_id_marker);
+      if (key_marker.empty()) break;
+      bounds.NextPage(page.keys.size(), key_marker + "\n" + id_marker);
+    }
+    return uploads;
+  }
   std::string Key(const std::string& name) const {
     if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
       throw InvalidArgumentError("invalid object name '" + name + "' for " + uri());
@@ -245,12 +277,6 @@ std::shared_ptr<Store> MakeS3Store(const std::string& location, S3Options option
   auto client =
       std::make_shared<s3::Client>(S3Options::FromEnvironment(std::move(options)), bucket);
   return std::make_shared<s3::S3Store>(std::move(client), prefix);
-}
-
-std::vector<std::string> S3IncompleteUploads(Store& store) {
-  auto* s3_store = dynamic_cast<s3::S3Store*>(&store);
-  if (s3_store == nullptr) throw InvalidArgumentError(store.uri() + " is not an s3:// store");
-  return s3_store->IncompleteUploads();
 }
 
 }  // namespace dcp

@@ -22,6 +22,9 @@
 //            smaller than one part is a single PUT at Close. Close completes the upload (only
 //            then is the object visible); destroying the writer without Close aborts it
 //            (AbortMultipartUpload: nothing partial remains, no parts left billed).
+//   ListIncomplete  ListMultipartUploads under the prefix (a killed writer's uploads, whose
+//            parts stay billed); DiscardIncomplete aborts a key's uploads. The next locked save
+//            at the location calls them after its commit (storage/store.h).
 //   Open     HEAD for the size; ReadAt is a ranged GET (a large one split into parallel
 //            ranges); Prefetch starts up to read_ahead_parts ranged GETs of part_size ahead.
 //   PublishAtomically  a single PUT (atomic in S3). PublishNew: PUT with If-None-Match: *
@@ -95,11 +98,6 @@ struct S3Options {
 /// InvalidArgumentError for a malformed location or missing credentials. No request is made
 /// until the store is used (CreateRoot creates the bucket if it does not exist).
 std::shared_ptr<Store> MakeS3Store(const std::string& location, S3Options options = {});
-
-/// Keys of the multipart uploads in progress under an s3:// location (not completed, not
-/// aborted): what a crashed writer leaves billed until a lifecycle rule or an abort removes it.
-/// InvalidArgumentError when `store` is not an s3:// store.
-std::vector<std::string> S3IncompleteUploads(Store& store);
 
 // ---- for tests ------------------------------------------------------------------------------
 

@@ -125,6 +125,7 @@ ListUploadsPage ParseListMultipartUploads(std::string_view body, const std::stri
   for (const XMLElement* u = root->FirstChildElement("Upload"); u != nullptr;
        u = u->NextSiblingElement("Upload")) {
     page.keys.push_back(ChildText(*u, "Key"));
+    page.upload_ids.push_back(ChildText(*u, "UploadId"));
   }
   page.truncated = ChildText(*root, "IsTruncated") == "true";
   page.next_key_marker = ChildText(*root, "NextKeyMarker");

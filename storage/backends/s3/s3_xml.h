@@ -50,7 +50,8 @@ ListObjectsPage ParseListObjectsV2(std::string_view body, const std::string& wha
 
 // One page of ListMultipartUploads (ListMultipartUploadsResult).
 struct ListUploadsPage {
-  std::vector<std::string> keys;  // every <Upload>'s <Key>
+  std::vector<std::string> keys;        // every <Upload>'s <Key>
+  std::vector<std::string> upload_ids;  // and its <UploadId>, in the same order
   bool truncated = false;
   std::string next_key_marker;        // <NextKeyMarker>
   std::string next_upload_id_marker;  // <NextUploadIdMarker>
