@@ -15,7 +15,9 @@
 //            tensor row-sharded over the ranks, files_per_rank = --files / 4 (at least 1); raw:
 //            4 threads with a store each, --files objects of the same total.
 //   reshard  the 4-rank checkpoint loaded column-sharded by 4 ranks: every rank reads a column
-//            block of every stored row block (strided boxes), compared with the 4-rank raw GET.
+//            block of every stored row block (strided boxes: each rank reads every stored byte,
+//            4x the state), compared with the 4-rank raw GET; and loaded by 1 rank (4 files of
+//            row blocks into whole tensors), compared with the 1-rank raw GET.
 // Every load is cold for the store (new objects opened, nothing cached client-side). Requests
 // are counted over the load, everything included (HEADs, metadata), per GiB of state.
 #include <CLI/CLI.hpp>
@@ -182,7 +184,7 @@ int main(int argc, char** argv) {
     };
 
     const int files4 = std::max(1, files / kRanks);  // per rank
-    Phase put1, get1, save1, load1, put4, get4, save4, load4, reshard;
+    Phase put1, get1, save1, load1, put4, get4, save4, load4, reshard, reshard1;
     SaveOptions so;
     so.storage.files_per_rank = files;
     so.storage.overwrite = true;
@@ -258,6 +260,8 @@ int main(int argc, char** argv) {
         });
       });
       check("resharding load (4 ranks, rows -> columns)");
+      reshard1.Run([&] { Load(back, ckpt4 + query, lo); });
+      check("resharding load (4 ranks -> 1)");
     }
     for (const std::string& u : {ckpt1, ckpt4, raw}) RemoveAll(*OpenStore(u + query));
 
@@ -273,7 +277,8 @@ int main(int argc, char** argv) {
                          {"load_1rank", load1, get1, "GET"},
                          {"save_4ranks", save4, put4, "PUT"},
                          {"load_4ranks", load4, get4, "GET"},
-                         {"reshard_load_4ranks", reshard, get4, "GET"}};
+                         {"reshard_load_4ranks", reshard, get4, "GET"},
+                         {"reshard_load_4to1", reshard1, get1, "GET"}};
     if (json) {
       std::printf("{\"bytes\":%.0f,\"files\":%d,\"repeats\":%d", total, files, repeats);
       for (const Row& r : table) {

@@ -36,6 +36,10 @@ constexpr uint64_t kReadPieceBytes = uint64_t{32} << 20;
 // what held warm (page-cache) loads below the speed of a plain read.
 constexpr size_t kHotReadBytes = size_t{1} << 20;
 
+// Items of a file run smaller than this are announced to the store (PrefetchRanges) so that a
+// remote one fetches them in a few large requests instead of one each.
+constexpr uint64_t kCoalesceBelowBytes = uint64_t{8} << 20;
+
 // The running checksum of one item as it is read: CRC32C for dcp's own items, CRC-32 for the
 // storage of a torch.save record (its zip entry's CRC), so that every load path checks both.
 struct RunningCrc {
@@ -698,9 +702,10 @@ class StoreReader : public StorageReader {
     }
   }
 
-  // The byte ranges of `in` that reading `items` (in order) starts with: a whole item's bytes,
-  // the rows a partial item's box touches (a verified partial read may then stream the whole
-  // item again, a large read of its own).
+  // The byte ranges of `in` that reading `items` (in order) starts with, of the items under
+  // kCoalesceBelowBytes: a whole item's bytes, the rows a partial item's box touches (a verified
+  // partial read may then stream the whole item again, a large read of its own). Larger items
+  // are left out: they are large requests already, and a streamed read lands them in place.
   std::vector<ByteRange> RangesOf(const LoadPlan& plan, const std::vector<size_t>& items) const {
     std::vector<ByteRange> ranges;
     for (size_t i : items) {
@@ -724,7 +729,7 @@ class StoreReader : public StorageReader {
                static_cast<uint64_t>(item.lengths[0]) * row};
         }
       }
-      ranges.push_back(r);
+      if (r.length < kCoalesceBelowBytes) ranges.push_back(r);
     }
     return ranges;
   }
@@ -734,7 +739,10 @@ class StoreReader : public StorageReader {
     std::set<MetadataIndex> verified;  // stored items whose CRC a partial read already checked
     // A run of items, often small and adjacent: say what is coming so that a remote store can
     // fetch it in a few large requests rather than one per item (store.h).
-    if (items.size() > 1) in.PrefetchRanges(RangesOf(plan, items));
+    if (items.size() > 1) {
+      const std::vector<ByteRange> ranges = RangesOf(plan, items);
+      if (ranges.size() > 1) in.PrefetchRanges(ranges);
+    }
     for (size_t i : items) {
       const ReadItem& item = plan.items[i];
       const StorageInfo& info = Info(item);

@@ -121,10 +121,17 @@ class Client::Slot {
                     ? &client
                     : nullptr) {
     if (client_ == nullptr) return;
+    // First come, first served: a part or range that waits is not overtaken by later ones
+    // (one starved part would hold back its whole object's completion).
     std::unique_lock<std::mutex> lock(client_->mu_);
-    client_->slot_freed_.wait(lock,
-                              [&] { return client_->slots_in_use_ < client_->o_.max_connections; });
+    const uint64_t ticket = client_->slot_tickets_++;
+    client_->slot_freed_.wait(lock, [&] {
+      return client_->slot_next_ == ticket && client_->slots_in_use_ < client_->o_.max_connections;
+    });
+    ++client_->slot_next_;
     ++client_->slots_in_use_;
+    lock.unlock();
+    client_->slot_freed_.notify_all();  // the next ticket may go too
   }
   ~Slot() {
     if (client_ == nullptr) return;
@@ -132,7 +139,7 @@ class Client::Slot {
       std::lock_guard<std::mutex> lock(client_->mu_);
       --client_->slots_in_use_;
     }
-    client_->slot_freed_.notify_one();
+    client_->slot_freed_.notify_all();
   }
   Slot(const Slot&) = delete;
   Slot& operator=(const Slot&) = delete;

@@ -6,6 +6,7 @@
 
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -91,6 +92,7 @@ class Client {
   std::map<CURL*, curl_socket_t> sockets_;  // with mu_: a pooled handle's connection
   std::condition_variable slot_freed_;      // with mu_
   int slots_in_use_ = 0;
+  uint64_t slot_tickets_ = 0, slot_next_ = 0;  // FIFO order of the waiters
 };
 
 }  // namespace dcp::s3
