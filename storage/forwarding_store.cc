@@ -54,5 +54,8 @@ uint64_t ForwardingReadableObject::size() const { return target_->size(); }
 void ForwardingReadableObject::Prefetch(uint64_t offset, uint64_t n) noexcept {
   target_->Prefetch(offset, n);
 }
+void ForwardingReadableObject::PrefetchRanges(const std::vector<ByteRange>& ranges) noexcept {
+  target_->PrefetchRanges(ranges);
+}
 
 }  // namespace dcp

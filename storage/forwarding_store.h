@@ -87,6 +87,9 @@ class ForwardingReadableObject : public ReadableObject {
   void ReadAt(uint64_t offset, void* dst, size_t n) override;
   uint64_t size() const override;
   void Prefetch(uint64_t offset, uint64_t n) noexcept override;
+  // ReadAtStreaming is not forwarded: the default reads through ReadAt, so a subclass that
+  // changes ReadAt sees every byte of a streamed read too.
+  void PrefetchRanges(const std::vector<ByteRange>& ranges) noexcept override;
 
  protected:
   std::unique_ptr<ReadableObject> target_;

@@ -28,6 +28,19 @@ std::string Store::ReadAll(const std::string& name) {
   return out;
 }
 
+// ReadAt in steps, after the hint that the whole range is coming (store.h).
+void ReadableObject::ReadAtStreaming(uint64_t offset, void* dst, size_t n, size_t step,
+                                     const std::function<void(size_t, size_t)>& landed) {
+  step = std::max<size_t>(step, 1);
+  if (n > step) Prefetch(offset, n);
+  char* p = static_cast<char*>(dst);
+  for (size_t pos = 0; pos < n; pos += step) {
+    const size_t k = std::min(step, n - pos);
+    ReadAt(offset + pos, p + pos, k);
+    landed(pos, k);
+  }
+}
+
 // No conditional create by default: the writer lock is the exclusion (store.h).
 void Store::PublishNew(const std::string& name, std::string_view bytes) {
   PublishAtomically(name, bytes);
@@ -122,6 +135,8 @@ std::shared_ptr<Store> OpenS3(const std::string& location, const BackendOptionMa
   S3Options o;
   if (auto v = reader.String("endpoint")) o.endpoint = *v;
   if (auto v = reader.String("region")) o.region = *v;
+  if (auto v = reader.Int("target_gbps", 1, 100000)) o.target_gbps = double(*v);
+  if (auto v = reader.Int("max_connections", 1, 1024)) o.max_connections = int(*v);
   if (auto v = reader.Int("part_size_mib", 5, 5 << 10)) o.part_size = uint64_t(*v) << 20;
   if (auto v = reader.Int("parts_in_flight", 1, 1024)) o.parts_in_flight = int(*v);
   if (auto v = reader.Int("read_ahead_parts", 1, 1024)) o.read_ahead_parts = int(*v);

@@ -16,7 +16,8 @@
 // the layout a writer writes, on any Store-based backend; every other key is a backend option
 // (StorageOptions::backend gives the same from code):
 //   file://   direct_io=0|1 (default: on, or DCP_DIRECT_IO)
-//   s3://     endpoint, region, part_size_mib, parts_in_flight, read_ahead_parts, max_retries,
+//   s3://     endpoint, region, target_gbps, max_connections, part_size_mib, parts_in_flight,
+//             read_ahead_parts, max_retries,
 //             lock_lease_s, sign_payload, request_timeout_s (defaults: the DCP_S3_* / AWS_*
 //             environment, storage/backends/s3/s3_store.h); credentials only from the environment
 //   mem://    none

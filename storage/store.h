@@ -9,7 +9,9 @@
 // WritableObject or ReadableObject is used by one thread at a time.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -36,6 +38,14 @@ class WritableObject {
   virtual uint64_t size() const = 0;
 };
 
+/// A byte range of an object: [offset, offset + length).
+struct ByteRange {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint64_t end() const { return offset + length; }
+  bool operator==(const ByteRange&) const = default;
+};
+
 class ReadableObject {
  public:
   virtual ~ReadableObject() = default;
@@ -48,6 +58,26 @@ class ReadableObject {
   /// the ReadAt calls that follow in smaller steps find it arriving. Never fails; the default does
   /// nothing.
   virtual void Prefetch(uint64_t /*offset*/, uint64_t /*n*/) noexcept {}
+
+  // (Declared after the functions above so that their virtual slots stay where built plugins
+  // expect them.)
+
+  /// ReadAt of n bytes at offset into dst that reports its progress: landed(pos, len) is called on
+  /// the calling thread for consecutive pieces [pos, pos + len) of dst, in order, starting at 0
+  /// and covering all n bytes, each as soon as its bytes are in dst, so the caller can work on
+  /// (e.g. checksum) one piece while the next ones are still arriving. Errors as ReadAt; an
+  /// exception from landed propagates (after any transfer into dst has stopped). The default
+  /// reads in ReadAt steps of `step` bytes after a Prefetch hint for the whole range; a backend
+  /// may land larger pieces (s3://: one per ranged GET, several in flight, straight into dst).
+  virtual void ReadAtStreaming(uint64_t offset, void* dst, size_t n, size_t step,
+                               const std::function<void(size_t pos, size_t len)>& landed);
+
+  /// A hint that the byte ranges `ranges` (ascending offsets; they may overlap or touch) will be
+  /// read next, in that order, by ReadAt calls: a backend may fetch them in a few large requests
+  /// (s3://: ranges whose gaps are small merged into one ranged GET, split into requests of its
+  /// request size, several in flight), so the small reads that follow find their bytes arrived.
+  /// Never fails; the default does nothing.
+  virtual void PrefetchRanges(const std::vector<ByteRange>& /*ranges*/) noexcept {}
 };
 
 /// Exclusive ownership of a store location (one writer per checkpoint location), held until the

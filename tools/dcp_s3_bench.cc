@@ -1,24 +1,39 @@
 // dcp-s3-bench: dcp save/load through s3:// against raw PUT/GET of the same bytes with the same
 // client (dcp's S3 store used directly: the same multipart uploads and ranged GETs, no
 // checkpoint protocol, no checksums), on the same server in the same run. Medians of
-// --repeats runs; prints GB/s and the ratios dcp/raw.
+// --repeats runs; prints GB/s, the ratios dcp/raw, and the requests each load made per GiB.
 //
 //   dcp-s3-bench --uri s3://bucket/prefix [--size-mib 256] [--files 4] [--repeats 3] [--json]
 //
-// Configuration of the server and credentials: the AWS_* environment (storage/backends/s3/s3_store.h).
-// The state is --files tensors of size/files bytes each, one data file each (files_per_rank =
-// --files), and the raw baseline writes and reads --files objects of the same sizes on as many
-// threads, so both sides have the same parallelism.
+// Configuration of the server and credentials: the AWS_* environment
+// (storage/backends/s3/s3_store.h); the store's options (target_gbps, max_connections,
+// part_size_mib, ...) may be given in the URI's query, and apply to the raw and the dcp side alike.
+// The state is --files 2-D float tensors [rows, 1024] of size/files bytes each.
+//   1 rank   one data file per tensor (files_per_rank = --files); raw: --files objects of the
+//            same sizes on as many threads, through one store.
+//   4 ranks  (an InProcessGroup: 4 threads, each its own store, as 4 processes would have) every
+//            tensor row-sharded over the ranks, files_per_rank = --files / 4 (at least 1); raw:
+//            4 threads with a store each, --files objects of the same total.
+//   reshard  the 4-rank checkpoint loaded column-sharded by 4 ranks: every rank reads a column
+//            block of every stored row block (strided boxes: each rank reads every stored byte,
+//            4x the state), compared with the 4-rank raw GET; and loaded by 1 rank (4 files of
+//            row blocks into whole tensors), compared with the 1-rank raw GET.
+// Every load is cold for the store (new objects opened, nothing cached client-side). Requests
+// are counted over the load, everything included (HEADs, metadata), per GiB of state.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <iostream>
+#include <stdexcept>
 #include <thread>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/registry.h"
+#include "dcp/storage/backends/s3/s3_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/registry.h"
 #include "tools/bench_util.h"
 #include "tools/fill_random.h"
 
@@ -52,6 +67,65 @@ void OnThreads(int n, Fn fn) {
   }
 }
 
+constexpr int kRanks = 4;
+constexpr int64_t kCols = 1024;  // 4 KiB rows
+
+// The tensors split over `ranks` along `dim` (views of the same memory).
+std::vector<StateDict> Sharded(const std::vector<TensorView>& ts, int ranks, size_t dim) {
+  std::vector<StateDict> out(static_cast<size_t>(ranks));
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const TensorView& t = ts[i];
+    for (int r = 0; r < ranks; ++r) {
+      ShardedTensor st{t.dtype, t.shape, {}};
+      const int64_t b = t.shape[dim] * r / ranks, e = t.shape[dim] * (r + 1) / ranks;
+      if (e > b) {
+        Shape off(t.shape.size(), 0), len = t.shape;
+        off[dim] = b;
+        len[dim] = e - b;
+        st.local_shards.push_back({t.Narrow(off, len), off});
+      }
+      out[static_cast<size_t>(r)].Set("t" + std::to_string(i), std::move(st));
+    }
+  }
+  return out;
+}
+
+// Seconds for fn(rank, comm) on every rank of `group` at once, each on its own thread.
+double TimeRanks(InProcessGroup& group, const std::function<void(int, Communicator&)>& fn) {
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(group.size()));
+  std::vector<std::thread> threads;
+  const auto t0 = Clock::now();
+  for (int r = 0; r < group.size(); ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r, group.communicator(r));
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double s = Since(t0);
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  return s;
+}
+
+// One measured operation: its times, and the requests it made (summed over the repeats).
+struct Phase {
+  std::vector<double> seconds;
+  uint64_t requests = 0;
+  template <typename Fn>
+  void Run(Fn fn) {
+    const uint64_t r0 = S3RequestCountForTesting();
+    const auto t0 = Clock::now();
+    fn();
+    seconds.push_back(Since(t0));
+    requests += S3RequestCountForTesting() - r0;
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -59,36 +133,58 @@ int main(int argc, char** argv) {
   std::string uri;
   int size_mib = 256, files = 4, repeats = 3;
   bool json = false;
-  app.add_option("--uri", uri, "s3://bucket/prefix to use (emptied before and after)")->required();
+  app.add_option("--uri", uri, "s3://bucket/prefix[?options] to use (emptied before and after)")
+      ->required();
   app.add_option("--size-mib", size_mib, "bytes per save, MiB");
-  app.add_option("--files", files, "tensors = data files = raw objects = threads");
+  app.add_option("--files", files, "tensors = data files = raw objects = threads (1 rank)");
   app.add_option("--repeats", repeats, "runs of each measurement (the median is reported)");
   app.add_flag("--json", json, "one JSON line");
   CLI11_PARSE(app, argc, argv);
-  if (uri.rfind("s3://", 0) != 0) {
-    std::cerr << "dcp-s3-bench: --uri must be s3://bucket/prefix\n";
+  if (uri.rfind("s3://", 0) != 0 || files < 1 || repeats < 1) {
+    std::cerr << "dcp-s3-bench: --uri must be s3://bucket/prefix, --files and --repeats >= 1\n";
     return 2;
   }
+  std::string query;
+  if (const size_t q = uri.find('?'); q != std::string::npos) {
+    query = uri.substr(q);
+    uri.resize(q);
+  }
   try {
-    const size_t per = (static_cast<size_t>(size_mib) << 20) / files / 4 * 4;
+    const int64_t rows =
+        std::max<int64_t>(kRanks, ((static_cast<int64_t>(size_mib) << 20) / files) / (kCols * 4));
+    const size_t per = static_cast<size_t>(rows * kCols * 4);
     const double total = static_cast<double>(per) * files;
+    const double gib = total / double(uint64_t{1} << 30);
     std::vector<TensorView> src, dst;
     StateDict sd, back;
     for (int i = 0; i < files; ++i) {
-      src.push_back(bench::AlignedTensor(DType::kFloat32, {static_cast<int64_t>(per / 4)}));
+      src.push_back(bench::AlignedTensor(DType::kFloat32, {rows, kCols}));
       tools::FillRandomBytes(src.back().data, per, 100 + i);
-      dst.push_back(bench::AlignedTensor(DType::kFloat32, {static_cast<int64_t>(per / 4)}));
+      dst.push_back(bench::AlignedTensor(DType::kFloat32, {rows, kCols}));
       sd.Set("t" + std::to_string(i), src.back());
       back.Set("t" + std::to_string(i), dst.back());
     }
-    const std::string ckpt = uri + "/ckpt", raw = uri + "/raw";
-    auto ckpt_store = OpenStore(ckpt);
-    auto raw_store = OpenStore(raw);
-    ckpt_store->CreateRoot();
-    RemoveAll(*ckpt_store);
-    RemoveAll(*raw_store);
+    const std::vector<StateDict> src_rows = Sharded(src, kRanks, 0);
+    std::vector<StateDict> dst_rows = Sharded(dst, kRanks, 0), dst_cols = Sharded(dst, kRanks, 1);
+    InProcessGroup group(kRanks);
+    const std::string ckpt1 = uri + "/ckpt1", ckpt4 = uri + "/ckpt4", raw = uri + "/raw";
+    for (const std::string& u : {ckpt1, ckpt4, raw}) {
+      auto s = OpenStore(u + query);
+      s->CreateRoot();
+      RemoveAll(*s);
+    }
+    // A check after every load: what was loaded is what was saved; then clear for the next.
+    auto check = [&](const char* what) {
+      for (int i = 0; i < files; ++i) {
+        if (std::memcmp(dst[i].data, src[i].data, per) != 0) {
+          throw std::runtime_error(std::string(what) + " returned different bytes");
+        }
+        std::memset(dst[i].data, 0, per);
+      }
+    };
 
-    std::vector<double> save_s, load_s, put_s, get_s;
+    const int files4 = std::max(1, files / kRanks);  // per rank
+    Phase put1, get1, save1, load1, put4, get4, save4, load4, reshard, reshard1;
     SaveOptions so;
     so.storage.files_per_rank = files;
     so.storage.overwrite = true;
@@ -96,56 +192,113 @@ int main(int argc, char** argv) {
     LoadOptions lo;
     lo.storage.read_threads = files;
     lo.storage.memory_budget_bytes = static_cast<size_t>(files) * kWriterStagingBytes;
+    SaveOptions so4 = so;
+    so4.storage.files_per_rank = files4;
+    so4.storage.memory_budget_bytes = static_cast<size_t>(files4) * kWriterStagingBytes;
+    LoadOptions lo4 = lo;
+    lo4.storage.read_threads = files4;
+    lo4.storage.memory_budget_bytes = static_cast<size_t>(files4) * kWriterStagingBytes;
     for (int rep = 0; rep < repeats; ++rep) {
-      auto t = Clock::now();
-      OnThreads(files, [&](int i) {
-        auto w = raw_store->Create("obj-" + std::to_string(i));
-        w->Append(src[i].data, per);
-        w->Close();
-      });
-      put_s.push_back(Since(t));
-      t = Clock::now();
-      OnThreads(files, [&](int i) {
-        auto r = raw_store->Open("obj-" + std::to_string(i));
-        r->ReadAt(0, dst[i].data, per);
-      });
-      get_s.push_back(Since(t));
-      for (int i = 0; i < files; ++i) {
-        if (std::memcmp(dst[i].data, src[i].data, per) != 0) {
-          std::cerr << "dcp-s3-bench: raw GET returned different bytes\n";
-          return 1;
-        }
-        std::memset(dst[i].data, 0, per);
+      // ---- 1 rank: one store, --files threads
+      {
+        auto store = OpenStore(raw + query);
+        put1.Run([&] {
+          OnThreads(files, [&](int i) {
+            auto w = store->Create("obj-" + std::to_string(i));
+            w->Append(src[i].data, per);
+            w->Close();
+          });
+        });
+        get1.Run([&] {
+          OnThreads(files, [&](int i) {
+            auto r = store->Open("obj-" + std::to_string(i));
+            r->ReadAt(0, dst[i].data, per);
+          });
+        });
+        check("raw GET");
       }
+      save1.Run([&] { Save(sd, ckpt1 + query, so); });
+      load1.Run([&] { Load(back, ckpt1 + query, lo); });
+      check("load (1 rank)");
 
-      t = Clock::now();
-      Save(sd, ckpt, so);
-      save_s.push_back(Since(t));
-      t = Clock::now();
-      Load(back, ckpt, lo);
-      load_s.push_back(Since(t));
-      for (int i = 0; i < files; ++i) {
-        if (std::memcmp(dst[i].data, src[i].data, per) != 0) {
-          std::cerr << "dcp-s3-bench: load returned different bytes\n";
-          return 1;
-        }
-        std::memset(dst[i].data, 0, per);
+      // ---- 4 ranks: a store per rank; the raw side the same bytes in --files objects
+      {
+        std::vector<std::shared_ptr<Store>> stores;
+        for (int r = 0; r < kRanks; ++r) stores.push_back(OpenStore(raw + query));
+        const int threads = std::max(files, kRanks);
+        put4.Run([&] {
+          OnThreads(threads, [&](int t) {
+            if (t >= files) return;
+            auto w = stores[t % kRanks]->Create("obj-" + std::to_string(t));
+            w->Append(src[t].data, per);
+            w->Close();
+          });
+        });
+        get4.Run([&] {
+          OnThreads(threads, [&](int t) {
+            if (t >= files) return;
+            auto r = stores[t % kRanks]->Open("obj-" + std::to_string(t));
+            r->ReadAt(0, dst[t].data, per);
+          });
+        });
+        check("raw GET (4 ranks)");
       }
+      save4.Run([&] {
+        TimeRanks(group, [&](int r, Communicator& comm) {
+          Save(src_rows[static_cast<size_t>(r)], ckpt4 + query, comm, so4);
+        });
+      });
+      load4.Run([&] {
+        TimeRanks(group, [&](int r, Communicator& comm) {
+          Load(dst_rows[static_cast<size_t>(r)], ckpt4 + query, comm, lo4);
+        });
+      });
+      check("load (4 ranks)");
+      reshard.Run([&] {
+        TimeRanks(group, [&](int r, Communicator& comm) {
+          Load(dst_cols[static_cast<size_t>(r)], ckpt4 + query, comm, lo4);
+        });
+      });
+      check("resharding load (4 ranks, rows -> columns)");
+      reshard1.Run([&] { Load(back, ckpt4 + query, lo); });
+      check("resharding load (4 ranks -> 1)");
     }
-    RemoveAll(*ckpt_store);
-    RemoveAll(*raw_store);
-    auto gbps = [&](const std::vector<double>& s) { return total / Median(s) / 1e9; };
-    const double save = gbps(save_s), load = gbps(load_s), put = gbps(put_s), get = gbps(get_s);
+    for (const std::string& u : {ckpt1, ckpt4, raw}) RemoveAll(*OpenStore(u + query));
+
+    auto gbps = [&](const Phase& p) { return total / Median(p.seconds) / 1e9; };
+    auto per_gib = [&](const Phase& p) { return double(p.requests) / repeats / gib; };
+    struct Row {
+      const char* name;
+      const Phase& dcp;
+      const Phase& raw;
+      const char* raw_name;
+    };
+    const Row table[] = {{"save_1rank", save1, put1, "PUT"},
+                         {"load_1rank", load1, get1, "GET"},
+                         {"save_4ranks", save4, put4, "PUT"},
+                         {"load_4ranks", load4, get4, "GET"},
+                         {"reshard_load_4ranks", reshard, get4, "GET"},
+                         {"reshard_load_4to1", reshard1, get1, "GET"}};
     if (json) {
-      std::printf(
-          "{\"bytes\":%.0f,\"files\":%d,\"repeats\":%d,\"save_gbps\":%.4f,\"raw_put_gbps\":%.4f,"
-          "\"load_gbps\":%.4f,\"raw_get_gbps\":%.4f,\"save_vs_put\":%.3f,\"load_vs_get\":%.3f}\n",
-          total, files, repeats, save, put, load, get, save / put, load / get);
+      std::printf("{\"bytes\":%.0f,\"files\":%d,\"repeats\":%d", total, files, repeats);
+      for (const Row& r : table) {
+        std::printf(
+            ",\"%s\":{\"gbps\":%.4f,\"raw_gbps\":%.4f,\"ratio\":%.3f,\"requests_per_gib\":%.1f,"
+            "\"raw_requests_per_gib\":%.1f}",
+            r.name, gbps(r.dcp), gbps(r.raw), gbps(r.dcp) / gbps(r.raw), per_gib(r.dcp),
+            per_gib(r.raw));
+      }
+      std::printf("}\n");
     } else {
-      std::printf("dcp-s3-bench: %.0f MiB in %d tensors/objects, median of %d, %s\n",
-                  total / (1 << 20), files, repeats, uri.c_str());
-      std::printf("  save  %.3f GB/s   raw PUT %.3f GB/s   save/PUT %.2f\n", save, put, save / put);
-      std::printf("  load  %.3f GB/s   raw GET %.3f GB/s   load/GET %.2f\n", load, get, load / get);
+      std::printf("dcp-s3-bench: %.0f MiB in %d tensors [%lld x %lld] f32, median of %d, %s%s\n",
+                  total / (1 << 20), files, static_cast<long long>(rows),
+                  static_cast<long long>(kCols), repeats, uri.c_str(), query.c_str());
+      for (const Row& r : table) {
+        std::printf(
+            "  %-20s %.3f GB/s  raw %s %.3f GB/s  ratio %.2f  requests/GiB %.1f (raw %.1f)\n",
+            r.name, gbps(r.dcp), r.raw_name, gbps(r.raw), gbps(r.dcp) / gbps(r.raw), per_gib(r.dcp),
+            per_gib(r.raw));
+      }
     }
   } catch (const std::exception& e) {
     std::cerr << "dcp-s3-bench: " << e.what() << "\n";

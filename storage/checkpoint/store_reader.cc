@@ -36,6 +36,10 @@ constexpr uint64_t kReadPieceBytes = uint64_t{32} << 20;
 // what held warm (page-cache) loads below the speed of a plain read.
 constexpr size_t kHotReadBytes = size_t{1} << 20;
 
+// Items of a file run smaller than this are announced to the store (PrefetchRanges) so that a
+// remote one fetches them in a few large requests instead of one each.
+constexpr uint64_t kCoalesceBelowBytes = uint64_t{8} << 20;
+
 // The running checksum of one item as it is read: CRC32C for dcp's own items, CRC-32 for the
 // storage of a torch.save record (its zip entry's CRC), so that every load path checks both.
 struct RunningCrc {
@@ -53,14 +57,11 @@ void ReadHot(ReadableObject& in, uint64_t offset, void* dst, size_t n, RunningCr
     in.ReadAt(offset, dst, n);
     return;
   }
-  // Small steps keep the CRC cache-hot; the hint keeps a cold read's requests large.
-  if (n > kHotReadBytes) in.Prefetch(offset, n);
-  char* p = static_cast<char*>(dst);
-  for (size_t pos = 0; pos < n; pos += kHotReadBytes) {
-    const size_t k = std::min(kHotReadBytes, n - pos);
-    in.ReadAt(offset + pos, p + pos, k);
-    crc->Add(p + pos, k);
-  }
+  // Each piece is CRC'd as it lands: in small steps (cache-hot) by default, a backend's own
+  // pieces where it has them (s3://: one per ranged GET, the others still in flight).
+  const char* p = static_cast<const char*>(dst);
+  in.ReadAtStreaming(offset, dst, n, kHotReadBytes,
+                     [&](size_t pos, size_t k) { crc->Add(p + pos, k); });
 }
 
 // A reader thread's way into device memory: two pinned pieces, each with its own stream, so
@@ -622,11 +623,26 @@ class StoreReader : public StorageReader {
                           std::to_string(*stored) + ", computed " + std::to_string(actual));
   }
 
+  // Whether ReadBox of this box reads every byte of the chunk, in order: the box spans the
+  // whole first dimension, a row of it fits the scratch buffer (ReadBoxDim then reads slabs of
+  // whole rows) and it is not the single-range read straight into a dense destination.
+  bool ReadsWholeChunk(const Shape& sizes, const Shape& box_off, const Shape& box_len, size_t esize,
+                       const TensorView& dst) const {
+    const size_t rank = sizes.size();
+    if (rank == 0 || box_off[0] != 0 || box_len[0] != sizes[0]) return false;
+    size_t k = 0;
+    while (k < rank && box_len[k] == 1) ++k;
+    bool one_range = true;
+    for (size_t d = k + 1; d < rank; ++d) one_range &= box_len[d] == sizes[d];
+    if (one_range && IsDense(dst) && dst.device.is_cpu()) return false;
+    return static_cast<uint64_t>(ContiguousStrides(sizes)[0]) * esize <= ScratchLimit();
+  }
+
   // Copy the box [box_off, +box_len) of a stored C-contiguous chunk of shape `sizes` (starting
   // at byte `base` of `in`) into `dst` (shape box_len), using at most ScratchLimit() bytes of
   // scratch. When the box is one byte range and dst is dense, reads straight into dst. When
-  // `crc` is set the box must be the whole chunk; the CRC32C of its bytes, in order, is
-  // accumulated into *crc.
+  // `crc` is set the box must be the whole chunk, or one ReadsWholeChunk accepts; the CRC of the
+  // bytes read, in order, is accumulated into *crc.
   void ReadBox(ReadableObject& in, uint64_t base, DType dtype, const Shape& sizes,
                const Shape& box_off, const Shape& box_len, const TensorView& dst,
                HostBuffer& scratch, RunningCrc* crc) const {
@@ -686,9 +702,47 @@ class StoreReader : public StorageReader {
     }
   }
 
+  // The byte ranges of `in` that reading `items` (in order) starts with, of the items under
+  // kCoalesceBelowBytes: a whole item's bytes, the rows a partial item's box touches (a verified
+  // partial read may then stream the whole item again, a large read of its own). Larger items
+  // are left out: they are large requests already, and a streamed read lands them in place.
+  std::vector<ByteRange> RangesOf(const LoadPlan& plan, const std::vector<size_t>& items) const {
+    std::vector<ByteRange> ranges;
+    for (size_t i : items) {
+      const ReadItem& item = plan.items[i];
+      const StorageInfo& info = Info(item);
+      if (!info.transforms.empty() && !IsZstdItem(info)) continue;  // torch records: their own
+      ByteRange r{info.offset, info.length};
+      if (item.type == ReadItemType::kTensor && info.transforms.empty()) {
+        const ChunkMeta& chunk = StoredChunk(item);
+        const size_t esize = ElementSize(Entry(item).dtype);
+        if (item.lengths != chunk.sizes && !item.lengths.empty() &&
+            chunk.sizes.size() == item.lengths.size() &&
+            info.length == static_cast<uint64_t>(chunk.numel()) * esize) {
+          // The rows (indices of the first dimension) the box touches: ReadBox reads whole
+          // rows through scratch, and at most them.
+          const uint64_t row = static_cast<uint64_t>(ContiguousStrides(chunk.sizes)[0]) * esize;
+          if (std::find(item.lengths.begin(), item.lengths.end(), 0) != item.lengths.end()) {
+            continue;
+          }
+          r = {info.offset + static_cast<uint64_t>(item.storage_offsets[0]) * row,
+               static_cast<uint64_t>(item.lengths[0]) * row};
+        }
+      }
+      if (r.length < kCoalesceBelowBytes) ranges.push_back(r);
+    }
+    return ranges;
+  }
+
   void ReadFile(const LoadPlan& plan, LoadPlanner& planner, const std::string& name,
                 ReadableObject& in, const std::vector<size_t>& items, HostBuffer& scratch) {
     std::set<MetadataIndex> verified;  // stored items whose CRC a partial read already checked
+    // A run of items, often small and adjacent: say what is coming so that a remote store can
+    // fetch it in a few large requests rather than one per item (store.h).
+    if (items.size() > 1) {
+      const std::vector<ByteRange> ranges = RangesOf(plan, items);
+      if (ranges.size() > 1) in.PrefetchRanges(ranges);
+    }
     for (size_t i : items) {
       const ReadItem& item = plan.items[i];
       const StorageInfo& info = Info(item);
@@ -734,12 +788,24 @@ class StoreReader : public StorageReader {
                                 std::to_string(chunk.numel() * esize));
         }
         RunningCrc crc = NewCrc(info);
+        const bool verify_partial = !whole && options_.verify_partial_reads &&
+                                    options_.verify_checksums && HasCrc(info) &&
+                                    !verified.count(item.storage_index);
+        // A box over every index of the first dimension (a column block of a row-major chunk)
+        // is read through scratch as the whole chunk, front to back: its CRC comes with it, and
+        // the verify pass below would read the same bytes a second time.
+        const bool streams_whole =
+            verify_partial &&
+            ReadsWholeChunk(chunk.sizes, item.storage_offsets, item.lengths, esize, dst);
         ReadBox(in, info.offset, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst,
-                scratch, whole ? &crc : nullptr);
+                scratch, whole || streams_whole ? &crc : nullptr);
         if (whole) {
           VerifyCrc(item, info, crc.value);
-        } else if (options_.verify_partial_reads && options_.verify_checksums && HasCrc(info) &&
-                   verified.insert(item.storage_index).second) {
+        } else if (streams_whole) {
+          verified.insert(item.storage_index);
+          VerifyCrc(item, info, crc.value);
+        } else if (verify_partial) {
+          verified.insert(item.storage_index);
           // Stream the whole stored item through the scratch buffer to check its CRC.
           RunningCrc c = NewCrc(info);
           for (uint64_t pos = 0; pos < info.length;) {

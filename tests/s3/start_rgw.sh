@@ -115,6 +115,12 @@ rgw frontends = beast endpoint=127.0.0.1:$rgw_port
 rgw dns name = localhost
 rgw thread pool size = 64
 rgw enable usage log = false
+# Deleted and overwritten objects' data goes to RGW's garbage collector, which by default frees it
+# two hours later: a few dcp-s3-bench runs (GiBs each) would fill the 4 GiB memstore and every
+# write would then hang. Collect within seconds instead.
+rgw gc obj min wait = 0
+rgw gc processor period = 5
+rgw gc processor max time = 5
 rgw max chunk size = 4194304
 rgw obj stripe size = 4194304
 rgw put obj min window size = 16777216

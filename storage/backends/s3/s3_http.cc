@@ -17,8 +17,11 @@
 //    did succeed (412 on our own bytes, 404 NoSuchUpload with the object in place).
 #include "dcp/storage/backends/s3/s3_http.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
@@ -109,11 +112,48 @@ Client::~Client() {
   for (CURL* h : pool_) curl_easy_cleanup(h);
 }
 
+// Holds one of the client's data-request slots for its lifetime (nothing for other requests:
+// small control requests, e.g. a lock's renewal, never queue behind bulk transfers).
+class Client::Slot {
+ public:
+  Slot(Client& client, const Call& c)
+      : client_(c.dst != nullptr || (c.method == "PUT" && c.body_size >= (size_t{1} << 20))
+                    ? &client
+                    : nullptr) {
+    if (client_ == nullptr) return;
+    // First come, first served: a part or range that waits is not overtaken by later ones
+    // (one starved part would hold back its whole object's completion).
+    std::unique_lock<std::mutex> lock(client_->mu_);
+    const uint64_t ticket = client_->slot_tickets_++;
+    client_->slot_freed_.wait(lock, [&] {
+      return client_->slot_next_ == ticket && client_->slots_in_use_ < client_->o_.max_connections;
+    });
+    ++client_->slot_next_;
+    ++client_->slots_in_use_;
+    lock.unlock();
+    client_->slot_freed_.notify_all();  // the next ticket may go too
+  }
+  ~Slot() {
+    if (client_ == nullptr) return;
+    {
+      std::lock_guard<std::mutex> lock(client_->mu_);
+      --client_->slots_in_use_;
+    }
+    client_->slot_freed_.notify_all();
+  }
+  Slot(const Slot&) = delete;
+  Slot& operator=(const Slot&) = delete;
+
+ private:
+  Client* client_;
+};
+
 Response Client::Send(const Call& c, bool* retried) {
   std::string last;
   for (int attempt = 0;; ++attempt) {
     if (retried) *retried = attempt > 0;
     try {
+      Slot slot(*this, c);  // released before a retry's backoff
       Response r = Once(c, attempt);
       if (!Retryable(r.status)) return r;
       const S3ErrorBody error = ParseS3Error(r.body);
@@ -177,7 +217,19 @@ struct Client::Transfer {
   size_t drop_after = SIZE_MAX;  // test hook: abort the upload after this many bytes
   CURL* handle = nullptr;
   long status = -1;
+  Client* client = nullptr;
+  curl_socket_t socket = CURL_SOCKET_BAD;  // the connection's, for TCP_QUICKACK (Header)
 };
+
+// A new connection for t->handle: remember its socket (a reused connection's is in sockets_;
+// CURLINFO_ACTIVESOCKET is not set until a transfer ends).
+int Client::SocketOpened(void* user, curl_socket_t fd, curlsocktype) {
+  auto* t = static_cast<Transfer*>(user);
+  t->socket = fd;
+  std::lock_guard<std::mutex> lock(t->client->mu_);
+  t->client->sockets_[t->handle] = fd;
+  return CURL_SOCKOPT_OK;
+}
 
 size_t Client::ReadBody(char* buf, size_t size, size_t nitems, void* user) {
   auto* t = static_cast<Transfer*>(user);
@@ -207,9 +259,21 @@ size_t Client::WriteBody(char* data, size_t size, size_t nmemb, void* user) {
 }
 
 size_t Client::Header(char* data, size_t size, size_t nitems, void* user) {
-  auto* r = static_cast<Response*>(user);
+  auto* t = static_cast<Transfer*>(user);
+  Response* r = t->response;
   const size_t n = size * nitems;
   std::string line(data, n);
+  if (line == "\r\n" || line == "\n") {
+    // The end of the headers: acknowledge them now. A server that keeps Nagle's algorithm on
+    // (RGW's beast does unless tcp_nodelay=1) holds a small body back until its headers are
+    // acknowledged, and our delayed ACK would make every small GET (metadata, a lock) wait
+    // ~40 ms. Setting TCP_QUICKACK sends the pending ACK at once (Linux).
+    if (t->socket != CURL_SOCKET_BAD) {
+      const int one = 1;
+      setsockopt(t->socket, IPPROTO_TCP, TCP_QUICKACK, &one, sizeof one);
+    }
+    return n;
+  }
   const size_t colon = line.find(':');
   if (colon != std::string::npos) {
     std::string name = line.substr(0, colon);
@@ -312,6 +376,12 @@ Response Client::Once(const Call& c, int attempt) {
   Response r;
   Transfer t{&c, &r};
   t.handle = h;
+  t.client = this;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sockets_.find(h);
+    if (it != sockets_.end()) t.socket = it->second;
+  }
   if (fault == S3Fault::kDropMidBody) t.drop_after = c.body_size / 2;
   curl_easy_reset(h);
   curl_easy_setopt(h, CURLOPT_URL, url.c_str());
@@ -327,7 +397,9 @@ Response Client::Once(const Call& c, int attempt) {
   curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, &Client::WriteBody);
   curl_easy_setopt(h, CURLOPT_WRITEDATA, &t);
   curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, &Client::Header);
-  curl_easy_setopt(h, CURLOPT_HEADERDATA, &r);
+  curl_easy_setopt(h, CURLOPT_HEADERDATA, &t);
+  curl_easy_setopt(h, CURLOPT_SOCKOPTFUNCTION, &Client::SocketOpened);
+  curl_easy_setopt(h, CURLOPT_SOCKOPTDATA, &t);
   if (c.method == "HEAD") {
     curl_easy_setopt(h, CURLOPT_NOBODY, 1L);
   } else if (c.method == "PUT" || c.method == "POST") {
@@ -349,6 +421,10 @@ Response Client::Once(const Call& c, int attempt) {
   curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
   if (rc != CURLE_OK) {
     // The connection may be half-used: do not give it to the next request.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      sockets_.erase(h);
+    }
     curl_easy_cleanup(h);
     throw TransportFailure{
         std::string(curl_easy_strerror(rc)) +

@@ -4,7 +4,9 @@
 
 #include <curl/curl.h>
 
+#include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -47,8 +49,12 @@ class Client {
   const std::string& bucket() const { return bucket_; }
 
   // One request with retries of retryable failures; the final response (any status) or a
-  // retryable IoError once the retries are spent. `retried`: set when more than one attempt
-  // was made (non-idempotent callers use it to recognise their own earlier success).
+  // retryable IoError once the retries are spent. A data request (a ranged GET into a caller's
+  // buffer, a PUT of 1 MiB or more) first waits until fewer than options().max_connections
+  // data requests of this client are in flight, so the store's concurrency is the one its
+  // throughput target chose, however many objects are being read or written. `retried`: set when
+  // more than one attempt was made (non-idempotent callers use it to recognise their own earlier
+  // success).
   Response Send(const Call& c, bool* retried = nullptr);
 
   // Send and require a 2xx; map the rest onto dcp errors.
@@ -68,17 +74,25 @@ class Client {
   static size_t ReadBody(char* buf, size_t size, size_t nitems, void* user);
   static size_t WriteBody(char* data, size_t size, size_t nmemb, void* user);
   static size_t Header(char* data, size_t size, size_t nitems, void* user);
+  static int SocketOpened(void* user, curl_socket_t fd, curlsocktype purpose);
 
   CURL* Acquire();
   void Return(CURL* h);
   long DeadlineMs(const Call& c) const;
   Response Once(const Call& c, int attempt);
 
+  // A data request (see Send) waits here for one of o_.max_connections slots.
+  class Slot;
+
   S3Options o_;
   std::string bucket_;
   std::string host_;
   std::mutex mu_;
   std::vector<CURL*> pool_;
+  std::map<CURL*, curl_socket_t> sockets_;  // with mu_: a pooled handle's connection
+  std::condition_variable slot_freed_;      // with mu_
+  int slots_in_use_ = 0;
+  uint64_t slot_tickets_ = 0, slot_next_ = 0;  // FIFO order of the waiters
 };
 
 }  // namespace dcp::s3

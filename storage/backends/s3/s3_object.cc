@@ -7,11 +7,18 @@
 //    part_size x (parts_in_flight + 1). The object appears atomically at
 //    CompleteMultipartUpload, which gives the Store rule "invisible until Close" for free; a
 //    writer destroyed without Close aborts the upload so no orphaned parts stay billed.
-//  * Reads: dcp reads large items as Prefetch(range) then 1 MiB ReadAt steps (so the CRC runs
-//    cache-hot). One GET per 1 MiB step would be latency-bound; Prefetch starts part_size
-//    ranged GETs ahead (a sliding window of read_ahead_parts) and ReadAt serves from them. A
-//    ReadAt that no window covers is a ranged GET straight into the destination, split into
-//    parallel ranges when large.
+//  * Reads: a large verified read is ReadAtStreaming: part_size ranged GETs straight into the
+//    destination, read_ahead_parts in flight, each piece handed to the caller's CRC as it lands
+//    (no bounce buffer, no copy, no zero-fill: on a host that also runs the server, or that is
+//    short of memory bandwidth, each extra pass over the bytes was a measurable share of the
+//    load). Small reads (the items of a file run, a resharding load's boxes) come after a
+//    PrefetchRanges hint: the ranges are coalesced (gaps up to kS3CoalesceGapBytes read through)
+//    into part_size GETs of a sliding window of read_ahead_parts, and ReadAt serves from them,
+//    so N adjacent small items cost about size/part_size requests instead of N. A ReadAt that
+//    no window covers is a ranged GET straight into the destination, split into parallel ranges
+//    when large. Every data request also takes one of the client's max_connections slots
+//    (s3_http.h), so however many readers a load runs, the store's concurrency is the one its
+//    throughput target chose.
 #include "dcp/storage/backends/s3/s3_object.h"
 
 #include <algorithm>
@@ -183,6 +190,10 @@ class S3Writable : public WritableObject {
   bool closed_ = false;
 };
 
+// A ReadAt under kSmallReadBytes that no window covers fetches kSmallReadAheadBytes (see ReadAt).
+constexpr size_t kSmallReadBytes = size_t{64} << 10;
+constexpr uint64_t kSmallReadAheadBytes = uint64_t{1} << 20;
+
 class S3Readable : public ReadableObject {
  public:
   S3Readable(std::shared_ptr<Client> client, std::string key, uint64_t size)
@@ -192,14 +203,27 @@ class S3Readable : public ReadableObject {
   }
 
   void ReadAt(uint64_t offset, void* dst, size_t n) override {
-    if (offset > size_ || n > size_ - offset) {
-      throw CorruptionError("object '" + client_->Describe(key_) + "' is truncated: need " +
-                            std::to_string(n) + " bytes at offset " + std::to_string(offset) +
-                            " but it has " + std::to_string(size_));
-    }
+    CheckRange(offset, n);
     if (n == 0) return;
     char* out = static_cast<char*>(dst);
-    // Serve what the prefetch window holds, in order.
+    Serve(offset, out, n);
+    if (n > 0 && n < kSmallReadBytes && window_.empty()) {
+      // A small read with nothing coming (a metadata header, a zip directory): fetch what
+      // follows along with it, so the read after it (the rest of the file) is served from here.
+      // A small GET costs a round trip, and often a delayed-ACK stall (~40 ms on a server that
+      // keeps Nagle on, as RGW's beast does by default) next to which the extra bytes are free.
+      Queue({{offset, std::min<uint64_t>(kSmallReadAheadBytes, size_ - offset)}});
+      TopUp();
+      Serve(offset, out, n);
+    }
+    if (n > 0) Direct(offset, out, n);
+  }
+
+  uint64_t size() const override { return size_; }
+
+  // Serve the start of [offset, offset + n) from the prefetch window, in order, advancing the
+  // arguments past what it served.
+  void Serve(uint64_t& offset, char*& out, size_t& n) {
     while (n > 0 && !window_.empty()) {
       Chunk& c = window_.front();
       if (offset >= c.offset + c.size) {  // passed it: drop
@@ -207,17 +231,17 @@ class S3Readable : public ReadableObject {
         TopUp();
         continue;
       }
-      if (offset < c.offset) break;  // a backward jump: not in the window
-      const std::string* bytes = nullptr;
+      if (offset < c.offset) break;  // a backward jump, or a gap between requests
+      const char* bytes = nullptr;
       try {
-        bytes = &c.Bytes();
+        bytes = c.Bytes();
       } catch (const Error&) {
         // A failed prefetch: drop the window, the direct read below retries on its own.
-        window_.clear();
+        Reset();
         break;
       }
       const size_t take = std::min<uint64_t>(n, c.offset + c.size - offset);
-      std::memcpy(out, bytes->data() + (offset - c.offset), take);
+      std::memcpy(out, bytes + (offset - c.offset), take);
       out += take;
       offset += take;
       n -= take;
@@ -226,10 +250,7 @@ class S3Readable : public ReadableObject {
         TopUp();
       }
     }
-    if (n > 0) Direct(offset, out, n);
   }
-
-  uint64_t size() const override { return size_; }
 
   void Prefetch(uint64_t offset, uint64_t n) noexcept override {
     try {
@@ -238,16 +259,84 @@ class S3Readable : public ReadableObject {
       if (!window_.empty() && offset >= window_.front().offset && offset <= ahead_end_) {
         // Inside or right after what is coming (the next piece of a sequential read): extend the
         // window instead of restarting it, so the stream of GETs has no gap between pieces.
-        ahead_end_ = std::max(ahead_end_, offset + n);
-        TopUp();
-        return;
+        if (offset + n > ahead_end_) Queue({{ahead_end_, offset + n - ahead_end_}});
+      } else {
+        Reset();
+        Queue({{offset, n}});
       }
-      window_.clear();  // a Task waits for its GET in its destructor
-      next_ = offset;
-      ahead_end_ = offset + n;
       TopUp();
     } catch (...) {
       // A hint: the reads that follow fetch directly.
+    }
+  }
+
+  void PrefetchRanges(const std::vector<ByteRange>& ranges) noexcept override {
+    try {
+      std::vector<ByteRange> wanted;
+      for (ByteRange r : ranges) {
+        if (r.offset >= size_) continue;
+        r.length = std::min(r.length, size_ - r.offset);
+        wanted.push_back(r);
+      }
+      if (wanted.empty()) return;
+      const uint64_t first = std::min_element(wanted.begin(), wanted.end(), [](auto& a, auto& b) {
+                               return a.offset < b.offset;
+                             })->offset;
+      if (window_.empty() || first < window_.front().offset) {
+        Reset();
+        Queue(std::move(wanted));
+      } else {
+        // A continuation: what is queued or arrived already is not asked for twice.
+        std::vector<ByteRange> rest;
+        for (const ByteRange& r : wanted) {
+          if (r.end() <= ahead_end_) continue;
+          const uint64_t b = std::max(r.offset, ahead_end_);
+          rest.push_back({b, r.end() - b});
+        }
+        Queue(std::move(rest));
+      }
+      TopUp();
+    } catch (...) {
+      // A hint: the reads that follow fetch directly.
+    }
+  }
+
+  // Ranged GETs of part_size straight into dst, read_ahead_parts in flight (no buffer, no
+  // copy): each piece is reported as it lands, in order, while the next ones are still coming,
+  // so the caller's checksum of one piece overlaps the transfer of the others.
+  void ReadAtStreaming(uint64_t offset, void* dst, size_t n, size_t step,
+                       const std::function<void(size_t, size_t)>& landed) override {
+    CheckRange(offset, n);
+    if (Overlaps(offset, n)) {  // the window has (some of) it: serve from there
+      ReadableObject::ReadAtStreaming(offset, dst, n, step, landed);
+      return;
+    }
+    const uint64_t part = client_->options().part_size;
+    const size_t width = static_cast<size_t>(std::max(1, client_->options().read_ahead_parts));
+    char* out = static_cast<char*>(dst);
+    struct Piece {
+      size_t pos, len;
+      Task<void> get;
+    };
+    std::deque<Piece> running;  // on a throw, their destructors wait: dst is not written after
+    size_t next = 0;
+    auto issue = [&] {
+      while (running.size() < width && next < n) {
+        const size_t len = static_cast<size_t>(std::min<uint64_t>(part, n - next));
+        char* to = out + next;
+        const uint64_t at = offset + next;
+        running.push_back(
+            {next, len, Spawn([this, at, to, len] { Get(*client_, key_, at, to, len); })});
+        next += len;
+      }
+    };
+    issue();
+    while (!running.empty()) {
+      Piece p = std::move(running.front());
+      running.pop_front();
+      p.get.get();
+      issue();  // keep the connections busy while the caller works on this piece
+      landed(p.pos, p.len);
     }
   }
 
@@ -255,30 +344,66 @@ class S3Readable : public ReadableObject {
   struct Chunk {
     uint64_t offset;
     uint64_t size;
-    Task<std::string> fetch;
-    std::optional<std::string> bytes;
+    Task<std::shared_ptr<char[]>> fetch;
+    std::shared_ptr<char[]> bytes;
     // The prefetched bytes, waiting for them the first time (rethrows a failed GET).
-    const std::string& Bytes() {
+    const char* Bytes() {
       if (!bytes) bytes = fetch.get();
-      return *bytes;
+      return bytes.get();
     }
   };
 
+  void CheckRange(uint64_t offset, size_t n) const {
+    if (offset > size_ || n > size_ - offset) {
+      throw CorruptionError("object '" + client_->Describe(key_) + "' is truncated: need " +
+                            std::to_string(n) + " bytes at offset " + std::to_string(offset) +
+                            " but it has " + std::to_string(size_));
+    }
+  }
+
+  // Whether the window (arrived or queued) holds any byte of [offset, offset + n).
+  bool Overlaps(uint64_t offset, uint64_t n) const {
+    auto hit = [&](uint64_t o, uint64_t len) { return o < offset + n && offset < o + len; };
+    for (const Chunk& c : window_) {
+      if (hit(c.offset, c.size)) return true;
+    }
+    for (const ByteRange& r : pending_) {
+      if (hit(r.offset, r.length)) return true;
+    }
+    return false;
+  }
+
+  void Reset() {
+    window_.clear();  // a Task waits for its GET in its destructor
+    pending_.clear();
+    ahead_end_ = 0;
+  }
+
+  // Add `ranges` to the requests to make, coalesced and cut to part_size.
+  void Queue(std::vector<ByteRange> ranges) {
+    for (const ByteRange& r :
+         S3CoalesceRanges(std::move(ranges), kS3CoalesceGapBytes, client_->options().part_size)) {
+      pending_.push_back(r);
+      ahead_end_ = std::max(ahead_end_, r.end());
+    }
+  }
+
+  // Start queued requests until read_ahead_parts are in flight or arrived unread.
   void TopUp() {
-    const uint64_t part = client_->options().part_size;
     while (window_.size() < static_cast<size_t>(client_->options().read_ahead_parts) &&
-           next_ < ahead_end_) {
-      const uint64_t len = std::min(part, ahead_end_ - next_);
+           !pending_.empty()) {
+      const ByteRange r = pending_.front();
+      pending_.pop_front();
       auto client = client_;
       const std::string key = key_;
-      const uint64_t off = next_;
+      const uint64_t off = r.offset, len = r.length;
       window_.push_back({off, len, Spawn([client, key, off, len] {
-                           std::string buf(len, '\0');
-                           Get(*client, key, off, buf.data(), len);
+                           // Not zero-filled: the GET writes every byte or fails.
+                           std::shared_ptr<char[]> buf(new char[len]);
+                           Get(*client, key, off, buf.get(), len);
                            return buf;
                          }),
-                         std::nullopt});
-      next_ += len;
+                         nullptr});
     }
   }
 
@@ -333,11 +458,51 @@ class S3Readable : public ReadableObject {
   std::shared_ptr<Client> client_;
   std::string key_;
   uint64_t size_;
-  std::deque<Chunk> window_;
-  uint64_t next_ = 0, ahead_end_ = 0;
+  std::deque<Chunk> window_;       // GETs in flight or arrived, in the order they will be read
+  std::deque<ByteRange> pending_;  // requests not made yet, in order
+  uint64_t ahead_end_ = 0;         // the end of the last range queued
 };
 
 }  // namespace
+
+}  // namespace dcp::s3
+
+namespace dcp {
+
+std::vector<ByteRange> S3CoalesceRanges(std::vector<ByteRange> ranges, uint64_t max_gap,
+                                        uint64_t request_bytes) {
+  if (request_bytes == 0) throw InvalidArgumentError("S3CoalesceRanges: request_bytes is 0");
+  ranges.erase(std::remove_if(ranges.begin(), ranges.end(),
+                              [](const ByteRange& r) { return r.length == 0; }),
+               ranges.end());
+  std::sort(ranges.begin(), ranges.end(),
+            [](const ByteRange& a, const ByteRange& b) { return a.offset < b.offset; });
+  std::vector<ByteRange> spans;
+  for (const ByteRange& r : ranges) {
+    if (!spans.empty() && r.offset <= spans.back().end() + max_gap) {
+      spans.back().length = std::max(spans.back().end(), r.end()) - spans.back().offset;
+    } else {
+      spans.push_back(r);
+    }
+  }
+  // Equal requests (not full ones and a small tail), so that parallel GETs end together.
+  std::vector<ByteRange> out;
+  for (const ByteRange& s : spans) {
+    const uint64_t k = (s.length + request_bytes - 1) / request_bytes;
+    const uint64_t base = s.length / k, extra = s.length % k;
+    uint64_t at = s.offset;
+    for (uint64_t i = 0; i < k; ++i) {
+      const uint64_t len = base + (i < extra ? 1 : 0);
+      out.push_back({at, len});
+      at += len;
+    }
+  }
+  return out;
+}
+
+}  // namespace dcp
+
+namespace dcp::s3 {
 
 std::unique_ptr<WritableObject> MakeWritable(std::shared_ptr<Client> client, std::string key) {
   return std::make_unique<S3Writable>(std::move(client), std::move(key));

@@ -1,5 +1,7 @@
 // S3Options::FromEnvironment: the s3:// backend's settings from the AWS_* and DCP_S3_*
 // environment variables and the defaults (storage/backends/s3/s3_store.h lists them).
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -51,6 +53,22 @@ S3Options S3Options::FromEnvironment(S3Options o) {
         "s3:// needs credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
         "AWS_ENDPOINT_URL for an S3-compatible server)");
   }
+  if (o.target_gbps <= 0) {
+    const std::string v = Env("DCP_S3_TARGET_GBPS");
+    char* end = nullptr;
+    o.target_gbps = v.empty() ? 10.0 : std::strtod(v.c_str(), &end);
+    if (!v.empty() && (end == v.c_str() || *end != '\0' || !(o.target_gbps > 0))) {
+      throw InvalidArgumentError("DCP_S3_TARGET_GBPS='" + v + "' is not a positive number");
+    }
+  }
+  if (o.max_connections <= 0) {
+    o.max_connections = static_cast<int>(EnvInt("DCP_S3_MAX_CONNECTIONS", 0));
+  }
+  if (o.max_connections <= 0) {
+    // The CRT's rule: the target over what one connection carries.
+    o.max_connections =
+        static_cast<int>(std::clamp(std::ceil(o.target_gbps / kS3ConnectionGbps), 2.0, 64.0));
+  }
   if (o.part_size == 0)
     o.part_size = static_cast<uint64_t>(EnvInt("DCP_S3_PART_SIZE_MIB", 8)) << 20;
   if (o.part_size < (uint64_t{5} << 20) || o.part_size > (uint64_t{5} << 30)) {
@@ -58,9 +76,9 @@ S3Options S3Options::FromEnvironment(S3Options o) {
                                std::to_string(o.part_size) + " bytes");
   }
   if (o.parts_in_flight <= 0)
-    o.parts_in_flight = static_cast<int>(EnvInt("DCP_S3_PARTS_IN_FLIGHT", 3));
+    o.parts_in_flight = static_cast<int>(EnvInt("DCP_S3_PARTS_IN_FLIGHT", o.max_connections));
   if (o.read_ahead_parts <= 0)
-    o.read_ahead_parts = static_cast<int>(EnvInt("DCP_S3_READ_AHEAD_PARTS", 3));
+    o.read_ahead_parts = static_cast<int>(EnvInt("DCP_S3_READ_AHEAD_PARTS", o.max_connections));
   if (o.parts_in_flight <= 0 || o.read_ahead_parts <= 0) {
     throw InvalidArgumentError("DCP_S3_PARTS_IN_FLIGHT and DCP_S3_READ_AHEAD_PARTS must be >= 1");
   }

@@ -1,6 +1,6 @@
 // s3://bucket/prefix: checkpoints in an S3-compatible object store (AWS S3, Ceph RADOS Gateway,
-// MinIO, ...), over libcurl with AWS SigV4 signing (storage/backends/s3/s3_sigv4.h). Built when libcurl,
-// OpenSSL's libcrypto and tinyxml2 are found (DCP_HAVE_S3); otherwise the scheme is not
+// MinIO, ...), over libcurl with AWS SigV4 signing (storage/backends/s3/s3_sigv4.h). Built when
+// libcurl, OpenSSL's libcrypto and tinyxml2 are found (DCP_HAVE_S3); otherwise the scheme is not
 // registered.
 //
 // Configuration, from the usual environment variables unless S3Options says otherwise:
@@ -9,24 +9,35 @@
 //   AWS_REGION or AWS_DEFAULT_REGION           signing region (default us-east-1)
 //   AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL    e.g. http://127.0.0.1:7480 for an S3-compatible
 //                                              server (default https://s3.<region>.amazonaws.com)
-//   DCP_S3_PART_SIZE_MIB (8), DCP_S3_PARTS_IN_FLIGHT (3), DCP_S3_READ_AHEAD_PARTS (3),
-//   DCP_S3_MAX_RETRIES (4), DCP_S3_LOCK_LEASE_S (60), DCP_S3_SIGN_PAYLOAD (0),
+//   DCP_S3_TARGET_GBPS (10), DCP_S3_MAX_CONNECTIONS (from the target: 10 / 2.5 = 4),
+//   DCP_S3_PART_SIZE_MIB (8), DCP_S3_PARTS_IN_FLIGHT and DCP_S3_READ_AHEAD_PARTS (both
+//   max_connections), DCP_S3_MAX_RETRIES (4), DCP_S3_LOCK_LEASE_S (60), DCP_S3_SIGN_PAYLOAD (0),
 //   DCP_S3_REQUEST_TIMEOUT_S (60)
+//   The same keys (target_gbps, max_connections, part_size_mib, ...) in a URI's query
+//   (s3://bucket/ckpt?target_gbps=25) override the environment (storage/registry.h).
+// Sizing (as the AWS CRT client): the throughput target gives the connections, max_connections
+// = ceil(target_gbps / kS3ConnectionGbps); every store bounds its data requests (part uploads,
+// ranged GETs) in flight to that many, whichever objects they belong to, and each writer or
+// reader may use all of them.
 // Requests use path-style addressing (endpoint/bucket/key), which every S3-compatible server
 // accepts.
 //
 // How the Store maps onto S3 (the files of storage/backends/s3/ say why):
 //   Create   a multipart upload: parts of part_size bytes, up to parts_in_flight uploading while
 //            the next one fills, so one writer holds at most part_size x (parts_in_flight + 1)
-//            bytes (32 MiB by default: the store-buffer share of kWriterStagingBytes). An object
-//            smaller than one part is a single PUT at Close. Close completes the upload (only
-//            then is the object visible); destroying the writer without Close aborts it
-//            (AbortMultipartUpload: nothing partial remains, no parts left billed).
+//            bytes (40 MiB by default). An object smaller than one part is a single PUT at Close.
+//            Close completes the upload (only then is the object visible); destroying the writer
+//            without Close aborts it (AbortMultipartUpload: nothing partial remains, no parts left
+//            billed).
 //   ListIncomplete  ListMultipartUploads under the prefix (a killed writer's uploads, whose
 //            parts stay billed); DiscardIncomplete aborts a key's uploads. The next locked save
 //            at the location calls them after its commit (storage/store.h).
 //   Open     HEAD for the size; ReadAt is a ranged GET (a large one split into parallel
 //            ranges); Prefetch starts up to read_ahead_parts ranged GETs of part_size ahead.
+//            ReadAtStreaming: ranged GETs of part_size straight into the destination, up to
+//            read_ahead_parts in flight, each piece reported as it lands. PrefetchRanges: the
+//            ranges are coalesced (S3CoalesceRanges: gaps up to kS3CoalesceGapBytes are read
+//            through) into GETs of at most part_size, read_ahead_parts in flight.
 //   PublishAtomically  a single PUT (atomic in S3). PublishNew: PUT with If-None-Match: *
 //            (the commit of a new checkpoint: two jobs cannot both commit).
 //   List     ListObjectsV2 under the prefix ("/"-delimited: only the prefix's own objects).
@@ -64,6 +75,10 @@
 
 namespace dcp {
 
+/// What one connection is planned to carry, Gbit/s: target_gbps / this = connections. About
+/// what one TCP stream to an S3 endpoint (or a local RADOS Gateway) sustains for 8 MiB requests.
+inline constexpr double kS3ConnectionGbps = 2.5;
+
 struct S3Options {
   /// Empty fields are taken from the environment (see above).
   std::string endpoint;  // scheme://host[:port], no path
@@ -71,10 +86,17 @@ struct S3Options {
   std::string access_key_id;
   std::string secret_access_key;
   std::string session_token;
+  /// The throughput to plan for, in Gbit/s (DCP_S3_TARGET_GBPS, default 10), as the AWS CRT
+  /// client does: it sets max_connections, and through it the defaults of parts_in_flight and
+  /// read_ahead_parts.
+  double target_gbps = 0;
   /// 0: from DCP_S3_* or the defaults above.
-  uint64_t part_size = 0;    // at least 5 MiB (S3's minimum part size)
-  int parts_in_flight = 0;   // uploads in flight per writer
-  int read_ahead_parts = 0;  // ranged GETs in flight per reader's prefetch
+  /// Data requests (part uploads, ranged GETs) in flight per store, over all its objects
+  /// (DCP_S3_MAX_CONNECTIONS); by default ceil(target_gbps / kS3ConnectionGbps), 2 to 64.
+  int max_connections = 0;
+  uint64_t part_size = 0;    // at least 5 MiB (S3's minimum part size); also the GET size
+  int parts_in_flight = 0;   // uploads in flight per writer (default: max_connections)
+  int read_ahead_parts = 0;  // ranged GETs in flight per reader (default: max_connections)
   int max_retries = -1;      // retries after the first attempt of a retryable failure
   /// The writer lock's lease (DCP_S3_LOCK_LEASE_S, default 60): a crashed holder's lock is
   /// taken over this long after its last renewal; renewed every lease/3 while held.
@@ -119,6 +141,16 @@ enum class S3Fault {
 void SetS3FaultHookForTesting(std::function<S3Fault(const S3RequestInfo&)> hook);
 /// Requests sent (or faulted) by every S3 store of the process so far.
 uint64_t S3RequestCountForTesting();
+
+/// Gaps between wanted ranges up to this many bytes are read through (one GET instead of two):
+/// a request costs about a round trip, in which a connection would have carried more.
+inline constexpr uint64_t kS3CoalesceGapBytes = uint64_t{1} << 20;
+
+/// The ranged GETs that fetch `ranges` (any order; they may overlap): the ranges sorted and
+/// merged where they overlap or their gap is at most `max_gap`, then each merged span cut into
+/// equal requests of at most `request_bytes` (> 0). Empty ranges are dropped. Exposed for tests.
+std::vector<ByteRange> S3CoalesceRanges(std::vector<ByteRange> ranges, uint64_t max_gap,
+                                        uint64_t request_bytes);
 /// Stop renewing `lock` (an s3:// TryLock's) from its background thread, as if its process
 /// were frozen: its lease then runs out and another job may take it over. CheckHeld still
 /// renews. InvalidArgumentError for another kind of lock. Tests only.
