@@ -5,14 +5,16 @@
 // saves and retention (--keep), in one process (a world of one: LocalCommunicator, and a second
 // one for the background saver), under <--uri>/dcp-soak (--uri: file://DIR, a plain path or
 // s3://bucket/prefix, default a fresh directory under /tmp; the folder is emptied before and
-// after). Each cycle changes one tensor of the state (and the
-// "step" tensor) and saves it as step = cycle. Every --load-every cycles the manager restores the
-// newest step into a second copy of the state and its bytes are compared with what was saved
-// (CRC32C per tensor). Every --fail-every cycles the save's first data append fails (an injected
-// EIO through a FaultInjectionStore, storage/backends/fault_store.h, wrapped around the real store
-// for that step only): the next call on the manager must raise it, no step may be lost, the
-// newest complete step must be the one before, every complete step must still load with its
-// bytes, and the cycles go on. At cycles 10, 100, 1000 (and the last) it probes the process
+// after). The manager's root is "soakfault://soak", a scheme this tool registers that opens the
+// real backend at the same place (and a fault-injecting wrapper for the one step armed to fail).
+// Each cycle changes one tensor of the state (and the "step" tensor) and saves it as step = cycle.
+// Every --load-every cycles the manager restores the newest step into a second copy of the state
+// and its bytes are compared with what was saved (CRC32C per tensor). Every --fail-every cycles the
+// save's first data append fails (an injected EIO through a FaultInjectionStore,
+// storage/backends/fault_store.h, wrapped around the real store for that step only): the next call
+// on the manager must raise it, no step may be lost, the newest complete step must be the one
+// before, every complete step must still load with its bytes, and the cycles go on. At cycles 10,
+// 100, 1000 (and the last) it probes the process
 // (/proc/self): current RSS (VmRSS), peak RSS (VmHWM), open file descriptors (/proc/self/fd),
 // threads (Threads:), page-locked bytes (VmLck: the async staging's mlock), pinned device-staging
 // bytes (PinnedBytesAllocated) and the host buffer pool's allocations (HostStagingBytesAllocated),
@@ -23,7 +25,7 @@
 //
 //   dcp-soak [--uri file:///tmp/x | s3://bucket/prefix] [--cycles 1000] [--state-mib 64]
 //            [--tensors 8] [--keep 2] [--fail-every 50] [--load-every 5] [--warmup 10]
-//            [--max-growth-pct 1] [--json]
+//            [--max-growth-pct 1] [--probe-every N] [--json]
 //
 // Budget (--budget-check): host memory of one save and one load of a state of
 // --budget-factor (8) x --budget-mib (32) MiB with StorageOptions::memory_budget_bytes =
@@ -32,7 +34,9 @@
 // stay within memory_budget_bytes + the staging the caller asked for + --slack-mib (printed with
 // its reason). Phases: a synchronous dcp::Save (no staging asked), a dcp::Load (none), and an
 // asynchronous save through the CheckpointManager (its staging is one copy of the state, by
-// design: AsyncCheckpointer).
+// design: AsyncCheckpointer). The phases share the process, as a job's saves and loads do: buffers
+// the host pool keeps after one phase are in the next one's peak (the "vs start" column gives the
+// phase's own increase).
 //
 //   dcp-soak --budget-check [--uri ...] [--budget-mib 32] [--budget-factor 8] [--slack-mib 8]
 //
@@ -249,6 +253,7 @@ struct Config {
   int fail_every = 50;
   int load_every = 5;
   int64_t warmup = 10;
+  int64_t probe_every = 0;
   double max_growth_pct = 1.0;
   bool json = false;
   bool budget_check = false;
@@ -301,6 +306,9 @@ class Soak {
       tools::FillRandomBytes(train_.tensors[i].data, each, 1000 + i);
     }
     std::set<int64_t> report = {c_.warmup, 10, 100, 1000, c_.cycles};
+    for (int64_t k = c_.probe_every; c_.probe_every > 0 && k <= c_.cycles; k += c_.probe_every) {
+      report.insert(k);
+    }
     ManagerOptions mo;
     mo.keep_last = c_.keep;
     LocalCommunicator comm;
@@ -694,6 +702,8 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--warmup", c.warmup, "the cycle growth is measured from")
       ->check(CLI::PositiveNumber);
+  app.add_option("--probe-every", c.probe_every, "also probe every N cycles (0: never)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--max-growth-pct", c.max_growth_pct,
                  "allowed growth of RSS, locked and pinned bytes after warm-up (fds, threads: 0)");
   app.add_flag("--json", c.json, "one JSON line instead of the table");
