@@ -273,9 +273,10 @@ double GrowthPct(uint64_t from, uint64_t to) {
   return (static_cast<double>(to) - static_cast<double>(from)) * 100.0 / static_cast<double>(from);
 }
 
-// Remove everything under `uri` (the tool's own folder under --uri): a directory tree for
-// file://, every object under the prefix otherwise.
-void CleanRoot(const std::string& uri) {
+// Remove everything the tool wrote under `uri` (its own folder under --uri): a directory tree for
+// file://; otherwise (a store lists one level) every object, the folders `subfolders` and every
+// step folder the manager's index entries ("<step>.step") name, recursively.
+void CleanRoot(const std::string& uri, const std::vector<std::string>& subfolders = {}) {
   const auto [scheme, location] = SplitUri(uri);
   if (scheme == "file") {
     std::error_code ec;
@@ -284,7 +285,15 @@ void CleanRoot(const std::string& uri) {
     return;
   }
   auto store = OpenStore(uri);
-  for (const auto& name : store->List()) store->Remove(name);
+  std::vector<std::string> folders = subfolders;
+  for (const auto& name : store->List()) {
+    const std::string suffix = ".step";
+    if (name.size() > suffix.size() && name.ends_with(suffix)) {
+      folders.push_back(name.substr(0, name.size() - suffix.size()));
+    }
+    store->Remove(name);
+  }
+  for (const auto& f : folders) CleanRoot(JoinUri(uri, f));
 }
 
 // ---- the soak -------------------------------------------------------------------------------
@@ -566,8 +575,9 @@ int BudgetCheck(const Config& c) {
   const int tensors = std::max(1, c.tensors);
   const size_t each = state_bytes / tensors / 4 * 4;
   const std::string root = JoinUri(c.uri, "dcp-soak-budget");
+  const std::vector<std::string> folders = {"warmup", "sync", "managed"};
   OpenStore(root)->CreateRoot();  // s3://: the bucket
-  CleanRoot(root);
+  CleanRoot(root, folders);
   OpenStore(root)->CreateRoot();
   if (!bench::ResetPeakRss()) {
     throw UnsupportedError("cannot reset the peak RSS (/proc/self/clear_refs): Linux only");
@@ -638,7 +648,7 @@ int BudgetCheck(const Config& c) {
   }
   Load(back.sd, managed_step, comm, lo);
   Verify(back, want, "budget async save");
-  CleanRoot(root);
+  CleanRoot(root, folders);
 
   bool ok = true;
   for (const auto& p : phases) ok = ok && p.ok;
