@@ -688,6 +688,14 @@ int BudgetCheck(const Config& c) {
                 std::max(0.0, over) / kMiB, (budget + p.staging_asked + slack) / kMiB,
                 p.ok ? "ok" : "OVER");
   }
+  if (budget < kWriterStagingBytes) {
+    std::printf(
+        "  note: memory_budget_bytes is below one writer's staging (kWriterStagingBytes, "
+        "%.0f MiB), and one writer and one reader always run: their backend's buffers "
+        "(s3://: part_size x parts in flight or read ahead) are the floor, whatever the "
+        "budget says (dcp/storage/storage.h)\n",
+        kWriterStagingBytes / kMiB);
+  }
   std::printf("dcp-soak --budget-check: %s\n",
               ok ? "PASSED" : "FAILED: host memory over memory_budget_bytes + staging + slack");
   return ok ? 0 : 1;
