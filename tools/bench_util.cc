@@ -8,7 +8,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
+#include <thread>
 
 namespace dcp::bench {
 
@@ -17,6 +19,27 @@ double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+double TimeRanks(InProcessGroup& group, const std::function<void(int, Communicator&)>& fn) {
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(group.size()));
+  std::vector<std::thread> threads;
+  const auto t0 = Clock::now();
+  for (int r = 0; r < group.size(); ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r, group.communicator(r));
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double s = Since(t0);
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  return s;
 }
 
 TensorView AlignedTensor(DType dt, Shape shape) {

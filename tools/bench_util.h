@@ -1,11 +1,14 @@
-// Helpers shared by dcp's benchmark tools (dcp-bench, dcp-gpu-bench): timing, medians, page
-// cache eviction and the raw-disk baselines every dcp figure is compared against.
+// Helpers shared by dcp's benchmark tools (dcp-bench, dcp-s3-bench, dcp-gpu-bench, dcp-soak):
+// timing, medians, ranks on threads, page cache eviction, peak-RSS probes and the raw-disk
+// baselines every dcp figure is compared against.
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "dcp/communicator.h"
 #include "dcp/proto/tensor.h"
 #include "tools/drop_caches.h"
 
@@ -16,6 +19,9 @@ inline double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 double Median(std::vector<double> v);
+/// Seconds for fn(rank, comm) on every rank of `group` at once, each on its own thread.
+/// Rethrows the first rank's error after every thread ended.
+double TimeRanks(InProcessGroup& group, const std::function<void(int, Communicator&)>& fn);
 
 constexpr size_t kPage = 4096;
 constexpr size_t kRawBlock = 64 << 20;  // raw baseline I/O size

@@ -272,30 +272,6 @@ std::vector<StateDict> ShardedStates(const std::vector<TensorView>& ts, int rank
   return out;
 }
 
-// Seconds for fn(rank, comm) on every rank of `group` at once, each on its own thread. Rethrows
-// the first rank's error.
-double TimeRanks(InProcessGroup& group, const std::function<void(int, Communicator&)>& fn) {
-  const int n = group.size();
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  const auto t0 = Clock::now();
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(r, group.communicator(r));
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  const double s = Since(t0);
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-  return s;
-}
-
 constexpr int kMultiRanks = 4;  // the second dcp configuration: 4 ranks as threads
 
 int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_rank,

@@ -41,6 +41,7 @@ using namespace dcp;
 using dcp::bench::Clock;
 using dcp::bench::Median;
 using dcp::bench::Since;
+using dcp::bench::TimeRanks;
 
 namespace {
 
@@ -88,28 +89,6 @@ std::vector<StateDict> Sharded(const std::vector<TensorView>& ts, int ranks, siz
     }
   }
   return out;
-}
-
-// Seconds for fn(rank, comm) on every rank of `group` at once, each on its own thread.
-double TimeRanks(InProcessGroup& group, const std::function<void(int, Communicator&)>& fn) {
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(group.size()));
-  std::vector<std::thread> threads;
-  const auto t0 = Clock::now();
-  for (int r = 0; r < group.size(); ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(r, group.communicator(r));
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  const double s = Since(t0);
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-  return s;
 }
 
 // One measured operation: its times, and the requests it made (summed over the repeats).
