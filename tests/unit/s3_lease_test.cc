@@ -20,8 +20,8 @@
 #include <thread>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/registry.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/registry.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"
 #ifdef DCP_HAVE_S3
@@ -109,6 +109,36 @@ TEST_CASE("s3 lease: a held lock is renewed and outlives many short leases", "[s
   CHECK_NOTHROW(lock->CheckHeld());
   lock->Release();
   CHECK(OpenStore(root)->TryLock("other"));
+}
+
+TEST_CASE("s3 lease: a lock whose create outlasted its lease is renewed before TryLock returns",
+          "[s3][lock]") {
+  if (!HaveServer()) return;
+  const std::string root = S3TestRoot("slowcreate");
+  LeaseGuard lease("2");
+  OpenStore(root)->CreateRoot();
+  std::atomic<bool> slowed{false};
+  SetS3FaultHookForTesting([&](const S3RequestInfo& i) {
+    if (i.method == "PUT" && i.key.find(kLockObjectName) != std::string::npos &&
+        !slowed.exchange(true)) {
+      std::this_thread::sleep_for(milliseconds(2500));  // the create takes longer than the lease
+    }
+    return S3Fault::kNone;
+  });
+  std::unique_ptr<StoreLock> lock;
+  try {
+    lock = OpenStore(root)->TryLock("slow-create");
+  } catch (...) {
+    SetS3FaultHookForTesting(nullptr);
+    throw;
+  }
+  SetS3FaultHookForTesting(nullptr);
+  REQUIRE(lock);
+  // Unrenewed, the record it wrote ran out 0.5 s ago and this contender would take it over.
+  const std::string msg = MessageOf<LockedError>([&] { OpenStore(root)->TryLock("other"); });
+  CHECK_THAT(msg, Contains("slow-create"));
+  CHECK_NOTHROW(lock->CheckHeld());
+  lock->Release();
 }
 
 TEST_CASE(

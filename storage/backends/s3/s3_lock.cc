@@ -241,8 +241,13 @@ std::unique_ptr<StoreLock> AcquireLock(std::shared_ptr<Client> client, const std
     const int64_t sent = NowMs();
     const std::string record = LockRecord(sent + lease_ms, tail);
     auto held = [&](const Response& r, int64_t expires) -> std::unique_ptr<StoreLock> {
-      return std::make_unique<S3Lock>(client, location, key, tail, holder,
-                                      Unquote(r.headers.at("etag")), expires);
+      std::unique_ptr<StoreLock> lock = std::make_unique<S3Lock>(
+          client, location, key, tail, holder, Unquote(r.headers.at("etag")), expires);
+      // A write that took a third of the lease or more (a gateway creating its pools, a stalled
+      // connection) leaves a lease that is short or already over, which a contender could take
+      // before the first renewal: renew it now (LeaseLostError, a LockedError, when it was).
+      if (NowMs() - sent >= lease_ms / 3) lock->CheckHeld();
+      return lock;
     };
     Call create{"PUT", key};
     create.headers = {{"if-none-match", "*"}};
