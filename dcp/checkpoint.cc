@@ -30,13 +30,15 @@ namespace {
 
 // The first byte of a protocol message says what follows; each byte has one meaning.
 enum class Tag : char {
-  kCacheHit = 'H',       // plan cache: every rank's cached plan stands; its files follow
-  kCacheMiss = 'M',      // plan cache: plan anew
-  kCompactPlan = 'C',    // a compact save plan (planner/compact_plan.h), or the reply to one
-  kFullPlan = 'P',       // a save plan item by item, or the reply to one
-  kRetryFull = 'F',      // coordinator: the ranks did not agree; plan again, in full
-  kRetryDeclared = 'D',  // coordinator: plan compactly again, every declaration in full
-  kBatchFailed = 'X',    // read-once: the batch's reader failed; an ErrorReport follows
+  kCacheHit = 'H',        // plan cache: every rank's cached plan stands; its files follow
+  kCacheMiss = 'M',       // plan cache: plan anew
+  kCompactPlan = 'C',     // a compact save plan (planner/compact_plan.h), or the reply to one
+  kFullPlan = 'P',        // a save plan item by item, or the reply to one
+  kRetryFull = 'F',       // coordinator: the ranks did not agree; plan again, in full
+  kRetryDeclared = 'D',   // coordinator: plan compactly again, every declaration in full
+  kBatchFailed = 'X',     // read-once: the batch's reader failed; an ErrorReport follows
+  kRequestSummary = 'R',  // load: a rank's request summary (planner/read_sharing.h)
+  kShareSchedule = 'S',   // load: the coordinator's read-once schedule, the same for every rank
 };
 std::string TagString(Tag tag) { return std::string(1, static_cast<char>(tag)); }
 bool HasTag(std::string_view message, Tag tag) {
@@ -957,8 +959,8 @@ class LoadOperation {
   LoadResult Run() {
     OperationScope op(comm_, "load", reader_.uri());
     const std::string md_bytes = ExchangeMetadata();
-    const std::string my_assignment = Plan(md_bytes);
-    Read(my_assignment);
+    Plan(md_bytes);
+    Read();
     LoadResult result;
     result.metadata = std::move(md_);
     result.stats = stats_;
@@ -985,19 +987,81 @@ class LoadOperation {
         /*decides_commit=*/false, /*same_reply=*/true);
   }
 
-  // Every rank plans what it reads; the coordinator merges the plans and assigns read-once
-  // batches. Returns this rank's assignment.
-  std::string Plan(const std::string& md_bytes) {
-    return RunPhase(
+  // Every rank plans what it reads, alone. What crosses the wire is a summary of each rank's
+  // request (planner/read_sharing.h: which whole-value items it reads, for read-once), and back
+  // one schedule of shared reads for all: O(ranks x replicated entries) bits, never a plan, so
+  // an all-to-all reshard at thousands of ranks plans in O(own reads) per rank. Only when the
+  // coordinator's planner or reader has a global step that may change the plans (a custom
+  // planner, a reader without GlobalPlanChangesNothing) does it answer kRetryFull, and every
+  // rank sends its plan in full for that step (PlanInFull).
+  void Plan(const std::string& md_bytes) {
+    const std::string reply = RunPhase(
         comm_, "load/plan",
         [&] {
           md_ = DecodeMetadata(md_bytes, reader_.uri());
           reader_.SetUp(md_, StorageContext{rank_, size_, rank_ == 0, {}, nullptr});
           planner_.SetUp(state_dict_, md_, PlannerContext{rank_, size_, rank_ == 0});
-          return EncodeLocalLoadPlan(reader_.PrepareLocalPlan(planner_.CreateLocalPlan()),
-                                     can_share_);
+          local_ = reader_.PrepareLocalPlan(planner_.CreateLocalPlan());
+          candidates_ = ShareCandidates(md_);
+          candidate_items_ = CandidateItems(local_, candidates_, md_);
+          summary_ = SummarizeRequest(local_, candidate_items_, md_, can_share_);
+          return CountPlanMessage(TagString(Tag::kRequestSummary) +
+                                  EncodeReadRequestSummary(summary_));
         },
+        [&](std::vector<std::string> summaries) { return ScheduleSharedReads(summaries); },
+        /*decides_commit=*/false, /*same_reply=*/true);
+    if (HasTag(reply, Tag::kRetryFull)) return PlanInFull();
+    if (!HasTag(reply, Tag::kShareSchedule)) {
+      throw CorruptionError("load/plan: a reply of unknown form from the coordinator");
+    }
+    stats_.rank_local_plan = true;
+    const ShareSchedule schedule =
+        DecodeShareSchedule(std::string_view(reply).substr(1), candidates_.size());
+    batches_ = BatchesFor(schedule, summary_, candidate_items_, rank_);
+    central_ = std::move(local_);
+  }
+
+  std::string CountPlanMessage(std::string msg) {
+    stats_.plan_bytes_sent += msg.size();
+    ++stats_.plan_rounds;
+    return msg;
+  }
+
+  // Coordinator: the read-once schedule from every rank's summary, or kRetryFull when its own
+  // planner or reader must see every plan.
+  std::vector<std::string> ScheduleSharedReads(std::vector<std::string>& summaries) {
+    if (options_.planner != nullptr || !reader_.GlobalPlanChangesNothing()) {
+      return {TagString(Tag::kRetryFull)};
+    }
+    std::vector<ReadRequestSummary> got(summaries.size());
+    for (size_t r = 0; r < summaries.size(); ++r) {
+      if (!HasTag(summaries[r], Tag::kRequestSummary)) {
+        throw InternalError("load/plan: rank " + std::to_string(r) +
+                            " sent a message of unknown form");
+      }
+      got[r] = DecodeReadRequestSummary(std::string_view(summaries[r]).substr(1),
+                                        candidates_.size(), static_cast<int>(r));
+      std::string().swap(summaries[r]);
+    }
+    ShareSchedule schedule;
+    if (std::count_if(got.begin(), got.end(), [](const auto& g) { return g.can_share; }) > 1) {
+      schedule = ScheduleCandidates(got, CandidateBytes(candidates_, md_),
+                                    options_.storage.memory_budget_bytes);
+    }
+    return {TagString(Tag::kShareSchedule) + EncodeShareSchedule(schedule)};
+  }
+
+  // Every plan to the coordinator, for its planner's and reader's global steps; each rank gets
+  // back its plan and its read-once batches.
+  void PlanInFull() {
+    const std::string assignment = RunPhase(
+        comm_, "load/plan-full",
+        [&] { return CountPlanMessage(EncodeLocalLoadPlan(local_, can_share_)); },
         [&](std::vector<std::string> locals) { return MergePlans(locals); });
+    local_ = LoadPlan();
+    auto [central, batches] = DecodeLoadAssignment(assignment);
+    central_ = std::move(central);
+    batches_ = std::move(batches);
   }
 
   // Coordinator: the global plan, and the read-once batches of the ranks that share reads.
@@ -1025,16 +1089,15 @@ class LoadOperation {
   }
 
   // Every rank reads its items (sharing what the batches say); the phase ends when all did.
-  void Read(const std::string& my_assignment) {
+  void Read() {
     RunPhase(
         comm_, "load/read",
         [&] {
-          auto [central, batches] = DecodeLoadAssignment(my_assignment);
-          const LoadPlan plan = planner_.FinishPlan(std::move(central));
-          if (batches.empty()) {
+          const LoadPlan plan = planner_.FinishPlan(std::move(central_));
+          if (batches_.empty()) {
             reader_.ReadData(plan, planner_).get();
           } else {
-            ReadWithSharing(plan, batches, reader_, planner_, comm_,
+            ReadWithSharing(plan, batches_, reader_, planner_, comm_,
                             options_.storage.memory_budget_bytes, stats_);
           }
           return std::string();
@@ -1052,6 +1115,12 @@ class LoadOperation {
   LoadPlanner& planner_;
   const bool can_share_;
   Metadata md_;
+  LoadPlan local_;    // this rank's plan, as its planner and reader made it
+  LoadPlan central_;  // what it reads: its local plan, or the coordinator's global step's
+  std::vector<MetadataIndex> candidates_;  // stored items read-once may share (ShareCandidates)
+  std::vector<int32_t> candidate_items_;   // which item of local_ reads each, or -1
+  ReadRequestSummary summary_;
+  std::vector<SharedReadBatch> batches_;
   LoadStats stats_;
 };
 

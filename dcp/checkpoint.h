@@ -87,12 +87,20 @@ struct SaveStats {
   int plan_rounds = 0;
 };
 
-/// What one rank's load exchanged with the others instead of reading (LoadOptions::read_once).
+/// How one rank's load planned, and what it exchanged with the others instead of reading
+/// (LoadOptions::read_once).
 struct LoadStats {
   uint64_t shared_batches = 0;  // broadcasts of shared reads this load made (every rank joins all)
   uint64_t bytes_sent = 0;      // bytes this rank read for other ranks and broadcast
   uint64_t bytes_received = 0;  // bytes this rank received instead of reading them
   uint64_t items_received = 0;
+  /// The load planned on every rank alone (the default planner and a reader whose global step
+  /// changes nothing): each rank sent a summary of its request, not its plan.
+  bool rank_local_plan = false;
+  /// Bytes of the planning messages this rank sent to the coordinator.
+  uint64_t plan_bytes_sent = 0;
+  /// Plan exchanges: 1, or 2 when the coordinator's planner or reader needed every plan.
+  int plan_rounds = 0;
 };
 
 /// What a save returns (the same metadata on every rank; stats are this rank's).

@@ -194,6 +194,12 @@ class StorageReader {
   /// outlive the future. Checksum mismatches and truncated data fail with CorruptionError naming
   /// the fqn, the file and the offset.
   virtual std::future<void> ReadData(const LoadPlan& plan, LoadPlanner& planner) = 0;
+  /// True when PrepareGlobalPlan returns the plans it is given unchanged (StoreReader). With the
+  /// default planner, whose global step changes nothing either, dcp::Load then plans on every
+  /// rank alone and no rank sends its plan (docs/PROTOCOL.md, "Load"). Default false: the
+  /// coordinator gathers every plan and runs both global steps. Declared last, so that readers
+  /// built against an earlier header keep their vtable layout.
+  virtual bool GlobalPlanChangesNothing() const { return false; }
 };
 
 }  // namespace dcp

@@ -13,10 +13,14 @@
 //               sends all N messages from that one buffer).
 //   load/metadata: the coordinator encodes the metadata and distributes it the same way;
 //               every follower decodes all of it.
-//   load/plan:  the worst-case all-to-all reshard (saved row-sharded, loaded column-sharded: each
-//               local chunk overlaps every saved chunk of its tensor). A follower's local plan is
-//               timed; the coordinator's gather of N such plans is simulated in full only up to
-//               --full-load-max ranks (it grows as N^2), and otherwise estimated as N x one plan.
+//   load/plan:  as dcp::Load plans with the default planner: each rank plans alone and sends a
+//               summary of its request (read-once), the coordinator decodes the N summaries and
+//               schedules shared reads. For a resume in the saved layout and for the worst-case
+//               all-to-all reshard (saved row-sharded, loaded column-sharded: each local chunk
+//               overlaps every saved chunk of its tensor). A follower's plan is timed; every
+//               rank's summary is computed up to --full-load-max ranks, beyond that the
+//               coordinator gets N copies of a follower's. What gathering every plan (the protocol
+//               before) would have moved is printed beside it.
 //
 // The layout is FSDP/TP-like: --params parameters of mixed sizes (attention and MLP matrices,
 // norms, biases) row-sharded over all ranks, Adam's exp_avg and exp_avg_sq sharded the same way,
@@ -30,7 +34,7 @@
 //
 //   dcp-scale-bench [--ranks 64,256,1024] [--params 1000] [--replicated 50] [--full-load-max 64]
 //                   [--d-model 4096]
-//                   [--max-copies-mib 2048] [--replicate]
+//                   [--max-copies-mib 2048] [--replicate] [--json FILE]
 #include <malloc.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -42,6 +46,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -159,16 +164,25 @@ StateDict RankState(const std::vector<std::pair<std::string, Shape>>& params, in
   return sd;
 }
 
+// One load's planning (dcp::Load: rank-local plans, a request summary per rank).
+struct LoadSide {
+  double follower_s = 0;           // a follower's CPU: its local plan and summary
+  double gathered_bytes = 0;       // the N summaries the coordinator gathers
+  double coordinator_s = 0;        // decoding them and scheduling read-once (wall)
+  double coordinator_mib = 0;      // its peak extra memory doing so
+  double schedule_bytes = 0;       // the one reply every rank receives
+  double full_gather_mib_est = 0;  // what gathering every plan (the protocol before) would move
+  bool exact = false;              // every rank's summary computed (else N copies of one)
+};
+
 struct Row {
   int n = 0;
   double plan_s = 0, write_s = 0, load_md_s = 0;  // coordinator CPU per phase
   double plan_mib = 0, write_mib = 0, load_md_mib = 0;
   double gathered_mib = 0, scattered_mib = 0, md_mib = 0, md_out_mib = 0;
-  double follower_plan_s = 0, follower_md_s = 0, follower_load_s = 0;
-  double load_plan_mib_est = 0;
-  bool load_full = false;
+  double follower_plan_s = 0, follower_md_s = 0;
+  LoadSide resume, reshard;
   bool copies_counted = false;  // the N metadata copies were counted, not allocated
-  double load_gather_s = -1;
   double plan_decode_s = 0, plan_merge_s = 0;
   double write_decode_s = 0, write_fill_s = 0;  // parts of write_s (the rest: encoding)  // parts
                                                 // of plan_s (the rest: encoding replies)
@@ -461,36 +475,46 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
   Metadata follower_md = DecodeMetadata(enc, "scale-bench");
   row.follower_md_s = CpuSeconds() - t0;
 
-  // load/plan: the all-to-all reshard.
-  auto load_plan = [&](int r) {
-    StateDict sd = RankState(params, replicated, r, n, false);
-    DefaultLoadPlanner lp;
-    lp.SetUp(sd, follower_md, {r, n, r == 0});
-    return EncodeLoadPlan(lp.CreateLocalPlan());
-  };
-  t0 = CpuSeconds();
-  const std::string one = load_plan(std::min(1, n - 1));
-  row.follower_load_s = CpuSeconds() - t0;
-  row.load_plan_mib_est = MiB(one.size()) * n;
-  if (n <= full_load_max) {
-    std::vector<std::string> plans(n);
-    for (int r = 0; r < n; ++r) plans[r] = load_plan(r);
+  // load/plan, as dcp::Load plans: every rank alone (its local plan, then a summary of its
+  // request for read-once), the coordinator gathers the N summaries and broadcasts one
+  // schedule. Twice: resuming in the saved layout, and the worst-case all-to-all reshard
+  // (saved row-sharded, loaded column-sharded: each local chunk overlaps every saved chunk).
+  for (const bool reshard : {false, true}) {
+    LoadSide& side = reshard ? row.reshard : row.resume;
+    const auto candidates = ShareCandidates(follower_md);
+    auto summary = [&](int r, double* plan_s, double* plan_mib) {
+      StateDict sd = RankState(params, replicated, r, n, !reshard);
+      const double c0 = CpuSeconds();
+      DefaultLoadPlanner lp;
+      lp.SetUp(sd, follower_md, {r, n, r == 0});
+      const LoadPlan plan = lp.CreateLocalPlan();
+      const auto items = CandidateItems(plan, candidates, follower_md);
+      std::string msg = EncodeReadRequestSummary(SummarizeRequest(plan, items, follower_md, true));
+      if (plan_s) *plan_s = CpuSeconds() - c0;
+      if (plan_mib) *plan_mib = MiB(EncodeLoadPlan(plan).size());
+      return msg;
+    };
+    double one_plan_mib = 0;
+    const std::string one = summary(std::min(1, n - 1), &side.follower_s, &one_plan_mib);
+    side.full_gather_mib_est = one_plan_mib * n;
+    // The coordinator's input: every rank's own summary up to --full-load-max ranks; beyond,
+    // N copies of a follower's (every rank reads the same replicated entries here).
+    std::vector<std::string> gathered(n);
+    side.exact = n <= full_load_max;
+    for (int r = 0; r < n; ++r) gathered[r] = side.exact ? summary(r, nullptr, nullptr) : one;
+    for (const auto& g : gathered) side.gathered_bytes += static_cast<double>(g.size());
     meter.Reset();
     t0 = WallSeconds();
-    std::vector<LoadPlan> decoded(n);
-    ParallelFor(
-        n, [&](size_t r) { decoded[r] = DecodeLoadPlan(plans[r]); }, g_threads);
-    DefaultLoadPlanner lp;
-    StateDict sd = RankState(params, replicated, 0, n, false);
-    lp.SetUp(sd, follower_md, {0, n, true});
-    auto out = lp.CreateGlobalPlan(std::move(decoded));
-    // Read-once: the replicated entries every rank loads are assigned one reader each.
-    auto shared = PlanSharedReads(out, follower_md, std::vector<bool>(n, true), 256 << 20);
-    std::vector<size_t> sizes(n);
-    ParallelFor(
-        n, [&](size_t r) { sizes[r] = EncodeLoadAssignment(out[r], shared[r]).size(); }, g_threads);
-    row.load_gather_s = WallSeconds() - t0;
-    row.load_full = true;
+    std::vector<ReadRequestSummary> got(n);
+    for (int r = 0; r < n; ++r) {
+      got[r] = DecodeReadRequestSummary(gathered[r], candidates.size(), r);
+      std::string().swap(gathered[r]);
+    }
+    const std::string schedule = EncodeShareSchedule(
+        ScheduleCandidates(got, CandidateBytes(candidates, follower_md), 256 << 20));
+    side.coordinator_s = WallSeconds() - t0;
+    side.coordinator_mib = meter.PeakMiB();
+    side.schedule_bytes = static_cast<double>(schedule.size());
   }
   return row;
 }
@@ -508,6 +532,8 @@ int main(int argc, char** argv) {
   int params = 1000, replicated = 50, full_load_max = 64;
   double max_copies_mib = 2048;
   bool replicate = false;
+  std::string json_path;
+  app.add_option("--json", json_path, "also write every figure to this file, as JSON");
   app.add_option("--ranks", ranks, "world sizes to simulate")
       ->delimiter(',')
       ->capture_default_str();
@@ -542,9 +568,9 @@ int main(int argc, char** argv) {
       "follower: CPU seconds; peak extra MiB\n",
       params, replicated, g_full_plans ? "full" : "compact",
       g_threads ? g_threads : std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 16));
-  std::printf("%6s | %8s %8s %8s | %8s %8s %9s %9s | %8s %9s | %9s %9s %9s | %8s %10s\n", "N",
-              "plan s", "write s", "ldmeta s", "plan MiB", "wr MiB", "gather", "scatter", "md MiB",
-              "md out", "f.plan s", "f.md s", "f.load s", "ld gat s", "ld plans");
+  std::printf("%6s | %8s %8s %8s | %8s %8s %9s %9s | %8s %9s | %9s %9s\n", "N", "plan s", "write s",
+              "ldmeta s", "plan MiB", "wr MiB", "gather", "scatter", "md MiB", "md out", "f.plan s",
+              "f.md s");
   std::vector<Row> rows;
   for (int n : ranks) {
     // Each N runs in a child process of its own: peak memory is then that N's alone (in one
@@ -553,12 +579,9 @@ int main(int argc, char** argv) {
     Row r = Isolated(
         [&] { return RunOne(n, shapes, replicated, full_load_max, max_copies_mib, replicate); });
     std::printf(
-        "%6d | %8.2f %8.2f %8.2f | %8.0f %8.0f %8.1fM %8.1fM | %8.2f %8.0fM | %9.4f "
-        "%9.4f %9.4f | %8s %9.0fM%s\n",
-        r.n, r.plan_s, r.write_s, r.load_md_s, r.plan_mib, r.write_mib, r.gathered_mib,
-        r.scattered_mib, r.md_mib, r.md_out_mib, r.follower_plan_s, r.follower_md_s,
-        r.follower_load_s, r.load_full ? std::to_string(r.load_gather_s).substr(0, 6).c_str() : "-",
-        r.load_plan_mib_est, r.load_full ? "" : " (est.)");
+        "%6d | %8.2f %8.2f %8.2f | %8.0f %8.0f %8.1fM %8.1fM | %8.2f %8.0fM | %9.4f %9.4f\n", r.n,
+        r.plan_s, r.write_s, r.load_md_s, r.plan_mib, r.write_mib, r.gathered_mib, r.scattered_mib,
+        r.md_mib, r.md_out_mib, r.follower_plan_s, r.follower_md_s);
     if (r.copies_counted) {
       std::printf(
           "%6s   (the %d metadata copies of the replies were counted in the MiB columns, "
@@ -592,16 +615,57 @@ int main(int argc, char** argv) {
     std::printf("%6d | %9.3f %9.3f %9.3f %9.3f\n", r.n, r.write_s, r.write_decode_s, r.write_fill_s,
                 r.write_s - r.write_decode_s - r.write_fill_s);
   }
+  std::printf(
+      "\nload/plan (rank-local: each rank plans alone and sends a summary of its request; the "
+      "coordinator schedules read-once from the summaries):\n%6s %8s | %10s %10s %10s %10s "
+      "%10s | %14s\n",
+      "N", "load", "f.plan s", "gathered", "co. s", "co. MiB", "reply", "full gather was");
+  for (const Row& r : rows) {
+    for (const auto& [name, side] :
+         {std::pair{"resume", r.resume}, std::pair{"reshard", r.reshard}}) {
+      std::printf("%6d %8s | %10.4f %9.1fK %10.4f %10.1f %9.0fB | %13.0fM%s\n", r.n, name,
+                  side.follower_s, side.gathered_bytes / 1024, side.coordinator_s,
+                  side.coordinator_mib, side.schedule_bytes, side.full_gather_mib_est,
+                  side.exact ? "" : " (summaries: N copies of one)");
+    }
+  }
   std::printf("\ngrowth exponent k (cost ~ N^k) between consecutive N:\n");
-  std::printf("%6s %6s | %7s %7s %8s %8s %7s %9s\n", "from", "to", "plan s", "write s", "plan MiB",
-              "md out", "md MiB", "f.load s");
+  std::printf("%6s %6s | %7s %7s %8s %8s %7s %9s %9s %9s\n", "from", "to", "plan s", "write s",
+              "plan MiB", "md out", "md MiB", "f.md s", "f.resume", "f.reshard");
   for (size_t i = 1; i < rows.size(); ++i) {
     const Row &a = rows[i - 1], &b = rows[i];
-    std::printf("%6d %6d | %7.2f %7.2f %8.2f %8.2f %7.2f %9.2f\n", a.n, b.n,
+    std::printf("%6d %6d | %7.2f %7.2f %8.2f %8.2f %7.2f %9.2f %9.2f %9.2f\n", a.n, b.n,
                 Growth(a.plan_s, b.plan_s, a.n, b.n), Growth(a.write_s, b.write_s, a.n, b.n),
                 Growth(a.plan_mib, b.plan_mib, a.n, b.n),
                 Growth(a.md_out_mib, b.md_out_mib, a.n, b.n), Growth(a.md_mib, b.md_mib, a.n, b.n),
-                Growth(a.follower_load_s, b.follower_load_s, a.n, b.n));
+                Growth(a.follower_md_s, b.follower_md_s, a.n, b.n),
+                Growth(a.resume.follower_s, b.resume.follower_s, a.n, b.n),
+                Growth(a.reshard.follower_s, b.reshard.follower_s, a.n, b.n));
+  }
+  if (!json_path.empty()) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const Row& r : rows) {
+      auto side = [](const LoadSide& l) {
+        return nlohmann::json{
+            {"follower_plan_s", l.follower_s},  {"gathered_bytes", l.gathered_bytes},
+            {"coordinator_s", l.coordinator_s}, {"coordinator_peak_mib", l.coordinator_mib},
+            {"reply_bytes", l.schedule_bytes},  {"full_gather_mib_est", l.full_gather_mib_est},
+            {"summaries_exact", l.exact}};
+      };
+      out.push_back({{"ranks", r.n},
+                     {"metadata_mib", r.md_mib},
+                     {"save_plan_s", r.plan_s},
+                     {"save_plan_peak_mib", r.plan_mib},
+                     {"save_write_s", r.write_s},
+                     {"save_write_peak_mib", r.write_mib},
+                     {"save_gathered_mib", r.gathered_mib},
+                     {"follower_save_plan_s", r.follower_plan_s},
+                     {"load_metadata_s", r.load_md_s},
+                     {"follower_metadata_decode_s", r.follower_md_s},
+                     {"load_resume", side(r.resume)},
+                     {"load_reshard", side(r.reshard)}});
+    }
+    std::ofstream(json_path) << out.dump(2) << "\n";
   }
   std::printf(
       "\nCoordinator peak extra memory vs one encoded metadata (target < 4x): %.1fx at N=%d\n",

@@ -294,6 +294,7 @@ class StoreReader : public StorageReader {
 
   LoadPlan PrepareLocalPlan(LoadPlan plan) override { return plan; }
   std::vector<LoadPlan> PrepareGlobalPlan(std::vector<LoadPlan> plans) override { return plans; }
+  bool GlobalPlanChangesNothing() const override { return true; }
 
   std::future<void> ReadData(const LoadPlan& plan, LoadPlanner& planner) override {
     ResolveTorchRecords(plan);

@@ -314,9 +314,206 @@ TEST_CASE("read-once: a rank with its own planner reads for itself, values are t
     stats[r] = Load(loaded[r].sd, "readonce://x", comm, lo).stats;
   }));
   CheckLoaded(loaded);
+  // The coordinator's planner is the default one: the load still plans rank-locally.
+  for (const auto& st : stats) CHECK(st.rank_local_plan);
   CHECK(stats[2].bytes_received == 0);
   CHECK(stats[2].bytes_sent == 0);
   CHECK(stats[2].shared_batches == stats[0].shared_batches);
   CHECK(stats[0].bytes_received + stats[1].bytes_received + stats[3].bytes_received ==
         2 * kReplicatedBytes);
+}
+
+// ---- Rank-local load planning: a summary per rank, one schedule for all ----
+
+namespace {
+
+// Each rank's part of the rank-local schedule, built as dcp::Load builds it.
+std::vector<std::vector<SharedReadBatch>> RankLocalBatches(const std::vector<LoadPlan>& plans,
+                                                           const Metadata& md,
+                                                           const std::vector<bool>& can_share,
+                                                           uint64_t budget) {
+  const auto candidates = ShareCandidates(md);
+  std::vector<std::vector<int32_t>> items;
+  std::vector<ReadRequestSummary> summaries;
+  for (size_t r = 0; r < plans.size(); ++r) {
+    items.push_back(CandidateItems(plans[r], candidates, md));
+    const auto mine = SummarizeRequest(plans[r], items.back(), md, can_share[r]);
+    // Through the wire format, as the coordinator gets it.
+    summaries.push_back(DecodeReadRequestSummary(EncodeReadRequestSummary(mine), candidates.size(),
+                                                 static_cast<int>(r)));
+  }
+  const ShareSchedule schedule = DecodeShareSchedule(
+      EncodeShareSchedule(ScheduleCandidates(summaries, CandidateBytes(candidates, md), budget)),
+      candidates.size());
+  std::vector<std::vector<SharedReadBatch>> out;
+  for (size_t r = 0; r < plans.size(); ++r) {
+    out.push_back(BatchesFor(schedule, summaries[r], items[r], static_cast<int>(r)));
+  }
+  return out;
+}
+
+void CheckSameBatches(const std::vector<std::vector<SharedReadBatch>>& a,
+                      const std::vector<std::vector<SharedReadBatch>>& b) {
+  REQUIRE(a.size() == b.size());
+  for (size_t r = 0; r < a.size(); ++r) {
+    REQUIRE(a[r].size() == b[r].size());
+    for (size_t k = 0; k < a[r].size(); ++k) {
+      INFO("rank " << r << " batch " << k);
+      CHECK(a[r][k].root == b[r][k].root);
+      CHECK(a[r][k].send_items == b[r][k].send_items);
+      CHECK(a[r][k].recv_segments == b[r][k].recv_segments);
+      CHECK(a[r][k].recv_items == b[r][k].recv_items);
+      CHECK(a[r][k].bytes == b[r][k].bytes);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("read-once: rank-local summaries give the batches full plans give", "[read-once]") {
+  const Metadata md = ToyMetadata();
+  const auto candidates = ShareCandidates(md);
+  // big, blob and small are each stored whole; rows is not.
+  REQUIRE(candidates.size() == 3);
+  CHECK(candidates[0].fqn == "big");
+  CHECK(candidates[1].fqn == "blob");
+  CHECK(candidates[2].fqn == "small");
+  CHECK(CandidateItems(ToyPlans(1)[0], candidates, md) == std::vector<int32_t>{0, 1, 3});
+  for (const auto& [share, budget] : std::vector<std::pair<std::vector<bool>, uint64_t>>{
+           {{true, true, true, true}, 1 << 20},
+           {{true, true, true, true}, 512},
+           {{true, true, false, true}, 1 << 20},
+           {{true, true, true, true}, 1100},
+           {{false, false, false, false}, 1 << 20},
+           {{true, false, false, false}, 1 << 20}}) {
+    const auto plans = ToyPlans(static_cast<int>(share.size()));
+    CheckSameBatches(RankLocalBatches(plans, md, share, budget),
+                     PlanSharedReads(plans, md, share, budget));
+  }
+}
+
+TEST_CASE("read-once: a partial read of a whole-value item is not shared as whole", "[read-once]") {
+  const Metadata md = ToyMetadata();
+  auto plans = ToyPlans(2);
+  // Rank 1 reads only the first 32 rows of "big": different bytes from rank 0's whole read.
+  plans[1].items[0].lengths = {32, 4};
+  const auto candidates = ShareCandidates(md);
+  CHECK(CandidateItems(plans[1], candidates, md)[0] == -1);
+  CheckSameBatches(RankLocalBatches(plans, md, {true, true}, 1 << 20),
+                   PlanSharedReads(plans, md, {true, true}, 1 << 20));
+}
+
+TEST_CASE("read-once: malformed request summaries and schedules are refused by name",
+          "[read-once][hostile]") {
+  ReadRequestSummary s;
+  s.can_share = true;
+  s.plan_bytes = 99;
+  s.reads = {true, false, true};
+  const std::string enc = EncodeReadRequestSummary(s);
+  const auto back = DecodeReadRequestSummary(enc, 3, 5);
+  CHECK(back.can_share);
+  CHECK(back.plan_bytes == 99);
+  CHECK(back.reads == s.reads);
+  CHECK_THROWS_AS(DecodeReadRequestSummary(enc.substr(0, 5), 3, 5), CorruptionError);
+  CHECK_THROWS_WITH(DecodeReadRequestSummary(enc.substr(0, 5), 3, 5), Contains("rank 5"));
+  CHECK_THROWS_AS(DecodeReadRequestSummary(enc + "x", 3, 5), CorruptionError);
+  // A bitmap for another candidate count.
+  CHECK_THROWS_AS(DecodeReadRequestSummary(enc, 20, 5), CorruptionError);
+  CHECK_THROWS_AS(DecodeReadRequestSummary(std::string(1, '\x07') + enc.substr(1), 3, 5),
+                  CorruptionError);
+  // A summary that reads every candidate is one flag, whatever their number.
+  s.reads.assign(100000, true);
+  CHECK(EncodeReadRequestSummary(s).size() == 9);
+
+  ShareSchedule schedule;
+  schedule.batches.push_back({1, {0, 2}, 64});
+  const std::string sched = EncodeShareSchedule(schedule);
+  CHECK(DecodeShareSchedule(sched, 3).batches[0].candidates == std::vector<int32_t>{0, 2});
+  CHECK_THROWS_WITH(DecodeShareSchedule(sched, 2), Contains("names item 2 of 2"));
+  CHECK_THROWS_AS(DecodeShareSchedule(sched.substr(0, sched.size() - 1), 3), CorruptionError);
+  // A count of 4 billion batches costs nothing.
+  CHECK_THROWS_WITH(DecodeShareSchedule(std::string("\xff\xff\xff\xff", 4), 3),
+                    Contains("claims 4294967295 batches"));
+  // A root asked to read what it does not read.
+  ReadRequestSummary none;
+  none.can_share = true;
+  none.reads = {false, false, false};
+  CHECK_THROWS_AS(BatchesFor(schedule, none, {-1, -1, -1}, 1), InternalError);
+}
+
+namespace {
+
+constexpr int64_t kMatrices = 24;
+
+// kMatrices f32[kRows, kCols] matrices, row-sharded (save) or column-sharded (load) over kWorld
+// ranks: every rank's load reads a box of every saved shard (an all-to-all reshard).
+StateDict ShardedMatrices(int rank, bool by_rows, bool filled, int64_t count,
+                          std::vector<TensorView>& views) {
+  StateDict sd;
+  for (int64_t i = 0; i < count; ++i) {
+    TensorView full = RandomTensor(DType::kFloat32, {kRows, kCols}, 1000 + i);
+    auto [b, e] = RowRange(by_rows ? kRows : kCols, rank, kWorld);
+    const Shape offsets = by_rows ? Shape{b, 0} : Shape{0, b};
+    const Shape sizes = by_rows ? Shape{e - b, kCols} : Shape{kRows, e - b};
+    TensorView mine = filled ? dcp::testing::Clone(full.Narrow(offsets, sizes))
+                             : TensorView::Allocate(DType::kFloat32, sizes);
+    views.push_back(mine);
+    sd.Set("m" + std::to_string(i),
+           ShardedTensor{DType::kFloat32, {kRows, kCols}, {{mine, offsets}}});
+  }
+  return sd;
+}
+
+}  // namespace
+
+TEST_CASE("load planning: an all-to-all reshard plans on every rank alone and sends no plan",
+          "[read-once][reshard]") {
+  // One store per checkpoint (a scheme's store is its root).
+  for (const char* name : {"ranklocalfew", "ranklocalmany"}) {
+    ClearMemStore(name);
+    RegisterFaultScheme(name, std::make_shared<FaultInjectionStore>(MakeMemStore(name)));
+  }
+  auto save = [&](const std::string& uri, int64_t count) {
+    RequireNoErrors(RunRanks(kWorld, [&](int r, Communicator& comm) {
+      std::vector<TensorView> views;
+      Save(ShardedMatrices(r, true, true, count, views), uri, comm);
+    }));
+  };
+  // Loads column-sharded; returns each rank's stats after checking every value.
+  auto load = [&](const std::string& uri, int64_t count, int custom_rank) {
+    std::vector<LoadStats> stats(kWorld);
+    std::vector<std::vector<TensorView>> views(kWorld);
+    RequireNoErrors(RunRanks(kWorld, [&](int r, Communicator& comm) {
+      StateDict sd = ShardedMatrices(r, false, false, count, views[r]);
+      DefaultLoadPlanner custom;
+      LoadOptions lo;
+      if (r == custom_rank) lo.planner = &custom;
+      stats[r] = Load(sd, uri, comm, lo).stats;
+    }));
+    for (int r = 0; r < kWorld; ++r) {
+      std::vector<TensorView> want;
+      ShardedMatrices(r, false, true, count, want);
+      for (int64_t i = 0; i < count; ++i) CHECK(SameElements(views[r][i], want[i]));
+    }
+    return stats;
+  };
+  save("ranklocalfew://x", 1);
+  save("ranklocalmany://x", kMatrices);
+  const auto few = load("ranklocalfew://x", 1, -1);
+  const auto many = load("ranklocalmany://x", kMatrices, -1);
+  for (int r = 0; r < kWorld; ++r) {
+    CHECK(many[r].rank_local_plan);
+    CHECK(many[r].plan_rounds == 1);
+    // A summary (nothing is stored whole here: a flag and a byte count), the same size for 1
+    // matrix as for 24: 4 reads each, 96 reads in all.
+    CHECK(many[r].plan_bytes_sent == few[r].plan_bytes_sent);
+    CHECK(many[r].plan_bytes_sent <= 16);
+  }
+  // A custom planner at the coordinator has its global step: every plan goes to it.
+  const auto full = load("ranklocalmany://x", kMatrices, 0);
+  for (int r = 0; r < kWorld; ++r) {
+    CHECK_FALSE(full[r].rank_local_plan);
+    CHECK(full[r].plan_rounds == 2);
+    CHECK(full[r].plan_bytes_sent > 100 * many[r].plan_bytes_sent);
+  }
 }
