@@ -224,11 +224,17 @@ std::vector<int32_t> CandidateItems(const LoadPlan& plan,
   std::vector<int32_t> out(candidates.size(), -1);
   std::unordered_map<std::string_view, size_t> by_fqn;
   for (size_t c = 0; c < candidates.size(); ++c) by_fqn.emplace(candidates[c].fqn, c);
+  const std::string* last_fqn = nullptr;  // items of one entry are adjacent: one lookup a run
+  size_t c = candidates.size();
   for (size_t i = 0; i < plan.items.size(); ++i) {
     const ReadItem& item = plan.items[i];
-    auto it = by_fqn.find(item.storage_index.fqn);
-    if (it == by_fqn.end() || out[it->second] >= 0) continue;
-    const MetadataIndex& cand = candidates[it->second];
+    if (last_fqn == nullptr || *last_fqn != item.storage_index.fqn) {
+      auto it = by_fqn.find(item.storage_index.fqn);
+      c = it == by_fqn.end() ? candidates.size() : it->second;
+      last_fqn = &item.storage_index.fqn;
+    }
+    if (c == candidates.size() || out[c] >= 0) continue;
+    const MetadataIndex& cand = candidates[c];
     if (!(item.storage_index.offset == cand.offset)) continue;
     auto entry = metadata.entries.find(cand.fqn);
     if (entry == metadata.entries.end()) continue;
@@ -242,7 +248,7 @@ std::vector<int32_t> CandidateItems(const LoadPlan& plan,
     } else {
       whole = item.type == ReadItemType::kBytes;
     }
-    if (whole) out[it->second] = static_cast<int32_t>(i);
+    if (whole) out[c] = static_cast<int32_t>(i);
   }
   return out;
 }
@@ -251,7 +257,23 @@ ReadRequestSummary SummarizeRequest(const LoadPlan& plan, const std::vector<int3
                                     const Metadata& metadata, bool can_share) {
   ReadRequestSummary s;
   s.can_share = can_share;
-  for (const auto& item : plan.items) s.plan_bytes += ReadItemBytes(item, metadata);
+  // Items of one entry are adjacent in a plan (an all-to-all reshard has ranks x tensors of
+  // them): look each entry up once per run, not once per item.
+  const std::string* last_fqn = nullptr;
+  const EntryMetadata* entry = nullptr;
+  for (const auto& item : plan.items) {
+    if (item.type == ReadItemType::kBytes) {
+      s.plan_bytes += ReadItemBytes(item, metadata);
+      continue;
+    }
+    if (last_fqn == nullptr || *last_fqn != item.storage_index.fqn) {
+      auto it = metadata.entries.find(item.storage_index.fqn);
+      entry = it == metadata.entries.end() ? nullptr : &it->second;
+      last_fqn = &item.storage_index.fqn;
+    }
+    const auto* t = entry ? std::get_if<TensorMetadata>(entry) : nullptr;
+    if (t) s.plan_bytes += static_cast<uint64_t>(NumElements(item.lengths)) * ElementSize(t->dtype);
+  }
   if (can_share) {
     s.reads.resize(items.size());
     for (size_t c = 0; c < items.size(); ++c) s.reads[c] = items[c] >= 0;
