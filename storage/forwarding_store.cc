@@ -43,6 +43,7 @@ void ForwardingWritableObject::Append(const void* data, size_t n) { target_->App
 void ForwardingWritableObject::Sync() { target_->Sync(); }
 void ForwardingWritableObject::Close() { target_->Close(); }
 uint64_t ForwardingWritableObject::size() const { return target_->size(); }
+void ForwardingWritableObject::LimitBuffers(size_t bytes) noexcept { target_->LimitBuffers(bytes); }
 
 ForwardingReadableObject::ForwardingReadableObject(std::unique_ptr<ReadableObject> target)
     : target_(std::move(target)) {}

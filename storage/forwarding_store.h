@@ -72,6 +72,7 @@ class ForwardingWritableObject : public WritableObject {
   void Sync() override;
   void Close() override;
   uint64_t size() const override;
+  void LimitBuffers(size_t bytes) noexcept override;
 
  protected:
   std::unique_ptr<WritableObject> target_;

@@ -36,6 +36,12 @@ class WritableObject {
   virtual void Sync() = 0;
   virtual void Close() = 0;
   virtual uint64_t size() const = 0;
+  /// The writer's share of its memory budget for this object's write buffers (bytes), given
+  /// before the first Append. A backend that buffers keeps within it where it can: s3:// sizes
+  /// its parts and the parts in flight to it, down to S3's floor of one 5 MiB part being filled
+  /// and one in flight. Backends with fixed buffers ignore it. (Declared last so that the
+  /// virtual functions above keep their places for built plugins.)
+  virtual void LimitBuffers(size_t /*bytes*/) noexcept {}
 };
 
 /// A byte range of an object: [offset, offset + length).

@@ -149,8 +149,9 @@ class StoreWriter : public StorageWriter {
                  to_write.size(),
                  [&](size_t i) {
                    const size_t b = to_write[i];
-                   results[b] = WriteBucket(plan, planner,
-                                            layout_.DataFileName(plan.storage_data, b), buckets[b]);
+                   results[b] =
+                       WriteBucket(plan, planner, layout_.DataFileName(plan.storage_data, b),
+                                   buckets[b], options_.memory_budget_bytes / writers);
                  },
                  writers);
              std::vector<WriteResult> all;
@@ -352,9 +353,13 @@ class StoreWriter : public StorageWriter {
     });
   }
 
+  // `share`: this writer's part of the memory budget. Half of it goes to the store's write
+  // buffers, the rest to the encoder's gather buffer and device pieces (kWriterStagingBytes).
   std::vector<WriteResult> WriteBucket(const SavePlan& plan, const SavePlanner& planner,
-                                       const std::string& name, const std::vector<size_t>& items) {
+                                       const std::string& name, const std::vector<size_t>& items,
+                                       size_t share) {
     auto out = store_->Create(name);
+    out->LimitBuffers(share / 2);
     const auto encoder = layout_.NewItemEncoder(options_);
     std::vector<WriteResult> results;
     results.reserve(items.size());

@@ -471,7 +471,10 @@ class SafetensorsWriter : public StorageWriter {
       for (uint32_t u = 0; u < units.size(); ++u) {
         if (a.files[units[u].file].owner == me) assembles[units[u].round].push_back(u);
       }
-      // This rank's files: created with their headers now, filled round by round.
+      // This rank's files: created with their headers now, filled round by round. A quarter of
+      // the budget is the round being assembled; another quarter is the files' store buffers.
+      const size_t mine = static_cast<size_t>(std::count_if(
+          a.files.begin(), a.files.end(), [&](const auto& file) { return file.owner == me; }));
       for (uint32_t f = 0; f < a.files.size(); ++f) {
         if (a.files[f].owner != me) continue;
         std::vector<uint64_t> begins;
@@ -479,6 +482,7 @@ class SafetensorsWriter : public StorageWriter {
         files[f].name = a.files[f].name;
         created_.push_back(files[f].name);
         files[f].out = store_->Create(files[f].name);
+        files[f].out->LimitBuffers(options_.memory_budget_bytes / 4 / std::max<size_t>(mine, 1));
         files[f].out->Append(header.data(), header.size());
         for (size_t j = 0; j < begins.size(); ++j) {
           const PlannedTensor& t = a.tensors[a.files[f].tensors[j]];

@@ -90,6 +90,37 @@ struct BigBack {
 
 }  // namespace
 
+TEST_CASE("s3: a writer sizes its parts to its buffer limit", "[s3]") {
+  if (!HaveServer()) return;
+  const std::string root = S3TestRoot("limit");
+  auto store = OpenStore(root);
+  const std::string bytes = Pattern(48 << 20, 3);
+  // Parts of an upload: by default 8 MiB, 6 of them.
+  auto parts_of = [&](const std::string& name, std::optional<size_t> limit, bool late) {
+    Hook hook([](const S3RequestInfo&) { return S3Fault::kNone; });
+    auto w = store->Create(name);
+    if (limit && !late) w->LimitBuffers(*limit);
+    w->Append(bytes.data(), 1 << 20);
+    if (limit && late) w->LimitBuffers(*limit);  // parts are being filled: ignored
+    w->Append(bytes.data() + (1 << 20), bytes.size() - (1 << 20));
+    w->Close();
+    std::string back(bytes.size(), '\0');
+    store->Open(name)->ReadAt(0, back.data(), back.size());
+    CHECK(back == bytes);
+    return hook.Count([](const S3RequestInfo& i) {
+      return i.method == "PUT" && i.query.find("partNumber=") == 0;
+    });
+  };
+  CHECK(parts_of("default", std::nullopt, false) == 6);
+  // 12 MiB for one part filling and one in flight: 6 MiB parts, 8 of them.
+  CHECK(parts_of("limited", size_t{12} << 20, false) == 8);
+  // Below two minimum parts: S3's floor of 5 MiB parts.
+  CHECK(parts_of("floor", size_t{4} << 20, false) == 10);
+  // A roomy limit keeps the 8 MiB parts (and at most parts_in_flight of them in flight).
+  CHECK(parts_of("roomy", size_t{1} << 30, false) == 6);
+  CHECK(parts_of("late", size_t{12} << 20, true) == 6);
+}
+
 TEST_CASE("s3: multipart uploads in parallel parts with ranged and prefetched reads", "[s3]") {
   if (!HaveServer()) return;
   const std::string root = S3TestRoot("objects");
@@ -471,6 +502,46 @@ TEST_CASE("s3: concurrency and prefetch follow the throughput target", "[s3]") {
     CHECK_NOTHROW(OpenStore("s3://dcp-opt/x?target_gbps=40&max_connections=16"));
   }
   CHECK_THROWS_AS(OpenStore("s3://dcp-opt/x?target_gbps=0"), InvalidArgumentError);
+}
+
+TEST_CASE("s3: the part size follows the target and grows past 1000 parts", "[s3]") {
+  S3Options o;
+  o.access_key_id = "k";
+  o.secret_access_key = "s";
+  o.endpoint = "http://127.0.0.1:1";
+  // What one connection carries in kS3RequestSeconds at its share of the target.
+  o.target_gbps = 25;  // 10 connections of 2.5 Gbit/s: 8 MiB, the CRT's size
+  CHECK(S3Options::FromEnvironment(o).part_size == uint64_t{8} << 20);
+  o.target_gbps = 40;
+  o.max_connections = 8;  // 5 Gbit/s each: 16 MiB
+  CHECK(S3Options::FromEnvironment(o).part_size == uint64_t{16} << 20);
+  o.target_gbps = 400;  // 50 Gbit/s each: at most 64 MiB
+  CHECK(S3Options::FromEnvironment(o).part_size == uint64_t{64} << 20);
+  o.target_gbps = 0.5;
+  o.max_connections = 0;  // 2 connections of 0.25 Gbit/s: S3's 5 MiB minimum
+  CHECK(S3Options::FromEnvironment(o).part_size == uint64_t{5} << 20);
+  o.part_size = uint64_t{12} << 20;  // given: kept
+  CHECK(S3Options::FromEnvironment(o).part_size == uint64_t{12} << 20);
+  {
+    EnvGuard env("DCP_S3_PART_SIZE_MIB", "6");
+    o.part_size = 0;
+    CHECK(S3Options::FromEnvironment(o).part_size == uint64_t{6} << 20);
+  }
+  // Doubled every 1,000 parts: 10,000 parts from 8 MiB hold more than S3's 5 TiB limit, so no
+  // object a writer can make fails at part 10,001 (it did with fixed 8 MiB parts past 78 GiB).
+  const uint64_t base = uint64_t{8} << 20;
+  CHECK(S3PartSize(base, 0) == base);
+  CHECK(S3PartSize(base, 999) == base);
+  CHECK(S3PartSize(base, 1000) == 2 * base);
+  CHECK(S3PartSize(base, 9999) == base << 9);
+  uint64_t total = 0, at_100gb = 0;
+  for (size_t i = 0; i < kS3MaxParts; ++i) {
+    total += S3PartSize(base, i);
+    if (at_100gb == 0 && total >= uint64_t{100} * 1000 * 1000 * 1000)
+      at_100gb = S3PartSize(base, i);
+  }
+  CHECK(total > uint64_t{5} << 40);
+  CHECK(at_100gb == uint64_t{64} << 20);
 }
 
 TEST_CASE("s3: a load of many small adjacent items and a column-sharded load make few requests",

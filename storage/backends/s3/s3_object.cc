@@ -44,6 +44,7 @@ class S3Writable : public WritableObject {
   S3Writable(std::shared_ptr<Client> client, std::string key)
       : client_(std::move(client)), key_(std::move(key)) {
     part_size_ = client_->options().part_size;
+    parts_in_flight_ = static_cast<size_t>(std::max(1, client_->options().parts_in_flight));
   }
 
   ~S3Writable() override {
@@ -70,16 +71,24 @@ class S3Writable : public WritableObject {
     const char* p = static_cast<const char*>(data);
     while (n > 0) {
       if (!buffer_) {
+        const size_t index = etags_.size() + inflight_.size();
+        if (index >= kS3MaxParts) {
+          throw InvalidArgumentError("s3: " + client_->Describe(key_) + " would need more than " +
+                                     std::to_string(kS3MaxParts) + " parts (" +
+                                     std::to_string(size_) + " bytes so far)");
+        }
         buffer_ = std::make_shared<PartBuffer>();
-        buffer_->memory.Reserve(part_size_);  // from the process-wide pool, back after its PUT
+        buffer_->capacity = S3PartSize(part_size_, index);
+        // From the process-wide pool, back after its PUT.
+        buffer_->memory.Reserve(buffer_->capacity);
       }
-      const size_t take = std::min(n, part_size_ - buffer_->size);
+      const size_t take = std::min(n, buffer_->capacity - buffer_->size);
       std::memcpy(buffer_->memory.data() + buffer_->size, p, take);
       buffer_->size += take;
       p += take;
       n -= take;
       size_ += take;
-      if (buffer_->size == part_size_) ShipPart();
+      if (buffer_->size == buffer_->capacity) ShipPart();
     }
   }
 
@@ -132,9 +141,20 @@ class S3Writable : public WritableObject {
 
   uint64_t size() const override { return size_; }
 
+  // One part is filled while up to parts_in_flight_ are sent: (parts_in_flight_ + 1) parts of
+  // part_size_ in all. Within `bytes`, fewer parts first, then smaller ones, never below S3's
+  // 5 MiB minimum part nor one part in flight.
+  void LimitBuffers(size_t bytes) noexcept override {
+    if (buffer_ || !upload_id_.empty()) return;  // too late: parts are out
+    constexpr size_t kMinPart = size_t{5} << 20;
+    if (bytes < 2 * part_size_) part_size_ = std::max(kMinPart, bytes / 2);
+    parts_in_flight_ = std::clamp<size_t>(bytes / part_size_, 2, parts_in_flight_ + 1) - 1;
+  }
+
  private:
   struct PartBuffer {
     HostBuffer memory;
+    size_t capacity = 0;  // this part's size (S3PartSize)
     size_t size = 0;
   };
   struct Part {
@@ -148,7 +168,7 @@ class S3Writable : public WritableObject {
       Response r = client_->Ok(c);
       upload_id_ = ParseInitiateMultipartUpload(r.body, client_->Describe(key_));
     }
-    Reap(static_cast<size_t>(client_->options().parts_in_flight) - 1);
+    Reap(parts_in_flight_ - 1);
     std::shared_ptr<const PartBuffer> shared = std::move(buffer_);
     buffer_.reset();
     const size_t index = etags_.size() + inflight_.size();
@@ -182,6 +202,7 @@ class S3Writable : public WritableObject {
   std::shared_ptr<Client> client_;
   std::string key_;
   size_t part_size_;
+  size_t parts_in_flight_;
   std::shared_ptr<PartBuffer> buffer_;  // the part being filled
   std::string upload_id_;
   std::deque<Part> inflight_;
@@ -468,6 +489,10 @@ class S3Readable : public ReadableObject {
 }  // namespace dcp::s3
 
 namespace dcp {
+
+uint64_t S3PartSize(uint64_t base, size_t index) {
+  return base << std::min<size_t>(index / 1000, 20);
+}
 
 std::vector<ByteRange> S3CoalesceRanges(std::vector<ByteRange> ranges, uint64_t max_gap,
                                         uint64_t request_bytes) {

@@ -69,8 +69,14 @@ S3Options S3Options::FromEnvironment(S3Options o) {
     o.max_connections =
         static_cast<int>(std::clamp(std::ceil(o.target_gbps / kS3ConnectionGbps), 2.0, 64.0));
   }
-  if (o.part_size == 0)
-    o.part_size = static_cast<uint64_t>(EnvInt("DCP_S3_PART_SIZE_MIB", 8)) << 20;
+  if (o.part_size == 0) {
+    o.part_size = static_cast<uint64_t>(EnvInt("DCP_S3_PART_SIZE_MIB", 0)) << 20;
+  }
+  if (o.part_size == 0) {
+    const double bytes =
+        o.target_gbps / o.max_connections * 1e9 / 8 * kS3RequestSeconds / (1 << 20);
+    o.part_size = static_cast<uint64_t>(std::clamp(std::round(bytes), 5.0, 64.0)) << 20;
+  }
   if (o.part_size < (uint64_t{5} << 20) || o.part_size > (uint64_t{5} << 30)) {
     throw InvalidArgumentError("s3 part size must be 5 MiB to 5 GiB, not " +
                                std::to_string(o.part_size) + " bytes");

@@ -78,6 +78,17 @@ namespace dcp {
 /// What one connection is planned to carry, Gbit/s: target_gbps / this = connections. About
 /// what one TCP stream to an S3 endpoint (or a local RADOS Gateway) sustains for 8 MiB requests.
 inline constexpr double kS3ConnectionGbps = 2.5;
+/// How long one data request should carry bytes, seconds: the default part size is what a
+/// connection carries in this time at its share of the target (target_gbps / max_connections),
+/// so the fixed cost of a request (a round trip, the server's bookkeeping) stays a small part
+/// of it. 27 ms at 2.5 Gbit/s is 8 MiB, the size the AWS CRT client uses.
+inline constexpr double kS3RequestSeconds = 0.027;
+/// S3's most parts in one multipart upload.
+inline constexpr size_t kS3MaxParts = 10000;
+/// The size of part `index` (0-based) of an upload whose first parts are `base` bytes: doubled
+/// every 1,000 parts, so that 10,000 parts hold more than S3's 5 TiB object limit from an
+/// 8 MiB base (a 100 GB object reaches 64 MiB parts). Exposed for tests.
+uint64_t S3PartSize(uint64_t base, size_t index);
 
 struct S3Options {
   /// Empty fields are taken from the environment (see above).
@@ -94,7 +105,11 @@ struct S3Options {
   /// Data requests (part uploads, ranged GETs) in flight per store, over all its objects
   /// (DCP_S3_MAX_CONNECTIONS); by default ceil(target_gbps / kS3ConnectionGbps), 2 to 64.
   int max_connections = 0;
-  uint64_t part_size = 0;    // at least 5 MiB (S3's minimum part size); also the GET size
+  /// At least 5 MiB (S3's minimum part size); also the GET size (DCP_S3_PART_SIZE_MIB). By
+  /// default from the target: what one connection carries in kS3RequestSeconds, rounded to a
+  /// MiB, 5 to 64 MiB (8 MiB at the default target). A writer uses less when its memory share
+  /// is smaller (WritableObject::LimitBuffers), and grows it past 1,000 parts (S3PartSize).
+  uint64_t part_size = 0;
   int parts_in_flight = 0;   // uploads in flight per writer (default: max_connections)
   int read_ahead_parts = 0;  // ranged GETs in flight per reader (default: max_connections)
   int max_retries = -1;      // retries after the first attempt of a retryable failure
