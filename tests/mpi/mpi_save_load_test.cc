@@ -463,6 +463,11 @@ TEST_CASE("mpi: read-once reads replicated entries from storage once, over MPI",
     for (const auto& b : Comm().AllGather(std::to_string(store->BytesRead()), "test/bytes"))
       total[read_once] += std::stoull(b);
     if (read_once && w > 1) CHECK(stats.shared_batches > 0);
+    // Planned on every rank alone: one round, a summary of the request (a flag, a byte count,
+    // no bitmap: every rank reads all 5 whole-value entries), not a plan.
+    CHECK(stats.rank_local_plan);
+    CHECK(stats.plan_rounds == 1);
+    CHECK(stats.plan_bytes_sent == 10);
   }
   if (Comm().rank() == 0) {
     std::printf("read-once at %d ranks: %llu bytes read from storage without, %llu with\n", w,
