@@ -31,6 +31,9 @@ namespace {
 // destinations in pieces of kDevicePieceBytes, the size of a reader's pinned buffer).
 constexpr uint64_t kReadPieceBytes = uint64_t{32} << 20;
 
+// Size queries the metadata check makes at once (each a round trip on an object store).
+constexpr size_t kSizeQueriesInFlight = 16;
+
 // A verified read lands in steps of this size, each CRC'd at once while its bytes are still in
 // the CPU cache: a second pass over a large piece would stream it from memory again, which is
 // what held warm (page-cache) loads below the speed of a plain read.
@@ -557,8 +560,17 @@ class StoreReader : public StorageReader {
       auto& n = need.try_emplace(info.relative_path, 0, &index).first->second;
       if (info.offset + info.length > n.first) n = {info.offset + info.length, &index};
     }
+    // One size query per file; on an object store each is a round trip, so they go out
+    // together (a 4,096-rank checkpoint has 4,096 files), and are judged in file order.
+    std::vector<const std::string*> files;
+    for (const auto& [file, n] : need) files.push_back(&file);
+    std::vector<std::optional<uint64_t>> sizes(files.size());
+    ParallelFor(
+        files.size(), [&](size_t i) { sizes[i] = store_->Size(*files[i]); },
+        std::min<size_t>(files.size(), kSizeQueriesInFlight));
+    size_t i = 0;
     for (const auto& [file, n] : need) {
-      const std::optional<uint64_t> size = store_->Size(file);
+      const std::optional<uint64_t>& size = sizes[i++];
       if (!size) {
         throw NotFoundError("data file '" + store_->uri() + "/" + file + "' is missing: " +
                             n.second->ToString() + " and the other items it holds cannot be read");

@@ -2,11 +2,16 @@
 // each piece CRC'd alone and the CRCs combined; corruption in any piece is still named.
 // Each read thread reads a contiguous stripe of the tasks through one open object per file.
 #include <catch2/catch.hpp>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
+#include <mutex>
 
 #include "dcp/storage/backends/fault_store.h"
 #include "dcp/storage/backends/file_store.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/forwarding_store.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -107,4 +112,60 @@ TEST_CASE("reader: each read thread streams its stripe of a file through one ope
   CHECK(one <= 2);
   CHECK(two == one + 1);
   CHECK(three == one + 2);
+}
+
+namespace {
+
+// Records whether two size queries of data files were ever in flight at once: the first one
+// waits (up to 10 s) for a second to arrive.
+class ConcurrentSizeStore : public ForwardingStore {
+ public:
+  using ForwardingStore::ForwardingStore;
+  std::optional<uint64_t> Size(const std::string& name) override {
+    if (IsDataObjectName(name)) {
+      std::unique_lock<std::mutex> lock(mu_);
+      ++in_flight_;
+      if (in_flight_ > 1) overlapped_ = true;
+      cv_.notify_all();
+      if (!waited_) {
+        waited_ = true;
+        cv_.wait_for(lock, std::chrono::seconds(10), [&] { return overlapped_; });
+      }
+      --in_flight_;
+    }
+    return target_->Size(name);
+  }
+  bool overlapped() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return overlapped_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int in_flight_ = 0;
+  bool waited_ = false, overlapped_ = false;
+};
+
+}  // namespace
+
+TEST_CASE("reader: the data files' sizes are checked with the queries in flight together",
+          "[reader]") {
+  // On an object store each size query is a round trip: the coordinator checked a 4,096-rank
+  // checkpoint's 4,096 files one after another before any rank could plan its load.
+  TempDir dir("rdsizes");
+  StateDict sd;
+  std::vector<TensorView> tensors;
+  for (int i = 0; i < 4; ++i) {
+    tensors.push_back(RandomTensor(DType::kFloat32, {1000}, 90 + i));
+    sd.Set("t" + std::to_string(i), tensors.back());
+  }
+  SaveOptions so;
+  so.storage.files_per_rank = 4;
+  LocalCommunicator comm;
+  Save(sd, dir / "c", comm, so);
+  auto store = std::make_shared<ConcurrentSizeStore>(MakeFileStore(dir / "c"));
+  const Metadata md = MakeStoreReader(store, {})->ReadMetadata();
+  CHECK(md.entries.size() == 4);
+  CHECK(store->overlapped());
 }
