@@ -341,6 +341,29 @@ TEST_CASE("codec: Metadata round trips through the metadata file", "[codec][meta
   CheckSameMetadata(md, DecodeMetadata(EncodeMetadata(md), kSource));
 }
 
+TEST_CASE("codec: stored items decode in any order and a duplicate is refused",
+          "[codec][metadata]") {
+  // Protobuf messages concatenate: the tail's items come after the head's.
+  const Metadata md = MakeMetadata();
+  REQUIRE(md.storage.size() > 2);
+  Metadata tail = md;
+  tail.entries.clear();
+  tail.key_paths.clear();
+  tail.planner_data.clear();
+  tail.storage = {*md.storage.begin()};
+  Metadata head = md;
+  head.storage.erase(head.storage.begin());
+  // The first item last: out of key order, the same metadata.
+  CheckSameMetadata(md, DecodeMetadata(EncodeMetadata(head) + EncodeMetadata(tail), kSource));
+  // Sent twice: refused, whether it comes last in order or out of it.
+  CHECK_THROWS_WITH(DecodeMetadata(EncodeMetadata(md) + EncodeMetadata(tail), kSource),
+                    Contains("duplicate stored item"));
+  Metadata last = tail;
+  last.storage = {*md.storage.rbegin()};
+  CHECK_THROWS_WITH(DecodeMetadata(EncodeMetadata(md) + EncodeMetadata(last), kSource),
+                    Contains("duplicate stored item"));
+}
+
 TEST_CASE("codec: DecodeMetadataFile rejects damaged files", "[codec][metadata]") {
   const std::string good = EncodeMetadataFile(MakeMetadata());
   auto decode = [](const std::string& bytes) { return DecodeMetadataFile(bytes, kSource); };
