@@ -977,12 +977,18 @@ class LoadOperation {
     return planner_options;
   }
 
-  // The coordinator alone reads (and validates) the metadata; everyone else receives it.
+  // The coordinator alone reads (and validates) the metadata; everyone else receives it: the
+  // bytes of the file as read when they are its wire encoding (the dcp format), so that it is
+  // not encoded again, and the coordinator keeps what it decoded instead of decoding it twice.
   std::string ExchangeMetadata() {
     return RunPhase(
         comm_, "load/metadata", [] { return std::string(); },
         [&](std::vector<std::string>) {
-          return std::vector<std::string>{EncodeMetadata(reader_.ReadMetadata())};
+          Metadata md = reader_.ReadMetadata();
+          std::string encoded = reader_.TakeEncodedMetadata();
+          if (encoded.empty()) encoded = EncodeMetadata(md);
+          coordinator_md_ = std::move(md);
+          return std::vector<std::string>{std::move(encoded)};
         },
         /*decides_commit=*/false, /*same_reply=*/true);
   }
@@ -998,7 +1004,12 @@ class LoadOperation {
     const std::string reply = RunPhase(
         comm_, "load/plan",
         [&] {
-          md_ = DecodeMetadata(md_bytes, reader_.uri());
+          if (coordinator_md_) {
+            md_ = std::move(*coordinator_md_);
+            coordinator_md_.reset();
+          } else {
+            md_ = DecodeMetadata(md_bytes, reader_.uri());
+          }
           reader_.SetUp(md_, StorageContext{rank_, size_, rank_ == 0, {}, nullptr});
           planner_.SetUp(state_dict_, md_, PlannerContext{rank_, size_, rank_ == 0});
           local_ = reader_.PrepareLocalPlan(planner_.CreateLocalPlan());
@@ -1114,6 +1125,7 @@ class LoadOperation {
   DefaultLoadPlanner default_planner_;
   LoadPlanner& planner_;
   const bool can_share_;
+  std::optional<Metadata> coordinator_md_;  // rank 0: the metadata as ReadMetadata decoded it
   Metadata md_;
   LoadPlan local_;    // this rank's plan, as its planner and reader made it
   LoadPlan central_;  // what it reads: its local plan, or the coordinator's global step's

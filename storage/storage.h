@@ -200,6 +200,12 @@ class StorageReader {
   /// coordinator gathers every plan and runs both global steps. Declared last, so that readers
   /// built against an earlier header keep their vtable layout.
   virtual bool GlobalPlanChangesNothing() const { return false; }
+  /// The wire encoding (EncodeMetadata) of the metadata ReadMetadata last returned, moved out,
+  /// when the reader holds it as read (StoreReader on the dcp format: the metadata file's
+  /// payload); empty otherwise. dcp::Load broadcasts it instead of encoding the metadata again:
+  /// at thousands of ranks that encoding was seconds of the coordinator's time every rank waited
+  /// for. Declared last, like GlobalPlanChangesNothing.
+  virtual std::string TakeEncodedMetadata() { return {}; }
 };
 
 }  // namespace dcp

@@ -275,7 +275,7 @@ class StoreReader : public StorageReader {
 
   Metadata ReadMetadata() override {
     if (const CheckpointLayout* layout = DetectLayout(*store_)) {
-      Metadata md = layout->ReadMetadata(*store_);
+      Metadata md = layout->ReadMetadata(*store_, &encoded_);
       CheckDataFiles(md);
       return md;
     }
@@ -298,6 +298,7 @@ class StoreReader : public StorageReader {
   LoadPlan PrepareLocalPlan(LoadPlan plan) override { return plan; }
   std::vector<LoadPlan> PrepareGlobalPlan(std::vector<LoadPlan> plans) override { return plans; }
   bool GlobalPlanChangesNothing() const override { return true; }
+  std::string TakeEncodedMetadata() override { return std::exchange(encoded_, {}); }
 
   std::future<void> ReadData(const LoadPlan& plan, LoadPlanner& planner) override {
     ResolveTorchRecords(plan);
@@ -925,6 +926,7 @@ class StoreReader : public StorageReader {
   std::shared_ptr<Store> store_;
   StorageOptions options_;
   const Metadata* metadata_ = nullptr;
+  std::string encoded_;  // the last ReadMetadata's wire encoding, when its file held it
   StorageContext ctx_;
   std::map<MetadataIndex, StorageInfo> resolved_;       // torch records read as plain items
   std::map<MetadataIndex, TorchTensorRecord> strided_;  // torch records read by ReadTorchRecord

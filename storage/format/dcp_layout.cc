@@ -113,9 +113,15 @@ class DcpLayoutImpl : public CheckpointLayout {
     CheckMetadataPayloadSize(encoded.size() - kMetadataHeaderSize, uri);
     return encoded;
   }
-  Metadata ReadMetadata(Store& store) const override {
+  Metadata ReadMetadata(Store& store, std::string* encoded) const override {
     const std::string where = store.uri() + "/" + name_;
-    return DecodeMetadataFile(ReadMetadataFile(store, where), where);
+    std::string bytes = ReadMetadataFile(store, where);
+    Metadata md = DecodeMetadataFile(bytes, where);
+    if (encoded) {
+      bytes.erase(0, kMetadataHeaderSize);  // the payload is the plain wire encoding
+      *encoded = std::move(bytes);
+    }
+    return md;
   }
   std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions& options) const override {
     return std::make_unique<DcpItemEncoder>(options);

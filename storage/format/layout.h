@@ -51,8 +51,11 @@ class CheckpointLayout {
   /// True when `store` holds a checkpoint of this layout (its commit marker exists). Default:
   /// metadata_name() exists.
   virtual bool Detect(Store& store) const;
-  /// Read and decode the metadata file of `store` (untrusted: bounded, validated).
-  virtual Metadata ReadMetadata(Store& store) const = 0;
+  /// Read and decode the metadata file of `store` (untrusted: bounded, validated). When
+  /// `encoded` is given, it receives the metadata's wire encoding (EncodeMetadata) if the file
+  /// holds it as read (the dcp format: its payload), and is cleared otherwise.
+  virtual Metadata ReadMetadata(Store& store, std::string* encoded) const = 0;
+  Metadata ReadMetadata(Store& store) const { return ReadMetadata(store, nullptr); }
   virtual std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions& options) const = 0;
 };
 

@@ -255,7 +255,10 @@ class SafetensorsLayoutImpl : public CheckpointLayout {
                   {"weight_map", weight_map}};
     return index.dump(2) + "\n";
   }
-  Metadata ReadMetadata(Store& store) const override { return ReadSafetensorsMetadata(store); }
+  Metadata ReadMetadata(Store& store, std::string* encoded) const override {
+    if (encoded) encoded->clear();
+    return ReadSafetensorsMetadata(store);
+  }
   std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions&) const override {
     Unreachable();
   }

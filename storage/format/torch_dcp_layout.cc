@@ -72,7 +72,8 @@ class TorchDcpLayoutImpl : public CheckpointLayout {
   std::string EncodeMetadata(const Metadata& md, const std::string& uri) const override {
     return EncodeTorchDcpMetadata(md, flavor_, uri);
   }
-  Metadata ReadMetadata(Store& store) const override {
+  Metadata ReadMetadata(Store& store, std::string* encoded) const override {
+    if (encoded) encoded->clear();
     return DecodeTorchDcpMetadata(store.ReadAll(name_), store.uri() + "/" + name_);
   }
   std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions&) const override {

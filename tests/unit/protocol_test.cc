@@ -7,8 +7,10 @@
 #include <set>
 #include <thread>
 
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/registry.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -298,4 +300,37 @@ TEST_CASE("communicator: collectives over an in-process group", "[comm]") {
         "all-gather");
     comm.Barrier("t");
   }));
+}
+
+TEST_CASE("protocol: a load broadcasts the metadata file's payload as read, not a re-encoding",
+          "[protocol]") {
+  StateDict sd;
+  sd.Set("w", RandomTensor(DType::kFloat32, {6, 4}, 3));
+  for (const char* format : {"dcp", "torchdcp"}) {
+    INFO(format);
+    const std::string uri = std::string("mem://payload-") + format + "?format=" + format;
+    ClearMemStore(std::string("payload-") + format);
+    LocalCommunicator comm;
+    Save(sd, uri, comm);
+    auto reader = OpenStorageReader(uri);
+    const Metadata md = reader->ReadMetadata();
+    const std::string encoded = reader->TakeEncodedMetadata();
+    if (std::string(format) == "dcp") {
+      // The file's bytes after the 24-byte envelope: they decode to what the reader returned.
+      const std::string file = OpenStore(uri)->ReadAll(kMetadataName);
+      CHECK(encoded == file.substr(kMetadataHeaderSize));
+      CHECK(DecodeMetadata(encoded, "test").entries.size() == md.entries.size());
+      CHECK(reader->TakeEncodedMetadata().empty());  // moved out
+    } else {
+      CHECK(encoded.empty());  // PyTorch DCP's .metadata is a pickle: encoded by the protocol
+    }
+    // Either way every rank loads the same values.
+    RequireNoErrors(RunRanks(3, [&](int, Communicator& c) {
+      StateDict back;
+      TensorView w = TensorView::Allocate(DType::kFloat32, {6, 4});
+      back.Set("w", w);
+      Load(back, uri, c);
+      CHECK(SameElements(w, std::get<TensorView>(*sd.Find("w"))));
+    }));
+  }
 }
