@@ -19,8 +19,8 @@ namespace dcp {
 class HostBuffer {
  public:
   HostBuffer() = default;
-  /// The smallest idle pooled buffer of at least `bytes`, or a new one (std::bad_alloc when
-  /// memory is exhausted).
+  /// The smallest idle pooled buffer of at least `bytes` and at most twice that, or a new one
+  /// (std::bad_alloc when memory is exhausted).
   explicit HostBuffer(size_t bytes);
   HostBuffer(HostBuffer&& other) noexcept;
   HostBuffer& operator=(HostBuffer&& other) noexcept;

@@ -59,4 +59,6 @@ void ForwardingReadableObject::PrefetchRanges(const std::vector<ByteRange>& rang
   target_->PrefetchRanges(ranges);
 }
 
+void ForwardingReadableObject::LimitBuffers(size_t bytes) noexcept { target_->LimitBuffers(bytes); }
+
 }  // namespace dcp

@@ -91,6 +91,7 @@ class ForwardingReadableObject : public ReadableObject {
   // ReadAtStreaming is not forwarded: the default reads through ReadAt, so a subclass that
   // changes ReadAt sees every byte of a streamed read too.
   void PrefetchRanges(const std::vector<ByteRange>& ranges) noexcept override;
+  void LimitBuffers(size_t bytes) noexcept override;
 
  protected:
   std::unique_ptr<ReadableObject> target_;

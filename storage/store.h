@@ -84,6 +84,11 @@ class ReadableObject {
   /// request size, several in flight), so the small reads that follow find their bytes arrived.
   /// Never fails; the default does nothing.
   virtual void PrefetchRanges(const std::vector<ByteRange>& /*ranges*/) noexcept {}
+  /// The reader's share of its memory budget for this object's read-ahead buffers (bytes),
+  /// given before the first read: s3:// keeps its prefetch window within it (fewer and smaller
+  /// ranged GETs ahead, at least one of 1 MiB). Reads straight into the destination need no
+  /// buffer and are not limited. The default ignores it.
+  virtual void LimitBuffers(size_t /*bytes*/) noexcept {}
 };
 
 /// Exclusive ownership of a store location (one writer per checkpoint location), held until the

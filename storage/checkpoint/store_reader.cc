@@ -248,13 +248,16 @@ class TaskQueue {
 };
 
 // The object a reader has open, reused across its tasks while they are in one file.
+// Each object is told `buffer_limit`, the reader's share of the memory budget for the store's
+// read-ahead buffers.
 class OpenObject {
  public:
-  explicit OpenObject(Store& store) : store_(store) {}
+  OpenObject(Store& store, size_t buffer_limit) : store_(store), buffer_limit_(buffer_limit) {}
   ReadableObject& Get(const std::string& name) {
     if (!in_ || name_ != name) {
       in_.reset();
       in_ = store_.Open(name);
+      in_->LimitBuffers(buffer_limit_);
       name_ = name;
     }
     return *in_;
@@ -262,6 +265,7 @@ class OpenObject {
 
  private:
   Store& store_;
+  size_t buffer_limit_;
   std::string name_;
   std::unique_ptr<ReadableObject> in_;
 };
@@ -309,11 +313,15 @@ class StoreReader : public StorageReader {
              TaskQueue queue(work.tasks, nthreads);
              {
                std::vector<Task<void>> readers;  // their destructors wait, also on a throw
+               // Half of each reader's share of the budget for the store's read-ahead (the
+               // rest: its scratch and device pieces).
+               const size_t buffer_limit = options_.memory_budget_bytes / nthreads / 2;
                for (size_t t = 1; t < nthreads; ++t) {
-                 readers.push_back(
-                     Spawn([&, t] { RunReader(plan, planner, files, work.tasks, queue, t); }));
+                 readers.push_back(Spawn([&, t] {
+                   RunReader(plan, planner, files, work.tasks, queue, t, buffer_limit);
+                 }));
                }
-               RunReader(plan, planner, files, work.tasks, queue, 0);
+               RunReader(plan, planner, files, work.tasks, queue, 0, buffer_limit);
                for (auto& r : readers) r.get();
              }
              queue.RethrowFirstError();
@@ -398,9 +406,10 @@ class StoreReader : public StorageReader {
   // One read thread: the tasks `queue` hands it, through its own scratch buffer, open object
   // and (for device pieces) pinned pieces. Errors go to the queue.
   void RunReader(const LoadPlan& plan, LoadPlanner& planner, const FileItems& files,
-                 const std::vector<ReadTask>& tasks, TaskQueue& queue, size_t reader) {
+                 const std::vector<ReadTask>& tasks, TaskQueue& queue, size_t reader,
+                 size_t buffer_limit) {
     HostBuffer scratch;  // from the process-wide pool (proto/staging.h), returned at the end
-    OpenObject open(*store_);
+    OpenObject open(*store_, buffer_limit);
     std::optional<DeviceStaging> staging;  // made at this thread's first device piece
     while (const std::optional<size_t> t = queue.Take(reader)) {
       const ReadTask& task = tasks[*t];

@@ -56,6 +56,9 @@ class SpyStore : public Store {
         calls->push_back("W.size");
         return w->size();
       }
+      void LimitBuffers(size_t bytes) noexcept override {
+        calls->push_back("W.LimitBuffers " + std::to_string(bytes));
+      }
     };
     Log("Create " + n);
     auto o = std::make_unique<W>();
@@ -76,6 +79,9 @@ class SpyStore : public Store {
         return r->size();
       }
       void Prefetch(uint64_t, uint64_t) noexcept override { calls->push_back("Prefetch"); }
+      void LimitBuffers(size_t bytes) noexcept override {
+        calls->push_back("R.LimitBuffers " + std::to_string(bytes));
+      }
     };
     Log("Open " + n);
     auto o = std::make_unique<R>();
@@ -196,6 +202,7 @@ TEST_CASE("forwarding store: the forwarding objects pass every call on", "[stora
   auto spy = std::make_shared<SpyStore>("fwd-objects");
   {
     ForwardingWritableObject w(spy->Create("a"));
+    w.LimitBuffers(1000);
     w.Append("hello ", 6);
     w.Append("world", 5);
     CHECK(w.size() == 11);
@@ -204,6 +211,7 @@ TEST_CASE("forwarding store: the forwarding objects pass every call on", "[stora
   }
   {
     ForwardingReadableObject r(spy->Open("a"));
+    r.LimitBuffers(2000);
     CHECK(r.size() == 11);
     r.Prefetch(0, 11);
     char buf[5];
@@ -211,8 +219,9 @@ TEST_CASE("forwarding store: the forwarding objects pass every call on", "[stora
     CHECK(std::string(buf, 5) == "world");
     CHECK_THROWS_AS(r.ReadAt(8, buf, 5), CorruptionError);  // the target's error, unchanged
   }
-  CHECK(spy->calls == Calls{"Create a", "Append", "Append", "W.size", "Sync", "Close", "Open a",
-                            "R.size", "Prefetch", "ReadAt", "ReadAt"});
+  CHECK(spy->calls == Calls{"Create a", "W.LimitBuffers 1000", "Append", "Append", "W.size", "Sync",
+                            "Close", "Open a", "R.LimitBuffers 2000", "R.size", "Prefetch",
+                            "ReadAt", "ReadAt"});
   ClearMemStore("fwd-objects");
 }
 

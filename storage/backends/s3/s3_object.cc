@@ -218,7 +218,10 @@ constexpr uint64_t kSmallReadAheadBytes = uint64_t{1} << 20;
 class S3Readable : public ReadableObject {
  public:
   S3Readable(std::shared_ptr<Client> client, std::string key, uint64_t size)
-      : client_(std::move(client)), key_(std::move(key)), size_(size) {}
+      : client_(std::move(client)), key_(std::move(key)), size_(size) {
+    window_request_bytes_ = client_->options().part_size;
+    window_parts_ = static_cast<size_t>(std::max(1, client_->options().read_ahead_parts));
+  }
   ~S3Readable() override {
     for (auto& c : window_) c.fetch.Wait();
   }
@@ -241,6 +244,17 @@ class S3Readable : public ReadableObject {
   }
 
   uint64_t size() const override { return size_; }
+
+  // The prefetch window holds window_parts_ GETs of window_request_bytes_: within `bytes`, fewer
+  // GETs first, then smaller ones, down to one of 1 MiB.
+  void LimitBuffers(size_t bytes) noexcept override {
+    if (!window_.empty() || !pending_.empty()) return;  // too late: requests are out
+    constexpr uint64_t kMinRequest = uint64_t{1} << 20;
+    if (bytes < window_request_bytes_) {
+      window_request_bytes_ = std::max<uint64_t>(kMinRequest, bytes);
+    }
+    window_parts_ = std::clamp<size_t>(bytes / window_request_bytes_, 1, window_parts_);
+  }
 
   // Serve the start of [offset, offset + n) from the prefetch window, in order, advancing the
   // arguments past what it served.
@@ -365,12 +379,12 @@ class S3Readable : public ReadableObject {
   struct Chunk {
     uint64_t offset;
     uint64_t size;
-    Task<std::shared_ptr<char[]>> fetch;
-    std::shared_ptr<char[]> bytes;
+    Task<std::shared_ptr<HostBuffer>> fetch;
+    std::shared_ptr<HostBuffer> bytes;
     // The prefetched bytes, waiting for them the first time (rethrows a failed GET).
     const char* Bytes() {
       if (!bytes) bytes = fetch.get();
-      return bytes.get();
+      return bytes->data();
     }
   };
 
@@ -403,25 +417,25 @@ class S3Readable : public ReadableObject {
   // Add `ranges` to the requests to make, coalesced and cut to part_size.
   void Queue(std::vector<ByteRange> ranges) {
     for (const ByteRange& r :
-         S3CoalesceRanges(std::move(ranges), kS3CoalesceGapBytes, client_->options().part_size)) {
+         S3CoalesceRanges(std::move(ranges), kS3CoalesceGapBytes, window_request_bytes_)) {
       pending_.push_back(r);
       ahead_end_ = std::max(ahead_end_, r.end());
     }
   }
 
-  // Start queued requests until read_ahead_parts are in flight or arrived unread.
+  // Start queued requests until window_parts_ are in flight or arrived unread.
   void TopUp() {
-    while (window_.size() < static_cast<size_t>(client_->options().read_ahead_parts) &&
-           !pending_.empty()) {
+    while (window_.size() < window_parts_ && !pending_.empty()) {
       const ByteRange r = pending_.front();
       pending_.pop_front();
       auto client = client_;
       const std::string key = key_;
       const uint64_t off = r.offset, len = r.length;
       window_.push_back({off, len, Spawn([client, key, off, len] {
-                           // Not zero-filled: the GET writes every byte or fails.
-                           std::shared_ptr<char[]> buf(new char[len]);
-                           Get(*client, key, off, buf.get(), len);
+                           // From the process-wide pool, as the write parts: reused from one
+                           // window to the next, where malloc kept freed ones per thread.
+                           auto buf = std::make_shared<HostBuffer>(len);
+                           Get(*client, key, off, buf->data(), len);
                            return buf;
                          }),
                          nullptr});
@@ -479,6 +493,8 @@ class S3Readable : public ReadableObject {
   std::shared_ptr<Client> client_;
   std::string key_;
   uint64_t size_;
+  uint64_t window_request_bytes_;  // the size of a prefetch GET (part_size unless limited)
+  size_t window_parts_;            // prefetch GETs at most in flight or arrived unread
   std::deque<Chunk> window_;       // GETs in flight or arrived, in the order they will be read
   std::deque<ByteRange> pending_;  // requests not made yet, in order
   uint64_t ahead_end_ = 0;         // the end of the last range queued
