@@ -324,13 +324,15 @@ TEST_CASE("protocol: a load broadcasts the metadata file's payload as read, not 
     } else {
       CHECK(encoded.empty());  // PyTorch DCP's .metadata is a pickle: encoded by the protocol
     }
-    // Either way every rank loads the same values.
-    RequireNoErrors(RunRanks(3, [&](int, Communicator& c) {
+    // Either way every rank loads the same values (checked after the ranks' threads: Catch's
+    // assertions are not thread-safe).
+    std::vector<TensorView> loaded;
+    for (int r = 0; r < 3; ++r) loaded.push_back(TensorView::Allocate(DType::kFloat32, {6, 4}));
+    RequireNoErrors(RunRanks(3, [&](int r, Communicator& c) {
       StateDict back;
-      TensorView w = TensorView::Allocate(DType::kFloat32, {6, 4});
-      back.Set("w", w);
+      back.Set("w", loaded[r]);
       Load(back, uri, c);
-      CHECK(SameElements(w, std::get<TensorView>(*sd.Find("w"))));
     }));
+    for (const TensorView& w : loaded) CHECK(SameElements(w, std::get<TensorView>(*sd.Find("w"))));
   }
 }
