@@ -82,6 +82,22 @@ std::string OpName(uint64_t op) {
 // ---------------------------------------------------------------------------------------------
 // Communicator: operations and poisoning.
 
+std::vector<std::string> Communicator::AllToAll(std::vector<std::string> messages,
+                                                std::string_view what) {
+  if (messages.size() != static_cast<size_t>(size())) {
+    throw InvalidArgumentError("all-to-all '" + std::string(what) + "' needs " +
+                               std::to_string(size()) + " messages, got " +
+                               std::to_string(messages.size()));
+  }
+  std::vector<std::string> out(size());
+  for (int root = 0; root < size(); ++root) {
+    out[root] =
+        Scatter(root == rank() ? std::move(messages) : std::vector<std::string>{}, root, what);
+    if (root == rank()) messages.clear();
+  }
+  return out;
+}
+
 uint64_t Communicator::OpenOperation(std::string_view name, std::string_view target) {
   const std::string what = std::string(name) + "/open";
   std::string msg;
@@ -645,6 +661,33 @@ std::vector<std::string> PointToPointCommunicator::AllGather(std::string message
 }
 
 void PointToPointCommunicator::Barrier(std::string_view what) { AllGather({}, what); }
+
+// Sends first, then receives: Send never blocks on the receiver, so every rank's sends are out
+// before any rank waits, and no pair of ranks can wait on each other.
+std::vector<std::string> PointToPointCommunicator::AllToAll(std::vector<std::string> messages,
+                                                            std::string_view what) {
+  if (messages.size() != static_cast<size_t>(size())) {
+    throw InvalidArgumentError("all-to-all '" + std::string(what) + "' needs " +
+                               std::to_string(size()) + " messages, got " +
+                               std::to_string(messages.size()));
+  }
+  const uint64_t seq = NextSeq();
+  ThrowIfPoisoned(what);
+  const int me = rank();
+  // Staggered order: rank r sends to r+1 first, so no rank receives every first frame at once.
+  for (int k = 1; k < size(); ++k) {
+    const int dest = (me + k) % size();
+    SendFrame(dest, seq, what, std::move(messages[dest]));
+  }
+  std::vector<std::string> out(size());
+  out[me] = std::move(messages[me]);
+  const auto deadline = std::chrono::steady_clock::now() + timeout();
+  for (int k = 1; k < size(); ++k) {
+    const int source = (me - k + size()) % size();
+    out[source] = Receive(source, seq, deadline, what);
+  }
+  return out;
+}
 
 std::string LocalCommunicator::Scatter(std::vector<std::string> m, int, std::string_view) {
   if (m.size() != 1) throw InvalidArgumentError("scatter needs one message per rank");

@@ -120,6 +120,14 @@ class Communicator {
   /// it may. AsyncCheckpointer refuses a communicator that reports a problem.
   virtual std::string ConcurrentUseProblem() const { return {}; }
 
+  /// Every rank sends messages[r] to rank r and returns what each rank sent it (index = source).
+  /// `messages` must hold size() entries (InvalidArgumentError otherwise); any may be empty. The
+  /// default runs one Scatter per root (size() collectives); PointToPointCommunicator sends each
+  /// message directly. (Declared after the functions above so that their virtual slots stay
+  /// where built plugins expect them.)
+  virtual std::vector<std::string> AllToAll(std::vector<std::string> messages,
+                                            std::string_view what);
+
  protected:
   /// Throw the poison error (a CollectiveError for `what`, naming this rank and the original
   /// failure) if this communicator is poisoned.
@@ -155,6 +163,8 @@ class PointToPointCommunicator : public Communicator {
   std::string Broadcast(std::string message, int root, std::string_view what) override;
   std::vector<std::string> AllGather(std::string message, std::string_view what) override;
   void Barrier(std::string_view what) override;
+  std::vector<std::string> AllToAll(std::vector<std::string> messages,
+                                    std::string_view what) override;
   uint64_t OpenOperation(std::string_view name, std::string_view target) override;
   void EndOperation() noexcept override { op_ = 0; }
 

@@ -20,6 +20,7 @@
 #include "dcp/checkpoint_manager.h"
 #include "dcp/communicator.h"
 #include "dcp/lightning.h"
+#include "dcp/memory_tier.h"
 #include "dcp/options.h"
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/flatten.h"

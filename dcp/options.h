@@ -8,6 +8,7 @@
 //                   entries or a URI's query (dcp/storage/registry.h lists them).
 //   AsyncOptions    how the AsyncCheckpointer stages and runs saves
 //   ManagerOptions  the CheckpointManager's retention and per-save options
+//   MemoryTierOptions  the peer-replicated memory tier (dcp/memory_tier.h)
 //
 // Every field is honoured by every entry point that takes its struct (tests/unit/options_test.cc
 // has a test per field, and tests/options_coverage_check.py keeps that list complete). What a
@@ -101,6 +102,32 @@ struct ManagerOptions {
   /// `storage.overwrite` itself (see allow_replacing_steps): setting them here is refused.
   SaveOptions save;
   AsyncOptions async;  // used when the manager has a background communicator
+};
+
+/// The memory tier (dcp/memory_tier.h): steps kept in node-local shared memory, replicated to
+/// partner ranks on other nodes.
+struct MemoryTierOptions {
+  /// Names the tier in shared memory: <shm_root>/dcp-tier-<name>/. One job, one name; a restart
+  /// of the job under the same name finds the steps its predecessor kept.
+  std::string name = "default";
+  /// Where node-local shared memory is mounted (a tmpfs: its files live as long as the node
+  /// runs, not as long as the process).
+  std::string shm_root = "/dev/shm";
+  /// Copies of each rank's data on other nodes (0: none; a node's loss then loses the step).
+  /// Needs at least replicas + 1 nodes.
+  int replicas = 1;
+  /// Complete steps each node keeps (at least 1); older ones are freed after each commit.
+  int keep = 2;
+  /// Nodes are the ranks that share a host (their host names and boot ids agree). A value > 0
+  /// simulates nodes of this many consecutive ranks instead, each with its own directory under
+  /// the tier (tests and single-machine demos); the environment variable DCP_TIER_RANKS_PER_NODE
+  /// sets it too (the option wins when both are set).
+  int ranks_per_node = 0;
+  /// Remove this rank's node directory's steps when the tier is closed cleanly (a failed or
+  /// killed process leaves them for the restart to recover from).
+  bool free_on_close = false;
+  /// Largest message of a replication or recovery round per rank (host memory it holds for it).
+  uint64_t transfer_chunk_bytes = 64ull << 20;
 };
 
 }  // namespace dcp

@@ -11,7 +11,8 @@ import re
 import sys
 
 STRUCTS = {
-    "dcp/options.h": ["SaveOptions", "LoadOptions", "AsyncOptions", "ManagerOptions"],
+    "dcp/options.h": ["SaveOptions", "LoadOptions", "AsyncOptions", "ManagerOptions",
+                      "MemoryTierOptions"],
     "storage/storage.h": ["StorageOptions"],
 }
 

@@ -1,0 +1,919 @@
+#include "dcp/memory_tier.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+
+#include "dcp/planner/default_planner.h"
+#include "dcp/proto/checksum.h"
+#include "dcp/proto/error.h"
+#include "dcp/proto/schema/codec.h"
+#include "dcp/storage/backends/file_store.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/registry.h"
+
+namespace dcp {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// I/O failures of the tier's own files (tmpfs): not retryable, with the errno of the call.
+IoError TierIoError(const std::string& message) { return IoError(message, false, errno); }
+
+double SecondsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// Little-endian fields for the tier's messages (reports, needs, file records).
+void PutU64(std::string& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>(v >> (8 * i)));
+}
+void PutString(std::string& out, std::string_view s) {
+  PutU64(out, s.size());
+  out.append(s);
+}
+
+// Reads what Put* wrote; a peer's message that ends early or claims more than it holds is a
+// CorruptionError naming `source` (a bug or a foreign sender, never trusted blindly).
+class MessageReader {
+ public:
+  MessageReader(std::string_view bytes, std::string source)
+      : bytes_(bytes), source_(std::move(source)) {}
+  bool done() const { return at_ == bytes_.size(); }
+  uint64_t U64() {
+    Need(8);
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i)
+      v |= static_cast<uint64_t>(static_cast<uint8_t>(bytes_[at_ + i])) << (8 * i);
+    at_ += 8;
+    return v;
+  }
+  std::string_view Bytes(uint64_t n) {
+    Need(n);
+    std::string_view v = bytes_.substr(at_, n);
+    at_ += n;
+    return v;
+  }
+  std::string String() { return std::string(Bytes(U64())); }
+
+ private:
+  void Need(uint64_t n) const {
+    if (n > bytes_.size() - at_) {
+      throw CorruptionError("memory tier: a malformed message from " + source_ + " (it needs " +
+                            std::to_string(n) + " more bytes at " + std::to_string(at_) + " of " +
+                            std::to_string(bytes_.size()) + ")");
+    }
+  }
+  std::string_view bytes_;
+  std::string source_;
+  size_t at_ = 0;
+};
+
+// A file name a peer may send: one plain path component, as the dcp layout names its files.
+bool IsPlainName(std::string_view name) {
+  return !name.empty() && name.size() <= 255 && name != "." && name != ".." &&
+         name.find('/') == std::string_view::npos && name.find('\0') == std::string_view::npos;
+}
+
+std::string StepName(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "step-%010lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::optional<int64_t> ParseStepName(const std::string& name) {
+  if (name.size() != 15 || name.rfind("step-", 0) != 0) return std::nullopt;
+  int64_t v = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+    v = v * 10 + (name[i] - '0');
+  }
+  return v;
+}
+
+std::string HostIdentity() {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "unknown-host");
+  std::string id = host;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  if (boot && std::getline(boot, boot_id)) id += "/" + boot_id;
+  return id;
+}
+
+std::string ReadFileBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw NotFoundError("memory tier: cannot open " + path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  if (!in.good() && !in.eof()) throw TierIoError("memory tier: cannot read " + path);
+  return std::move(s).str();
+}
+
+// The checkpoint's data files and, for each, the extent its items reach (a file shorter than
+// that is torn).
+std::map<std::string, uint64_t> ReferencedFiles(const Metadata& md) {
+  std::map<std::string, uint64_t> files;
+  for (const auto& [index, info] : md.storage) {
+    uint64_t& end = files[info.relative_path];
+    end = std::max(end, info.offset + info.length);
+  }
+  return files;
+}
+
+// The tier's view of one step directory as a dcp location: a common uri on every rank (the
+// operation's target must agree), the names this rank creates, and the metadata held back
+// (the tier commits it itself, after the replicas).
+class TierStepStore : public ForwardingStore {
+ public:
+  TierStepStore(std::shared_ptr<Store> target, std::string uri)
+      : ForwardingStore(std::move(target)), uri_(std::move(uri)) {}
+  std::string uri() const override { return uri_; }
+  std::unique_ptr<WritableObject> Create(const std::string& name) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      created_.insert(name);
+    }
+    return ForwardingStore::Create(name);
+  }
+  void PublishAtomically(const std::string& name, std::string_view bytes) override {
+    if (Hold(name, bytes)) return;
+    ForwardingStore::PublishAtomically(name, bytes);
+  }
+  void PublishNew(const std::string& name, std::string_view bytes) override {
+    if (Hold(name, bytes)) return;
+    ForwardingStore::PublishNew(name, bytes);
+  }
+  std::set<std::string> created() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return created_;
+  }
+  const std::string& held_metadata() const { return metadata_; }
+
+ private:
+  bool Hold(const std::string& name, std::string_view bytes) {
+    if (name != kMetadataName) return false;
+    std::lock_guard<std::mutex> lock(mu_);
+    metadata_.assign(bytes);
+    return true;
+  }
+  std::string uri_;
+  mutable std::mutex mu_;
+  std::set<std::string> created_;
+  std::string metadata_;
+};
+
+std::shared_ptr<Store> StepStore(const std::string& dir) {
+  FileStoreOptions o;
+  o.direct_io = false;  // tmpfs: the page cache is the storage
+  return MakeFileStore(dir, o);
+}
+
+int RanksPerNodeFromEnv() {
+  const char* v = std::getenv("DCP_TIER_RANKS_PER_NODE");
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 1 || n > (1 << 24)) {
+    throw InvalidArgumentError(std::string("DCP_TIER_RANKS_PER_NODE='") + v +
+                               "' is not a positive rank count");
+  }
+  return static_cast<int>(n);
+}
+
+// Write `n` bytes at `offset` of `fd`, naming `path` in the error.
+void WriteAt(int fd, const char* data, size_t n, uint64_t offset, const std::string& path) {
+  while (n > 0) {
+    ssize_t w = ::pwrite(fd, data, n, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      throw TierIoError("memory tier: cannot write " + path + ": " + std::strerror(errno));
+    }
+    data += w;
+    n -= static_cast<size_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+}
+
+void ReadAt(int fd, char* data, size_t n, uint64_t offset, const std::string& path) {
+  while (n > 0) {
+    ssize_t r = ::pread(fd, data, n, static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      throw TierIoError("memory tier: cannot read " + path + ": " +
+                        (r < 0 ? std::strerror(errno) : "it ended early"));
+    }
+    data += r;
+    n -= static_cast<size_t>(r);
+    offset += static_cast<uint64_t>(r);
+  }
+}
+
+void WriteWholeFile(const std::string& path, std::string_view bytes) {
+  // Written under a temporary name and renamed: a reader never sees half a metadata file.
+  const std::string tmp = path + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw TierIoError("memory tier: cannot create " + tmp + ": " + std::strerror(errno));
+  try {
+    WriteAt(fd, bytes.data(), bytes.size(), 0, tmp);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    throw TierIoError("memory tier: cannot rename " + tmp + ": " + std::strerror(errno));
+  }
+}
+
+std::string ErrorText(const std::exception& e) { return e.what(); }
+
+}  // namespace
+
+namespace tier_detail {
+// One node's committed copy of a step, as its first rank reports it.
+struct StepReport {
+  int node = 0;
+  int64_t step = 0;
+  uint64_t metadata_hash = 0;  // CRC32C of metadata.dcp: nodes holding other bytes differ
+  uint64_t referenced = 0;     // data files the metadata names
+  std::map<std::string, uint64_t> present;  // referenced files present and long enough: size
+};
+
+// One file this rank sends: `name` of the step, to rank `dest`.
+struct Transfer {
+  int dest = 0;
+  std::string name;
+};
+
+// A step's copies with one metadata: complete when its files, over every node that committed
+// it, number what the metadata names.
+struct Candidate {
+  int64_t step = 0;
+  uint64_t hash = 0;
+  uint64_t referenced = 0;
+  std::map<std::string, std::vector<int>> holders;  // file -> nodes holding it
+  std::vector<int> nodes;                           // nodes that committed it
+  bool complete() const { return holders.size() == referenced; }
+};
+
+// Newest first.
+std::vector<Candidate> Candidates(const std::vector<StepReport>& reports) {
+  std::map<std::pair<int64_t, uint64_t>, Candidate> by_key;
+  for (const auto& rep : reports) {
+    Candidate& c = by_key[{rep.step, rep.metadata_hash}];
+    c.step = rep.step;
+    c.hash = rep.metadata_hash;
+    c.referenced = rep.referenced;
+    c.nodes.push_back(rep.node);
+    for (const auto& [name, size] : rep.present) c.holders[name].push_back(rep.node);
+  }
+  std::vector<Candidate> out;
+  for (auto it = by_key.rbegin(); it != by_key.rend(); ++it) out.push_back(std::move(it->second));
+  return out;
+}
+
+// How a sender packs its files into rounds of at most `chunk` bytes: (file, offset, bytes)
+// pieces per round. Every file gets a piece, an empty one too. Receivers need no plan; all
+// ranks run as many rounds as the longest plan.
+struct Piece {
+  size_t file = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+std::vector<std::vector<Piece>> PackRounds(const std::vector<uint64_t>& sizes, uint64_t chunk) {
+  std::vector<std::vector<Piece>> rounds;
+  size_t file = 0;
+  uint64_t offset = 0;
+  while (file < sizes.size()) {
+    rounds.emplace_back();
+    uint64_t budget = chunk;
+    while (file < sizes.size() && (budget > 0 || sizes[file] == 0)) {
+      const uint64_t n = std::min(budget, sizes[file] - offset);
+      rounds.back().push_back({file, offset, n});
+      budget -= n;
+      offset += n;
+      if (offset == sizes[file]) {
+        ++file;
+        offset = 0;
+      }
+    }
+  }
+  return rounds;
+}
+}  // namespace tier_detail
+
+using tier_detail::Candidate;
+using tier_detail::Piece;
+
+MemoryTier::MemoryTier(Communicator& comm, MemoryTierOptions options)
+    : comm_(comm), options_(std::move(options)), rank_(comm.rank()) {
+  const std::string& name = options_.name;
+  std::string problem;
+  if (!IsPlainName(name)) problem = "name '" + name + "' is not a plain name";
+  if (options_.replicas < 0) problem = "replicas must be >= 0";
+  if (options_.keep < 1) problem = "keep must be >= 1";
+  if (options_.transfer_chunk_bytes < 4096) problem = "transfer_chunk_bytes must be >= 4096";
+  if (options_.shm_root.empty()) problem = "shm_root is empty";
+  if (!problem.empty()) throw InvalidArgumentError("memory tier: " + problem);
+  int per_node = options_.ranks_per_node > 0 ? options_.ranks_per_node : RanksPerNodeFromEnv();
+  const int world = comm.size();
+  std::string label;
+  if (per_node > 0) {
+    for (int r = 0; r < world; ++r) {
+      if (r % per_node == 0) nodes_.emplace_back();
+      nodes_.back().push_back(r);
+    }
+    node_ = rank_ / per_node;
+    label = "node-" + std::to_string(node_);
+  } else {
+    // Ranks that share a host (and boot) share /dev/shm.
+    auto ids = comm.AllGather(HostIdentity(), "tier/nodes");
+    std::map<std::string, int> index;
+    for (int r = 0; r < world; ++r) {
+      auto [it, added] = index.emplace(ids[r], static_cast<int>(nodes_.size()));
+      if (added) nodes_.emplace_back();
+      nodes_[it->second].push_back(r);
+      if (r == rank_) node_ = it->second;
+    }
+    label = "local";
+  }
+  const int nn = static_cast<int>(nodes_.size());
+  if (options_.replicas > 0 && options_.replicas >= nn) {
+    throw InvalidArgumentError("memory tier: " + std::to_string(options_.replicas) +
+                               " replica(s) need " + std::to_string(options_.replicas + 1) +
+                               " nodes; the job has " + std::to_string(nn) +
+                               " (set ranks_per_node or DCP_TIER_RANKS_PER_NODE to simulate "
+                               "nodes on one machine)");
+  }
+  const auto& mine = nodes_[node_];
+  const size_t position = std::find(mine.begin(), mine.end(), rank_) - mine.begin();
+  for (int j = 1; j <= options_.replicas; ++j) {
+    const auto& other = nodes_[(node_ + j) % nn];
+    partners_.push_back(other[position % other.size()]);
+  }
+  root_ = options_.shm_root + "/dcp-tier-" + name + "/" + label;
+}
+
+MemoryTier::~MemoryTier() = default;
+
+std::string MemoryTier::StepDirectory(int64_t step) const { return root_ + "/" + StepName(step); }
+
+void MemoryTier::Vote(const std::string& my_error, std::string_view phase) {
+  auto all = comm_.AllGather(my_error, phase);
+  std::vector<RankFailure> failures;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (!all[r].empty()) failures.push_back({r, ErrorCode::kIo, all[r], false});
+  }
+  if (!failures.empty()) throw CollectiveError(std::string(phase), std::move(failures));
+}
+
+// Each round every rank sends at most transfer_chunk_bytes of its outgoing files, as records
+// (name, offset, file size, bytes); receivers write them into their node's copy of the step.
+// All ranks run the same number of rounds (the largest sender's). A failure does not stop the
+// rounds (the peers still expect them); it is reported by the vote that follows.
+void MemoryTier::TransferFiles(int64_t step, const std::vector<Transfer>& outgoing,
+                               std::string_view what, std::vector<std::string>* received) {
+  const std::string dir = StepDirectory(step);
+  const uint64_t chunk = options_.transfer_chunk_bytes;
+  std::string error;
+  auto fail = [&](const std::string& e) {
+    if (error.empty()) error = e;
+  };
+  std::vector<uint64_t> sizes(outgoing.size(), 0);
+  for (size_t i = 0; i < outgoing.size(); ++i) {
+    struct stat st {};
+    const std::string path = dir + "/" + outgoing[i].name;
+    if (::stat(path.c_str(), &st) != 0) {
+      fail("memory tier: cannot stat " + path + ": " + std::strerror(errno));
+    } else {
+      sizes[i] = static_cast<uint64_t>(st.st_size);
+    }
+  }
+  const auto plan = tier_detail::PackRounds(sizes, chunk);
+  uint64_t rounds = 0;
+  for (const auto& s : comm_.AllGather(std::to_string(plan.size()), what)) {
+    rounds = std::max<uint64_t>(rounds, std::stoull(s));
+  }
+  int in_fd = -1;
+  size_t in_file = SIZE_MAX;
+  struct Incoming {
+    int fd = -1;
+    uint64_t size = 0;
+    uint64_t written = 0;
+  };
+  std::map<std::pair<int, std::string>, Incoming> incoming;
+  if (rounds > 0) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) fail("memory tier: cannot create " + dir + ": " + ec.message());
+  }
+  for (uint64_t round = 0; round < rounds; ++round) {
+    std::vector<std::string> messages(comm_.size());
+    for (const Piece& piece : round < plan.size() ? plan[round] : std::vector<Piece>{}) {
+      if (!error.empty()) break;  // a failed sender stops; its receivers see the file cut short
+      const Transfer& t = outgoing[piece.file];
+      const std::string path = dir + "/" + t.name;
+      std::string& m = messages[t.dest];
+      PutString(m, t.name);
+      PutU64(m, piece.offset);
+      PutU64(m, sizes[piece.file]);
+      PutU64(m, piece.bytes);
+      const size_t at = m.size();
+      m.resize(at + piece.bytes);
+      try {
+        if (piece.bytes > 0) {
+          if (in_file != piece.file) {
+            if (in_fd >= 0) ::close(in_fd);
+            in_file = piece.file;
+            in_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+            if (in_fd < 0) {
+              throw TierIoError("memory tier: cannot open " + path + ": " + std::strerror(errno));
+            }
+          }
+          ReadAt(in_fd, m.data() + at, piece.bytes, piece.offset, path);
+        }
+      } catch (const std::exception& e) {
+        fail(ErrorText(e));
+        m.resize(at - (32 + t.name.size()));  // drop the record
+        break;
+      }
+      stats_.bytes_sent += piece.bytes;
+    }
+    auto got = comm_.AllToAll(std::move(messages), what);
+    for (int source = 0; source < static_cast<int>(got.size()); ++source) {
+      if (got[source].empty()) continue;
+      try {
+        MessageReader in(got[source], "rank " + std::to_string(source));
+        while (!in.done()) {
+          const std::string name = in.String();
+          const uint64_t at = in.U64(), size = in.U64(), n = in.U64();
+          std::string_view bytes = in.Bytes(n);
+          if (!IsPlainName(name) || name == kMetadataName || at > size || n > size - at) {
+            throw CorruptionError("memory tier: rank " + std::to_string(source) +
+                                  " sent a malformed record for '" + ClippedName(name) + "'");
+          }
+          auto key = std::make_pair(source, name);
+          auto it = incoming.find(key);
+          const std::string path = dir + "/" + name;
+          if (it == incoming.end()) {
+            if (at != 0) {
+              throw CorruptionError("memory tier: rank " + std::to_string(source) + " sent '" +
+                                    name + "' from offset " + std::to_string(at));
+            }
+            Incoming f;
+            f.fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+            if (f.fd < 0) {
+              throw TierIoError("memory tier: cannot create " + path + ": " + std::strerror(errno));
+            }
+            f.size = size;
+            it = incoming.emplace(key, f).first;
+          }
+          Incoming& f = it->second;
+          if (f.fd < 0 || at != f.written || size != f.size) {
+            throw CorruptionError("memory tier: rank " + std::to_string(source) + " sent '" + name +
+                                  "' out of order");
+          }
+          WriteAt(f.fd, bytes.data(), bytes.size(), at, path);
+          f.written += n;
+          stats_.bytes_received += n;
+          if (f.written == f.size) {
+            ::close(f.fd);
+            f.fd = -1;
+            if (received) received->push_back(name);
+          }
+        }
+      } catch (const std::exception& e) {
+        fail(ErrorText(e));
+      }
+    }
+  }
+  if (in_fd >= 0) ::close(in_fd);
+  for (auto& [key, f] : incoming) {
+    if (f.fd >= 0) {
+      ::close(f.fd);
+      fail("memory tier: '" + key.second + "' from rank " + std::to_string(key.first) +
+           " ended after " + std::to_string(f.written) + " of " + std::to_string(f.size) +
+           " bytes");
+    }
+  }
+  Vote(error, std::string(what) + "/vote");
+}
+
+SaveResult MemoryTier::Save(int64_t step, const StateDict& state, const SaveOptions& options) {
+  if (closed_) throw InvalidArgumentError("memory tier: Save after Close");
+  if (step < 0 || step <= last_step_) {
+    throw InvalidArgumentError("memory tier: step " + std::to_string(step) +
+                               " does not follow step " + std::to_string(last_step_));
+  }
+  if (options.step && *options.step != step) {
+    throw InvalidArgumentError("memory tier: SaveOptions::step is set by the tier");
+  }
+  stats_ = {};
+  auto t0 = std::chrono::steady_clock::now();
+  const std::string dir = StepDirectory(step);
+  std::string error;
+  if (leader()) {
+    // A directory of this step left by a crashed attempt (or a step being saved again after a
+    // restore from an older one) is replaced.
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    fs::create_directories(dir, ec);
+    if (ec) error = "memory tier: cannot prepare " + dir + ": " + ec.message();
+  }
+  Vote(error, "tier/prepare");
+  auto store = std::make_shared<TierStepStore>(StepStore(dir),
+                                               "tier://" + options_.name + "/" + StepName(step));
+  SaveOptions o = options;
+  o.step = step;
+  auto writer = MakeStoreWriter(store, o.storage);
+  SaveResult result = dcp::Save(state, *writer, comm_, o);
+  stats_.write_s = SecondsSince(t0);
+
+  // This rank's own data files: those it created that the metadata names.
+  const auto referenced = ReferencedFiles(result.metadata);
+  std::vector<std::string> own;
+  for (const auto& name : store->created()) {
+    if (referenced.count(name)) own.push_back(name);
+  }
+  for (const auto& name : own) {
+    struct stat st {};
+    if (::stat((dir + "/" + name).c_str(), &st) == 0) stats_.bytes_written += st.st_size;
+  }
+  auto t1 = std::chrono::steady_clock::now();
+  std::vector<Transfer> outgoing;
+  for (int partner : partners_) {
+    for (const auto& name : own) outgoing.push_back({partner, name});
+  }
+  try {
+    TransferFiles(step, outgoing, "tier/replicate", nullptr);
+  } catch (const Error&) {
+    // Not committed anywhere: no node wrote the metadata. Free the step's copies.
+    if (leader()) {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+    throw;
+  }
+  stats_.replicate_s = SecondsSince(t1);
+
+  auto t2 = std::chrono::steady_clock::now();
+  // Every copy of every file exists: each node commits its copy.
+  std::string encoded =
+      comm_.Broadcast(rank_ == 0 ? store->held_metadata() : std::string(), 0, "tier/metadata");
+  error.clear();
+  if (leader()) {
+    try {
+      WriteWholeFile(dir + "/" + kMetadataName, encoded);
+    } catch (const std::exception& e) {
+      error = ErrorText(e);
+    }
+  }
+  auto all = comm_.AllGather(error.empty() ? std::string(leader() ? "W" : "") : "E" + error,
+                             "tier/commit");
+  std::vector<RankFailure> failures;
+  bool committed = false;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (all[r] == "W") committed = true;
+    if (!all[r].empty() && all[r][0] == 'E') {
+      failures.push_back({r, ErrorCode::kIo, all[r].substr(1), false});
+    }
+  }
+  last_step_ = step;
+  written_[step] = own;
+  metadata_[step] = encoded;
+  if (!failures.empty()) {
+    throw CollectiveError("tier/commit", std::move(failures),
+                          committed ? Outcome::kCommitted : Outcome::kFailed);
+  }
+  Retain(step);
+  stats_.commit_s = SecondsSince(t2);
+  return result;
+}
+
+// Keeps the newest `keep` committed steps up to `newest` and frees every other step directory
+// of this node (uncommitted leftovers included). Bookkeeping: a failure is reported, not raised.
+void MemoryTier::Retain(int64_t newest) {
+  std::vector<int64_t> committed;
+  std::vector<int64_t> other;
+  if (leader()) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(root_, ec)) {
+      auto step = ParseStepName(e.path().filename().string());
+      if (!step) continue;
+      const bool has_md = fs::exists(e.path() / kMetadataName, ec);
+      if (has_md && *step <= newest) {
+        committed.push_back(*step);
+      } else if (*step != newest) {
+        other.push_back(*step);
+      }
+    }
+    std::sort(committed.rbegin(), committed.rend());
+    for (size_t i = options_.keep; i < committed.size(); ++i) other.push_back(committed[i]);
+    for (int64_t s : other) {
+      fs::remove_all(StepDirectory(s), ec);
+      if (ec) {
+        std::cerr << "dcp: memory tier: cannot free " << StepDirectory(s) << ": " << ec.message()
+                  << "\n";
+      }
+    }
+  }
+  // Every rank forgets what no node keeps: the same rule, on the steps it saved.
+  while (static_cast<int>(written_.size()) > options_.keep) {
+    metadata_.erase(written_.begin()->first);
+    written_.erase(written_.begin());
+  }
+}
+
+std::vector<MemoryTier::StepReport> MemoryTier::GatherReports() {
+  std::string mine;
+  if (leader()) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(root_, ec)) {
+      auto step = ParseStepName(e.path().filename().string());
+      if (!step) continue;
+      const std::string md_path = (e.path() / kMetadataName).string();
+      std::string bytes;
+      Metadata md;
+      try {
+        if (!fs::exists(md_path)) continue;  // not committed on this node
+        bytes = ReadFileBytes(md_path);
+        md = DecodeMetadataFile(bytes, md_path);
+      } catch (const std::exception& ex) {
+        std::cerr << "dcp: memory tier: ignoring " << md_path << ": " << ex.what() << "\n";
+        continue;
+      }
+      const auto referenced = ReferencedFiles(md);
+      PutU64(mine, static_cast<uint64_t>(*step));
+      PutU64(mine, Crc32c(0, bytes.data(), bytes.size()));
+      PutU64(mine, referenced.size());
+      std::string present;
+      uint64_t count = 0;
+      for (const auto& [name, extent] : referenced) {
+        struct stat st {};
+        const std::string path = (e.path() / name).string();
+        if (::stat(path.c_str(), &st) == 0 && static_cast<uint64_t>(st.st_size) >= extent) {
+          PutString(present, name);
+          PutU64(present, static_cast<uint64_t>(st.st_size));
+          ++count;
+        }
+      }
+      PutU64(mine, count);
+      mine += present;
+    }
+  }
+  auto all = comm_.AllGather(std::move(mine), "tier/report");
+  std::vector<StepReport> reports;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    MessageReader in(all[r], "rank " + std::to_string(r));
+    int node = 0;
+    while (node < node_count() && nodes_[node].front() != r) ++node;
+    while (!in.done()) {
+      StepReport rep;
+      rep.node = node;
+      rep.step = static_cast<int64_t>(in.U64());
+      rep.metadata_hash = in.U64();
+      rep.referenced = in.U64();
+      const uint64_t count = in.U64();
+      for (uint64_t i = 0; i < count; ++i) {
+        std::string name = in.String();
+        rep.present[name] = in.U64();
+      }
+      reports.push_back(std::move(rep));
+    }
+  }
+  return reports;
+}
+
+std::vector<int64_t> MemoryTier::CompleteSteps() {
+  std::set<int64_t> steps;
+  for (const auto& c : tier_detail::Candidates(GatherReports())) {
+    if (c.complete()) steps.insert(c.step);
+  }
+  return {steps.begin(), steps.end()};
+}
+
+std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& options) {
+  if (closed_) throw InvalidArgumentError("memory tier: Restore after Close");
+  stats_ = {};
+  auto t0 = std::chrono::steady_clock::now();
+  const auto reports = GatherReports();
+  const auto candidates = tier_detail::Candidates(reports);
+  const Candidate* chosen = nullptr;
+  for (const auto& c : candidates) {
+    if (c.complete()) {
+      chosen = &c;
+      break;
+    }
+  }
+  if (chosen == nullptr) return std::nullopt;
+  const int64_t step = chosen->step;
+  const std::string dir = StepDirectory(step);
+  const bool committed_here =
+      std::find(chosen->nodes.begin(), chosen->nodes.end(), node_) != chosen->nodes.end();
+
+  // The metadata, from the first node that committed the step.
+  const int md_root = nodes_[chosen->nodes.front()].front();
+  std::string encoded;
+  std::string error;
+  if (rank_ == md_root) {
+    try {
+      encoded = ReadFileBytes(dir + "/" + kMetadataName);
+    } catch (const std::exception& e) {
+      error = ErrorText(e);
+    }
+  }
+  Vote(error, "tier/recover-metadata");
+  encoded = comm_.Broadcast(std::move(encoded), md_root, "tier/recover-metadata");
+  const Metadata md = DecodeMetadataFile(encoded, "tier://" + options_.name + "/" + StepName(step));
+  const auto referenced = ReferencedFiles(md);
+  std::vector<std::string> names;
+  for (const auto& [name, extent] : referenced) names.push_back(name);
+
+  // The files this rank's load reads: its plan's, from the metadata and its own request (a
+  // custom planner's reads are not known in advance: every file).
+  std::vector<bool> need(names.size(), options.planner != nullptr);
+  if (options.planner == nullptr) {
+    try {
+      LoadPlannerOptions po;
+      po.allow_partial_load = options.allow_partial_load;
+      po.cast_dtypes = options.cast_dtypes;
+      DefaultLoadPlanner planner(po);
+      planner.SetUp(state, md, PlannerContext{rank_, comm_.size(), rank_ == 0});
+      for (const auto& item : planner.CreateLocalPlan().items) {
+        auto it = md.storage.find(item.storage_index);
+        if (it == md.storage.end()) continue;
+        auto pos = std::lower_bound(names.begin(), names.end(), it->second.relative_path);
+        if (pos != names.end() && *pos == it->second.relative_path)
+          need[pos - names.begin()] = true;
+      }
+    } catch (const Error&) {
+      // The load below fails the same way, on every rank, with the planner's message.
+    }
+  }
+  std::string wanted;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (need[i]) PutU64(wanted, i);
+  }
+  auto all_wanted = comm_.AllGather(std::move(wanted), "tier/recover-needs");
+
+  // What each node lacks, and who sends it: the least loaded node holding the file (its first
+  // rank), so a node's loss spreads its recovery over the survivors.
+  std::map<int, const tier_detail::StepReport*> report_of;
+  for (const auto& rep : reports) {
+    if (rep.step == step && rep.metadata_hash == chosen->hash) report_of[rep.node] = &rep;
+  }
+  std::vector<uint64_t> sent_by_node(node_count(), 0);
+  std::vector<Transfer> outgoing;
+  int expected = 0;
+  for (int n = 0; n < node_count(); ++n) {
+    std::set<size_t> lacking;
+    for (int r : nodes_[n]) {
+      MessageReader in(all_wanted[r], "rank " + std::to_string(r));
+      while (!in.done()) {
+        const uint64_t i = in.U64();
+        if (i >= names.size()) {
+          throw CorruptionError("memory tier: rank " + std::to_string(r) + " needs file " +
+                                std::to_string(i) + " of " + std::to_string(names.size()));
+        }
+        auto rep = report_of.find(n);
+        if (rep == report_of.end() || !rep->second->present.count(names[i])) lacking.insert(i);
+      }
+    }
+    for (size_t i : lacking) {
+      const auto& holders = chosen->holders.at(names[i]);
+      int best = holders.front();
+      for (int h : holders) {
+        if (sent_by_node[h] < sent_by_node[best]) best = h;
+      }
+      sent_by_node[best] += referenced.at(names[i]);
+      if (nodes_[best].front() == rank_) outgoing.push_back({nodes_[n].front(), names[i]});
+      if (n == node_ && leader()) ++expected;
+    }
+  }
+  error.clear();
+  if (leader() && !committed_here) {
+    // Whatever this node holds of the step is not committed here: start it afresh.
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    fs::create_directories(dir, ec);
+    if (ec) error = "memory tier: cannot prepare " + dir + ": " + ec.message();
+  }
+  Vote(error, "tier/recover-prepare");
+  std::vector<std::string> received;
+  TransferFiles(step, outgoing, "tier/recover", &received);
+  stats_.files_fetched = static_cast<int>(received.size());
+  error.clear();
+  if (leader()) {
+    try {
+      if (static_cast<int>(received.size()) != expected) {
+        throw TierIoError("memory tier: node " + std::to_string(node_) + " received " +
+                          std::to_string(received.size()) + " of the " + std::to_string(expected) +
+                          " files it lacks");
+      }
+      if (!committed_here) WriteWholeFile(dir + "/" + kMetadataName, encoded);
+    } catch (const std::exception& e) {
+      error = ErrorText(e);
+    }
+  }
+  Vote(error, "tier/recover-commit");
+  stats_.recover_s = SecondsSince(t0);
+
+  auto t1 = std::chrono::steady_clock::now();
+  auto store = std::make_shared<TierStepStore>(StepStore(dir),
+                                               "tier://" + options_.name + "/" + StepName(step));
+  auto reader = MakeStoreReader(store, options.storage);
+  dcp::Load(state, *reader, comm_, options);
+  stats_.load_s = SecondsSince(t1);
+  last_step_ = std::max(last_step_, step);
+  return step;
+}
+
+void MemoryTier::Drain(int64_t step, const std::string& uri, const StorageOptions& options) {
+  auto files = written_.find(step);
+  if (files == written_.end()) {
+    throw InvalidArgumentError("memory tier: step " + std::to_string(step) +
+                               " was not saved by this tier (or is no longer kept): cannot drain "
+                               "it to " +
+                               uri);
+  }
+  const std::string dir = StepDirectory(step);
+  std::string error;
+  std::shared_ptr<Store> dest;
+  try {
+    dest = OpenStore(uri, options.backend);
+    if (rank_ == 0 && dest->Size(kMetadataName)) {
+      throw AlreadyExistsError("memory tier: " + uri + " already holds a checkpoint");
+    }
+    dest->CreateRoot();
+    std::vector<char> buffer(std::min<uint64_t>(options_.transfer_chunk_bytes, 16ull << 20));
+    for (const auto& name : files->second) {
+      const std::string path = dir + "/" + name;
+      int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0)
+        throw TierIoError("memory tier: cannot open " + path + ": " + std::strerror(errno));
+      try {
+        struct stat st {};
+        if (::fstat(fd, &st) != 0) throw TierIoError("memory tier: cannot stat " + path);
+        auto out = dest->Create(name);
+        uint64_t at = 0;
+        const uint64_t size = static_cast<uint64_t>(st.st_size);
+        while (at < size) {
+          const size_t n = static_cast<size_t>(std::min<uint64_t>(buffer.size(), size - at));
+          ReadAt(fd, buffer.data(), n, at, path);
+          out->Append(buffer.data(), n);
+          at += n;
+        }
+        out->Sync();
+        out->Close();
+        stats_.bytes_sent += size;
+      } catch (...) {
+        ::close(fd);
+        throw;
+      }
+      ::close(fd);
+    }
+  } catch (const std::exception& e) {
+    error = ErrorText(e);
+  }
+  Vote(error, "tier/drain");
+  error.clear();
+  if (rank_ == 0) {
+    try {
+      dest->PublishNew(kMetadataName, metadata_.at(step));
+    } catch (const std::exception& e) {
+      error = ErrorText(e);
+    }
+  }
+  Vote(error, "tier/drain-commit");
+}
+
+void MemoryTier::Close() {
+  if (closed_) return;
+  closed_ = true;
+  std::string error;
+  if (options_.free_on_close && leader()) {
+    std::error_code ec;
+    fs::remove_all(root_, ec);
+    if (ec) error = "memory tier: cannot free " + root_ + ": " + ec.message();
+  }
+  Vote(error, "tier/close");
+}
+
+}  // namespace dcp

@@ -1,0 +1,136 @@
+// MemoryTier: checkpoint every step into node-local shared memory, replicated to other nodes.
+//
+// A step in the tier is an ordinary dcp checkpoint, spread over the nodes' shared memory:
+//   <shm_root>/dcp-tier-<name>/<node>/step-<N>/   metadata.dcp + data files
+// where <node> is "local" on a real node and "node-<k>" for simulated ones
+// (MemoryTierOptions::ranks_per_node). Each rank writes its own data files into its node's
+// directory (a tmpfs: the files outlive the process, not the node), then sends them to its
+// partner on each of the next `replicas` nodes (the rank with the same position there), which
+// writes them into its own node's directory. Partners are always on other nodes, so no file's
+// copies share a node.
+//
+// Commit: a step counts in the tier only where its metadata.dcp exists, and each node's first
+// rank writes it there only after every rank reported that its files and all their replicas are
+// written (a vote over the communicator). So any node holding a step's metadata proves that all
+// copies of every file of that step were complete; a crash before the vote leaves no metadata
+// anywhere, and the step does not exist. Steps live in separate directories: never a mixed step.
+//
+// Recovery (Restore): every node reports the committed steps it holds and their files; the
+// ranks agree on the newest step whose every file survives on some node that committed it;
+// each node fetches the files its ranks' load plans read (and the metadata) from the nodes
+// holding them over the communicator; then it is an ordinary dcp::Load from the node's
+// directory, which reshards like any other load. A job restarted at another world size or
+// layout loads the same way, as long as a complete step survives.
+//
+// Durable copies: Drain(step, uri) copies a committed step from the tier to any dcp location
+// (file://, s3://, ...), each rank the files it wrote, rank 0 the metadata last after every
+// rank's copy succeeded: the durable checkpoint obeys the usual commit rule, and no second
+// snapshot of the training state is taken. CheckpointManager::SaveFromTier drives it for a
+// managed root (dcp/checkpoint_manager.h).
+//
+// All ranks call every method in the same order (SPMD) over `comm`. Failures are
+// CollectiveErrors, alike on every rank; a failed Save leaves no committed step (its files are
+// removed) and the previous steps intact. Not thread-safe: one call at a time.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "dcp/checkpoint.h"
+#include "dcp/communicator.h"
+#include "dcp/options.h"
+
+namespace dcp {
+
+namespace tier_detail {
+struct StepReport;
+struct Transfer;
+}  // namespace tier_detail
+
+/// What one tier call did on this rank (for metrics and benches).
+struct TierStats {
+  double write_s = 0;           // Save: the dcp save into shared memory (plan, write)
+  double replicate_s = 0;       // Save: sending and receiving replicas
+  double commit_s = 0;          // Save: vote, metadata, retention
+  uint64_t bytes_written = 0;   // this rank's own data files
+  uint64_t bytes_sent = 0;      // replicas (Save) or fetched files (Restore) this rank sent
+  uint64_t bytes_received = 0;  // ... and received
+  double recover_s = 0;         // Restore: agreement and fetching
+  double load_s = 0;            // Restore: the load itself
+  int files_fetched = 0;        // Restore: files this rank received from other nodes
+};
+
+class MemoryTier {
+ public:
+  /// Collective over `comm` (which must outlive the tier): finds the nodes and partners.
+  /// InvalidArgumentError when replicas > 0 and there are not replicas + 1 nodes, or an option
+  /// is out of range.
+  MemoryTier(Communicator& comm, MemoryTierOptions options = {});
+  ~MemoryTier();
+  MemoryTier(const MemoryTier&) = delete;
+  MemoryTier& operator=(const MemoryTier&) = delete;
+
+  /// Save `state` as `step` into the tier and commit it once every replica is written; then
+  /// free this node's steps beyond `keep`. Steps must increase within one tier object
+  /// (InvalidArgumentError otherwise). A leftover uncommitted directory of the same step (a
+  /// crashed attempt) is replaced. Throws CollectiveError on failure, on every rank.
+  SaveResult Save(int64_t step, const StateDict& state, const SaveOptions& options = {});
+
+  /// Load the newest step complete across the surviving copies into `state` and return it;
+  /// nullopt (on every rank) when no complete step survives. Files a node lacks are fetched
+  /// from other nodes first. Throws CollectiveError when a load fails.
+  std::optional<int64_t> Restore(StateDict& state, const LoadOptions& options = {});
+
+  /// Committed steps any node holds whose every file survives somewhere, ascending (collective).
+  std::vector<int64_t> CompleteSteps();
+
+  /// Copy committed `step` from the tier to the dcp location `uri` (collective): each rank the
+  /// files it wrote, then rank 0 the metadata, only after every copy succeeded. Only steps saved
+  /// by this tier object (it knows which files each rank wrote); InvalidArgumentError otherwise,
+  /// or when `uri` already holds a checkpoint. CollectiveError on failure, with nothing
+  /// committed at `uri`.
+  void Drain(int64_t step, const std::string& uri, const StorageOptions& options = {});
+
+  /// Free this node's tier directory when options.free_on_close (first rank of each node);
+  /// collective. Idempotent; the destructor does not free (a crash must leave the steps).
+  void Close();
+
+  /// This rank's node (0-based, in order of the nodes' first ranks) and partners.
+  int node() const { return node_; }
+  int node_count() const { return static_cast<int>(nodes_.size()); }
+  const std::vector<int>& partners() const { return partners_; }
+  /// The directory holding this node's copy of `step`.
+  std::string StepDirectory(int64_t step) const;
+  /// The last call's figures on this rank.
+  const TierStats& last_stats() const { return stats_; }
+
+ private:
+  using StepReport = tier_detail::StepReport;
+  using Transfer = tier_detail::Transfer;
+  std::vector<StepReport> GatherReports();
+  void TransferFiles(int64_t step, const std::vector<Transfer>& outgoing, std::string_view what,
+                     std::vector<std::string>* received);
+  void Vote(const std::string& my_error, std::string_view phase);
+  void Retain(int64_t newest);
+  bool leader() const { return rank_ == nodes_[node_].front(); }
+
+  Communicator& comm_;
+  MemoryTierOptions options_;
+  int rank_ = 0;
+  int node_ = 0;
+  std::vector<std::vector<int>> nodes_;  // ranks of each node, ascending
+  std::vector<int> partners_;
+  std::string root_;  // this node's directory
+  int64_t last_step_ = -1;
+  std::map<int64_t, std::vector<std::string>> written_;  // step -> this rank's own files
+  std::map<int64_t, std::string> metadata_;              // step -> encoded metadata.dcp
+  bool closed_ = false;
+  TierStats stats_;
+};
+
+}  // namespace dcp

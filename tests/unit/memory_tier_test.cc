@@ -1,0 +1,316 @@
+// The peer-replicated memory tier (issue 26): steps in node-local shared memory, replicas on
+// other nodes, a commit only when every copy exists, recovery from the surviving copies.
+// Nodes are simulated (MemoryTierOptions::ranks_per_node), each with its own directory under a
+// private tier root, so "losing a node" is removing its directory.
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "dcp/dcp.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "support/test_support.h"
+
+using namespace dcp;
+using namespace dcp::testing;
+using Catch::Matchers::Contains;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int kWorld = 4;
+constexpr int64_t kRows = 37, kCols = 6;
+
+// The training state of rank `rank` at `step`: "w" row-sharded over the ranks (uneven), "b"
+// replicated, a blob; all values follow from the step.
+struct TierState {
+  TensorView full_w;  // the whole of "w" (every rank computes it)
+  TensorView b;
+  StateDict sd;
+  TierState(int rank, int world, int64_t step, bool rows = true) {
+    full_w = RandomTensor(DType::kFloat32, {kRows, kCols}, 1000 + step);
+    b = RandomTensor(DType::kFloat64, {5}, 2000 + step);
+    ShardedTensor st{DType::kFloat32, {kRows, kCols}, {}};
+    if (rows) {
+      auto [r0, r1] = RowRange(kRows, rank, world);
+      if (r1 > r0) {
+        st.local_shards.push_back({Clone(full_w.Narrow({r0, 0}, {r1 - r0, kCols})), {r0, 0}});
+      }
+    } else {
+      auto [c0, c1] = RowRange(kCols, rank, world);
+      if (c1 > c0) {
+        st.local_shards.push_back({Clone(full_w.Narrow({0, c0}, {kRows, c1 - c0})), {0, c0}});
+      }
+    }
+    sd.Set("w", st);
+    sd.Set("b", Clone(b));
+    sd.Set("rng", Blob{"rng-state-" + std::to_string(step)});
+  }
+  // An empty state of the same structure, to load into.
+  static TierState Empty(int rank, int world, bool rows = true) {
+    TierState s(rank, world, -1, rows);
+    auto& st = std::get<ShardedTensor>(*s.sd.Find("w"));
+    for (auto& shard : st.local_shards) std::memset(shard.view.data, 0, shard.view.nbytes());
+    std::memset(std::get<TensorView>(*s.sd.Find("b")).data, 0, 5 * 8);
+    s.sd.Set("rng", Blob{});
+    return s;
+  }
+  // Whether `sd` holds step `step`'s values.
+  static bool Holds(StateDict& sd, int64_t step) {
+    TierState want(0, 1, step);
+    const auto& st = std::get<ShardedTensor>(*sd.Find("w"));
+    for (const auto& shard : st.local_shards) {
+      if (!SameElements(want.full_w.Narrow(shard.offsets, shard.view.shape), shard.view)) {
+        return false;
+      }
+    }
+    return SameElements(want.b, std::get<TensorView>(*sd.Find("b"))) &&
+           std::get<Blob>(*sd.Find("rng")).bytes == "rng-state-" + std::to_string(step);
+  }
+};
+
+MemoryTierOptions Options(const TempDir& root, int ranks_per_node, int replicas = 1) {
+  MemoryTierOptions o;
+  o.name = "test";
+  o.shm_root = root.path();
+  o.ranks_per_node = ranks_per_node;
+  o.replicas = replicas;
+  o.transfer_chunk_bytes = 4096;  // several rounds even for small files
+  return o;
+}
+
+std::string NodeDir(const TempDir& root, int node) {
+  return root.path() + "/dcp-tier-test/node-" + std::to_string(node);
+}
+
+std::set<std::string> FilesIn(const std::string& dir) {
+  std::set<std::string> out;
+  if (!fs::exists(dir)) return out;
+  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  return out;
+}
+
+// Save steps `steps` through a tier on `world` ranks.
+void SaveSteps(const MemoryTierOptions& options, std::vector<int64_t> steps, int world = kWorld) {
+  RequireNoErrors(RunRanks(world, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    for (int64_t s : steps) {
+      TierState state(rank, world, s);
+      tier.Save(s, state.sd);
+    }
+  }));
+}
+
+}  // namespace
+
+TEST_CASE("memory tier: each node holds its ranks' files and its partners' replicas",
+          "[memory-tier][option:MemoryTierOptions::ranks_per_node]"
+          "[option:MemoryTierOptions::replicas][option:MemoryTierOptions::shm_root]"
+          "[option:MemoryTierOptions::name][option:MemoryTierOptions::transfer_chunk_bytes]") {
+  TempDir root("tier");
+  auto options = Options(root, 2);
+  std::vector<std::vector<int>> partners(kWorld);
+  std::vector<TierStats> stats(kWorld);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    partners[rank] = tier.partners();
+    Expect(tier.node() == rank / 2 && tier.node_count() == 2, "two simulated nodes");
+    TierState state(rank, kWorld, 7);
+    tier.Save(7, state.sd);
+    stats[rank] = tier.last_stats();
+  }));
+  // Partners sit on the other node, at the same position.
+  CHECK(partners == std::vector<std::vector<int>>{{2}, {3}, {0}, {1}});
+  const std::string step = "/step-0000000007";
+  auto node0 = FilesIn(NodeDir(root, 0) + step), node1 = FilesIn(NodeDir(root, 1) + step);
+  // Two nodes, one replica: each node holds the whole step (its own files and the other's).
+  CHECK(node0 == node1);
+  CHECK(node0.count(kMetadataName) == 1);
+  size_t data_files = 0;
+  for (const auto& f : node0) data_files += IsDataObjectName(f) ? 1 : 0;
+  CHECK(data_files >= 4);
+  for (int r = 0; r < kWorld; ++r) {
+    CHECK(stats[r].bytes_sent == stats[r].bytes_written);  // one replica of its own files
+    CHECK(stats[r].bytes_received > 0);
+  }
+  // Each node's copy is an ordinary checkpoint: it loads without the tier, into any layout.
+  for (int node = 0; node < 2; ++node) {
+    RequireNoErrors(RunRanks(3, [&](int rank, Communicator& comm) {
+      auto state = TierState::Empty(rank, 3, /*rows=*/false);
+      Load(state.sd, NodeDir(root, node) + step, comm);
+      Expect(TierState::Holds(state.sd, 7), "node copy loads step 7");
+    }));
+  }
+}
+
+TEST_CASE("memory tier: a lost node's shards come back bit-exact from their replicas",
+          "[memory-tier]") {
+  TempDir root("tier");
+  for (int per_node : {2, 1}) {
+    DYNAMIC_SECTION("ranks per node " << per_node) {
+      auto options = Options(root, per_node);
+      SaveSteps(options, {1, 2});
+      // Node 1 dies: its memory is gone. The job restarts (new tier objects) on a new node.
+      fs::remove_all(NodeDir(root, 1));
+      std::vector<TierStats> stats(kWorld);
+      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+        MemoryTier tier(comm, options);
+        auto state = TierState::Empty(rank, kWorld);
+        auto step = tier.Restore(state.sd);
+        Expect(step == 2, "the newest step is recovered");
+        Expect(TierState::Holds(state.sd, 2), "bit-exact after a node's loss");
+        stats[rank] = tier.last_stats();
+        // And the recovered node holds a committed copy again: the next save goes on.
+        TierState next(rank, kWorld, 3);
+        tier.Save(3, next.sd);
+      }));
+      const int node1_leader = per_node;  // first rank of node 1
+      CHECK(stats[node1_leader].files_fetched > 0);
+      // With two nodes each holds the whole step: node 0 lost nothing and fetches nothing.
+      if (per_node == 2) CHECK(stats[0].files_fetched == 0);
+      CHECK(fs::exists(NodeDir(root, 1) + "/step-0000000002/" + kMetadataName));
+      fs::remove_all(root.path() + "/dcp-tier-test");
+    }
+  }
+}
+
+TEST_CASE(
+    "memory tier: a step without its commit record or with a file lost everywhere is "
+    "never recovered",
+    "[memory-tier]") {
+  TempDir root("tier");
+  auto options = Options(root, 2);
+  options.keep = 3;
+  SaveSteps(options, {1, 2, 3});
+  // Step 3: its data everywhere but no metadata (a crash before the commit vote's outcome was
+  // written): not a step. Step 2: one data file lost on both nodes (a torn step): not
+  // complete. Step 1 is what survives.
+  for (int node = 0; node < 2; ++node) {
+    fs::remove(NodeDir(root, node) + "/step-0000000003/" + kMetadataName);
+  }
+  std::string victim;
+  for (const auto& f : FilesIn(NodeDir(root, 0) + "/step-0000000002")) {
+    if (IsDataObjectName(f)) victim = f;
+  }
+  REQUIRE(!victim.empty());
+  fs::remove(NodeDir(root, 0) + "/step-0000000002/" + victim);
+  // The other node's copy is cut short: present but torn.
+  fs::resize_file(NodeDir(root, 1) + "/step-0000000002/" + victim, 3);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    Expect(tier.CompleteSteps() == std::vector<int64_t>{1}, "only step 1 is complete");
+    auto state = TierState::Empty(rank, kWorld);
+    auto step = tier.Restore(state.sd);
+    Expect(step == 1, "step 1 recovered");
+    Expect(TierState::Holds(state.sd, 1), "step 1's values");
+  }));
+  // Nothing survives: Restore says so on every rank.
+  fs::remove_all(root.path() + "/dcp-tier-test");
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    auto state = TierState::Empty(rank, kWorld);
+    Expect(!tier.Restore(state.sd).has_value(), "no step in an empty tier");
+  }));
+}
+
+TEST_CASE("memory tier: retention keeps the newest steps per node",
+          "[memory-tier][option:MemoryTierOptions::keep]"
+          "[option:MemoryTierOptions::free_on_close]") {
+  TempDir root("tier");
+  auto options = Options(root, 2);
+  options.keep = 2;
+  options.free_on_close = true;
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    for (int64_t s : {1, 2, 3, 4}) {
+      TierState state(rank, kWorld, s);
+      tier.Save(s, state.sd);
+    }
+    Expect(tier.CompleteSteps() == std::vector<int64_t>{3, 4}, "steps 3 and 4 kept");
+    bool refused = false;
+    try {
+      TierState state(rank, kWorld, 4);
+      tier.Save(4, state.sd);
+    } catch (const InvalidArgumentError&) {
+      refused = true;
+    }
+    Expect(refused, "a step that does not follow is refused");
+    comm.Barrier("listed");
+    tier.Close();
+  }));
+  CHECK(!fs::exists(NodeDir(root, 0)));
+  CHECK(!fs::exists(NodeDir(root, 1)));
+}
+
+TEST_CASE("memory tier: too few nodes for the replicas is refused", "[memory-tier]") {
+  TempDir root("tier");
+  auto options = Options(root, kWorld);  // one node
+  auto errors = RunRanks(kWorld, [&](int, Communicator& comm) { MemoryTier tier(comm, options); });
+  for (auto& e : errors) {
+    REQUIRE(e);
+    try {
+      std::rethrow_exception(e);
+    } catch (const InvalidArgumentError& err) {
+      CHECK_THAT(err.what(), Contains("need 2 nodes") && Contains("has 1"));
+    }
+  }
+}
+
+TEST_CASE("memory tier: a drained step is an ordinary durable checkpoint", "[memory-tier]") {
+  TempDir root("tier"), durable("durable");
+  auto options = Options(root, 2);
+  const std::string target = durable / "step-5";
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    TierState state(rank, kWorld, 5);
+    tier.Save(5, state.sd);
+    tier.Drain(5, target);
+    bool refused = false;
+    try {
+      tier.Drain(5, target);  // a checkpoint is there now
+    } catch (const CollectiveError& e) {
+      refused = std::string(e.what()).find("already holds") != std::string::npos;
+    }
+    Expect(refused, "draining over a checkpoint is refused");
+  }));
+  // Loads with no tier at all, at another world size.
+  RequireNoErrors(RunRanks(2, [&](int rank, Communicator& comm) {
+    auto state = TierState::Empty(rank, 2);
+    Load(state.sd, target, comm);
+    Expect(TierState::Holds(state.sd, 5), "drained step 5 loads");
+  }));
+}
+
+TEST_CASE("communicator: all-to-all delivers each rank's message for every other rank",
+          "[memory-tier][communicator]") {
+  std::vector<std::vector<std::string>> got(kWorld);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    for (int round = 0; round < 3; ++round) {
+      std::vector<std::string> out(kWorld);
+      for (int d = 0; d < kWorld; ++d) {
+        if ((rank + d + round) % 3 != 0) {
+          out[d] = std::to_string(rank) + ">" + std::to_string(d) + "#" + std::to_string(round);
+        }
+      }
+      got[rank] = comm.AllToAll(std::move(out), "test/all-to-all");
+      for (int s = 0; s < kWorld; ++s) {
+        const std::string want =
+            (s + rank + round) % 3 != 0
+                ? std::to_string(s) + ">" + std::to_string(rank) + "#" + std::to_string(round)
+                : "";
+        Expect(got[rank][s] == want, "message from " + std::to_string(s));
+      }
+    }
+    bool refused = false;
+    try {
+      comm.AllToAll({"x"}, "test/short");
+    } catch (const InvalidArgumentError&) {
+      refused = true;
+    }
+    Expect(refused, "a short message list is refused");
+  }));
+  // The default (one Scatter per root) agrees, on a group of one.
+  LocalCommunicator one;
+  CHECK(one.AllToAll({"self"}, "test") == std::vector<std::string>{"self"});
+}
