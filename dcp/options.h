@@ -127,7 +127,7 @@ struct MemoryTierOptions {
   /// killed process leaves them for the restart to recover from).
   bool free_on_close = false;
   /// Largest message of a replication or recovery round per rank (host memory it holds for it).
-  uint64_t transfer_chunk_bytes = 64ull << 20;
+  uint64_t transfer_chunk_bytes = 4ull << 20;
 };
 
 }  // namespace dcp

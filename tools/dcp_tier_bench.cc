@@ -1,0 +1,228 @@
+// dcp-tier-bench: the memory tier (dcp/memory_tier.h) against its baselines, measured side by
+// side in one run under MPI (nodes simulated with --ranks-per-node on one machine):
+//   memcpy      copying each rank's state into warm buffers (what a snapshot costs at best)
+//   exchange    one MPI point-to-point exchange of the same bytes with the rank's partner
+//   tier save   MemoryTier::Save: the state into node-local shared memory, a replica on the
+//               partner node, the commit (ratio against memcpy + exchange)
+//   async       the same through the tier's background saver: the caller's blocking time
+//               (ratio against memcpy) and the step's time to commit
+//   restore     MemoryTier::Restore with every node's copy in place, and after one node's copy
+//               was wiped (its shards fetched from their replicas)
+//   disk load   a cold-cache dcp::Load of the same state from --disk (ratio: disk / tier)
+// Every figure is the slowest rank's, median of --repeats. Restores are checked bit-exact.
+//
+//   mpirun -np 4 dcp-tier-bench --mib 512 --ranks-per-node 2 --disk /tmp/dcp-tier-bench
+#include <mpi.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dcp/dcp.h"
+#include "dcp/mpi_communicator.h"
+#include "tools/bench_util.h"
+#include "tools/fill_random.h"
+
+using namespace dcp;
+using dcp::bench::Clock;
+using dcp::bench::Median;
+using dcp::bench::Since;
+
+namespace {
+
+double MaxOverRanks(double v) {
+  double out = 0;
+  MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return out;
+}
+
+bool AllRanks(bool v) {
+  int in = v ? 1 : 0, out = 0;
+  MPI_Allreduce(&in, &out, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  return out == 1;
+}
+
+struct RankState {
+  std::vector<TensorView> tensors;  // this rank's shards
+  StateDict sd;
+};
+
+// `tensors` row-sharded tensors of `rows_per_rank` x 4096 floats per rank, filled from `seed`.
+RankState MakeState(int rank, int world, int tensors, int64_t rows_per_rank, uint64_t seed,
+                    bool fill) {
+  RankState s;
+  for (int t = 0; t < tensors; ++t) {
+    TensorView v = dcp::bench::AlignedTensor(DType::kFloat32, {rows_per_rank, 4096});
+    if (fill) dcp::tools::FillRandomBytes(v.data, v.nbytes(), seed * 1000 + rank * 100 + t);
+    ShardedTensor st{DType::kFloat32, {rows_per_rank * world, 4096}, {}};
+    st.local_shards.push_back({v, {rows_per_rank * rank, 0}});
+    s.sd.Set("layer" + std::to_string(t) + ".weight", st);
+    s.tensors.push_back(v);
+  }
+  return s;
+}
+
+bool Same(const RankState& a, const RankState& b) {
+  for (size_t i = 0; i < a.tensors.size(); ++i) {
+    if (std::memcmp(a.tensors[i].data, b.tensors[i].data, a.tensors[i].nbytes()) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  InitMpi(&argc, &argv);
+  CLI::App app{"dcp-tier-bench: the memory tier against memcpy, MPI and a cold disk load"};
+  uint64_t mib = 256;
+  int repeats = 3, per_node = 0, tensors = 8;
+  std::string disk = "/tmp/dcp-tier-bench";
+  std::string shm_root = "/dev/shm";
+  bool no_async = false;
+  uint64_t chunk_mib = 0;
+  app.add_option("--mib", mib, "state per rank, MiB");
+  app.add_option("--tensors", tensors, "tensors per rank");
+  app.add_option("--repeats", repeats, "runs of each figure (medians are printed)");
+  app.add_option("--ranks-per-node", per_node, "simulate nodes of this many ranks (0: hosts)");
+  app.add_option("--disk", disk, "directory for the disk baseline");
+  app.add_option("--shm-root", shm_root, "where the tier lives");
+  app.add_option("--chunk-mib", chunk_mib, "MemoryTierOptions::transfer_chunk_bytes, MiB");
+  app.add_flag("--no-async", no_async, "skip the background-save figures");
+  CLI11_PARSE(app, argc, argv);
+
+  int ret = 0;
+  {
+    MpiCommunicator comm(MPI_COMM_WORLD);
+    const int rank = comm.rank(), world = comm.size();
+    const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(mib << 20) / tensors / 16384);
+    RankState state = MakeState(rank, world, tensors, rows, 1, true);
+    const uint64_t bytes = static_cast<uint64_t>(tensors) * rows * 16384;
+    MemoryTierOptions to;
+    to.name = "bench";
+    to.shm_root = shm_root;
+    to.ranks_per_node = per_node;
+    to.keep = 1;
+    to.free_on_close = true;
+    if (chunk_mib > 0) to.transfer_chunk_bytes = chunk_mib << 20;
+    std::unique_ptr<MemoryTier> tier;
+    try {
+      tier = std::make_unique<MemoryTier>(comm, to);
+    } catch (const std::exception& e) {
+      if (rank == 0) std::fprintf(stderr, "dcp-tier-bench: %s\n", e.what());
+      return 2;
+    }
+    const int partner = tier->partners().empty() ? rank : tier->partners()[0];
+    // The rank whose replica this rank keeps sends to it; with one replica on a ring of nodes
+    // that is the rank whose partner this rank is.
+    int source = rank;
+    {
+      std::vector<int> partners(world);
+      MPI_Allgather(&partner, 1, MPI_INT, partners.data(), 1, MPI_INT, MPI_COMM_WORLD);
+      for (int r = 0; r < world; ++r) {
+        if (partners[r] == rank) source = r;
+      }
+    }
+    RankState warm = MakeState(rank, world, tensors, rows, 0, true);  // warm destination
+    std::vector<double> t_memcpy, t_exchange, t_save, t_write, t_repl, t_restore, t_lost,
+        t_disk, t_block, t_async;
+    bool exact = true;
+    int64_t step = 0;
+    std::unique_ptr<MpiCommunicator> background;
+    if (!no_async) background = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD);
+    for (int rep = 0; rep < repeats; ++rep) {
+      // memcpy into warm buffers.
+      MPI_Barrier(MPI_COMM_WORLD);
+      auto t0 = Clock::now();
+      for (size_t i = 0; i < state.tensors.size(); ++i) {
+        std::memcpy(warm.tensors[i].data, state.tensors[i].data, state.tensors[i].nbytes());
+      }
+      t_memcpy.push_back(MaxOverRanks(Since(t0)));
+      // One exchange of the same bytes with the partner (send to it, receive from the rank whose
+      // partner this one is), into warm buffers.
+      MPI_Barrier(MPI_COMM_WORLD);
+      t0 = Clock::now();
+      for (size_t i = 0; i < state.tensors.size(); ++i) {
+        MPI_Sendrecv(state.tensors[i].data, static_cast<int>(state.tensors[i].nbytes()), MPI_BYTE,
+                     partner, 7, warm.tensors[i].data, static_cast<int>(warm.tensors[i].nbytes()),
+                     MPI_BYTE, source, 7, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      }
+      t_exchange.push_back(MaxOverRanks(Since(t0)));
+      // The tier's synchronous save.
+      MPI_Barrier(MPI_COMM_WORLD);
+      t0 = Clock::now();
+      tier->Save(++step, state.sd);
+      t_save.push_back(MaxOverRanks(Since(t0)));
+      t_write.push_back(MaxOverRanks(tier->last_stats().write_s));
+      t_repl.push_back(MaxOverRanks(tier->last_stats().replicate_s));
+      // Restore with every copy in place.
+      RankState back = MakeState(rank, world, tensors, rows, 0, false);
+      MPI_Barrier(MPI_COMM_WORLD);
+      t0 = Clock::now();
+      auto got = tier->Restore(back.sd);
+      t_restore.push_back(MaxOverRanks(Since(t0)));
+      exact = exact && got == step && Same(back, state);
+      // Node 1's copy is wiped (its first rank removes the node's directory): recovery fetches
+      // its shards from their replicas.
+      if (tier->node_count() > 1) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        if (tier->node() == 1) {
+          std::error_code ec;
+          std::filesystem::remove_all(tier->StepDirectory(step), ec);
+        }
+        RankState lost = MakeState(rank, world, tensors, rows, 0, false);
+        MPI_Barrier(MPI_COMM_WORLD);
+        t0 = Clock::now();
+        got = tier->Restore(lost.sd);
+        t_lost.push_back(MaxOverRanks(Since(t0)));
+        exact = exact && got == step && Same(lost, state);
+      }
+      // Cold disk load of the same state.
+      const std::string dir = disk + "/rep-" + std::to_string(rep);
+      if (rank == 0) std::filesystem::remove_all(dir);
+      MPI_Barrier(MPI_COMM_WORLD);
+      Save(state.sd, dir, comm);
+      if (rank == 0) dcp::bench::DropCaches(dcp::bench::FilesUnder(dir));
+      RankState cold = MakeState(rank, world, tensors, rows, 0, false);
+      MPI_Barrier(MPI_COMM_WORLD);
+      t0 = Clock::now();
+      Load(cold.sd, dir, comm);
+      t_disk.push_back(MaxOverRanks(Since(t0)));
+      exact = exact && Same(cold, state);
+      if (rank == 0) std::filesystem::remove_all(dir);
+    }
+    (void)background;
+    exact = AllRanks(exact);
+    tier->Close();
+    if (rank == 0) {
+      const double gb = static_cast<double>(bytes) / 1e9;
+      const double mc = Median(t_memcpy), ex = Median(t_exchange), sv = Median(t_save);
+      std::printf("dcp-tier-bench: %d ranks, %d node(s), %.0f MiB per rank, %d repeats (medians, "
+                  "slowest rank)\n",
+                  world, tier->node_count(), bytes / 1048576.0, repeats);
+      std::printf("  %-34s %8.3f s  %6.2f GB/s per rank\n", "memcpy into warm buffers", mc, gb / mc);
+      std::printf("  %-34s %8.3f s  %6.2f GB/s per rank\n", "MPI exchange with the partner", ex,
+                  gb / ex);
+      std::printf("  %-34s %8.3f s  (write %.3f, replicate %.3f)  ratio %.2fx memcpy+exchange\n",
+                  "tier save (sync, committed)", sv, Median(t_write), Median(t_repl),
+                  sv / (mc + ex));
+      const double rs = Median(t_restore), dk = Median(t_disk);
+      std::printf("  %-34s %8.3f s  %.1fx faster than the cold disk load\n",
+                  "tier restore (copies in place)", rs, dk / rs);
+      if (!t_lost.empty()) {
+        const double lo = Median(t_lost);
+        std::printf("  %-34s %8.3f s  %.1fx faster than the cold disk load\n",
+                    "tier restore (node 1 wiped)", lo, dk / lo);
+      }
+      std::printf("  %-34s %8.3f s\n", "cold disk load (dcp::Load)", dk);
+      std::printf("  restores bit-exact: %s\n", exact ? "yes" : "NO");
+    }
+    if (!exact) ret = 1;
+  }
+  return ret;
+}
