@@ -152,6 +152,7 @@ struct AsyncCheckpointer::Impl {
     SaveOptions save;
     std::exception_ptr snapshot_error;
     std::shared_ptr<AsyncSave::State> result;
+    AsyncCheckpointer::SaveRunner run;  // empty: dcp::Save to uri
   };
   std::optional<Job> job;
   std::shared_ptr<AsyncSave::State> last;  // the most recent save, running or ended
@@ -295,14 +296,13 @@ struct AsyncCheckpointer::Impl {
       Metadata md;
       std::exception_ptr error;
       try {
+        std::optional<FailedSnapshotPlanner> failed;
+        SaveOptions so = j.save;
         if (j.snapshot_error) {
-          FailedSnapshotPlanner planner(j.snapshot_error);
-          SaveOptions so = j.save;
-          so.planner = &planner;
-          md = dcp::Save(j.staged, j.uri, *comm, so).metadata;
-        } else {
-          md = dcp::Save(j.staged, j.uri, *comm, j.save).metadata;
+          failed.emplace(j.snapshot_error);
+          so.planner = &*failed;
         }
+        md = j.run ? j.run(j.staged, *comm, so) : dcp::Save(j.staged, j.uri, *comm, so).metadata;
       } catch (...) {
         error = std::current_exception();
       }
@@ -380,6 +380,12 @@ AsyncCheckpointer::~AsyncCheckpointer() {
 
 std::shared_ptr<AsyncSave> AsyncCheckpointer::Save(const StateDict& state, const std::string& uri,
                                                    const SaveOptions& options) {
+  return SaveWith(state, uri, options, nullptr);
+}
+
+std::shared_ptr<AsyncSave> AsyncCheckpointer::SaveWith(const StateDict& state,
+                                                       const std::string& uri,
+                                                       const SaveOptions& options, SaveRunner run) {
   if (impl_->closed) throw InvalidArgumentError("AsyncCheckpointer is closed");
   const auto t0 = Clock::now();
   impl_->WaitLast();  // one save in flight at most; surfaces its unreported error
@@ -402,6 +408,7 @@ std::shared_ptr<AsyncSave> AsyncCheckpointer::Save(const StateDict& state, const
   job.uri = uri;
   job.save = options;
   job.result = result;
+  job.run = std::move(run);
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->job = std::move(job);

@@ -100,6 +100,17 @@ class AsyncCheckpointer {
   /// `options` is copied: the caller may change or destroy it at once.
   std::shared_ptr<AsyncSave> Save(const StateDict& state, const std::string& uri,
                                   const SaveOptions& options = {});
+  /// What the background runs on the snapshot in place of dcp::Save to a URI, for a destination
+  /// that is not one (the memory tier, dcp/memory_tier.h): it gets the staged copy, the
+  /// background communicator and the options (whose planner is replaced, when this rank's
+  /// snapshot failed, by one that fails the save on every rank), and returns the committed
+  /// metadata or throws. It runs on the background thread; it must make the same collective
+  /// calls on every rank.
+  using SaveRunner = std::function<Metadata(const StateDict& snapshot, Communicator& comm,
+                                            const SaveOptions& options)>;
+  /// Save() with `run` in place of dcp::Save; `label` names the save in its metrics (uri).
+  std::shared_ptr<AsyncSave> SaveWith(const StateDict& state, const std::string& label,
+                                      const SaveOptions& options, SaveRunner run);
   /// Wait for the in-flight save, if any; returns its Metadata, throws its unreported error.
   std::optional<Metadata> Wait();
   /// Wait up to `timeout` for the in-flight save, then stop the background thread. Throws the

@@ -141,6 +141,15 @@ CheckpointManager::CheckpointManager(std::string root, Communicator& comm,
         "ManagerOptions::save.storage.overwrite: the manager replaces a step only with "
         "ManagerOptions::allow_replacing_steps");
   }
+  if (options_.memory_tier) {
+    if (options_.memory_every < 1 || options_.durable_every < 1) {
+      throw InvalidArgumentError("ManagerOptions::memory_every and durable_every must be >= 1");
+    }
+    // The tier saves in the background itself, on the background communicator.
+    tier_ = std::make_unique<MemoryTier>(comm, *options_.memory_tier, std::move(background_comm),
+                                         options_.async);
+    return;
+  }
   if (background_comm) {
     saver_ = std::make_unique<AsyncCheckpointer>(std::move(background_comm), options_.async);
   }
@@ -334,6 +343,7 @@ std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict
                                " after " + std::to_string(last_step_));
   }
   Wait();
+  if (tier_) return SaveThroughTier(step, state);
   BeginStep(step);
   last_step_ = step;
   SaveOptions so = options_.save;
@@ -364,33 +374,108 @@ std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict
   return AsyncSave::Completed(std::move(md), std::move(m));
 }
 
+// A step to memory, and to the root when due: the tier's save, then its drain under the root
+// (both in the background when the tier has a background communicator). A durable step is
+// entered in the root's index first, as every managed save is.
+std::shared_ptr<AsyncSave> CheckpointManager::SaveThroughTier(int64_t step,
+                                                              const StateDict& state) {
+  const bool durable = step % options_.durable_every == 0;
+  const bool memory = durable || step % options_.memory_every == 0;
+  last_step_ = step;
+  if (!memory) return AsyncSave::Completed(Metadata{}, SaveMetrics{});
+  if (durable) BeginStep(step);
+  // The tier writes dcp's own layout to shared memory; the root's storage options apply to the
+  // durable copy.
+  SaveOptions so = options_.save;
+  so.storage = StorageOptions{};
+  const std::string drain_to = durable ? PathFor(step) : std::string();
+  in_flight_step_ = durable ? step : -1;
+  in_flight_in_tier_ = true;
+  if (tier_->saves_in_background()) {
+    try {
+      in_flight_ = tier_->SaveAsync(step, state, so, drain_to, options_.save.storage);
+    } catch (...) {
+      in_flight_in_tier_ = false;
+      in_flight_step_ = -1;
+      throw;
+    }
+    return in_flight_;
+  }
+  // No background communicator: synchronous.
+  const auto t0 = std::chrono::steady_clock::now();
+  Metadata md;
+  try {
+    md = tier_->Save(step, state, so).metadata;
+    if (durable) tier_->Drain(step, drain_to, options_.save.storage);
+  } catch (...) {
+    in_flight_in_tier_ = false;
+    in_flight_step_ = -1;
+    if (durable && !comm_->poisoned()) AfterSaveEnded(step);
+    throw;
+  }
+  in_flight_in_tier_ = false;
+  in_flight_step_ = -1;
+  SaveMetrics m;
+  m.uri = durable ? drain_to : tier_->StepDirectory(step);
+  m.blocking_s = m.background_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  m.bytes_written = md.TotalStoredBytes();
+  if (durable) AfterSaveEnded(step);
+  return AsyncSave::Completed(std::move(md), std::move(m));
+}
+
 void CheckpointManager::Wait() {
   if (!in_flight_) return;
   std::shared_ptr<AsyncSave> s = std::move(in_flight_);
   in_flight_.reset();
   std::exception_ptr error;
   try {
-    saver_->Wait();
+    if (in_flight_in_tier_) {
+      tier_->Wait();
+    } else {
+      saver_->Wait();
+    }
   } catch (...) {
     error = std::current_exception();
   }
+  in_flight_in_tier_ = false;
   const int64_t step = in_flight_step_;
   in_flight_step_ = -1;
-  if (!comm_->poisoned()) AfterSaveEnded(step);  // also after a failure: tidies the attempt
+  // Also after a failure: tidies the attempt. (A memory-only step has no durable bookkeeping.)
+  if (step >= 0 && !comm_->poisoned()) AfterSaveEnded(step);
   if (error) std::rethrow_exception(error);
 }
 
 std::optional<int64_t> CheckpointManager::Restore(StateDict& state, const LoadOptions& options) {
   Wait();
   restore_fallbacks_.clear();
+  restore_source_.clear();
   const StepScan scan = Scan();
   std::vector<int64_t> candidates = scan.complete;
   for (const auto& [s, why] : scan.unreadable) candidates.push_back(s);
   std::sort(candidates.rbegin(), candidates.rend());
+  if (tier_) {
+    // Memory first when it holds a step at least as new as the root's newest: every rank
+    // decides alike (CompleteSteps is collective).
+    const auto in_memory = tier_->CompleteSteps();
+    if (!in_memory.empty() && (candidates.empty() || in_memory.back() >= candidates.front())) {
+      try {
+        if (auto step = tier_->Restore(state, options)) {
+          restore_source_ = "memory";
+          last_step_ = std::max(last_step_, *step);
+          return step;
+        }
+      } catch (const CollectiveError& e) {
+        if (comm_->poisoned()) throw;
+        restore_fallbacks_.push_back("memory tier: " + std::string(e.what()));
+      }
+    }
+  }
   std::exception_ptr newest_error;
   for (int64_t step : candidates) {
     try {
       dcp::Load(state, PathFor(step), *comm_, options);
+      restore_source_ = "durable";
       if (!restore_fallbacks_.empty()) {
         std::fprintf(stderr, "dcp: CheckpointManager restored step %lld of %s instead of %s\n",
                      static_cast<long long>(step), root_.c_str(),
@@ -417,7 +502,15 @@ void CheckpointManager::ReplaceCommunicator(Communicator& comm,
   }
   in_flight_.reset();  // its outcome is the old saver's to report, below
   in_flight_step_ = -1;
+  in_flight_in_tier_ = false;
   comm_ = &comm;
+  if (tier_) {
+    // The tier is bound to its communicators: a new one over the new communicators, on the
+    // same shared memory (the old one's steps stay; its save in flight ends first).
+    tier_.reset();
+    tier_ = std::make_unique<MemoryTier>(comm, *options_.memory_tier, std::move(background_comm),
+                                         options_.async);
+  }
   std::exception_ptr error;
   if (saver_) {
     std::unique_ptr<AsyncCheckpointer> old = std::move(saver_);
@@ -447,6 +540,13 @@ void CheckpointManager::CloseOrThrow() {
       saver_->Close();
     } catch (...) {
       if (!error) error = std::current_exception();  // the save's own error comes first
+    }
+  }
+  if (tier_ && !comm_->poisoned()) {
+    try {
+      tier_->Close();
+    } catch (...) {
+      if (!error) error = std::current_exception();
     }
   }
   if (error) std::rethrow_exception(error);

@@ -51,6 +51,7 @@
 #include "dcp/async_checkpointer.h"
 #include "dcp/checkpoint.h"
 #include "dcp/communicator.h"
+#include "dcp/memory_tier.h"
 #include "dcp/options.h"
 
 namespace dcp {
@@ -92,6 +93,11 @@ class CheckpointManager {
   std::optional<int64_t> Restore(StateDict& state, const LoadOptions& options = {});
   /// The candidates the last Restore skipped, as "step N: <why it did not load>" lines.
   const std::vector<std::string>& restore_fallbacks() const { return restore_fallbacks_; }
+  /// Where the last Restore loaded from: "memory" (the tier), "durable" (the root) or "" (none).
+  const std::string& restore_source() const { return restore_source_; }
+  /// The memory tier (ManagerOptions::memory_tier), or nullptr: its figures (last_stats) and
+  /// steps. Valid until Close or ReplaceCommunicator.
+  MemoryTier* memory_tier() const { return tier_.get(); }
   /// Go on with fresh communicators after one was poisoned (a timeout, a mismatch: see
   /// dcp/communicator.h). Collective over the new `comm`. `background_comm` replaces the
   /// asynchronous saver's (required when the manager saves asynchronously, ignored otherwise);
@@ -124,7 +130,8 @@ class CheckpointManager {
   StepScan ScanSteps() const;               // rank 0 only
   StepScan Scan();                          // collective: rank 0's scan, broadcast
   void RemoveStep(int64_t step, bool only_if_uncommitted);  // rank 0 only
-  void BeginStep(int64_t step);       // collective: checks the step, writes the index entry
+  void BeginStep(int64_t step);  // collective: checks the step, writes the index entry
+  std::shared_ptr<AsyncSave> SaveThroughTier(int64_t step, const StateDict& state);
   void AfterSaveEnded(int64_t step);  // latest + retention, rank 0 acting; never throws an Error
   void Retain(int64_t step);
   std::string root_;
@@ -140,6 +147,9 @@ class CheckpointManager {
   std::string last_retention_error_;
   std::vector<int64_t> unreadable_steps_;
   std::vector<std::string> restore_fallbacks_;
+  std::string restore_source_;
+  std::unique_ptr<MemoryTier> tier_;
+  bool in_flight_in_tier_ = false;  // in_flight_ is the tier's (its step is in_flight_step_)
 };
 
 }  // namespace dcp

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "dcp/async_checkpointer.h"
 #include "dcp/planner/default_planner.h"
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
@@ -322,7 +323,8 @@ std::vector<std::vector<Piece>> PackRounds(const std::vector<uint64_t>& sizes, u
 using tier_detail::Candidate;
 using tier_detail::Piece;
 
-MemoryTier::MemoryTier(Communicator& comm, MemoryTierOptions options)
+MemoryTier::MemoryTier(Communicator& comm, MemoryTierOptions options,
+                       std::unique_ptr<Communicator> background_comm, AsyncOptions async)
     : comm_(comm), options_(std::move(options)), rank_(comm.rank()) {
   const std::string& name = options_.name;
   std::string problem;
@@ -369,14 +371,20 @@ MemoryTier::MemoryTier(Communicator& comm, MemoryTierOptions options)
     partners_.push_back(other[position % other.size()]);
   }
   root_ = options_.shm_root + "/dcp-tier-" + name + "/" + label;
+  if (background_comm) {
+    if (background_comm->rank() != rank_ || background_comm->size() != world) {
+      throw InvalidArgumentError("memory tier: the background communicator's ranks differ");
+    }
+    saver_ = std::make_unique<AsyncCheckpointer>(std::move(background_comm), std::move(async));
+  }
 }
 
 MemoryTier::~MemoryTier() = default;
 
 std::string MemoryTier::StepDirectory(int64_t step) const { return root_ + "/" + StepName(step); }
 
-void MemoryTier::Vote(const std::string& my_error, std::string_view phase) {
-  auto all = comm_.AllGather(my_error, phase);
+void MemoryTier::Vote(Communicator& comm, const std::string& my_error, std::string_view phase) {
+  auto all = comm.AllGather(my_error, phase);
   std::vector<RankFailure> failures;
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     if (!all[r].empty()) failures.push_back({r, ErrorCode::kIo, all[r], false});
@@ -388,8 +396,9 @@ void MemoryTier::Vote(const std::string& my_error, std::string_view phase) {
 // (name, offset, file size, bytes); receivers write them into their node's copy of the step.
 // All ranks run the same number of rounds (the largest sender's). A failure does not stop the
 // rounds (the peers still expect them); it is reported by the vote that follows.
-void MemoryTier::TransferFiles(int64_t step, const std::vector<Transfer>& outgoing,
-                               std::string_view what, std::vector<std::string>* received) {
+void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
+                               const std::vector<Transfer>& outgoing, std::string_view what,
+                               std::vector<std::string>* received) {
   const std::string dir = StepDirectory(step);
   const uint64_t chunk = options_.transfer_chunk_bytes;
   std::string error;
@@ -408,7 +417,7 @@ void MemoryTier::TransferFiles(int64_t step, const std::vector<Transfer>& outgoi
   }
   const auto plan = tier_detail::PackRounds(sizes, chunk);
   uint64_t rounds = 0;
-  for (const auto& s : comm_.AllGather(std::to_string(plan.size()), what)) {
+  for (const auto& s : comm.AllGather(std::to_string(plan.size()), what)) {
     rounds = std::max<uint64_t>(rounds, std::stoull(s));
   }
   int in_fd = -1;
@@ -425,7 +434,7 @@ void MemoryTier::TransferFiles(int64_t step, const std::vector<Transfer>& outgoi
     if (ec) fail("memory tier: cannot create " + dir + ": " + ec.message());
   }
   for (uint64_t round = 0; round < rounds; ++round) {
-    std::vector<std::string> messages(comm_.size());
+    std::vector<std::string> messages(comm.size());
     for (const Piece& piece : round < plan.size() ? plan[round] : std::vector<Piece>{}) {
       if (!error.empty()) break;  // a failed sender stops; its receivers see the file cut short
       const Transfer& t = outgoing[piece.file];
@@ -456,7 +465,7 @@ void MemoryTier::TransferFiles(int64_t step, const std::vector<Transfer>& outgoi
       }
       stats_.bytes_sent += piece.bytes;
     }
-    auto got = comm_.AllToAll(std::move(messages), what);
+    auto got = comm.AllToAll(std::move(messages), what);
     for (int source = 0; source < static_cast<int>(got.size()); ++source) {
       if (got[source].empty()) continue;
       try {
@@ -513,18 +522,11 @@ void MemoryTier::TransferFiles(int64_t step, const std::vector<Transfer>& outgoi
            " bytes");
     }
   }
-  Vote(error, std::string(what) + "/vote");
+  Vote(comm, error, std::string(what) + "/vote");
 }
 
-SaveResult MemoryTier::Save(int64_t step, const StateDict& state, const SaveOptions& options) {
-  if (closed_) throw InvalidArgumentError("memory tier: Save after Close");
-  if (step < 0 || step <= last_step_) {
-    throw InvalidArgumentError("memory tier: step " + std::to_string(step) +
-                               " does not follow step " + std::to_string(last_step_));
-  }
-  if (options.step && *options.step != step) {
-    throw InvalidArgumentError("memory tier: SaveOptions::step is set by the tier");
-  }
+SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict& state,
+                              const SaveOptions& options) {
   stats_ = {};
   auto t0 = std::chrono::steady_clock::now();
   const std::string dir = StepDirectory(step);
@@ -537,13 +539,13 @@ SaveResult MemoryTier::Save(int64_t step, const StateDict& state, const SaveOpti
     fs::create_directories(dir, ec);
     if (ec) error = "memory tier: cannot prepare " + dir + ": " + ec.message();
   }
-  Vote(error, "tier/prepare");
+  Vote(comm, error, "tier/prepare");
   auto store = std::make_shared<TierStepStore>(StepStore(dir),
                                                "tier://" + options_.name + "/" + StepName(step));
   SaveOptions o = options;
   o.step = step;
   auto writer = MakeStoreWriter(store, o.storage);
-  SaveResult result = dcp::Save(state, *writer, comm_, o);
+  SaveResult result = dcp::Save(state, *writer, comm, o);
   stats_.write_s = SecondsSince(t0);
 
   // This rank's own data files: those it created that the metadata names.
@@ -562,7 +564,7 @@ SaveResult MemoryTier::Save(int64_t step, const StateDict& state, const SaveOpti
     for (const auto& name : own) outgoing.push_back({partner, name});
   }
   try {
-    TransferFiles(step, outgoing, "tier/replicate", nullptr);
+    TransferFiles(comm, step, outgoing, "tier/replicate", nullptr);
   } catch (const Error&) {
     // Not committed anywhere: no node wrote the metadata. Free the step's copies.
     if (leader()) {
@@ -576,7 +578,7 @@ SaveResult MemoryTier::Save(int64_t step, const StateDict& state, const SaveOpti
   auto t2 = std::chrono::steady_clock::now();
   // Every copy of every file exists: each node commits its copy.
   std::string encoded =
-      comm_.Broadcast(rank_ == 0 ? store->held_metadata() : std::string(), 0, "tier/metadata");
+      comm.Broadcast(rank_ == 0 ? store->held_metadata() : std::string(), 0, "tier/metadata");
   error.clear();
   if (leader()) {
     try {
@@ -585,8 +587,8 @@ SaveResult MemoryTier::Save(int64_t step, const StateDict& state, const SaveOpti
       error = ErrorText(e);
     }
   }
-  auto all = comm_.AllGather(error.empty() ? std::string(leader() ? "W" : "") : "E" + error,
-                             "tier/commit");
+  auto all =
+      comm.AllGather(error.empty() ? std::string(leader() ? "W" : "") : "E" + error, "tier/commit");
   std::vector<RankFailure> failures;
   bool committed = false;
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
@@ -595,7 +597,6 @@ SaveResult MemoryTier::Save(int64_t step, const StateDict& state, const SaveOpti
       failures.push_back({r, ErrorCode::kIo, all[r].substr(1), false});
     }
   }
-  last_step_ = step;
   written_[step] = own;
   metadata_[step] = encoded;
   if (!failures.empty()) {
@@ -641,7 +642,7 @@ void MemoryTier::Retain(int64_t newest) {
   }
 }
 
-std::vector<MemoryTier::StepReport> MemoryTier::GatherReports() {
+std::vector<MemoryTier::StepReport> MemoryTier::GatherReports(Communicator& comm) {
   std::string mine;
   if (leader()) {
     std::error_code ec;
@@ -678,7 +679,7 @@ std::vector<MemoryTier::StepReport> MemoryTier::GatherReports() {
       mine += present;
     }
   }
-  auto all = comm_.AllGather(std::move(mine), "tier/report");
+  auto all = comm.AllGather(std::move(mine), "tier/report");
   std::vector<StepReport> reports;
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     MessageReader in(all[r], "rank " + std::to_string(r));
@@ -701,9 +702,59 @@ std::vector<MemoryTier::StepReport> MemoryTier::GatherReports() {
   return reports;
 }
 
+void MemoryTier::BeginSave(int64_t step, const SaveOptions& options) {
+  if (closed_) throw InvalidArgumentError("memory tier: Save after Close");
+  if (step < next_step_) {
+    throw InvalidArgumentError("memory tier: step " + std::to_string(step) +
+                               " does not follow step " + std::to_string(next_step_ - 1));
+  }
+  if (options.step && *options.step != step) {
+    throw InvalidArgumentError("memory tier: SaveOptions::step is set by the tier");
+  }
+  Wait();
+  next_step_ = step + 1;
+}
+
+SaveResult MemoryTier::Save(int64_t step, const StateDict& state, const SaveOptions& options) {
+  BeginSave(step, options);
+  return SaveOn(comm_, step, state, options);
+}
+
+std::shared_ptr<AsyncSave> MemoryTier::SaveAsync(int64_t step, const StateDict& state,
+                                                 const SaveOptions& options,
+                                                 const std::string& drain_to,
+                                                 const StorageOptions& drain_options) {
+  if (!saver_) {
+    throw InvalidArgumentError("memory tier: SaveAsync needs a background communicator");
+  }
+  BeginSave(step, options);
+  in_flight_ =
+      saver_->SaveWith(state, "tier://" + options_.name + "/" + StepName(step), options,
+                       [this, step, drain_to, drain_options](
+                           const StateDict& snapshot, Communicator& comm, const SaveOptions& so) {
+                         SaveResult result = SaveOn(comm, step, snapshot, so);
+                         if (!drain_to.empty()) DrainOn(comm, step, drain_to, drain_options);
+                         return std::move(result.metadata);
+                       });
+  return in_flight_;
+}
+
+void MemoryTier::Wait() {
+  if (!in_flight_) return;
+  auto s = std::move(in_flight_);
+  in_flight_.reset();
+  saver_->Wait();  // raises the background error, once
+}
+
+void MemoryTier::Drain(int64_t step, const std::string& uri, const StorageOptions& options) {
+  Wait();
+  DrainOn(comm_, step, uri, options);
+}
+
 std::vector<int64_t> MemoryTier::CompleteSteps() {
+  Wait();
   std::set<int64_t> steps;
-  for (const auto& c : tier_detail::Candidates(GatherReports())) {
+  for (const auto& c : tier_detail::Candidates(GatherReports(comm_))) {
     if (c.complete()) steps.insert(c.step);
   }
   return {steps.begin(), steps.end()};
@@ -711,9 +762,10 @@ std::vector<int64_t> MemoryTier::CompleteSteps() {
 
 std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& options) {
   if (closed_) throw InvalidArgumentError("memory tier: Restore after Close");
+  Wait();
   stats_ = {};
   auto t0 = std::chrono::steady_clock::now();
-  const auto reports = GatherReports();
+  const auto reports = GatherReports(comm_);
   const auto candidates = tier_detail::Candidates(reports);
   const Candidate* chosen = nullptr;
   for (const auto& c : candidates) {
@@ -739,7 +791,7 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
       error = ErrorText(e);
     }
   }
-  Vote(error, "tier/recover-metadata");
+  Vote(comm_, error, "tier/recover-metadata");
   encoded = comm_.Broadcast(std::move(encoded), md_root, "tier/recover-metadata");
   const Metadata md = DecodeMetadataFile(encoded, "tier://" + options_.name + "/" + StepName(step));
   const auto referenced = ReferencedFiles(md);
@@ -815,9 +867,9 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
     fs::create_directories(dir, ec);
     if (ec) error = "memory tier: cannot prepare " + dir + ": " + ec.message();
   }
-  Vote(error, "tier/recover-prepare");
+  Vote(comm_, error, "tier/recover-prepare");
   std::vector<std::string> received;
-  TransferFiles(step, outgoing, "tier/recover", &received);
+  TransferFiles(comm_, step, outgoing, "tier/recover", &received);
   stats_.files_fetched = static_cast<int>(received.size());
   error.clear();
   if (leader()) {
@@ -832,7 +884,7 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
       error = ErrorText(e);
     }
   }
-  Vote(error, "tier/recover-commit");
+  Vote(comm_, error, "tier/recover-commit");
   stats_.recover_s = SecondsSince(t0);
 
   auto t1 = std::chrono::steady_clock::now();
@@ -841,11 +893,12 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   auto reader = MakeStoreReader(store, options.storage);
   dcp::Load(state, *reader, comm_, options);
   stats_.load_s = SecondsSince(t1);
-  last_step_ = std::max(last_step_, step);
+  next_step_ = std::max(next_step_, step + 1);
   return step;
 }
 
-void MemoryTier::Drain(int64_t step, const std::string& uri, const StorageOptions& options) {
+void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& uri,
+                         const StorageOptions& options) {
   auto files = written_.find(step);
   if (files == written_.end()) {
     throw InvalidArgumentError("memory tier: step " + std::to_string(step) +
@@ -892,7 +945,7 @@ void MemoryTier::Drain(int64_t step, const std::string& uri, const StorageOption
   } catch (const std::exception& e) {
     error = ErrorText(e);
   }
-  Vote(error, "tier/drain");
+  Vote(comm, error, "tier/drain");
   error.clear();
   if (rank_ == 0) {
     try {
@@ -901,19 +954,27 @@ void MemoryTier::Drain(int64_t step, const std::string& uri, const StorageOption
       error = ErrorText(e);
     }
   }
-  Vote(error, "tier/drain-commit");
+  Vote(comm, error, "tier/drain-commit");
 }
 
 void MemoryTier::Close() {
   if (closed_) return;
   closed_ = true;
+  std::exception_ptr pending;
+  try {
+    Wait();
+  } catch (...) {
+    pending = std::current_exception();
+  }
+  if (saver_) saver_->Close();
   std::string error;
   if (options_.free_on_close && leader()) {
     std::error_code ec;
     fs::remove_all(root_, ec);
     if (ec) error = "memory tier: cannot free " + root_ + ": " + ec.message();
   }
-  Vote(error, "tier/close");
+  Vote(comm_, error, "tier/close");
+  if (pending) std::rethrow_exception(pending);
 }
 
 }  // namespace dcp

@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "dcp/async_checkpointer.h"
 #include "dcp/checkpoint.h"
 #include "dcp/communicator.h"
 #include "dcp/options.h"
@@ -68,9 +69,11 @@ struct TierStats {
 class MemoryTier {
  public:
   /// Collective over `comm` (which must outlive the tier): finds the nodes and partners.
-  /// InvalidArgumentError when replicas > 0 and there are not replicas + 1 nodes, or an option
-  /// is out of range.
-  MemoryTier(Communicator& comm, MemoryTierOptions options = {});
+  /// `background_comm` (another communicator over the same ranks, as AsyncCheckpointer needs)
+  /// enables SaveAsync; `async` sets its staging. InvalidArgumentError when replicas > 0 and
+  /// there are not replicas + 1 nodes, or an option is out of range.
+  MemoryTier(Communicator& comm, MemoryTierOptions options = {},
+             std::unique_ptr<Communicator> background_comm = nullptr, AsyncOptions async = {});
   ~MemoryTier();
   MemoryTier(const MemoryTier&) = delete;
   MemoryTier& operator=(const MemoryTier&) = delete;
@@ -80,6 +83,21 @@ class MemoryTier {
   /// (InvalidArgumentError otherwise). A leftover uncommitted directory of the same step (a
   /// crashed attempt) is replaced. Throws CollectiveError on failure, on every rank.
   SaveResult Save(int64_t step, const StateDict& state, const SaveOptions& options = {});
+
+  /// Snapshot `state` (the caller blocks only for the copy into staging, as with
+  /// AsyncCheckpointer) and save it as `step` in the background, on the background
+  /// communicator, with the same commit as Save. With `drain_to` set, the background then
+  /// copies the committed step there (Drain) before the save counts as done. Waits for the
+  /// previous save first and raises its error. InvalidArgumentError without a background
+  /// communicator. The handle's Wait() gives the step's metadata.
+  std::shared_ptr<AsyncSave> SaveAsync(int64_t step, const StateDict& state,
+                                       const SaveOptions& options = {},
+                                       const std::string& drain_to = "",
+                                       const StorageOptions& drain_options = {});
+  /// Wait for the background save, if any; raises its error (once).
+  void Wait();
+  /// Whether the tier has a background communicator (SaveAsync works).
+  bool saves_in_background() const { return saver_ != nullptr; }
 
   /// Load the newest step complete across the surviving copies into `state` and return it;
   /// nullopt (on every rank) when no complete step survives. Files a node lacks are fetched
@@ -96,8 +114,10 @@ class MemoryTier {
   /// committed at `uri`.
   void Drain(int64_t step, const std::string& uri, const StorageOptions& options = {});
 
-  /// Free this node's tier directory when options.free_on_close (first rank of each node);
-  /// collective. Idempotent; the destructor does not free (a crash must leave the steps).
+  /// Wait for the background save, then free this node's tier directory when
+  /// options.free_on_close (first rank of each node); collective. Raises the background save's
+  /// unreported error after freeing. Idempotent; the destructor does not free (a crash must
+  /// leave the steps) and waits for a save in flight as AsyncCheckpointer's does.
   void Close();
 
   /// This rank's node (0-based, in order of the nodes' first ranks) and partners.
@@ -112,10 +132,16 @@ class MemoryTier {
  private:
   using StepReport = tier_detail::StepReport;
   using Transfer = tier_detail::Transfer;
-  std::vector<StepReport> GatherReports();
-  void TransferFiles(int64_t step, const std::vector<Transfer>& outgoing, std::string_view what,
-                     std::vector<std::string>* received);
-  void Vote(const std::string& my_error, std::string_view phase);
+  // Collectives on `comm`: the job's (comm_) or, for SaveAsync, the background one.
+  std::vector<StepReport> GatherReports(Communicator& comm);
+  void TransferFiles(Communicator& comm, int64_t step, const std::vector<Transfer>& outgoing,
+                     std::string_view what, std::vector<std::string>* received);
+  void Vote(Communicator& comm, const std::string& my_error, std::string_view phase);
+  SaveResult SaveOn(Communicator& comm, int64_t step, const StateDict& state,
+                    const SaveOptions& options);
+  void DrainOn(Communicator& comm, int64_t step, const std::string& uri,
+               const StorageOptions& options);
+  void BeginSave(int64_t step, const SaveOptions& options);
   void Retain(int64_t newest);
   bool leader() const { return rank_ == nodes_[node_].front(); }
 
@@ -125,12 +151,15 @@ class MemoryTier {
   int node_ = 0;
   std::vector<std::vector<int>> nodes_;  // ranks of each node, ascending
   std::vector<int> partners_;
-  std::string root_;  // this node's directory
-  int64_t last_step_ = -1;
+  std::string root_;                                     // this node's directory
+  int64_t next_step_ = 0;                                // the least step the next save may have
   std::map<int64_t, std::vector<std::string>> written_;  // step -> this rank's own files
   std::map<int64_t, std::string> metadata_;              // step -> encoded metadata.dcp
   bool closed_ = false;
   TierStats stats_;
+  std::shared_ptr<AsyncSave> in_flight_;
+  // Last: destroyed first, so a save still running ends before the members it uses go.
+  std::unique_ptr<AsyncCheckpointer> saver_;
 };
 
 }  // namespace dcp

@@ -91,19 +91,6 @@ struct AsyncOptions {
   std::function<void(const SaveMetrics&)> on_complete;
 };
 
-struct ManagerOptions {
-  int keep_last = 3;   // newest complete checkpoints kept (at least 1)
-  int keep_every = 0;  // also keep steps divisible by this (0: none)
-  /// Let Save(step) replace a complete (or unreadable) checkpoint of the same step found in the
-  /// store (e.g. a job restored from step N that saves step N again). Off: AlreadyExistsError.
-  /// A step older than the newest complete one is refused either way.
-  bool allow_replacing_steps = false;
-  /// Every save's options (storage options, planner, plan cache). The manager sets `step` and
-  /// `storage.overwrite` itself (see allow_replacing_steps): setting them here is refused.
-  SaveOptions save;
-  AsyncOptions async;  // used when the manager has a background communicator
-};
-
 /// The memory tier (dcp/memory_tier.h): steps kept in node-local shared memory, replicated to
 /// partner ranks on other nodes.
 struct MemoryTierOptions {
@@ -128,6 +115,28 @@ struct MemoryTierOptions {
   bool free_on_close = false;
   /// Largest message of a replication or recovery round per rank (host memory it holds for it).
   uint64_t transfer_chunk_bytes = 4ull << 20;
+};
+
+struct ManagerOptions {
+  int keep_last = 3;   // newest complete checkpoints kept (at least 1)
+  int keep_every = 0;  // also keep steps divisible by this (0: none)
+  /// Let Save(step) replace a complete (or unreadable) checkpoint of the same step found in the
+  /// store (e.g. a job restored from step N that saves step N again). Off: AlreadyExistsError.
+  /// A step older than the newest complete one is refused either way.
+  bool allow_replacing_steps = false;
+  /// Every save's options (storage options, planner, plan cache). The manager sets `step` and
+  /// `storage.overwrite` itself (see allow_replacing_steps): setting them here is refused.
+  SaveOptions save;
+  AsyncOptions async;  // used when the manager has a background communicator
+  /// A memory tier in front of the root (dcp/memory_tier.h): Save(step) puts every
+  /// `memory_every`-th step in node-local shared memory, replicated to other nodes, and every
+  /// `durable_every`-th also under the root, copied from the tier (no second snapshot; in the
+  /// background when the manager has a background communicator, which the tier then uses).
+  /// A step that is neither is skipped. Restore loads the newest step, from memory when the
+  /// tier holds one at least as new as the root's newest, else from the root.
+  std::optional<MemoryTierOptions> memory_tier;
+  int memory_every = 1;   // with memory_tier: every n-th step to memory (>= 1)
+  int durable_every = 1;  // with memory_tier: every k-th step also to the root (>= 1)
 };
 
 }  // namespace dcp

@@ -129,8 +129,8 @@ int main(int argc, char** argv) {
       }
     }
     RankState warm = MakeState(rank, world, tensors, rows, 0, true);  // warm destination
-    std::vector<double> t_memcpy, t_exchange, t_save, t_write, t_repl, t_restore, t_lost,
-        t_disk, t_block, t_async;
+    std::vector<double> t_memcpy, t_exchange, t_save, t_write, t_repl, t_restore, t_lost, t_disk,
+        t_block, t_async;
     bool exact = true;
     int64_t step = 0;
     std::unique_ptr<MpiCommunicator> background;
@@ -202,10 +202,12 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       const double gb = static_cast<double>(bytes) / 1e9;
       const double mc = Median(t_memcpy), ex = Median(t_exchange), sv = Median(t_save);
-      std::printf("dcp-tier-bench: %d ranks, %d node(s), %.0f MiB per rank, %d repeats (medians, "
-                  "slowest rank)\n",
-                  world, tier->node_count(), bytes / 1048576.0, repeats);
-      std::printf("  %-34s %8.3f s  %6.2f GB/s per rank\n", "memcpy into warm buffers", mc, gb / mc);
+      std::printf(
+          "dcp-tier-bench: %d ranks, %d node(s), %.0f MiB per rank, %d repeats (medians, "
+          "slowest rank)\n",
+          world, tier->node_count(), bytes / 1048576.0, repeats);
+      std::printf("  %-34s %8.3f s  %6.2f GB/s per rank\n", "memcpy into warm buffers", mc,
+                  gb / mc);
       std::printf("  %-34s %8.3f s  %6.2f GB/s per rank\n", "MPI exchange with the partner", ex,
                   gb / ex);
       std::printf("  %-34s %8.3f s  (write %.3f, replicate %.3f)  ratio %.2fx memcpy+exchange\n",

@@ -314,3 +314,113 @@ TEST_CASE("communicator: all-to-all delivers each rank's message for every other
   LocalCommunicator one;
   CHECK(one.AllToAll({"self"}, "test") == std::vector<std::string>{"self"});
 }
+
+TEST_CASE(
+    "memory tier: background saves block only for the snapshot and drain without a second "
+    "one",
+    "[memory-tier][async]") {
+  TempDir root("tier"), durable("durable");
+  auto options = Options(root, 2);
+  InProcessGroup background(kWorld);
+  std::vector<std::unique_ptr<Communicator>> bg(kWorld);
+  for (int r = 0; r < kWorld; ++r) bg[r] = background.Release(r);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options, std::move(bg[rank]));
+    for (int64_t s : {1, 2, 3}) {
+      TierState state(rank, kWorld, s);
+      auto handle = tier.SaveAsync(s, state.sd, {}, s == 2 ? durable / "step-2" : "");
+      // The state may change at once: the step holds the values at the call.
+      auto& w = std::get<ShardedTensor>(*state.sd.Find("w"));
+      for (auto& shard : w.local_shards) std::memset(shard.view.data, 0xff, shard.view.nbytes());
+      state.sd.Set("rng", Blob{"changed"});
+      if (s == 3) handle->Wait();
+    }
+    auto back = TierState::Empty(rank, kWorld);
+    Expect(tier.Restore(back.sd) == 3, "step 3 restored");
+    Expect(TierState::Holds(back.sd, 3), "step 3 holds the values at its call");
+    tier.Close();
+  }));
+  // The drained step is a durable checkpoint with step 2's values.
+  RequireNoErrors(RunRanks(2, [&](int rank, Communicator& comm) {
+    auto state = TierState::Empty(rank, 2);
+    Load(state.sd, durable / "step-2", comm);
+    Expect(TierState::Holds(state.sd, 2), "drained step 2 loads");
+  }));
+}
+
+TEST_CASE("memory tier: a background save's failure is raised by the next call on every rank",
+          "[memory-tier][async]") {
+  TempDir root("tier"), durable("durable");
+  auto options = Options(root, 2);
+  InProcessGroup background(kWorld);
+  std::vector<std::unique_ptr<Communicator>> bg(kWorld);
+  for (int r = 0; r < kWorld; ++r) bg[r] = background.Release(r);
+  // A checkpoint already sits where step 1 drains: the drain fails, after the tier committed.
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    TierState state(rank, kWorld, 0);
+    Save(state.sd, durable / "taken", comm);
+  }));
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options, std::move(bg[rank]));
+    TierState state(rank, kWorld, 1);
+    tier.SaveAsync(1, state.sd, {}, durable / "taken");
+    bool raised = false;
+    try {
+      tier.SaveAsync(2, state.sd);
+    } catch (const CollectiveError& e) {
+      raised = std::string(e.what()).find("already holds") != std::string::npos;
+    }
+    Expect(raised, "the drain's failure is raised by the next save");
+    // Step 1 is committed in the tier all the same.
+    Expect(tier.CompleteSteps() == std::vector<int64_t>{1}, "step 1 is in the tier");
+    tier.Close();
+  }));
+}
+
+TEST_CASE(
+    "checkpoint manager with a memory tier: every step to memory, every k-th drained to "
+    "the root, restore from the newest",
+    "[memory-tier][manager][option:ManagerOptions::memory_tier]"
+    "[option:ManagerOptions::memory_every][option:ManagerOptions::durable_every]") {
+  TempDir root("tier"), durable("durable");
+  for (bool background : {true, false}) {
+    DYNAMIC_SECTION((background ? "background" : "synchronous")) {
+      ManagerOptions mo;
+      mo.memory_tier = Options(root, 2);
+      mo.memory_every = 2;   // even steps to memory
+      mo.durable_every = 3;  // multiples of 3 also to the root
+      const std::string where = durable / (background ? "bg" : "sync");
+      InProcessGroup bg_group(kWorld);
+      std::vector<std::unique_ptr<Communicator>> bg(kWorld);
+      for (int r = 0; r < kWorld; ++r) bg[r] = bg_group.Release(r);
+      std::vector<std::vector<int64_t>> durable_steps(kWorld), memory_steps(kWorld);
+      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+        CheckpointManager manager(where, comm, background ? std::move(bg[rank]) : nullptr, mo);
+        for (int64_t s = 1; s <= 8; ++s) {
+          TierState state(rank, kWorld, s);
+          manager.Save(s, state.sd);
+        }
+        manager.Wait();
+        durable_steps[rank] = manager.CompleteSteps();
+        memory_steps[rank] = manager.memory_tier()->CompleteSteps();
+        auto back = TierState::Empty(rank, kWorld);
+        Expect(manager.Restore(back.sd) == 8, "the newest step (8) is in memory");
+        Expect(manager.restore_source() == "memory", "restored from memory");
+        Expect(TierState::Holds(back.sd, 8), "step 8's values");
+        manager.Close();
+      }));
+      // Steps 3 and 6 went to the root (1, 5 and 7 nowhere); the tier keeps 2 steps: 6 and 8.
+      CHECK(durable_steps[0] == std::vector<int64_t>{3, 6});
+      CHECK(memory_steps[0] == std::vector<int64_t>{6, 8});
+      // Every node lost: the restart restores the newest durable step.
+      fs::remove_all(root.path() + "/dcp-tier-test");
+      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+        CheckpointManager manager(where, comm, nullptr, mo);
+        auto back = TierState::Empty(rank, kWorld);
+        Expect(manager.Restore(back.sd) == 6, "step 6 from the root");
+        Expect(manager.restore_source() == "durable", "restored from the root");
+        Expect(TierState::Holds(back.sd, 6), "step 6's values");
+      }));
+    }
+  }
+}
