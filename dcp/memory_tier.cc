@@ -140,12 +140,25 @@ std::map<std::string, uint64_t> ReferencedFiles(const Metadata& md) {
 
 // The tier's view of one step directory as a dcp location: a common uri on every rank (the
 // operation's target must agree), the names this rank creates, and the metadata held back
-// (the tier commits it itself, after the replicas).
+// (the tier commits it itself, after the replicas). For a restore, the files of the step that
+// only other nodes hold count as present with their size (`elsewhere`): the reader's check that
+// every data file exists must pass on a node that fetched only what its ranks read; opening
+// one still fails, naming it.
 class TierStepStore : public ForwardingStore {
  public:
-  TierStepStore(std::shared_ptr<Store> target, std::string uri)
-      : ForwardingStore(std::move(target)), uri_(std::move(uri)) {}
+  TierStepStore(std::shared_ptr<Store> target, std::string uri,
+                std::map<std::string, uint64_t> elsewhere = {})
+      : ForwardingStore(std::move(target)),
+        uri_(std::move(uri)),
+        elsewhere_(std::move(elsewhere)) {}
   std::string uri() const override { return uri_; }
+  std::optional<uint64_t> Size(const std::string& name) override {
+    auto size = ForwardingStore::Size(name);
+    if (!size) {
+      if (auto it = elsewhere_.find(name); it != elsewhere_.end()) return it->second;
+    }
+    return size;
+  }
   std::unique_ptr<WritableObject> Create(const std::string& name) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -175,6 +188,7 @@ class TierStepStore : public ForwardingStore {
     return true;
   }
   std::string uri_;
+  std::map<std::string, uint64_t> elsewhere_;
   mutable std::mutex mu_;
   std::set<std::string> created_;
   std::string metadata_;
@@ -888,8 +902,12 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   stats_.recover_s = SecondsSince(t0);
 
   auto t1 = std::chrono::steady_clock::now();
-  auto store = std::make_shared<TierStepStore>(StepStore(dir),
-                                               "tier://" + options_.name + "/" + StepName(step));
+  std::map<std::string, uint64_t> elsewhere;
+  for (const auto& [node, rep] : report_of) {
+    for (const auto& [name, size] : rep->present) elsewhere.emplace(name, size);
+  }
+  auto store = std::make_shared<TierStepStore>(
+      StepStore(dir), "tier://" + options_.name + "/" + StepName(step), std::move(elsewhere));
   auto reader = MakeStoreReader(store, options.storage);
   dcp::Load(state, *reader, comm_, options);
   stats_.load_s = SecondsSince(t1);

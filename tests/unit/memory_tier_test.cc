@@ -147,12 +147,14 @@ TEST_CASE("memory tier: each node holds its ranks' files and its partners' repli
 TEST_CASE("memory tier: a lost node's shards come back bit-exact from their replicas",
           "[memory-tier]") {
   TempDir root("tier");
-  for (int per_node : {2, 1}) {
-    DYNAMIC_SECTION("ranks per node " << per_node) {
+  for (auto [per_node, lost] : {std::pair{2, 1}, {2, 0}, {1, 1}, {1, 0}}) {
+    DYNAMIC_SECTION("ranks per node " << per_node << ", node " << lost << " lost") {
       auto options = Options(root, per_node);
       SaveSteps(options, {1, 2});
-      // Node 1 dies: its memory is gone. The job restarts (new tier objects) on a new node.
-      fs::remove_all(NodeDir(root, 1));
+      // A node dies: its memory is gone. The job restarts (new tier objects) on a new node. (Node
+      // 0 holds rank 0, which reads the metadata and checks every data file of the step: those
+      // only other nodes hold count as present.)
+      fs::remove_all(NodeDir(root, lost));
       std::vector<TierStats> stats(kWorld);
       RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
         MemoryTier tier(comm, options);
@@ -165,11 +167,11 @@ TEST_CASE("memory tier: a lost node's shards come back bit-exact from their repl
         TierState next(rank, kWorld, 3);
         tier.Save(3, next.sd);
       }));
-      const int node1_leader = per_node;  // first rank of node 1
-      CHECK(stats[node1_leader].files_fetched > 0);
-      // With two nodes each holds the whole step: node 0 lost nothing and fetches nothing.
-      if (per_node == 2) CHECK(stats[0].files_fetched == 0);
-      CHECK(fs::exists(NodeDir(root, 1) + "/step-0000000002/" + kMetadataName));
+      const int lost_leader = per_node * lost;  // first rank of the lost node
+      CHECK(stats[lost_leader].files_fetched > 0);
+      // With two nodes each holds the whole step: the survivor fetches nothing.
+      if (per_node == 2) CHECK(stats[per_node * (1 - lost)].files_fetched == 0);
+      CHECK(fs::exists(NodeDir(root, lost) + "/step-0000000002/" + kMetadataName));
       fs::remove_all(root.path() + "/dcp-tier-test");
     }
   }
