@@ -37,6 +37,34 @@ namespace {
 // I/O failures of the tier's own files (tmpfs): not retryable, with the errno of the call.
 IoError TierIoError(const std::string& message) { return IoError(message, false, errno); }
 
+// Write `n` bytes at `offset` of `fd`, naming `path` in the error.
+void WriteAt(int fd, const char* data, size_t n, uint64_t offset, const std::string& path) {
+  while (n > 0) {
+    ssize_t w = ::pwrite(fd, data, n, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      throw TierIoError("memory tier: cannot write " + path + ": " + std::strerror(errno));
+    }
+    data += w;
+    n -= static_cast<size_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+}
+
+void ReadAt(int fd, char* data, size_t n, uint64_t offset, const std::string& path) {
+  while (n > 0) {
+    ssize_t r = ::pread(fd, data, n, static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      throw TierIoError("memory tier: cannot read " + path + ": " +
+                        (r < 0 ? std::strerror(errno) : "it ended early"));
+    }
+    data += r;
+    n -= static_cast<size_t>(r);
+    offset += static_cast<uint64_t>(r);
+  }
+}
+
 double SecondsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
@@ -138,6 +166,60 @@ std::map<std::string, uint64_t> ReferencedFiles(const Metadata& md) {
   return files;
 }
 
+// Data files of freed steps wait in this directory of the node's tier to be written over by the
+// next step: overwriting a tmpfs file's pages costs about half of faulting in fresh ones (and
+// freeing them is not free either).
+constexpr char kRecycleDir[] = "recycle";
+
+// Opens `path` for writing from offset 0 without truncating, as a file taken from `recycle_dir`
+// when there is one (renamed: atomic, and two ranks never get the same one), else a new one.
+// The writer truncates it to what it wrote when it closes.
+int OpenForOverwrite(const std::string& recycle_dir, const std::string& path) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(recycle_dir, ec)) {
+    if (::rename(e.path().c_str(), path.c_str()) == 0) break;
+  }
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) throw TierIoError("memory tier: cannot create " + path + ": " + std::strerror(errno));
+  return fd;
+}
+
+void TruncateAndClose(int fd, uint64_t size, const std::string& path) {
+  const bool ok = ::ftruncate(fd, static_cast<off_t>(size)) == 0;
+  const int err = errno;
+  ::close(fd);
+  if (!ok) {
+    errno = err;
+    throw TierIoError("memory tier: cannot truncate " + path + ": " + std::strerror(err));
+  }
+}
+
+// A data file of a step being written: sequential writes over a possibly recycled file.
+class TierFileWriter : public WritableObject {
+ public:
+  TierFileWriter(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  ~TierFileWriter() override {
+    if (fd_ >= 0) ::close(fd_);  // an abandoned write: the save's abort removes the file
+  }
+  void Append(const void* data, size_t n) override {
+    WriteAt(fd_, static_cast<const char*>(data), n, size_, path_);
+    size_ += n;
+  }
+  void Sync() override {}  // tmpfs: nothing to make durable
+  void Close() override {
+    if (fd_ < 0) return;
+    const int fd = fd_;
+    fd_ = -1;
+    TruncateAndClose(fd, size_, path_);
+  }
+  uint64_t size() const override { return size_; }
+
+ private:
+  int fd_;
+  std::string path_;
+  uint64_t size_ = 0;
+};
+
 // The tier's view of one step directory as a dcp location: a common uri on every rank (the
 // operation's target must agree), the names this rank creates, and the metadata held back
 // (the tier commits it itself, after the replicas). For a restore, the files of the step that
@@ -146,9 +228,11 @@ std::map<std::string, uint64_t> ReferencedFiles(const Metadata& md) {
 // one still fails, naming it.
 class TierStepStore : public ForwardingStore {
  public:
-  TierStepStore(std::shared_ptr<Store> target, std::string uri,
-                std::map<std::string, uint64_t> elsewhere = {})
+  TierStepStore(std::shared_ptr<Store> target, std::string dir, std::string recycle,
+                std::string uri, std::map<std::string, uint64_t> elsewhere = {})
       : ForwardingStore(std::move(target)),
+        dir_(std::move(dir)),
+        recycle_(std::move(recycle)),
         uri_(std::move(uri)),
         elsewhere_(std::move(elsewhere)) {}
   std::string uri() const override { return uri_; }
@@ -164,7 +248,9 @@ class TierStepStore : public ForwardingStore {
       std::lock_guard<std::mutex> lock(mu_);
       created_.insert(name);
     }
-    return ForwardingStore::Create(name);
+    if (!IsPlainName(name)) return ForwardingStore::Create(name);  // refused there, named
+    const std::string path = dir_ + "/" + name;
+    return std::make_unique<TierFileWriter>(OpenForOverwrite(recycle_, path), path);
   }
   void PublishAtomically(const std::string& name, std::string_view bytes) override {
     if (Hold(name, bytes)) return;
@@ -187,7 +273,7 @@ class TierStepStore : public ForwardingStore {
     metadata_.assign(bytes);
     return true;
   }
-  std::string uri_;
+  std::string dir_, recycle_, uri_;
   std::map<std::string, uint64_t> elsewhere_;
   mutable std::mutex mu_;
   std::set<std::string> created_;
@@ -210,34 +296,6 @@ int RanksPerNodeFromEnv() {
                                "' is not a positive rank count");
   }
   return static_cast<int>(n);
-}
-
-// Write `n` bytes at `offset` of `fd`, naming `path` in the error.
-void WriteAt(int fd, const char* data, size_t n, uint64_t offset, const std::string& path) {
-  while (n > 0) {
-    ssize_t w = ::pwrite(fd, data, n, static_cast<off_t>(offset));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      throw TierIoError("memory tier: cannot write " + path + ": " + std::strerror(errno));
-    }
-    data += w;
-    n -= static_cast<size_t>(w);
-    offset += static_cast<uint64_t>(w);
-  }
-}
-
-void ReadAt(int fd, char* data, size_t n, uint64_t offset, const std::string& path) {
-  while (n > 0) {
-    ssize_t r = ::pread(fd, data, n, static_cast<off_t>(offset));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      throw TierIoError("memory tier: cannot read " + path + ": " +
-                        (r < 0 ? std::strerror(errno) : "it ended early"));
-    }
-    data += r;
-    n -= static_cast<size_t>(r);
-    offset += static_cast<uint64_t>(r);
-  }
 }
 
 void WriteWholeFile(const std::string& path, std::string_view bytes) {
@@ -414,6 +472,7 @@ void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
                                const std::vector<Transfer>& outgoing, std::string_view what,
                                std::vector<std::string>* received) {
   const std::string dir = StepDirectory(step);
+  const std::string recycle = root_ + "/" + kRecycleDir;
   const uint64_t chunk = options_.transfer_chunk_bytes;
   std::string error;
   auto fail = [&](const std::string& e) {
@@ -501,10 +560,7 @@ void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
                                     name + "' from offset " + std::to_string(at));
             }
             Incoming f;
-            f.fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-            if (f.fd < 0) {
-              throw TierIoError("memory tier: cannot create " + path + ": " + std::strerror(errno));
-            }
+            f.fd = OpenForOverwrite(recycle, path);
             f.size = size;
             it = incoming.emplace(key, f).first;
           }
@@ -517,8 +573,9 @@ void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
           f.written += n;
           stats_.bytes_received += n;
           if (f.written == f.size) {
-            ::close(f.fd);
+            const int fd = f.fd;
             f.fd = -1;
+            TruncateAndClose(fd, f.size, path);
             if (received) received->push_back(name);
           }
         }
@@ -554,7 +611,7 @@ SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict&
     if (ec) error = "memory tier: cannot prepare " + dir + ": " + ec.message();
   }
   Vote(comm, error, "tier/prepare");
-  auto store = std::make_shared<TierStepStore>(StepStore(dir),
+  auto store = std::make_shared<TierStepStore>(StepStore(dir), dir, root_ + "/" + kRecycleDir,
                                                "tier://" + options_.name + "/" + StepName(step));
   SaveOptions o = options;
   o.step = step;
@@ -641,8 +698,27 @@ void MemoryTier::Retain(int64_t newest) {
     }
     std::sort(committed.rbegin(), committed.rend());
     for (size_t i = options_.keep; i < committed.size(); ++i) other.push_back(committed[i]);
+    // A freed step's data files go to the recycle directory (replacing the previous step's), to
+    // be written over by the next saves. Its metadata goes first: a crash midway leaves a step
+    // that is not committed here, never a committed one with files missing.
+    const fs::path recycle = fs::path(root_) / kRecycleDir;
+    bool recycled = false;
     for (int64_t s : other) {
-      fs::remove_all(StepDirectory(s), ec);
+      const fs::path dir = StepDirectory(s);
+      if (!recycled && fs::exists(dir / kMetadataName, ec)) {
+        fs::remove(dir / kMetadataName, ec);
+        if (!ec) {
+          fs::remove_all(recycle, ec);
+          fs::create_directories(recycle, ec);
+          for (const auto& e : fs::directory_iterator(dir, ec)) {
+            if (IsDataObjectName(e.path().filename().string())) {
+              fs::rename(e.path(), recycle / e.path().filename(), ec);
+            }
+          }
+          recycled = true;
+        }
+      }
+      fs::remove_all(dir, ec);
       if (ec) {
         std::cerr << "dcp: memory tier: cannot free " << StepDirectory(s) << ": " << ec.message()
                   << "\n";
@@ -906,8 +982,9 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   for (const auto& [node, rep] : report_of) {
     for (const auto& [name, size] : rep->present) elsewhere.emplace(name, size);
   }
-  auto store = std::make_shared<TierStepStore>(
-      StepStore(dir), "tier://" + options_.name + "/" + StepName(step), std::move(elsewhere));
+  auto store = std::make_shared<TierStepStore>(StepStore(dir), dir, root_ + "/" + kRecycleDir,
+                                               "tier://" + options_.name + "/" + StepName(step),
+                                               std::move(elsewhere));
   auto reader = MakeStoreReader(store, options.storage);
   dcp::Load(state, *reader, comm_, options);
   stats_.load_s = SecondsSince(t1);

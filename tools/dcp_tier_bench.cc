@@ -112,7 +112,8 @@ int main(int argc, char** argv) {
     if (chunk_mib > 0) to.transfer_chunk_bytes = chunk_mib << 20;
     std::unique_ptr<MemoryTier> tier;
     try {
-      tier = std::make_unique<MemoryTier>(comm, to);
+      tier = std::make_unique<MemoryTier>(
+          comm, to, no_async ? nullptr : std::make_unique<MpiCommunicator>(MPI_COMM_WORLD));
     } catch (const std::exception& e) {
       if (rank == 0) std::fprintf(stderr, "dcp-tier-bench: %s\n", e.what());
       return 2;
@@ -133,8 +134,6 @@ int main(int argc, char** argv) {
         t_block, t_async;
     bool exact = true;
     int64_t step = 0;
-    std::unique_ptr<MpiCommunicator> background;
-    if (!no_async) background = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD);
     for (int rep = 0; rep < repeats; ++rep) {
       // memcpy into warm buffers.
       MPI_Barrier(MPI_COMM_WORLD);
@@ -160,6 +159,23 @@ int main(int argc, char** argv) {
       t_save.push_back(MaxOverRanks(Since(t0)));
       t_write.push_back(MaxOverRanks(tier->last_stats().write_s));
       t_repl.push_back(MaxOverRanks(tier->last_stats().replicate_s));
+      if (!no_async) {
+        // In the background: the caller blocks for the snapshot into (warm) staging only. The
+        // first background save allocates the staging and is not counted.
+        for (int k = rep == 0 ? 0 : 1; k < 2; ++k) {
+          MPI_Barrier(MPI_COMM_WORLD);
+          t0 = Clock::now();
+          auto handle = tier->SaveAsync(++step, state.sd);
+          const double blocking = Since(t0);
+          handle->Wait();
+          const double committed = Since(t0);
+          tier->Wait();
+          if (k == 1) {
+            t_block.push_back(MaxOverRanks(blocking));
+            t_async.push_back(MaxOverRanks(committed));
+          }
+        }
+      }
       // Restore with every copy in place.
       RankState back = MakeState(rank, world, tensors, rows, 0, false);
       MPI_Barrier(MPI_COMM_WORLD);
@@ -196,7 +212,6 @@ int main(int argc, char** argv) {
       exact = exact && Same(cold, state);
       if (rank == 0) std::filesystem::remove_all(dir);
     }
-    (void)background;
     exact = AllRanks(exact);
     tier->Close();
     if (rank == 0) {
@@ -213,6 +228,11 @@ int main(int argc, char** argv) {
       std::printf("  %-34s %8.3f s  (write %.3f, replicate %.3f)  ratio %.2fx memcpy+exchange\n",
                   "tier save (sync, committed)", sv, Median(t_write), Median(t_repl),
                   sv / (mc + ex));
+      if (!t_block.empty()) {
+        const double bl = Median(t_block);
+        std::printf("  %-34s %8.3f s  ratio %.2fx memcpy (committed %.3f s after the call)\n",
+                    "tier save (background): blocking", bl, bl / mc, Median(t_async));
+      }
       const double rs = Median(t_restore), dk = Median(t_disk);
       std::printf("  %-34s %8.3f s  %.1fx faster than the cold disk load\n",
                   "tier restore (copies in place)", rs, dk / rs);

@@ -215,7 +215,7 @@ case "$mode" in
     cd "$tsan"
     export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$root/tests/tsan.supp"
     log "TSan: the threaded parts"
-    ctest --output-on-failure -j "$jobs" -R '^(fault:)?(async|manager|checkpoint io|protocol|communicator|conformance|device|reader|read-once|compact plan|failfast|executor):'
+    ctest --output-on-failure -j "$jobs" -R '^(fault:)?(async|manager|checkpoint io|protocol|communicator|conformance|device|reader|read-once|compact plan|failfast|executor|memory tier):'
     log "all stages passed"
     ;;
   *) echo "usage: $0 [deps|build|demo|test] [args...]" >&2; exit 2 ;;

@@ -20,7 +20,7 @@ args=(--dir "$work/durable" --name "$name" --ranks-per-node 2 --durable-every 3 
 mkdir -p "$work"
 trap 'rm -rf "/dev/shm/dcp-tier-$name"' EXIT
 
-fail=0 memory=0 durable=0 nowhere=0 wiped=0 all_killed=0 last_durable=-1
+fail=0 memory=0 durable=0 nowhere=0 wiped=0 wiped_all=0 all_killed=0 last_durable=-1
 for ((t = 1; t <= trials; ++t)); do
   mpirun -np 4 "$train" "${args[@]}" --resume --steps 100000000 >"$work/run.log" 2>&1 &
   job=$!
@@ -37,8 +37,11 @@ for ((t = 1; t <= trials; ++t)); do
   fi
   timeout 60 tail --pid="$job" -f /dev/null || kill -9 "$job" 2>/dev/null
   wait "$job" 2>/dev/null
-  if ((RANDOM % 3 == 0)); then  # the node's memory goes with it
+  r=$((RANDOM % 12))
+  if ((r < 4)); then  # the node's memory goes with it
     rm -rf "/dev/shm/dcp-tier-$name/node-$((RANDOM % 2))"; wiped=$((wiped + 1))
+  elif ((r == 4)); then  # every node's: the restart must fall back to the durable root
+    rm -rf "/dev/shm/dcp-tier-$name"; wiped_all=$((wiped_all + 1))
   fi
   out=$(timeout 120 mpirun -np 4 "$train" "${args[@]}" --verify 2>&1)
   rc=$?
@@ -58,6 +61,6 @@ for ((t = 1; t <= trials; ++t)); do
   esac
 done
 echo "tier crash trials: $trials trials ($all_killed killing every rank, $wiped wiping a node's" \
-  "memory): restored from memory $memory, from durable $durable, nothing yet $nowhere;" \
+  "memory, $wiped_all every node's): restored from memory $memory, from durable $durable, nothing yet $nowhere;" \
   "newest durable step $last_durable; failures $fail"
 ((fail == 0))

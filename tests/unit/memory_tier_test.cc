@@ -426,3 +426,43 @@ TEST_CASE(
     }
   }
 }
+
+TEST_CASE("memory tier: freed steps' files are written over by the next steps, truncated to size",
+          "[memory-tier]") {
+  TempDir root("tier");
+  auto options = Options(root, 2);
+  options.keep = 1;
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    for (int64_t s = 1; s <= 4; ++s) {
+      // A blob that shrinks every step: a reused file is longer than what goes in it.
+      TierState state(rank, kWorld, s);
+      state.sd.Set("big", Blob{std::string(4000 - 900 * s, static_cast<char>('a' + s))});
+      tier.Save(s, state.sd);
+      comm.Barrier("saved");
+      if (rank == 0) {
+        const std::string dir = tier.StepDirectory(s);
+        const Metadata md = ReadMetadata(dir);
+        std::map<std::string, uint64_t> extent;
+        for (const auto& [index, info] : md.storage) {
+          extent[info.relative_path] =
+              std::max(extent[info.relative_path], info.offset + info.length);
+        }
+        for (const auto& [file, end] : extent) {
+          Expect(fs::file_size(dir + "/" + file) == end, file + " is exactly as long as its items");
+        }
+      }
+      comm.Barrier("checked");
+      auto back = TierState::Empty(rank, kWorld);
+      back.sd.Set("big", Blob{});
+      Expect(tier.Restore(back.sd) == s, "restored");
+      Expect(TierState::Holds(back.sd, s), "values of the step");
+      Expect(std::get<Blob>(*back.sd.Find("big")).bytes ==
+                 std::string(4000 - 900 * s, static_cast<char>('a' + s)),
+             "the shrinking blob");
+    }
+  }));
+  // Only the newest step and the files of the one before it, waiting to be reused, remain.
+  CHECK(FilesIn(NodeDir(root, 0)) == std::set<std::string>{"recycle", "step-0000000004"});
+  CHECK(!FilesIn(NodeDir(root, 0) + "/recycle").empty());
+}
