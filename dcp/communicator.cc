@@ -98,6 +98,47 @@ std::vector<std::string> Communicator::AllToAll(std::vector<std::string> message
   return out;
 }
 
+void Communicator::ExchangeBytes(const std::vector<BulkSend>& sends,
+                                 const std::vector<BulkReceive>& receives, std::string_view what) {
+  std::vector<std::string> messages(size());
+  for (const auto& s : sends) {
+    if (s.peer < 0 || s.peer >= size()) {
+      throw InvalidArgumentError("bulk exchange '" + std::string(what) + "': no rank " +
+                                 std::to_string(s.peer));
+    }
+    messages[s.peer].append(s.data, s.size);
+  }
+  auto got = AllToAll(std::move(messages), what);
+  std::vector<size_t> used(size(), 0);
+  for (const auto& r : receives) {
+    if (r.peer < 0 || r.peer >= size()) {
+      throw InvalidArgumentError("bulk exchange '" + std::string(what) + "': no rank " +
+                                 std::to_string(r.peer));
+    }
+    const std::string& from = got[r.peer];
+    if (r.size > from.size() - used[r.peer]) {
+      throw CollectiveError(
+          std::string(what),
+          {{r.peer, ErrorCode::kInternal,
+            "rank " + std::to_string(r.peer) + " sent " + std::to_string(from.size()) +
+                " bytes, fewer than rank " + std::to_string(rank()) + " expects",
+            false}});
+    }
+    std::memcpy(r.data, from.data() + used[r.peer], r.size);
+    used[r.peer] += r.size;
+  }
+  for (int peer = 0; peer < size(); ++peer) {
+    if (used[peer] != got[peer].size()) {
+      throw CollectiveError(
+          std::string(what),
+          {{peer, ErrorCode::kInternal,
+            "rank " + std::to_string(peer) + " sent " + std::to_string(got[peer].size()) +
+                " bytes, rank " + std::to_string(rank()) + " expects " + std::to_string(used[peer]),
+            false}});
+    }
+  }
+}
+
 uint64_t Communicator::OpenOperation(std::string_view name, std::string_view target) {
   const std::string what = std::string(name) + "/open";
   std::string msg;

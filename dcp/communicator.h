@@ -128,6 +128,30 @@ class Communicator {
   virtual std::vector<std::string> AllToAll(std::vector<std::string> messages,
                                             std::string_view what);
 
+  /// One piece of bulk data: `size` bytes at `data`, to or from rank `peer`.
+  struct BulkSend {
+    int peer = 0;
+    const char* data = nullptr;
+    size_t size = 0;
+  };
+  struct BulkReceive {
+    int peer = 0;
+    char* data = nullptr;
+    size_t size = 0;
+  };
+  /// Bulk data between ranks, with no copy beyond the transport's own where it allows (the
+  /// memory tier's files): this rank sends every piece of `sends` and fills every piece of
+  /// `receives`. The pieces one rank sends another arrive, in order, in that rank's receives
+  /// from it, in order, piece for piece: the two sides must agree on the pieces' sizes
+  /// beforehand (e.g. through an AllToAll). Every rank calls it, possibly with nothing.
+  /// Buffers must stay valid until it returns, and, when it throws, for as long as the
+  /// communicator lives (a transport may still touch them; the communicator is then poisoned).
+  /// CollectiveError on a timeout (naming the ranks this one still waits for) or a mismatch.
+  /// The default goes through AllToAll (one message per peer: copies); MpiCommunicator sends
+  /// and receives each piece directly. (Declared last, like AllToAll.)
+  virtual void ExchangeBytes(const std::vector<BulkSend>& sends,
+                             const std::vector<BulkReceive>& receives, std::string_view what);
+
  protected:
   /// Throw the poison error (a CollectiveError for `what`, naming this rank and the original
   /// failure) if this communicator is poisoned.

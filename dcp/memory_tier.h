@@ -158,6 +158,8 @@ class MemoryTier {
   bool closed_ = false;
   TierStats stats_;
   std::shared_ptr<AsyncSave> in_flight_;
+  // Replication staging (transfer_chunk_bytes per peer each way), kept warm across saves.
+  std::vector<char> send_staging_, receive_staging_;
   // Last: destroyed first, so a save still running ends before the members it uses go.
   std::unique_ptr<AsyncCheckpointer> saver_;
 };

@@ -1,8 +1,10 @@
 #include "dcp/mpi_communicator.h"
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
+#include <set>
 #include <thread>
 
 #include "dcp/proto/error.h"
@@ -147,6 +149,93 @@ std::optional<std::string> MpiCommunicator::TryReceive(int source, int tag) {
   std::string out(static_cast<size_t>(count), '\0');
   Check(MPI_Mrecv(out.data(), count, MPI_BYTE, &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
   return out;
+}
+
+void MpiCommunicator::ExchangeBytes(const std::vector<BulkSend>& sends,
+                                    const std::vector<BulkReceive>& receives,
+                                    std::string_view what) {
+  constexpr int kBulkTag = 2;  // neither dcp's frames (0) nor poison notices (1)
+  constexpr size_t kMaxMessage = size_t{1} << 30;
+  ThrowIfPoisoned(what);
+  std::vector<MPI_Request> requests;
+  std::vector<int> request_peer;
+  std::vector<bool> is_receive;
+  {
+    std::lock_guard<std::mutex> lock(transport_mutex());
+    if (stopped()) ThrowIfPoisoned(what);
+    for (const auto& r : receives) {
+      for (size_t at = 0; at < r.size || (at == 0 && r.size == 0); at += kMaxMessage) {
+        const int n = static_cast<int>(std::min(kMaxMessage, r.size - at));
+        requests.emplace_back();
+        Check(MPI_Irecv(r.data + at, n, MPI_BYTE, r.peer, kBulkTag, comm_, &requests.back()),
+              "MPI_Irecv");
+        request_peer.push_back(r.peer);
+        is_receive.push_back(true);
+        if (r.size == 0) break;
+      }
+    }
+    for (const auto& s : sends) {
+      for (size_t at = 0; at < s.size || (at == 0 && s.size == 0); at += kMaxMessage) {
+        const int n = static_cast<int>(std::min(kMaxMessage, s.size - at));
+        requests.emplace_back();
+        // MPI_Isend takes a non-const buffer in older MPIs; it only reads it.
+        Check(MPI_Isend(const_cast<char*>(s.data) + at, n, MPI_BYTE, s.peer, kBulkTag, comm_,
+                        &requests.back()),
+              "MPI_Isend");
+        request_peer.push_back(s.peer);
+        is_receive.push_back(false);
+        if (s.size == 0) break;
+      }
+    }
+  }
+  // A large transfer advances only while the ranks poll MPI: poll at short intervals.
+  const auto deadline = std::chrono::steady_clock::now() + timeout();
+  int round = 0;
+  while (true) {
+    int done = 0;
+    {
+      std::lock_guard<std::mutex> lock(transport_mutex());
+      if (stopped()) break;
+      Check(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                        MPI_STATUSES_IGNORE),
+            "MPI_Testall");
+    }
+    if (done) return;
+    if (poisoned() || std::chrono::steady_clock::now() >= deadline) break;
+    if (++round < 256) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  // Timed out (or poisoned, or stopped): the buffers may still be touched by MPI, which the
+  // contract leaves to the caller; the communicator is unusable from here on.
+  std::vector<RankFailure> failures;
+  std::set<int> waiting;
+  {
+    std::lock_guard<std::mutex> lock(transport_mutex());
+    for (size_t i = 0; i < requests.size(); ++i) {
+      int flag = 1;
+      if (!stopped() && requests[i] != MPI_REQUEST_NULL) {
+        MPI_Test(&requests[i], &flag, MPI_STATUS_IGNORE);
+      }
+      if (!flag) waiting.insert(request_peer[i]);
+    }
+  }
+  for (int peer : waiting) {
+    failures.push_back({peer, ErrorCode::kTimeout,
+                        "bulk exchange '" + std::string(what) + "': rank " + std::to_string(peer) +
+                            " did not complete its transfers with rank " + std::to_string(rank()) +
+                            " within " + std::to_string(timeout().count()) + " ms",
+                        true});
+  }
+  if (failures.empty()) {
+    failures.push_back({rank(), ErrorCode::kCollective,
+                        "bulk exchange '" + std::string(what) + "' stopped: " + poison_reason(),
+                        false});
+  }
+  Poison("bulk exchange '" + std::string(what) + "' failed");
+  throw CollectiveError(std::string(what), std::move(failures));
 }
 
 int InitMpi(int* argc, char*** argv) {

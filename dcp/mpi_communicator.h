@@ -41,6 +41,10 @@ class MpiCommunicator : public PointToPointCommunicator {
   MPI_Comm comm() const { return comm_; }
   /// Non-empty when MPI was initialised below MPI_THREAD_MULTIPLE (see Communicator).
   std::string ConcurrentUseProblem() const override;
+  /// Each piece straight from and into the caller's buffers (MPI_Isend / MPI_Irecv on a tag of
+  /// its own, pieces over 1 GiB split), polled until done or timeout().
+  void ExchangeBytes(const std::vector<BulkSend>& sends, const std::vector<BulkReceive>& receives,
+                     std::string_view what) override;
 
  protected:
   void Send(int dest, int tag, std::string payload) override;

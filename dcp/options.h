@@ -113,8 +113,9 @@ struct MemoryTierOptions {
   /// Remove this rank's node directory's steps when the tier is closed cleanly (a failed or
   /// killed process leaves them for the restart to recover from).
   bool free_on_close = false;
-  /// Largest message of a replication or recovery round per rank (host memory it holds for it).
-  uint64_t transfer_chunk_bytes = 4ull << 20;
+  /// Bytes each (sender, receiver) pair moves per round when replicating or recovering; each
+  /// rank keeps this much staging per peer in each direction (1 replica: 2 x this).
+  uint64_t transfer_chunk_bytes = 64ull << 20;
 };
 
 struct ManagerOptions {

@@ -85,14 +85,12 @@ int main(int argc, char** argv) {
   std::string disk = "/tmp/dcp-tier-bench";
   std::string shm_root = "/dev/shm";
   bool no_async = false;
-  uint64_t chunk_mib = 0;
   app.add_option("--mib", mib, "state per rank, MiB");
   app.add_option("--tensors", tensors, "tensors per rank");
   app.add_option("--repeats", repeats, "runs of each figure (medians are printed)");
   app.add_option("--ranks-per-node", per_node, "simulate nodes of this many ranks (0: hosts)");
   app.add_option("--disk", disk, "directory for the disk baseline");
   app.add_option("--shm-root", shm_root, "where the tier lives");
-  app.add_option("--chunk-mib", chunk_mib, "MemoryTierOptions::transfer_chunk_bytes, MiB");
   app.add_flag("--no-async", no_async, "skip the background-save figures");
   CLI11_PARSE(app, argc, argv);
 
@@ -109,7 +107,6 @@ int main(int argc, char** argv) {
     to.ranks_per_node = per_node;
     to.keep = 1;
     to.free_on_close = true;
-    if (chunk_mib > 0) to.transfer_chunk_bytes = chunk_mib << 20;
     std::unique_ptr<MemoryTier> tier;
     try {
       tier = std::make_unique<MemoryTier>(
