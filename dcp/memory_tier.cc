@@ -1025,6 +1025,7 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
 
 void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& uri,
                          const StorageOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
   auto files = written_.find(step);
   if (files == written_.end()) {
     throw InvalidArgumentError("memory tier: step " + std::to_string(step) +
@@ -1080,6 +1081,7 @@ void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& ur
     }
   }
   Vote(comm, error, "tier/drain-commit");
+  stats_.drain_s = SecondsSince(t0);
 }
 
 void MemoryTier::Close() {

@@ -64,6 +64,7 @@ struct TierStats {
   double recover_s = 0;         // Restore: agreement and fetching
   double load_s = 0;            // Restore: the load itself
   int files_fetched = 0;        // Restore: files this rank received from other nodes
+  double drain_s = 0;           // Drain (or SaveAsync's drain): copy to durable storage + commit
 };
 
 class MemoryTier {
