@@ -77,6 +77,15 @@ std::string OpName(uint64_t op) {
   return buf;
 }
 
+// An all-to-all takes one message per rank.
+void CheckAllToAllMessages(size_t messages, int ranks, std::string_view what) {
+  if (messages != static_cast<size_t>(ranks)) {
+    throw InvalidArgumentError("all-to-all '" + std::string(what) + "' needs " +
+                               std::to_string(ranks) + " messages, got " +
+                               std::to_string(messages));
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -84,11 +93,7 @@ std::string OpName(uint64_t op) {
 
 std::vector<std::string> Communicator::AllToAll(std::vector<std::string> messages,
                                                 std::string_view what) {
-  if (messages.size() != static_cast<size_t>(size())) {
-    throw InvalidArgumentError("all-to-all '" + std::string(what) + "' needs " +
-                               std::to_string(size()) + " messages, got " +
-                               std::to_string(messages.size()));
-  }
+  CheckAllToAllMessages(messages.size(), size(), what);
   std::vector<std::string> out(size());
   for (int root = 0; root < size(); ++root) {
     out[root] =
@@ -707,11 +712,7 @@ void PointToPointCommunicator::Barrier(std::string_view what) { AllGather({}, wh
 // before any rank waits, and no pair of ranks can wait on each other.
 std::vector<std::string> PointToPointCommunicator::AllToAll(std::vector<std::string> messages,
                                                             std::string_view what) {
-  if (messages.size() != static_cast<size_t>(size())) {
-    throw InvalidArgumentError("all-to-all '" + std::string(what) + "' needs " +
-                               std::to_string(size()) + " messages, got " +
-                               std::to_string(messages.size()));
-  }
+  CheckAllToAllMessages(messages.size(), size(), what);
   const uint64_t seq = NextSeq();
   ThrowIfPoisoned(what);
   const int me = rank();

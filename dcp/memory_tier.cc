@@ -946,13 +946,15 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   }
   auto all_wanted = comm_.AllGather(std::move(wanted), "tier/recover-needs");
 
-  // What each node lacks, and who sends it: the least loaded node holding the file (its first
-  // rank), so a node's loss spreads its recovery over the survivors.
+  // What each node lacks, and who moves it: the least loaded node holding the file sends it,
+  // its ranks taking turns, and the lacking node's ranks take turns receiving, so that a node's
+  // loss spreads its recovery over every rank of the survivors and of the new node.
   std::map<int, const tier_detail::StepReport*> report_of;
   for (const auto& rep : reports) {
     if (rep.step == step && rep.metadata_hash == chosen->hash) report_of[rep.node] = &rep;
   }
   std::vector<uint64_t> sent_by_node(node_count(), 0);
+  std::vector<size_t> turns_of_node(node_count(), 0);
   std::vector<Transfer> outgoing;
   int expected = 0;
   for (int n = 0; n < node_count(); ++n) {
@@ -969,6 +971,7 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
         if (rep == report_of.end() || !rep->second->present.count(names[i])) lacking.insert(i);
       }
     }
+    size_t k = 0;
     for (size_t i : lacking) {
       const auto& holders = chosen->holders.at(names[i]);
       int best = holders.front();
@@ -976,8 +979,10 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
         if (sent_by_node[h] < sent_by_node[best]) best = h;
       }
       sent_by_node[best] += referenced.at(names[i]);
-      if (nodes_[best].front() == rank_) outgoing.push_back({nodes_[n].front(), names[i]});
-      if (n == node_ && leader()) ++expected;
+      const int sender = nodes_[best][turns_of_node[best]++ % nodes_[best].size()];
+      const int receiver = nodes_[n][k++ % nodes_[n].size()];
+      if (sender == rank_) outgoing.push_back({receiver, names[i]});
+      if (receiver == rank_) ++expected;
     }
   }
   error.clear();
@@ -993,14 +998,16 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   TransferFiles(comm_, step, outgoing, "tier/recover", &received);
   stats_.files_fetched = static_cast<int>(received.size());
   error.clear();
-  if (leader()) {
+  if (static_cast<int>(received.size()) != expected) {
+    error = "memory tier: rank " + std::to_string(rank_) + " received " +
+            std::to_string(received.size()) + " of the " + std::to_string(expected) +
+            " files it fetches for node " + std::to_string(node_);
+  }
+  Vote(comm_, error, "tier/recover-received");
+  // Every file is in: a node that did not hold the step commits its copy.
+  if (leader() && !committed_here) {
     try {
-      if (static_cast<int>(received.size()) != expected) {
-        throw TierIoError("memory tier: node " + std::to_string(node_) + " received " +
-                          std::to_string(received.size()) + " of the " + std::to_string(expected) +
-                          " files it lacks");
-      }
-      if (!committed_here) WriteWholeFile(dir + "/" + kMetadataName, encoded);
+      WriteWholeFile(dir + "/" + kMetadataName, encoded);
     } catch (const std::exception& e) {
       error = ErrorText(e);
     }

@@ -182,16 +182,14 @@ int main(int argc, char** argv) {
       return ret;
     }
     auto train = [&](int64_t from, int64_t to_step) {
-      double blocking = 0, fill = 0, snapshot = 0;
+      double blocking = 0, snapshot = 0;
       int n = 0;
       auto t_all = Clock::now();
       for (int64_t s = from; s <= to_step; ++s) {
-        auto t0 = Clock::now();
         state.Fill(s);
-        fill += Since(t0);
         if (step_ms > 0)
           std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(step_ms));
-        t0 = Clock::now();
+        const auto t0 = Clock::now();
         auto handle = manager->Save(s, state.sd);
         blocking += Since(t0);
         snapshot += handle->metrics().staging_s;

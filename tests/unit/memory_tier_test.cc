@@ -91,6 +91,14 @@ std::set<std::string> FilesIn(const std::string& dir) {
   return out;
 }
 
+// A second group's communicators, one per rank, for background saves.
+std::vector<std::unique_ptr<Communicator>> BackgroundCommunicators() {
+  InProcessGroup group(kWorld);
+  std::vector<std::unique_ptr<Communicator>> out(kWorld);
+  for (int r = 0; r < kWorld; ++r) out[r] = group.Release(r);
+  return out;
+}
+
 // Save steps `steps` through a tier on `world` ranks.
 void SaveSteps(const MemoryTierOptions& options, std::vector<int64_t> steps, int world = kWorld) {
   RequireNoErrors(RunRanks(world, [&](int rank, Communicator& comm) {
@@ -323,9 +331,7 @@ TEST_CASE(
     "[memory-tier][async]") {
   TempDir root("tier"), durable("durable");
   auto options = Options(root, 2);
-  InProcessGroup background(kWorld);
-  std::vector<std::unique_ptr<Communicator>> bg(kWorld);
-  for (int r = 0; r < kWorld; ++r) bg[r] = background.Release(r);
+  auto bg = BackgroundCommunicators();
   RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
     MemoryTier tier(comm, options, std::move(bg[rank]));
     for (int64_t s : {1, 2, 3}) {
@@ -354,9 +360,7 @@ TEST_CASE("memory tier: a background save's failure is raised by the next call o
           "[memory-tier][async]") {
   TempDir root("tier"), durable("durable");
   auto options = Options(root, 2);
-  InProcessGroup background(kWorld);
-  std::vector<std::unique_ptr<Communicator>> bg(kWorld);
-  for (int r = 0; r < kWorld; ++r) bg[r] = background.Release(r);
+  auto bg = BackgroundCommunicators();
   // A checkpoint already sits where step 1 drains: the drain fails, after the tier committed.
   RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
     TierState state(rank, kWorld, 0);
@@ -392,9 +396,7 @@ TEST_CASE(
       mo.memory_every = 2;   // even steps to memory
       mo.durable_every = 3;  // multiples of 3 also to the root
       const std::string where = durable / (background ? "bg" : "sync");
-      InProcessGroup bg_group(kWorld);
-      std::vector<std::unique_ptr<Communicator>> bg(kWorld);
-      for (int r = 0; r < kWorld; ++r) bg[r] = bg_group.Release(r);
+      auto bg = BackgroundCommunicators();
       std::vector<std::vector<int64_t>> durable_steps(kWorld), memory_steps(kWorld);
       RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
         CheckpointManager manager(where, comm, background ? std::move(bg[rank]) : nullptr, mo);
