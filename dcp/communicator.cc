@@ -111,7 +111,7 @@ void Communicator::ExchangeBytes(const std::vector<BulkSend>& sends,
       throw InvalidArgumentError("bulk exchange '" + std::string(what) + "': no rank " +
                                  std::to_string(s.peer));
     }
-    messages[s.peer].append(s.data, s.size);
+    if (s.size > 0) messages[s.peer].append(s.data, s.size);  // an empty piece may have no data
   }
   auto got = AllToAll(std::move(messages), what);
   std::vector<size_t> used(size(), 0);
@@ -129,7 +129,7 @@ void Communicator::ExchangeBytes(const std::vector<BulkSend>& sends,
                 " bytes, fewer than rank " + std::to_string(rank()) + " expects",
             false}});
     }
-    std::memcpy(r.data, from.data() + used[r.peer], r.size);
+    if (r.size > 0) std::memcpy(r.data, from.data() + used[r.peer], r.size);
     used[r.peer] += r.size;
   }
   for (int peer = 0; peer < size(); ++peer) {
