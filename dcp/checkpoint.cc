@@ -19,6 +19,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
+#include "dcp/storage/checkpoint/file_index.h"
 #include "dcp/storage/format/torch_dcp.h"
 #include "dcp/storage/registry.h"
 #include "dcp_version.h"
@@ -300,6 +301,58 @@ std::optional<Metadata> CommittedMetadata(const StorageWriter& writer, const std
 // delivers them; receivers place them as a read would have (ResolveTensor, copy, CommitTensor).
 
 // One read item within a rank's plan.
+// Version 2: every chunk and byte entry of `md` records the rank that writes it, and every item
+// of the global plans its chunk ordinal (the data files' indexes are keyed by it). The default
+// planner records both as it merges; for other planners they are read off the global plans
+// here. Entries nobody writes are an InternalError (ValidateMetadata would refuse them too).
+void AssignWriters(Metadata& md, std::vector<SavePlan>& plans) {
+  bool complete = true;
+  for (const auto& [fqn, entry] : md.entries) {
+    if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
+      complete = complete && (t->regular || t->chunk_writers.size() == t->chunks.size());
+    } else {
+      complete = complete && std::get<BytesMetadata>(entry).writer >= 0;
+    }
+  }
+  if (complete) return;
+  for (auto& [fqn, entry] : md.entries) {
+    if (auto* t = std::get_if<TensorMetadata>(&entry); t && !t->regular) {
+      t->chunk_writers.assign(t->chunks.size(), -1);
+    }
+  }
+  for (size_t r = 0; r < plans.size(); ++r) {
+    for (WriteItem& item : plans[r].items) {
+      auto e = md.entries.find(item.index.fqn);
+      if (e == md.entries.end()) {
+        throw InternalError("global plan of rank " + std::to_string(r) + " writes " +
+                            item.index.ToString() + ", which the metadata does not list");
+      }
+      if (auto* t = std::get_if<TensorMetadata>(&e->second)) {
+        const auto k = ChunkOrdinal(*t, item.index.offset, item.index.index);
+        if (!k) {
+          throw InternalError("global plan of rank " + std::to_string(r) + " writes " +
+                              item.index.ToString() + ", which is no chunk of its tensor");
+        }
+        item.index.index = static_cast<int32_t>(*k);
+        if (!t->regular) t->chunk_writers[*k] = static_cast<int32_t>(r);
+      } else {
+        item.index.index = 0;
+        std::get<BytesMetadata>(e->second).writer = static_cast<int32_t>(r);
+        std::get<BytesMetadata>(e->second).size = item.size_bytes;
+      }
+    }
+  }
+  for (const auto& [fqn, entry] : md.entries) {
+    const auto* t = std::get_if<TensorMetadata>(&entry);
+    const bool unwritten = t ? std::find(t->chunk_writers.begin(), t->chunk_writers.end(), -1) !=
+                                   t->chunk_writers.end()
+                             : std::get<BytesMetadata>(entry).writer < 0;
+    if (unwritten) {
+      throw InternalError("no rank's global plan writes (all of) '" + fqn + "'");
+    }
+  }
+}
+
 std::string ItemIdentity(const ReadItem& item) {
   std::string id = item.dest_index.ToString() + "@";
   for (int64_t v : item.dest_offsets) id += std::to_string(v) + ",";
@@ -777,6 +830,7 @@ class SaveOperation {
   // Coordinator: cache the global plans and metadata skeleton, have the writer name the files,
   // and encode each rank's reply (`tag`, the plan id with a cache, the plan).
   std::vector<std::string> ReplyPlans(std::vector<SavePlan> global_plans, Metadata md, Tag tag) {
+    if (writer_.WritesFileIndexes()) AssignWriters(md, global_plans);
     if (cache_) {
       cache_->entry.global_plans = global_plans;
       cache_->entry.skeleton = md;
@@ -848,7 +902,15 @@ class SaveOperation {
         comm_, "save/write",
         [&] {
           plan = planner_.FinishPlan(std::move(central_));
-          return EncodeWriteResults(writer_.WriteData(plan, planner_).get());
+          std::vector<WriteResult> results = writer_.WriteData(plan, planner_).get();
+          if (!writer_.WritesFileIndexes()) return EncodeWriteResults(results);
+          // Version 2: where each item lies stays in this rank's files' indexes; the
+          // coordinator gets the files only.
+          if (results.size() != plan.items.size()) {
+            throw InternalError("the storage writer reported " + std::to_string(results.size()) +
+                                " results for " + std::to_string(plan.items.size()) + " items");
+          }
+          return EncodeDataFiles(writer_.TakeDataFiles());
         },
         [&](std::vector<std::string> locals) { return Commit(locals); },
         /*decides_commit=*/true, /*same_reply=*/true);
@@ -857,7 +919,6 @@ class SaveOperation {
   // Coordinator: complete the metadata with every rank's write results and have the writer
   // commit it.
   std::vector<std::string> Commit(std::vector<std::string>& locals) {
-    global_md_.format_version = kFormatVersion;
     global_md_.checkpoint_id =
         options_.checkpoint_id.empty() ? writer_.uri() : options_.checkpoint_id;
     global_md_.save_id = sctx_.save_id;
@@ -866,13 +927,25 @@ class SaveOperation {
                                      std::chrono::system_clock::now().time_since_epoch())
                                      .count();
     global_md_.library_version = DCP_VERSION_STRING;
-    if (writer_.FinishTakesFilledStorage()) {
+    if (writer_.WritesFileIndexes()) {
+      global_md_.format_version = 2;
+      global_md_.files.clear();
+      for (size_t r = 0; r < locals.size(); ++r) {
+        for (DataFile& f : DecodeDataFiles(locals[r], static_cast<int>(r))) {
+          global_md_.files.push_back(std::move(f));
+        }
+        std::string().swap(locals[r]);
+      }
+      writer_.Finish(global_md_, {});
+    } else if (writer_.FinishTakesFilledStorage()) {
+      global_md_.format_version = 1;
       // Each result moves from its rank's payload into the metadata (never all of them decoded
       // beside the map they fill: at thousands of ranks that was most of the coordinator's
       // memory).
       FillStorageFromEncoded(global_md_, locals);
       writer_.Finish(global_md_, {});
     } else {
+      global_md_.format_version = 1;
       std::vector<std::vector<WriteResult>> results(locals.size());
       ParallelFor(locals.size(), [&](size_t r) {
         results[r] = DecodeWriteResults(locals[r]);
@@ -1274,7 +1347,14 @@ StateDict LoadAll(const std::string& uri, const LoadOptions& options) {
 }
 
 Metadata ReadMetadata(const std::string& uri, const StorageOptions& options) {
-  return OpenStorageReader(uri, options)->ReadMetadata();
+  Metadata md = OpenStorageReader(uri, options)->ReadMetadata();
+  ReadStoredItems(uri, md, options);
+  return md;
+}
+
+void ReadStoredItems(const std::string& uri, Metadata& md, const StorageOptions& options) {
+  if (md.format_version < 2) return;
+  FileIndexResolver::ResolveAll(*OpenStoreForReading(uri, options.backend), md);
 }
 
 pickle::ValuePtr PythonValue(const Blob& blob, const std::string& what) {

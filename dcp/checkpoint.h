@@ -163,9 +163,17 @@ StateDict LoadAll(const std::string& uri, const LoadOptions& options = {});
 /// `what` names the entry in the message.
 pickle::ValuePtr PythonValue(const Blob& blob, const std::string& what = "blob");
 
-/// Read and validate a checkpoint's metadata (no collectives). Throws NotFoundError,
-/// CorruptionError or UnsupportedError.
+/// Read and validate a checkpoint's metadata (no collectives), with every stored item: for a
+/// version-2 checkpoint that reads every data file's index too (ReadStoredItems). Throws
+/// NotFoundError, CorruptionError or UnsupportedError.
 Metadata ReadMetadata(const std::string& uri, const StorageOptions& options = {});
+
+/// Version-2 checkpoints (docs/FORMAT.md) keep where each item lies in their data files'
+/// indexes, so their decoded metadata has an empty `storage`: this fills `md` (read from `uri`)
+/// with every item, reading every index (O(checkpoint); loads read only the indexes they need).
+/// Version 1: nothing to do. Throws NotFoundError for a missing data file, CorruptionError for a
+/// damaged index or an item no index holds.
+void ReadStoredItems(const std::string& uri, Metadata& md, const StorageOptions& options = {});
 
 /// Version of this library ("major.minor.patch").
 const char* LibraryVersion();

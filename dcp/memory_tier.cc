@@ -159,6 +159,7 @@ std::string ReadFileBytes(const std::string& path) {
 // that is torn).
 std::map<std::string, uint64_t> ReferencedFiles(const Metadata& md) {
   std::map<std::string, uint64_t> files;
+  for (const DataFile& f : md.files) files[f.name] = f.size;  // version 2
   for (const auto& [index, info] : md.storage) {
     uint64_t& end = files[info.relative_path];
     end = std::max(end, info.offset + info.length);
@@ -929,12 +930,29 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
       po.cast_dtypes = options.cast_dtypes;
       DefaultLoadPlanner planner(po);
       planner.SetUp(state, md, PlannerContext{rank_, comm_.size(), rank_ == 0});
+      auto mark = [&](const std::string& file) {
+        auto pos = std::lower_bound(names.begin(), names.end(), file);
+        if (pos != names.end() && *pos == file) need[pos - names.begin()] = true;
+      };
+      std::set<int32_t> writers;  // version 2: the ranks whose files hold the planned items
       for (const auto& item : planner.CreateLocalPlan().items) {
+        if (md.format_version >= 2) {
+          auto e = md.entries.find(item.storage_index.fqn);
+          if (e == md.entries.end()) continue;
+          if (const auto* t = std::get_if<TensorMetadata>(&e->second)) {
+            if (auto k = ChunkOrdinal(*t, item.storage_index.offset, item.storage_index.index)) {
+              writers.insert(ChunkWriter(*t, *k));
+            }
+          } else {
+            writers.insert(std::get<BytesMetadata>(e->second).writer);
+          }
+          continue;
+        }
         auto it = md.storage.find(item.storage_index);
-        if (it == md.storage.end()) continue;
-        auto pos = std::lower_bound(names.begin(), names.end(), it->second.relative_path);
-        if (pos != names.end() && *pos == it->second.relative_path)
-          need[pos - names.begin()] = true;
+        if (it != md.storage.end()) mark(it->second.relative_path);
+      }
+      for (const DataFile& f : md.files) {
+        if (writers.count(f.writer)) mark(f.name);
       }
     } catch (const Error&) {
       // The load below fails the same way, on every rank, with the planner's message.

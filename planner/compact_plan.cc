@@ -74,17 +74,6 @@ uint64_t DescriptionHash(const SavePlan& local, const std::string& fqn, DType dt
 
 }  // namespace
 
-std::pair<int64_t, int64_t> RegularSlice(int64_t extent, int rank, int world, RegularRule rule) {
-  if (rule == kRuleCeil) {
-    const int64_t c = (extent + world - 1) / world;
-    const int64_t b = std::min<int64_t>(extent, c * rank);
-    return {b, std::min<int64_t>(extent, b + c)};
-  }
-  const int64_t base = extent / world, extra = extent % world;
-  const int64_t b = rank * base + std::min<int64_t>(rank, extra);
-  return {b, b + base + (rank < extra ? 1 : 0)};
-}
-
 PlanSplit SplitRegularShards(const SavePlan& local, int rank, int world, bool hash_declarations) {
   PlanSplit split;
   split.residual.storage_data = local.storage_data;
@@ -293,16 +282,7 @@ void AddRegularEntries(const SavePlan& local, const PlanSplit& split,
     const auto& reg = split.regular[k];
     const WriteItem& it = local.items[reg.item];
     TensorMetadata t{it.dtype, it.global_shape, {}};
-    const int holders = static_cast<int>(std::min<int64_t>(world, reg.extent));
-    t.chunks.resize(static_cast<size_t>(holders));
-    for (int r = 0; r < holders; ++r) {
-      auto [b, e] = RegularSlice(reg.extent, r, world, rules[k]);
-      ChunkMeta& c = t.chunks[static_cast<size_t>(r)];
-      c.offsets.assign(it.global_shape.size(), 0);
-      c.sizes = it.global_shape;
-      c.offsets[reg.dim] = b;
-      c.sizes[reg.dim] = e - b;
-    }
+    t.regular = RegularLayout{reg.dim, rules[k], world};
     if (!md.entries.emplace(it.index.fqn, std::move(t)).second) {
       throw InternalError("'" + it.index.fqn + "' is both a regular shard and in a residual plan");
     }

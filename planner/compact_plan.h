@@ -47,12 +47,6 @@ namespace dcp {
 
 class DefaultSavePlanner;
 
-/// Which splitting rules a regular shard's slice matches (a bit set).
-enum RegularRule : uint8_t { kRuleBalanced = 1, kRuleCeil = 2 };
-
-/// The part [begin, end) of `extent` that rank `rank` of `world` holds under `rule`.
-std::pair<int64_t, int64_t> RegularSlice(int64_t extent, int rank, int world, RegularRule rule);
-
 /// A rank's local plan split into regular shards and the residual.
 struct PlanSplit {
   struct Regular {

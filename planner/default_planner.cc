@@ -467,6 +467,8 @@ void AddItemToEntry(WriteItem& it, size_t r, EntryState& st, Metadata& md) {
   }
   if (t == nullptr) {
     it.index.index = 0;
+    std::get<BytesMetadata>(*st.entry).writer = static_cast<int32_t>(r);
+    std::get<BytesMetadata>(*st.entry).size = it.size_bytes;
     return;
   }
   if (t->dtype != it.dtype || t->shape != it.global_shape) {
@@ -477,6 +479,7 @@ void AddItemToEntry(WriteItem& it, size_t r, EntryState& st, Metadata& md) {
   }
   it.index.index = static_cast<int32_t>(t->chunks.size());
   t->chunks.push_back(it.chunk);
+  t->chunk_writers.push_back(static_cast<int32_t>(r));
   st.ranks.push_back(static_cast<int>(r));
 }
 
@@ -692,16 +695,29 @@ void AddTensorReads(const std::string& fqn, const WantedChunks& want, const Tens
                     bool naive_overlaps, std::vector<ReadItem>& out) {
   const Shape& global = want.global;
   std::optional<ChunkIndex> index;
-  // A handful of saved chunks is scanned directly (same result, no index to build).
+  // A handful of saved chunks is scanned directly (same result, no index to build). A rule
+  // names the overlapping chunks itself: the range of slices the wanted box spans along its
+  // dimension, never a walk over every rank's chunk.
   constexpr size_t kIndexFrom = 16;
-  if (!naive_overlaps && !want.chunks.empty() && saved.chunks.size() >= kIndexFrom) {
+  if (!saved.regular && !naive_overlaps && !want.chunks.empty() &&
+      saved.chunks.size() >= kIndexFrom) {
     index.emplace(saved.chunks);
   }
+  std::vector<size_t> hits;
   for (const auto& dst : want.chunks) {
-    const std::vector<size_t> hits =
-        index ? index->Overlapping(dst) : OverlappingChunksNaive(saved.chunks, dst);
+    if (saved.regular) {
+      hits.clear();
+      if (dst.numel() > 0) {
+        const size_t d = static_cast<size_t>(saved.regular->dim);
+        auto [first, last] =
+            RegularChunkRange(saved, dst.offsets[d], dst.offsets[d] + dst.sizes[d]);
+        for (size_t k = first; k < last; ++k) hits.push_back(k);
+      }
+    } else {
+      hits = index ? index->Overlapping(dst) : OverlappingChunksNaive(saved.chunks, dst);
+    }
     for (size_t ci : hits) {
-      const ChunkMeta& src = saved.chunks[ci];
+      const ChunkMeta src = saved.regular ? ChunkAt(saved, ci) : saved.chunks[ci];
       auto overlap = Intersect(dst, src);
       if (!overlap) continue;
       ReadItem item;

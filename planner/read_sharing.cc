@@ -44,7 +44,13 @@ struct Group {
 uint64_t ReadItemBytes(const ReadItem& item, const Metadata& metadata) {
   if (item.type == ReadItemType::kBytes) {
     auto it = metadata.storage.find(item.storage_index);
-    if (it == metadata.storage.end()) return 0;
+    if (it == metadata.storage.end()) {
+      // Version 2: the size is in the entry (where it lies is in a data file's index).
+      auto e = metadata.entries.find(item.storage_index.fqn);
+      if (e == metadata.entries.end()) return 0;
+      const auto* b = std::get_if<BytesMetadata>(&e->second);
+      return b ? b->size : 0;
+    }
     return it->second.transforms.empty() ? it->second.length : it->second.raw_length;
   }
   auto it = metadata.entries.find(item.storage_index.fqn);
@@ -209,10 +215,11 @@ std::vector<MetadataIndex> ShareCandidates(const Metadata& metadata) {
       continue;
     }
     const auto& t = std::get<TensorMetadata>(entry);
-    if (t.chunks.size() == 1 && t.chunks[0].sizes == t.shape &&
-        std::all_of(t.chunks[0].offsets.begin(), t.chunks[0].offsets.end(),
-                    [](int64_t v) { return v == 0; })) {
-      out.push_back({fqn, t.chunks[0].offsets, std::nullopt});
+    if (ChunkCount(t) != 1) continue;
+    const ChunkMeta only = ChunkAt(t, 0);
+    if (only.sizes == t.shape &&
+        std::all_of(only.offsets.begin(), only.offsets.end(), [](int64_t v) { return v == 0; })) {
+      out.push_back({fqn, only.offsets, std::nullopt});
     }
   }
   return out;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <variant>
 #include <vector>
@@ -114,12 +115,73 @@ struct WriteResult {
   StorageInfo storage;
 };
 
+/// Which splitting rule cuts a regularly sharded tensor (along dimension d of extent n, world w,
+/// rank r); also a bit set where several may match.
+///   kRuleBalanced: the first n % w ranks get n / w + 1, the others n / w (numpy.array_split);
+///   kRuleCeil:     every rank gets c = ceil(n / w), the last what remains (torch.chunk).
+enum RegularRule : uint8_t { kRuleBalanced = 1, kRuleCeil = 2 };
+
+/// The part [begin, end) of `extent` that rank `rank` of `world` holds under `rule`.
+std::pair<int64_t, int64_t> RegularSlice(int64_t extent, int64_t rank, int64_t world,
+                                         RegularRule rule);
+
+/// A tensor cut along one dimension by a rule (docs/FORMAT.md, version 2): chunk k is rank k's
+/// slice along `dim` and the whole extent elsewhere, for every k whose slice is non-empty
+/// (k < min(extent, world)); chunk k was written by rank k.
+struct RegularLayout {
+  int32_t dim = 0;
+  RegularRule rule = kRuleBalanced;
+  int32_t world = 1;
+  bool operator==(const RegularLayout&) const = default;
+};
+
+/// A saved tensor: its chunks are either listed (`chunks`) or given by a rule (`regular`, and
+/// then `chunks` is empty). Code that walks chunks uses ChunkCount / ChunkAt / ForEachChunk,
+/// which serve both in O(1) per chunk.
 struct TensorMetadata {
+  TensorMetadata() = default;
+  TensorMetadata(DType d, Shape s, std::vector<ChunkMeta> c = {})
+      : dtype(d), shape(std::move(s)), chunks(std::move(c)) {}
   DType dtype = DType::kFloat32;
   Shape shape;
   std::vector<ChunkMeta> chunks;
+  std::optional<RegularLayout> regular;
+  /// Version 2, listed chunks: the rank that wrote chunks[k] (whose data files hold it).
+  /// Empty in version 1 and for a rule.
+  std::vector<int32_t> chunk_writers;
 };
-struct BytesMetadata {};
+struct BytesMetadata {
+  /// Version 2: the rank that wrote the entry (-1: unknown, version 1).
+  int32_t writer = -1;
+  /// Version 2: the blob's size in bytes (its index records the same raw length).
+  uint64_t size = 0;
+};
+
+/// Chunks of `t`: listed, or min(extent, world) for a rule.
+size_t ChunkCount(const TensorMetadata& t);
+/// Chunk k (< ChunkCount(t)).
+ChunkMeta ChunkAt(const TensorMetadata& t, size_t k);
+/// fn(k, chunk) for every chunk in order.
+template <typename Fn>
+void ForEachChunk(const TensorMetadata& t, Fn&& fn) {
+  if (!t.regular) {
+    for (size_t k = 0; k < t.chunks.size(); ++k) fn(k, t.chunks[k]);
+    return;
+  }
+  const size_t n = ChunkCount(t);
+  for (size_t k = 0; k < n; ++k) fn(k, ChunkAt(t, k));
+}
+/// The ordinal of the chunk of `t` that starts at `offsets`, if any. `hint`: a likely ordinal
+/// (checked first). O(1) for a rule, O(chunks) for a list without a good hint.
+std::optional<size_t> ChunkOrdinal(const TensorMetadata& t, const Shape& offsets,
+                                   std::optional<int32_t> hint = std::nullopt);
+/// The rank that wrote chunk k, or -1 when the metadata does not say (version 1).
+int32_t ChunkWriter(const TensorMetadata& t, size_t k);
+/// For a rule: the range [first, last) of chunk ordinals whose slice along the rule's dimension
+/// overlaps [begin, end) (empty when begin >= end).
+std::pair<size_t, size_t> RegularChunkRange(const TensorMetadata& t, int64_t begin, int64_t end);
+/// `t` with its rule written out as listed chunks (unchanged when it has none).
+TensorMetadata WithListedChunks(const TensorMetadata& t);
 using EntryMetadata = std::variant<TensorMetadata, BytesMetadata>;
 
 /// The deepest nesting a checkpoint's entries may have (key path length, or dots + 1 of an fqn
@@ -129,25 +191,45 @@ inline constexpr size_t kMaxKeyPathDepth = 256;
 /// `name` quoted for an error message, its middle elided past 200 bytes (names come from files).
 std::string ClippedName(const std::string& name);
 
-/// Current on-disk format version written by this library (see docs/FORMAT.md).
-inline constexpr uint32_t kFormatVersion = 1;
+/// The newest on-disk format version this library reads and writes (see docs/FORMAT.md):
+/// 1 records every stored item in the metadata; 2 records rules, a file table and writer ranks,
+/// and keeps where each item lies in an index at the end of each data file.
+inline constexpr uint32_t kFormatVersion = 2;
+
+/// Version 2: one data file of a checkpoint (Metadata::files). The items it holds are listed by
+/// its index, written by the rank that wrote the file: bytes [index_offset, +index_length).
+struct DataFile {
+  std::string name;  // relative to the checkpoint root
+  int32_t writer = 0;
+  uint64_t size = 0;
+  uint64_t index_offset = 0;
+  uint64_t index_length = 0;
+  uint32_t index_crc32c = 0;  // CRC32C of the index bytes
+  bool operator==(const DataFile&) const = default;
+};
 
 /// Everything a checkpoint records about itself. The checkpoint exists exactly when its
 /// metadata does.
 struct Metadata {
-  uint32_t format_version = kFormatVersion;
+  uint32_t format_version = 1;  // 1: `storage` lists every item; 2: `files` + indexes
   std::string checkpoint_id;
   std::string save_id;
   int32_t world_size = 0;
   int64_t created_unix_ns = 0;
   std::string library_version;
   std::map<std::string, EntryMetadata> entries;  // by fqn
-  std::map<MetadataIndex, StorageInfo> storage;  // by stored item
-  std::map<std::string, KeyPath> key_paths;      // fqn -> nesting
+  /// By stored item. Version 1: every item, as decoded. Version 2: empty as decoded; readers
+  /// fill what they need from the data files' indexes (storage/checkpoint/file_index.h).
+  std::map<MetadataIndex, StorageInfo> storage;
+  /// Version 2: every data file, by name (empty in version 1).
+  std::vector<DataFile> files;
+  std::map<std::string, KeyPath> key_paths;  // fqn -> nesting
   std::map<std::string, std::string> planner_data;
 
-  /// Total stored bytes over all items.
+  /// Total stored bytes over all items (version 2: the data files' bytes before their indexes).
   uint64_t TotalStoredBytes() const;
+  /// The names of the data files the checkpoint references.
+  std::set<std::string> DataFileNames() const;
 };
 
 /// Replace md.storage with the stored items of every rank's write results. The results are

@@ -105,6 +105,12 @@ struct StorageOptions {
   /// own writer refuses one it cannot write). Readers detect the format and ignore this. A
   /// URI's `?format=` query sets it too (registry.h).
   CheckpointFormat format = CheckpointFormat::kDcp;
+  /// Writers of the dcp format: the metadata version to write (docs/FORMAT.md). 2 (the default)
+  /// records regularly sharded tensors as rules and keeps where each item lies in an index at
+  /// the end of each data file, so the metadata grows with tensors + files, not tensors x ranks;
+  /// 1 lists every stored item in the metadata (what dcp before version 2 reads). Other formats
+  /// and readers ignore it (a reader reads both versions).
+  uint32_t metadata_version = 2;
   /// Settings of the URI's backend, as key -> value strings (registry.h lists the built-in
   /// ones: file:// and s3://). A URI's query (`s3://bucket/ckpt?part_size_mib=16`) adds to
   /// them. A key the backend does not know fails the save or load with InvalidArgumentError
@@ -177,6 +183,16 @@ class StorageWriter {
   /// Discard what this rank wrote in the current save. Called only when the save is known not to
   /// be committed. Never throws; idempotent.
   virtual void Abort() noexcept = 0;
+  /// True when this writer writes version-2 metadata (docs/FORMAT.md): each data file ends in an
+  /// index of its items, written by the rank that wrote it, and the coordinator needs only the
+  /// files (TakeDataFiles), not every item's WriteResult. The metadata passed to Finish then has
+  /// format_version 2, `files` filled and `storage` empty. It must answer alike on every rank.
+  /// Declared last, like the readers' additions, so that writers built against an earlier
+  /// header keep their vtable layout. Default false.
+  virtual bool WritesFileIndexes() const { return false; }
+  /// With WritesFileIndexes, after WriteData's future completed: the files this rank wrote in
+  /// this save, their indexes written (moved out).
+  virtual std::vector<DataFile> TakeDataFiles() { return {}; }
 };
 
 class StorageReader {

@@ -14,10 +14,12 @@
 #include <optional>
 #include <queue>
 #include <set>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
-#include "schema/dcp.pb.h"  // generated from proto/schema/dcp.proto
 #include "dcp/proto/checksum.h"
+#include "schema/dcp.pb.h"  // generated from proto/schema/dcp.proto
 
 namespace dcp {
 
@@ -750,6 +752,7 @@ class BlockOutputStream : public google::protobuf::io::ZeroCopyOutputStream {
 
 // EncodeMetadata's bytes after `prefix` zero bytes (room for the file envelope).
 std::string EncodeMetadataAfter(const Metadata& md, size_t prefix) {
+  const bool v2 = md.format_version >= 2;
   BlockOutputStream blocks;
   {
     google::protobuf::io::CodedOutputStream cos(&blocks);
@@ -772,26 +775,54 @@ std::string EncodeMetadataAfter(const Metadata& md, size_t prefix) {
         auto* te = e.mutable_tensor();
         te->set_dtype(static_cast<pb::DType>(t->dtype));
         FromShape(t->shape, te->mutable_shape());
-        te->mutable_chunks()->Reserve(static_cast<int>(t->chunks.size()));
-        for (const auto& c : t->chunks) ToPb(c, te->add_chunks());
+        if (t->regular && v2) {
+          auto* rs = te->mutable_regular();
+          rs->set_dim(t->regular->dim);
+          rs->set_rule(t->regular->rule);
+          rs->set_world(t->regular->world);
+        } else {
+          // Version 1 lists every chunk, a rule's too.
+          te->mutable_chunks()->Reserve(static_cast<int>(ChunkCount(*t)));
+          ForEachChunk(*t, [&](size_t, const ChunkMeta& c) { ToPb(c, te->add_chunks()); });
+          // (ValidateMetadata refuses a version-2 list without a writer per chunk.)
+          if (v2)
+            te->mutable_chunk_writers()->Add(t->chunk_writers.begin(), t->chunk_writers.end());
+        }
       } else {
-        e.mutable_bytes();
+        auto* be = e.mutable_bytes();
+        if (v2) {
+          be->set_writer(std::get<BytesMetadata>(entry).writer);
+          be->set_size(std::get<BytesMetadata>(entry).size);
+        }
       }
       WriteSubmessage(cos, kEntriesTag, e);
     }
     pb::StoredItem item;
-    for (const auto& [index, info] : md.storage) {
-      item.Clear();
-      ToPb(index, item.mutable_index());
-      ToPb(info, item.mutable_info());
-      WriteSubmessage(cos, kItemsTag, item);
-    }
+    // Version 2 keeps where items lie in the data files' indexes, not here.
+    if (!v2)
+      for (const auto& [index, info] : md.storage) {
+        item.Clear();
+        ToPb(index, item.mutable_index());
+        ToPb(info, item.mutable_info());
+        WriteSubmessage(cos, kItemsTag, item);
+      }
     pb::Metadata tail;  // fields 9-10 (maps: sorted by the deterministic stream)
     for (const auto& [fqn, path] : md.key_paths) {
       auto& kp = (*tail.mutable_key_paths())[fqn];
       for (const auto& k : path) kp.add_keys(k);
     }
     for (const auto& [k, v] : md.planner_data) (*tail.mutable_planner_data())[k] = v;
+    if (v2) {
+      for (const auto& f : md.files) {
+        auto* pf = tail.add_files();
+        pf->set_name(f.name);
+        pf->set_writer(f.writer);
+        pf->set_size(f.size);
+        pf->set_index_offset(f.index_offset);
+        pf->set_index_length(f.index_length);
+        pf->set_index_crc32c(f.index_crc32c);
+      }
+    }
     tail.SerializeToCodedStream(&cos);
     if (cos.HadError()) throw InternalError("cannot encode metadata");
   }
@@ -801,6 +832,40 @@ std::string EncodeMetadataAfter(const Metadata& md, size_t prefix) {
 }  // namespace
 
 std::string EncodeMetadata(const Metadata& md) { return EncodeMetadataAfter(md, 0); }
+
+std::string EncodeDataFiles(const std::vector<DataFile>& files) {
+  pb::Metadata p;
+  for (const auto& f : files) {
+    auto* pf = p.add_files();
+    pf->set_name(f.name);
+    pf->set_writer(f.writer);
+    pf->set_size(f.size);
+    pf->set_index_offset(f.index_offset);
+    pf->set_index_length(f.index_length);
+    pf->set_index_crc32c(f.index_crc32c);
+  }
+  return p.SerializeAsString();
+}
+
+std::vector<DataFile> DecodeDataFiles(std::string_view bytes, int rank) {
+  pb::Metadata p;
+  if (!p.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    throw CorruptionError("rank " + std::to_string(rank) +
+                          " sent a malformed list of data files (do all ranks save with the "
+                          "same metadata_version?)");
+  }
+  std::vector<DataFile> out;
+  out.reserve(static_cast<size_t>(p.files_size()));
+  for (const auto& f : p.files()) {
+    if (f.writer() != rank) {
+      throw CorruptionError("rank " + std::to_string(rank) + " reported data file '" + f.name() +
+                            "' as written by rank " + std::to_string(f.writer()));
+    }
+    out.push_back(
+        {f.name(), f.writer(), f.size(), f.index_offset(), f.index_length(), f.index_crc32c()});
+  }
+  return out;
+}
 
 namespace {
 std::atomic<uint64_t> g_metadata_limit_for_testing{0};
@@ -878,6 +943,7 @@ class MetadataPayloadReader {
     }
     rest_out.WriteTag(tag);
     rest_out.WriteVarint32(version);
+    version_ = version;
   }
 
   void ReadEntry() {
@@ -890,9 +956,17 @@ class MetadataPayloadReader {
       t.shape = ToShape(e_.tensor().shape());
       t.chunks.reserve(e_.tensor().chunks_size());
       for (const auto& c : e_.tensor().chunks()) t.chunks.push_back(FromPb(c));
+      if (e_.tensor().has_regular()) {
+        // Checked by ValidateMetadata before use; the rule value is kept as read.
+        const auto& rs = e_.tensor().regular();
+        t.regular = RegularLayout{
+            rs.dim(), static_cast<RegularRule>(rs.rule() <= 0xff ? rs.rule() : 0), rs.world()};
+      }
+      t.chunk_writers.assign(e_.tensor().chunk_writers().begin(),
+                             e_.tensor().chunk_writers().end());
       md_.entries.emplace(e_.fqn(), std::move(t));
     } else if (e_.has_bytes()) {
-      md_.entries.emplace(e_.fqn(), BytesMetadata{});
+      md_.entries.emplace(e_.fqn(), BytesMetadata{e_.bytes().writer(), e_.bytes().size()});
     } else {
       throw CorruptionError(src_ + ": entry '" + e_.fqn() + "' has no kind");
     }
@@ -900,6 +974,11 @@ class MetadataPayloadReader {
 
   void ReadItem() {
     ParseSub(item_, "stored item");
+    if (version_ >= 2) {
+      throw CorruptionError(src_ + ": version-2 metadata lists a stored item (" +
+                            FromPb(item_.index()).ToString() +
+                            "); version 2 keeps them in the data files' indexes");
+    }
     MetadataIndex index = FromPb(item_.index());
     auto [it, inserted] = md_.storage.try_emplace(std::move(index));
     if (!inserted) throw CorruptionError(src_ + ": duplicate stored item " + it->first.ToString());
@@ -928,6 +1007,7 @@ class MetadataPayloadReader {
   google::protobuf::io::CodedInputStream in_;
   pb::Entry e_;  // reused by every entry, and item_ by every stored item
   pb::StoredItem item_;
+  uint32_t version_ = 0;  // as read so far (the encoder writes it first)
 };
 
 // The fields other than entries and items (`rest`, one serialized pb::Metadata), into md.
@@ -952,6 +1032,11 @@ void ReadMetadataHeader(const std::string& rest, const std::string& src, Metadat
     md.key_paths[fqn] = KeyPath(kp.keys().begin(), kp.keys().end());
   }
   for (const auto& [k, v] : p.planner_data()) md.planner_data[k] = v;
+  md.files.reserve(static_cast<size_t>(p.files_size()));
+  for (const auto& f : p.files()) {
+    md.files.push_back(
+        {f.name(), f.writer(), f.size(), f.index_offset(), f.index_length(), f.index_crc32c()});
+  }
 }
 
 }  // namespace
@@ -1078,12 +1163,89 @@ int64_t CheckChunk(const Metadata& md, const std::string& fqn, const TensorMetad
   return n;
 }
 
+// A rule is checked without expanding it: what a rule claims costs the same however many
+// chunks it names.
+void ValidateRegularLayout(const Metadata& md, const std::string& fqn, const TensorMetadata& t,
+                           const std::string& src) {
+  const RegularLayout& reg = *t.regular;
+  if (!t.chunks.empty() || !t.chunk_writers.empty()) {
+    FailValidation(src, "tensor '" + fqn + "' has both a sharding rule and listed chunks");
+  }
+  if (reg.dim < 0 || static_cast<size_t>(reg.dim) >= t.shape.size()) {
+    FailValidation(src, "tensor '" + fqn + "' is split along dimension " + std::to_string(reg.dim) +
+                            " of a shape " + ShapeToString(t.shape));
+  }
+  if (reg.rule != kRuleBalanced && reg.rule != kRuleCeil) {
+    FailValidation(src, "tensor '" + fqn + "' has an unknown sharding rule " +
+                            std::to_string(static_cast<int>(reg.rule)));
+  }
+  if (reg.world < 1 || reg.world != md.world_size) {
+    FailValidation(src, "tensor '" + fqn + "' is split over " + std::to_string(reg.world) +
+                            " ranks in a checkpoint saved by " + std::to_string(md.world_size));
+  }
+  const int64_t n = t.shape[static_cast<size_t>(reg.dim)];
+  if (n < 1) {
+    FailValidation(src, "tensor '" + fqn + "' is split along an empty dimension");
+  }
+  if (reg.rule == kRuleCeil && n >= reg.world) {
+    // Every rank's slice is non-empty, so that chunk k is rank k's.
+    const int64_t c = (n + reg.world - 1) / reg.world;
+    if ((reg.world - 1) * c >= n) {
+      FailValidation(src, "tensor '" + fqn + "': the ceil rule leaves a rank of " +
+                              std::to_string(reg.world) + " without rows of " + std::to_string(n));
+    }
+  }
+}
+
+// Version 2: who wrote each chunk (its data files hold it) must be a rank of the save.
+void ValidateWriters(const Metadata& md, const std::string& fqn, const TensorMetadata& t,
+                     const std::string& src) {
+  if (t.regular) return;
+  if (t.chunk_writers.size() != t.chunks.size()) {
+    FailValidation(src, "tensor '" + fqn + "' lists " + std::to_string(t.chunks.size()) +
+                            " chunks and " + std::to_string(t.chunk_writers.size()) + " writers");
+  }
+  for (int32_t w : t.chunk_writers) {
+    if (w < 0 || w >= md.world_size) {
+      FailValidation(src, "tensor '" + fqn + "' names writer rank " + std::to_string(w) +
+                              " in a checkpoint saved by " + std::to_string(md.world_size));
+    }
+  }
+}
+
+// A chunk lies inside its tensor; returns its elements (version 2: nothing stored to check).
+int64_t CheckChunkBox(const std::string& fqn, const TensorMetadata& t, const ChunkMeta& c,
+                      const std::string& src) {
+  if (c.offsets.size() != t.shape.size() || c.sizes.size() != t.shape.size()) {
+    FailValidation(src, "tensor '" + fqn + "' chunk " + c.ToString() +
+                            " does not match rank of shape " + ShapeToString(t.shape));
+  }
+  for (size_t i = 0; i < t.shape.size(); ++i) {
+    if (c.offsets[i] < 0 || c.sizes[i] < 0 || c.offsets[i] > t.shape[i] - c.sizes[i]) {
+      FailValidation(src, "tensor '" + fqn + "' chunk " + c.ToString() +
+                              " lies outside its shape " + ShapeToString(t.shape));
+    }
+  }
+  return NumElements(c.sizes);
+}
+
 // A tensor's chunks lie inside it, are stored, and cover it exactly once.
 void ValidateTensorEntry(const Metadata& md, const std::string& fqn, const TensorMetadata& t,
                          const std::string& src) {
   const int64_t volume = CheckedVolume(fqn, t, src);
+  const bool v2 = md.format_version >= 2;
+  if (t.regular) {
+    ValidateRegularLayout(md, fqn, t, src);
+    // A rule tiles its tensor by construction; version 1 (in memory, before encoding) still
+    // needs every chunk stored.
+    if (!v2) ForEachChunk(t, [&](size_t, const ChunkMeta& c) { CheckChunk(md, fqn, t, c, src); });
+    return;
+  }
+  if (v2) ValidateWriters(md, fqn, t, src);
   int64_t covered = 0;
-  for (const auto& c : t.chunks) covered += CheckChunk(md, fqn, t, c, src);
+  for (const auto& c : t.chunks) {
+    covered += v2 ? CheckChunkBox(fqn, t, c, src) : CheckChunk(md, fqn, t, c, src);
+  }
   // Disjoint chunks whose sizes add up to the volume cover it exactly; overlapping ones may
   // add up to it too while leaving a gap.
   std::optional<std::pair<size_t, size_t>> overlap;
@@ -1109,6 +1271,7 @@ class ChunkOffsetIndex {
   bool Contains(const std::string& fqn, const TensorMetadata& t, const Shape& offset) {
     auto [it, fresh] = sorted_.try_emplace(fqn);
     auto& sorted = it->second;
+    if (t.regular) return ChunkOrdinal(t, offset).has_value();
     if (fresh) {
       sorted.reserve(t.chunks.size());
       for (const auto& c : t.chunks) sorted.push_back(&c.offsets);
@@ -1174,14 +1337,179 @@ void ValidateStoredItems(const Metadata& md, const std::string& src) {
 
 }  // namespace
 
+void PutLe64(std::string& out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t GetLe64(const char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(p[i]);
+  return v;
+}
+constexpr char kIndexMagic[8] = {'D', 'C', 'P', 'I', 'D', 'X', '0', '1'};
+
+// Version 2: the file table. A row's index lies inside its file and its length is what its item
+// count takes (storage/checkpoint/file_index.h), so an index claims no more items than its bytes
+// hold; names are plain and distinct; writers are ranks of the save.
+void ValidateFileTable(const Metadata& md, const std::string& src) {
+  std::unordered_set<std::string_view> names;
+  names.reserve(md.files.size());
+  for (const auto& f : md.files) {
+    const std::string& p = f.name;
+    if (p.empty() || p == "." || p == ".." || p.find('/') != std::string::npos ||
+        p.find('\\') != std::string::npos || p.find('\0') != std::string::npos) {
+      FailValidation(
+          src, "data file " + ClippedName(p) + " is not a plain name in the checkpoint's root");
+    }
+    if (!names.insert(p).second) FailValidation(src, "data file '" + p + "' is listed twice");
+    if (f.writer < 0 || f.writer >= md.world_size) {
+      FailValidation(src, "data file '" + p + "' names writer rank " + std::to_string(f.writer) +
+                              " in a checkpoint saved by " + std::to_string(md.world_size));
+    }
+    if (f.size > (uint64_t{1} << 62) || f.index_offset > f.size ||
+        f.index_length > f.size - f.index_offset) {
+      FailValidation(src, "data file '" + p + "': its index [" + std::to_string(f.index_offset) +
+                              ", +" + std::to_string(f.index_length) + ") lies outside its " +
+                              std::to_string(f.size) + " bytes");
+    }
+    if (f.index_length < kFileIndexHeaderBytes ||
+        (f.index_length - kFileIndexHeaderBytes) % kFileIndexItemBytes != 0) {
+      FailValidation(src, "data file '" + p + "': an index of " + std::to_string(f.index_length) +
+                              " bytes is no whole number of items");
+    }
+  }
+}
+
+uint64_t FqnHash(std::string_view fqn) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (char c : fqn) {
+    h ^= static_cast<uint8_t>(c);
+    h *= 0x100000001b3ull;
+  }
+  h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ull;
+  h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
+  return h ^ (h >> 31);
+}
+
+std::string EncodeFileIndex(std::vector<FileIndexItem> items) {
+  std::sort(items.begin(), items.end(), [](const FileIndexItem& a, const FileIndexItem& b) {
+    return a.fqn_hash != b.fqn_hash ? a.fqn_hash < b.fqn_hash : a.chunk < b.chunk;
+  });
+  std::string out(kIndexMagic, sizeof(kIndexMagic));
+  PutLe64(out, items.size(), 4);
+  PutLe64(out, 0, 4);
+  out.reserve(kFileIndexHeaderBytes + items.size() * kFileIndexItemBytes);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const FileIndexItem& it = items[i];
+    if (i > 0 && it.fqn_hash == items[i - 1].fqn_hash && it.chunk == items[i - 1].chunk) {
+      throw InternalError("file index: two items with key " + std::to_string(it.fqn_hash) + "/" +
+                          std::to_string(it.chunk));
+    }
+    PutLe64(out, it.fqn_hash, 8);
+    PutLe64(out, it.chunk, 4);
+    PutLe64(out, it.offset, 8);
+    PutLe64(out, it.length, 8);
+    PutLe64(out, it.raw_length, 8);
+    PutLe64(out, it.crc32c.value_or(0), 4);
+    PutLe64(out, (it.crc32c ? 1u : 0u) | (it.zstd ? 2u : 0u), 1);
+  }
+  return out;
+}
+
+std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t index_offset,
+                                           const std::string& file) {
+  auto fail = [&](const std::string& what) -> CorruptionError {
+    return CorruptionError("index of data file '" + file + "': " + what);
+  };
+  if (bytes.size() < kFileIndexHeaderBytes ||
+      std::memcmp(bytes.data(), kIndexMagic, sizeof(kIndexMagic)) != 0) {
+    throw fail("bad magic or too short (" + std::to_string(bytes.size()) + " bytes)");
+  }
+  const uint64_t count = GetLe64(bytes.data() + 8, 4);
+  if (GetLe64(bytes.data() + 12, 4) != 0) throw fail("reserved bytes are not zero");
+  if (bytes.size() != kFileIndexHeaderBytes + count * kFileIndexItemBytes) {
+    throw fail(std::to_string(count) + " items in " + std::to_string(bytes.size()) + " bytes");
+  }
+  std::vector<FileIndexItem> items(static_cast<size_t>(count));
+  const char* p = bytes.data() + kFileIndexHeaderBytes;
+  for (size_t i = 0; i < items.size(); ++i, p += kFileIndexItemBytes) {
+    FileIndexItem& it = items[i];
+    it.fqn_hash = GetLe64(p, 8);
+    it.chunk = static_cast<uint32_t>(GetLe64(p + 8, 4));
+    it.offset = GetLe64(p + 12, 8);
+    it.length = GetLe64(p + 20, 8);
+    it.raw_length = GetLe64(p + 28, 8);
+    const uint32_t crc = static_cast<uint32_t>(GetLe64(p + 36, 4));
+    const uint8_t flags = static_cast<uint8_t>(p[40]);
+    if (flags & ~3u) throw fail("item " + std::to_string(i) + " has unknown flags");
+    if (flags & 1u) it.crc32c = crc;
+    it.zstd = (flags & 2u) != 0;
+    if (i > 0) {
+      const FileIndexItem& prev = items[i - 1];
+      if (prev.fqn_hash > it.fqn_hash || (prev.fqn_hash == it.fqn_hash && prev.chunk >= it.chunk)) {
+        throw fail("items are not sorted by key, or repeat one (item " + std::to_string(i) + ")");
+      }
+    }
+    if (it.offset > index_offset || it.length > index_offset - it.offset) {
+      throw fail("item " + std::to_string(i) + " [" + std::to_string(it.offset) + ", +" +
+                 std::to_string(it.length) + ") runs past the data (" +
+                 std::to_string(index_offset) + " bytes)");
+    }
+    if (!it.zstd && it.raw_length != it.length) {
+      throw fail("item " + std::to_string(i) + " is raw but records " +
+                 std::to_string(it.raw_length) + " raw bytes for " + std::to_string(it.length));
+    }
+    if (it.zstd && it.raw_length / kMaxZstdExpansion > it.length) {
+      throw fail("item " + std::to_string(i) + " claims " + std::to_string(it.raw_length) +
+                 " raw bytes from a " + std::to_string(it.length) + "-byte zstd frame");
+    }
+  }
+  // No two items share bytes (a lying index could make two chunks read one range).
+  std::vector<std::pair<uint64_t, uint64_t>> spans;
+  spans.reserve(items.size());
+  for (const auto& it : items) {
+    if (it.length > 0) spans.emplace_back(it.offset, it.length);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i - 1].first + spans[i - 1].second > spans[i].first) {
+      throw fail("two items overlap at byte " + std::to_string(spans[i].first));
+    }
+  }
+  return items;
+}
+
 void ValidateMetadata(const Metadata& md, std::string_view source) {
   const std::string src(source);
+  const bool v2 = md.format_version >= 2;
+  if (!v2 && !md.files.empty()) {
+    FailValidation(src, "version-1 metadata has a file table (a version-2 field)");
+  }
   for (const auto& [fqn, entry] : md.entries) {
     if (fqn.empty()) FailValidation(src, "entry with an empty fqn");
     if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
       ValidateTensorEntry(md, fqn, *t, src);
+    } else if (v2) {
+      const int32_t w = std::get<BytesMetadata>(entry).writer;
+      if (w < 0 || w >= md.world_size) {
+        FailValidation(src, "byte entry '" + fqn + "' names writer rank " + std::to_string(w) +
+                                " in a checkpoint saved by " + std::to_string(md.world_size));
+      }
     } else if (!md.storage.count(MetadataIndex{fqn, {}, {}})) {
       FailValidation(src, "byte entry '" + fqn + "' has no stored item");
+    }
+  }
+  if (v2) {
+    ValidateFileTable(md, src);
+    // Indexes key items by FqnHash: two entries with one hash could not be told apart.
+    std::unordered_map<uint64_t, const std::string*> hashes;
+    hashes.reserve(md.entries.size());
+    for (const auto& [fqn, entry] : md.entries) {
+      auto [it, fresh] = hashes.emplace(FqnHash(fqn), &fqn);
+      if (!fresh) {
+        FailValidation(src, "entries '" + *it->second + "' and '" + fqn +
+                                "' share an index key (FqnHash); rename one, or save with "
+                                "metadata_version 1");
+      }
     }
   }
   ValidateStoredItems(md, src);

@@ -6,6 +6,7 @@
 // UnsupportedError for a newer format version) with a message that names `source`.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -38,6 +39,11 @@ std::vector<WriteResult> DecodeWriteResults(std::string_view bytes);
 /// encoded_results are left partly consumed.
 void FillStorageFromEncoded(Metadata& md, std::vector<std::string>& encoded_results);
 
+/// Version 2's write-phase message: the data files one rank wrote. DecodeDataFiles throws
+/// CorruptionError naming `rank` for a malformed message or a file of another writer.
+std::string EncodeDataFiles(const std::vector<DataFile>& files);
+std::vector<DataFile> DecodeDataFiles(std::string_view bytes, int rank);
+
 /// Plain protobuf encoding of Metadata (no envelope); used on the wire.
 std::string EncodeMetadata(const Metadata& md);
 Metadata DecodeMetadata(std::string_view bytes, std::string_view source);
@@ -68,6 +74,37 @@ void CheckMetadataFileHeader(std::string_view head, uint64_t file_size, std::str
 /// The most raw bytes one stored byte of a zstd frame can decompress to (a 4-byte RLE block
 /// per 128 KiB of output); a zstd item claiming more raw bytes is refused by validation.
 inline constexpr uint64_t kMaxZstdExpansion = 32768;
+
+/// Version 2: the index at the end of each data file (docs/FORMAT.md). 16 header bytes (magic
+/// "DCPIDX01", u32 item count, 4 zero bytes), then kFileIndexItemBytes per item, little-endian:
+/// u64 FqnHash(fqn), u32 chunk ordinal (0 for a byte entry), u64 offset, u64 length,
+/// u64 raw_length, u32 crc32c, u8 flags (bit 0: crc32c present; bit 1: zstd), sorted by
+/// (hash, chunk) without repeats.
+inline constexpr uint64_t kFileIndexHeaderBytes = 16;
+inline constexpr uint64_t kFileIndexItemBytes = 41;
+
+/// The 64-bit key of an fqn in a file index: FNV-1a over its bytes, then the splitmix64
+/// finalizer. Stable across versions (it is on disk).
+uint64_t FqnHash(std::string_view fqn);
+
+struct FileIndexItem {
+  uint64_t fqn_hash = 0;
+  uint32_t chunk = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint64_t raw_length = 0;
+  std::optional<uint32_t> crc32c;
+  bool zstd = false;
+};
+
+/// Encode `items` (sorted here) as a file index. InternalError for a repeated (hash, chunk):
+/// two items of one file with one key.
+std::string EncodeFileIndex(std::vector<FileIndexItem> items);
+/// Decode and check an index read from `file` (untrusted): magic, length, sorted unique keys,
+/// every item inside [0, index_offset), no two overlapping, raw items raw_length == length and
+/// zstd ones at most kMaxZstdExpansion x length, no unknown flag. CorruptionError naming `file`.
+std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t index_offset,
+                                           const std::string& file);
 
 /// Check a decoded Metadata for internal consistency: paths are plain names in the root (the
 /// format is flat), offsets and lengths do not overflow, chunks lie inside their tensors and do

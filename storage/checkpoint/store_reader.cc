@@ -17,6 +17,7 @@
 #include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/proto/staging.h"
+#include "dcp/storage/checkpoint/file_index.h"
 #include "dcp/storage/checkpoint/slab_copy.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
@@ -297,6 +298,10 @@ class StoreReader : public StorageReader {
     ctx_ = ctx;
     resolved_.clear();
     strided_.clear();
+    index_resolver_.reset();
+    if (metadata.format_version >= 2) {
+      index_resolver_ = std::make_unique<FileIndexResolver>(*store_, metadata);
+    }
   }
 
   LoadPlan PrepareLocalPlan(LoadPlan plan) override { return plan; }
@@ -305,6 +310,13 @@ class StoreReader : public StorageReader {
   std::string TakeEncodedMetadata() override { return std::exchange(encoded_, {}); }
 
   std::future<void> ReadData(const LoadPlan& plan, LoadPlanner& planner) override {
+    if (index_resolver_) {
+      // Version 2: where the planned items lie, from the indexes of their writers' files only.
+      std::vector<MetadataIndex> wanted;
+      wanted.reserve(plan.items.size());
+      for (const ReadItem& item : plan.items) wanted.push_back(item.storage_index);
+      index_resolver_->Resolve(wanted, resolved_);
+    }
     ResolveTorchRecords(plan);
     FileItems files = ItemsByFile(plan);
     return Spawn([this, &plan, &planner, files = std::move(files)] {
@@ -565,6 +577,7 @@ class StoreReader : public StorageReader {
   // load_all) allocates anything the metadata claims: a blob claiming 8 GiB in a 266-byte file
   // fails here, at the cost of one Size() per file, not after an 8 GiB allocation.
   void CheckDataFiles(const Metadata& md) const {
+    if (md.format_version >= 2) return CheckFileTable(md);
     std::map<std::string, std::pair<uint64_t, const MetadataIndex*>> need;  // file -> furthest
     for (const auto& [index, info] : md.storage) {
       auto& n = need.try_emplace(info.relative_path, 0, &index).first->second;
@@ -593,15 +606,48 @@ class StoreReader : public StorageReader {
     }
   }
 
-  const ChunkMeta& StoredChunk(const ReadItem& item) const {
-    const auto& t = Entry(item);
-    if (item.storage_index.index && *item.storage_index.index >= 0 &&
-        static_cast<size_t>(*item.storage_index.index) < t.chunks.size() &&
-        t.chunks[*item.storage_index.index].offsets == item.storage_index.offset) {
-      return t.chunks[*item.storage_index.index];
+  // Version 2: every file of the table exists with the size it records, and what the entries
+  // claim is backed by the stored bytes (every tensor's elements fit in what the files hold, at
+  // zstd's most): a load_all allocates the shapes before reading.
+  void CheckFileTable(const Metadata& md) const {
+    std::vector<std::optional<uint64_t>> sizes(md.files.size());
+    ParallelFor(
+        md.files.size(), [&](size_t i) { sizes[i] = store_->Size(md.files[i].name); },
+        std::min<size_t>(std::max<size_t>(md.files.size(), 1), kSizeQueriesInFlight));
+    uint64_t stored = 0;
+    for (size_t i = 0; i < md.files.size(); ++i) {
+      const DataFile& f = md.files[i];
+      const std::string where = store_->uri() + "/" + f.name;
+      if (!sizes[i]) {
+        throw NotFoundError("data file '" + where + "' is missing: the items of rank " +
+                            std::to_string(f.writer) + " it holds cannot be read");
+      }
+      if (*sizes[i] < f.size) {
+        throw CorruptionError("truncated data file '" + where + "' (" + std::to_string(*sizes[i]) +
+                              " bytes, the metadata records " + std::to_string(f.size) + ")");
+      }
+      stored += f.index_offset;
     }
-    for (const auto& c : t.chunks) {
-      if (c.offsets == item.storage_index.offset) return c;
+    const uint64_t most =
+        stored > UINT64_MAX / kMaxZstdExpansion ? UINT64_MAX : stored * kMaxZstdExpansion;
+    uint64_t claimed = 0;
+    for (const auto& [fqn, entry] : md.entries) {
+      const auto* t = std::get_if<TensorMetadata>(&entry);
+      const uint64_t add = t ? static_cast<uint64_t>(NumElements(t->shape)) * ElementSize(t->dtype)
+                             : std::get<BytesMetadata>(entry).size;
+      claimed = add > UINT64_MAX - claimed ? UINT64_MAX : claimed + add;
+      if (claimed > most) {
+        throw CorruptionError(store_->uri() + ": the entries claim more bytes (" +
+                              std::to_string(claimed) + " by " + ClippedName(fqn) +
+                              ") than its data files can hold");
+      }
+    }
+  }
+
+  ChunkMeta StoredChunk(const ReadItem& item) const {
+    const auto& t = Entry(item);
+    if (auto k = ChunkOrdinal(t, item.storage_index.offset, item.storage_index.index)) {
+      return ChunkAt(t, *k);
     }
     throw CorruptionError(store_->uri() + ": metadata has no chunk " +
                           item.storage_index.ToString());
@@ -935,6 +981,7 @@ class StoreReader : public StorageReader {
   std::shared_ptr<Store> store_;
   StorageOptions options_;
   const Metadata* metadata_ = nullptr;
+  std::unique_ptr<FileIndexResolver> index_resolver_;  // version 2
   std::string encoded_;  // the last ReadMetadata's wire encoding, when its file held it
   StorageContext ctx_;
   std::map<MetadataIndex, StorageInfo> resolved_;       // torch records read as plain items

@@ -24,7 +24,9 @@
 #include <set>
 #include <thread>
 #include <unordered_set>
+#include <utility>
 
+#include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
 #include "dcp/proto/random_name.h"
@@ -57,6 +59,10 @@ class StoreWriter : public StorageWriter {
   void SetUp(const StorageContext& ctx) override {
     ctx_ = ctx;
     created_.clear();
+    {
+      std::lock_guard<std::mutex> lock(files_mutex_);
+      files_.clear();
+    }
     replaced_.clear();
     referenced_.clear();
     committed_ = false;
@@ -91,7 +97,7 @@ class StoreWriter : public StorageWriter {
       // proves any other unreferenced file dead (it may be a concurrent save's).
       try {
         const Metadata old = ReadOwnMetadata();
-        for (const auto& [index, info] : old.storage) replaced_.insert(info.relative_path);
+        for (const auto& name : old.DataFileNames()) replaced_.insert(name);
       } catch (const Error&) {
         // A damaged old checkpoint: its files stay behind (dcp verify lists them).
       }
@@ -169,6 +175,17 @@ class StoreWriter : public StorageWriter {
         .ToFuture();
   }
 
+  bool WritesFileIndexes() const override {
+    return layout_.format() == CheckpointFormat::kDcp && options_.metadata_version >= 2;
+  }
+
+  std::vector<DataFile> TakeDataFiles() override {
+    std::lock_guard<std::mutex> lock(files_mutex_);
+    std::sort(files_.begin(), files_.end(),
+              [](const DataFile& a, const DataFile& b) { return a.name < b.name; });
+    return std::exchange(files_, {});
+  }
+
   bool FinishTakesFilledStorage() const override { return true; }
   bool GlobalPlanOnlyNamesFiles() const override { return true; }
 
@@ -177,6 +194,7 @@ class StoreWriter : public StorageWriter {
     for (const auto& rank_results : results) any_result = any_result || !rank_results.empty();
     if (any_result) FillStorage(md, results);  // else the protocol filled md.storage
     std::set<std::string> referenced;
+    for (const auto& f : md.files) referenced.insert(f.name);
     {
       // Items of many ranks alternate in the map's order, so a hash set of views comes first.
       std::unordered_set<std::string_view> files;
@@ -374,9 +392,51 @@ class StoreWriter : public StorageWriter {
       r.size_in_bytes = r.storage.length;
       results.push_back(std::move(r));
     }
+    if (WritesFileIndexes()) AppendFileIndex(*out, name, results);
     if (options_.sync) out->Sync();
     out->Close();
     return results;
+  }
+
+  // Version 2: the file's index after its last item, so that it is in the file when the file
+  // appears (docs/FORMAT.md). Every item needs its chunk ordinal, which the coordinator's plan
+  // gives (MetadataIndex::index).
+  void AppendFileIndex(WritableObject& out, const std::string& name,
+                       const std::vector<WriteResult>& results) {
+    std::vector<FileIndexItem> index;
+    index.reserve(results.size());
+    for (const WriteResult& r : results) {
+      if (!r.index.index || *r.index.index < 0) {
+        throw InvalidArgumentError(
+            "save plan item " + r.index.ToString() +
+            " has no chunk ordinal, which version-2 metadata needs (a planner's FinishPlan "
+            "dropped the coordinator's index hints?); save with metadata_version 1");
+      }
+      FileIndexItem it;
+      it.fqn_hash = FqnHash(r.index.fqn);
+      it.chunk = static_cast<uint32_t>(*r.index.index);
+      it.offset = r.storage.offset;
+      it.length = r.storage.length;
+      it.raw_length = r.storage.raw_length;
+      it.crc32c = r.storage.crc32c;
+      if (r.storage.transforms.size() > 1 ||
+          (r.storage.transforms.size() == 1 && r.storage.transforms[0] != kZstdTransform)) {
+        throw InternalError("item " + r.index.ToString() + ": a transform an index cannot record");
+      }
+      it.zstd = !r.storage.transforms.empty();
+      index.push_back(it);
+    }
+    const std::string bytes = EncodeFileIndex(std::move(index));
+    DataFile f;
+    f.name = name;
+    f.writer = ctx_.rank;
+    f.index_offset = out.size();
+    f.index_length = bytes.size();
+    f.index_crc32c = Crc32c(0, bytes.data(), bytes.size());
+    out.Append(bytes.data(), bytes.size());
+    f.size = out.size();
+    std::lock_guard<std::mutex> lock(files_mutex_);
+    files_.push_back(std::move(f));
   }
 
   std::shared_ptr<Store> store_;
@@ -390,6 +450,8 @@ class StoreWriter : public StorageWriter {
   bool committed_ = false;            // coordinator: Finish committed; clean-up pending
   bool replacing_ = false;            // metadata existed at SetUp (an overwrite)
   std::set<std::string> replaced_;    // unlocked overwrite: files of the replaced checkpoint
+  std::mutex files_mutex_;            // guards files_ (files are written in parallel)
+  std::vector<DataFile> files_;       // version 2: this rank's files of the current save
 };
 
 }  // namespace

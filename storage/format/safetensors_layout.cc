@@ -427,7 +427,7 @@ void AddSafetensorsFile(std::string_view head, uint64_t file_size, const std::st
 
 Metadata ReadSafetensorsMetadata(Store& store) {
   Metadata md;
-  md.format_version = kFormatVersion;
+  md.format_version = 1;  // items listed in `storage`, as in version 1
   md.library_version = "safetensors";
   std::string source;
   std::set<std::string> files;

@@ -387,6 +387,8 @@ class SafetensorsWriter : public StorageWriter {
         if (it == md.entries.end()) continue;  // validation names it
         if (auto* t = std::get_if<TensorMetadata>(&it->second)) {
           t->chunks = {ChunkMeta{Shape(t->shape.size(), 0), t->shape}};
+          t->regular.reset();
+          t->chunk_writers.clear();
         }
       }
     }

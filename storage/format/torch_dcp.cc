@@ -1047,7 +1047,7 @@ Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source)
   const ValuePtr root = pickle::Load(bytes, AllowMetadataGlobal, source, limits);
   const Value& st = r.State(root.get(), "Metadata", "the metadata");
   Metadata md;
-  md.format_version = kFormatVersion;
+  md.format_version = 1;  // items listed in `storage`, as in version 1
   ChunkBytes chunk_bytes;
   ReadStateDictMetadata(r, st, md, chunk_bytes);
   ReadStorageData(r, st, source, chunk_bytes, md);
@@ -1090,7 +1090,7 @@ std::string EncodeTorchDcpMetadata(const Metadata& md, TorchDcpFlavor flavor,
       sdm.emplace_back(str(fqn), dataclass(meta_mod, "BytesStorageMetadata", nullptr));
       continue;
     }
-    const auto& tm = std::get<TensorMetadata>(entry);
+    const TensorMetadata tm = WithListedChunks(std::get<TensorMetadata>(entry));
     ValuePtr mem_format =
         t2 ? Object(Global(meta_mod, "_MEM_FORMAT_ENCODING"), {Int(0)})
            : Object(Global("builtins", "getattr"),
@@ -1117,10 +1117,9 @@ std::string EncodeTorchDcpMetadata(const Metadata& md, TorchDcpFlavor flavor,
         !index.offset.empty() || std::holds_alternative<TensorMetadata>(md.entries.at(index.fqn));
     int64_t chunk_index = 0;
     if (tensor) {
-      const auto& chunks = std::get<TensorMetadata>(md.entries.at(index.fqn)).chunks;
-      for (size_t k = 0; k < chunks.size(); ++k) {
-        if (chunks[k].offsets == index.offset) chunk_index = static_cast<int64_t>(k);
-      }
+      const auto& t = std::get<TensorMetadata>(md.entries.at(index.fqn));
+      if (auto k = ChunkOrdinal(t, index.offset, index.index))
+        chunk_index = static_cast<int64_t>(*k);
     }
     ValuePtr key = dataclass(meta_mod, "MetadataIndex",
                              Dict({{str("fqn"), str(index.fqn)},

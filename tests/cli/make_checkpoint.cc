@@ -156,6 +156,7 @@ int main(int argc, char** argv) {
       so.storage.compression_max_ratio = 1;
     } else if (std::strcmp(argv[i], "--hostile") == 0 && i + 1 < argc) {
       hostile = argv[++i];
+      so.storage.metadata_version = 1;  // the attacks edit the items version 1 lists
     } else {
       std::cerr << "unknown option " << argv[i] << "\n";
       return 2;

@@ -138,6 +138,8 @@ class ForwardingWriter : public StorageWriter {
   bool FinishTakesFilledStorage() const override { return inner_->FinishTakesFilledStorage(); }
   void AfterCommitDelivered() noexcept override { inner_->AfterCommitDelivered(); }
   void Abort() noexcept override { inner_->Abort(); }
+  bool WritesFileIndexes() const override { return inner_->WritesFileIndexes(); }
+  std::vector<DataFile> TakeDataFiles() override { return inner_->TakeDataFiles(); }
 
  protected:
   std::unique_ptr<StorageWriter> inner_;

@@ -262,7 +262,8 @@ TEST_CASE("alignment: odd-sized items round-trip bit-exact through file://",
         const std::string root = dir.path() + "/ckpt", uri = "file://" + root;
         SaveOptions so;
         so.storage.files_per_rank = files;
-        const Metadata md = Save(s.sd, uri, so).metadata;
+        Metadata md = Save(s.sd, uri, so).metadata;
+        ReadStoredItems(uri, md);
         CheckLayout(root, md, s);
         for (size_t misalign : {size_t{0}, size_t{1}, size_t{4095}})
           LoadAndCompare(uri, s, misalign);
@@ -302,7 +303,8 @@ TEST_CASE("alignment: items past 4 GiB round-trip, corruption there names fqn, f
   for (size_t i = 0; i < names.size(); ++i) sd.Set(names[i], after[i]);
   const std::string blob = BlobBytes(4097, 6);
   sd.Set("m_after_blob", Blob{blob});
-  const Metadata md = Save(sd, root).metadata;
+  Metadata md = Save(sd, root).metadata;
+  ReadStoredItems(root, md);
 
   const StorageInfo big_info = InfoOf(md, "a_big");
   CHECK(big_info.length == kBig);

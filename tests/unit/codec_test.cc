@@ -324,7 +324,7 @@ TEST_CASE("codec: Metadata round trips through the metadata file", "[codec][meta
   // The envelope: magic, version, CRC of the payload, payload length.
   REQUIRE(file.size() > kMetadataHeaderSize);
   CHECK(file.substr(0, 8) == "DCPMETA1");
-  CHECK(ReadLe32(file, 8) == kFormatVersion);
+  CHECK(ReadLe32(file, 8) == md.format_version);
   const std::string payload = file.substr(kMetadataHeaderSize);
   CHECK(ReadLe32(file, 12) == Crc32c(0, payload.data(), payload.size()));
   CHECK(ReadLe32(file, 16) == payload.size());

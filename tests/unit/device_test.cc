@@ -326,7 +326,8 @@ TEST_CASE("device: compressed items save from and load into device tensors", "[d
   LocalCommunicator comm;
   SaveOptions o;
   o.storage.compression = Compression::kZstd;
-  const Metadata md = Save(sd, "mem://device-zstd", comm, o).metadata;
+  Metadata md = Save(sd, "mem://device-zstd", comm, o).metadata;
+  ReadStoredItems("mem://device-zstd", md);
   bool compressed = false;
   for (const auto& [index, info] : md.storage) compressed |= !info.transforms.empty();
   CHECK(compressed);

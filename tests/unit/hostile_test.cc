@@ -81,6 +81,9 @@ void SaveSmall(const std::string& name, bool compress = false) {
   if (compress) sd.Set("config", Blob{std::string(300000, 'a')});
   SaveOptions so;
   if (compress) so.storage.compression = Compression::kZstd;
+  // Version 1: these cases edit the stored items the metadata lists (version 2's hostile cases,
+  // which edit file tables and indexes, are in metadata_v2_test.cc).
+  so.storage.metadata_version = 1;
   Save(sd, "mem://" + name, so);
 }
 

@@ -198,10 +198,10 @@ TEST_CASE("manager: a step written by a newer dcp is kept and reported, never re
     s.Fill(step);
     m.Save(step, s.sd);
   }
-  // Step 2's metadata as a newer build would write it: format version 2 in its header.
+  // Step 2's metadata as a newer build would write it: a newer format version in its header.
   auto store2 = Underlying(m.PathFor(2));
   std::string bytes = store2->ReadAll(kMetadataName);
-  bytes[8] = 2;
+  bytes[8] = static_cast<char>(kFormatVersion + 1);
   store2->PublishAtomically(kMetadataName, bytes);
   const auto data_files = store2->List();
   s.Fill(3);

@@ -205,7 +205,8 @@ TEST_CASE("option: StorageOptions::compression_level trades speed for size",
     const std::string name = FreshMem("level");
     SaveOptions so = Zstd();
     so.storage.compression_level = level;
-    const Metadata md = Save(sd, "mem://" + name, so).metadata;
+    Metadata md = Save(sd, "mem://" + name, so).metadata;
+    ReadStoredItems("mem://" + name, md);
     REQUIRE(Compressed(md, "text", {}));
     stored[level] = Item(md, "text", {}).length;
     StateDict back = LoadAll("mem://" + name);
@@ -236,7 +237,8 @@ TEST_CASE("option: StorageOptions::compression_threads runs zstd workers during 
         std::this_thread::sleep_for(std::chrono::microseconds(200));
       }
     });
-    const Metadata md = Save(sd, "mem://" + name, so).metadata;
+    Metadata md = Save(sd, "mem://" + name, so).metadata;
+    ReadStoredItems("mem://" + name, md);
     done = true;
     sampler.join();
     CHECK(Compressed(md, "big", {0}));
@@ -260,7 +262,8 @@ TEST_CASE("option: StorageOptions::compression_min_bytes leaves smaller items ra
     const std::string name = FreshMem("minbytes");
     SaveOptions so = Zstd();
     if (min_bytes) so.storage.compression_min_bytes = *min_bytes;
-    const Metadata md = Save(sd, "mem://" + name, so).metadata;
+    Metadata md = Save(sd, "mem://" + name, so).metadata;
+    ReadStoredItems("mem://" + name, md);
     ClearMemStore(name);
     return std::make_pair(Compressed(md, "small", {0}), Compressed(md, "mid", {0}));
   };
@@ -279,7 +282,8 @@ TEST_CASE("option: StorageOptions::compression_max_ratio keeps items that shrink
       const std::string name = FreshMem("ratio");
       SaveOptions so = Zstd();
       so.storage.compression_max_ratio = ratio;
-      const Metadata md = Save(sd, "mem://" + name, so).metadata;
+      Metadata md = Save(sd, "mem://" + name, so).metadata;
+      ReadStoredItems("mem://" + name, md);
       const StorageInfo& info = Item(md, "half", {0});
       if (ratio > 0.6) {
         CHECK(Compressed(md, "half", {0}));

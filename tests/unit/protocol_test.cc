@@ -160,7 +160,7 @@ TEST_CASE("protocol: replicated tensors are written once, balanced across ranks"
   const uint64_t one = replicated[0].nbytes();
   CHECK(mds[0].TotalStoredBytes() == 4 * one);  // not 16x
   std::set<std::string> files;
-  for (const auto& [index, info] : mds[0].storage) files.insert(info.relative_path);
+  for (const auto& name : mds[0].DataFileNames()) files.insert(name);
   CHECK(files.size() == 4);  // one tensor per rank: balanced
   for (int r = 1; r < 4; ++r) CHECK(mds[r].save_id == mds[0].save_id);
 }

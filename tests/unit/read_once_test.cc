@@ -191,7 +191,11 @@ std::shared_ptr<FaultInjectionStore> SavedState(const std::string& bucket) {
   std::vector<State> states(kWorld);
   RequireNoErrors(RunRanks(kWorld, [&](int r, Communicator& comm) {
     states[r] = MakeState(r, true);
-    Save(states[r].sd, "readonce://x", comm);
+    // Version 1: the byte counts below are of items only (version 2 adds each data file's
+    // index to the reads of the ranks that read from it).
+    SaveOptions so;
+    so.storage.metadata_version = 1;
+    Save(states[r].sd, "readonce://x", comm, so);
   }));
   return store;
 }

@@ -24,7 +24,7 @@ StateDict SmallState(TensorView& w) {
   return sd;
 }
 
-std::string DataFile(const std::string& dir) {
+std::string FirstDataFile(const std::string& dir) {
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
     if (name.rfind("data-", 0) == 0) return e.path().string();
@@ -48,7 +48,7 @@ TEST_CASE("special files: a FIFO in place of the metadata or a data file is refu
     CHECK_THROWS_WITH(ReadMetadata(dir.path()), Contains("not a regular file"));
   }
   SECTION("data file") {
-    const std::string data = DataFile(dir.path());
+    const std::string data = FirstDataFile(dir.path());
     std::filesystem::remove(data);
     REQUIRE(::mkfifo(data.c_str(), 0644) == 0);
     TensorView back = TensorView::Allocate(DType::kFloat32, {64, 4});
@@ -62,7 +62,7 @@ TEST_CASE("special files: a data file that is a symbolic link is not followed", 
   TensorView w = RandomTensor(DType::kFloat32, {64, 4}, 8);
   StateDict sd = SmallState(w);
   Save(sd, dir.path());
-  const std::string data = DataFile(dir.path());
+  const std::string data = FirstDataFile(dir.path());
   const std::string moved = elsewhere.path() + "/outside.data";
   std::filesystem::copy_file(data, moved);
   std::filesystem::remove(data);

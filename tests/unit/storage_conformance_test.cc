@@ -227,6 +227,7 @@ TEST_CASE("conformance: save and load round trip", "[storage][conformance]") {
           SaveOptions so;
           so.storage.files_per_rank = files;
           Metadata md = Save(sd, loc.uri, so).metadata;
+          ReadStoredItems(loc.uri, md);
           CHECK(md.entries.size() == 5);
           CHECK(md.world_size == 1);
           CHECK(md.library_version == LibraryVersion());
@@ -421,6 +422,7 @@ TEST_CASE("conformance: damaged data is detected and named",
         std::vector<TensorView> src, dst;
         StateDict sd = MakeState(src);
         Metadata md = Save(sd, loc.uri).metadata;
+        ReadStoredItems(loc.uri, md);
         auto store = OpenStore(loc.uri);
         const std::string data = FirstDataObject(*store);
         REQUIRE_FALSE(data.empty());

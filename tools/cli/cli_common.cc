@@ -15,6 +15,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/proto/staging.h"
+#include "dcp/storage/checkpoint/file_index.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/torch_dcp.h"
@@ -210,6 +211,19 @@ Checkpoint OpenCheckpoint(const std::string& path) {
                    std::string(foreign ? "not a checkpoint: " : "corrupt metadata: ") + e.what()};
   } catch (const UnsupportedError& e) {
     throw CliError{kUnsupported, std::string("unsupported checkpoint: ") + e.what()};
+  }
+  // Version 2: the tools work on every item, so every data file's index is read (the items of
+  // a missing or truncated file are then reported one by one, as in version 1), and rules are
+  // listed as the chunks they name.
+  try {
+    FileIndexResolver::ResolveAvailable(*c.store, c.md);
+  } catch (const NotFoundError& e) {
+    throw CliError{ExitCodeFor(ErrorCode::kNotFound), std::string("damaged data: ") + e.what()};
+  } catch (const CorruptionError& e) {
+    throw CliError{ExitCodeFor(ErrorCode::kCorruption), std::string("damaged data: ") + e.what()};
+  }
+  for (auto& [fqn, entry] : c.md.entries) {
+    if (auto* t = std::get_if<TensorMetadata>(&entry); t && t->regular) *t = WithListedChunks(*t);
   }
   return c;
 }

@@ -1,0 +1,201 @@
+#include "dcp/storage/checkpoint/file_index.h"
+
+#include <algorithm>
+#include <mutex>
+
+#include "dcp/proto/checksum.h"
+#include "dcp/proto/error.h"
+#include "dcp/proto/executor.h"
+#include "dcp/storage/format/zstd_transform.h"
+
+namespace dcp {
+
+namespace {
+// Index reads in flight: on an object store each is a round trip.
+constexpr size_t kIndexReadsInFlight = 16;
+}  // namespace
+
+std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f) {
+  const std::string where = store.uri() + "/" + f.name;
+  std::unique_ptr<ReadableObject> in;
+  try {
+    in = store.Open(f.name);
+  } catch (const NotFoundError&) {
+    throw NotFoundError("data file '" + where + "' is missing: the items its index lists " +
+                        "cannot be read");
+  }
+  if (in->size() < f.size) {
+    throw CorruptionError("truncated data file '" + where + "' (" + std::to_string(in->size()) +
+                          " bytes, the metadata records " + std::to_string(f.size) + ")");
+  }
+  std::string bytes(static_cast<size_t>(f.index_length), '\0');
+  in->ReadAt(f.index_offset, bytes.data(), bytes.size());
+  if (Crc32c(0, bytes.data(), bytes.size()) != f.index_crc32c) {
+    throw CorruptionError("index of data file '" + where + "' does not match its checksum");
+  }
+  return DecodeFileIndex(bytes, f.index_offset, where);
+}
+
+FileIndexResolver::FileIndexResolver(Store& store, const Metadata& md) : store_(store), md_(md) {
+  for (const DataFile& f : md.files) files_by_writer_[f.writer].push_back(&f);
+}
+
+void FileIndexResolver::LoadWriters(const std::vector<int32_t>& writers, bool tolerate_lost_files) {
+  std::vector<const DataFile*> todo;
+  for (int32_t w : writers) {
+    if (loaded_[w]) continue;
+    loaded_[w] = true;
+    auto it = files_by_writer_.find(w);
+    if (it != files_by_writer_.end()) todo.insert(todo.end(), it->second.begin(), it->second.end());
+  }
+  std::vector<std::vector<FileIndexItem>> indexes(todo.size());
+  std::vector<char> lost(todo.size(), 0);
+  ParallelFor(
+      todo.size(),
+      [&](size_t i) {
+        if (tolerate_lost_files) {
+          const auto size = store_.Size(todo[i]->name);
+          if (!size || *size < todo[i]->size) {
+            lost[i] = 1;
+            return;
+          }
+        }
+        indexes[i] = ReadFileIndex(store_, *todo[i]);
+      },
+      std::min<size_t>(std::max<size_t>(todo.size(), 1), kIndexReadsInFlight));
+  for (size_t i = 0; i < todo.size(); ++i) {
+    if (lost[i]) lost_.try_emplace(todo[i]->writer, todo[i]);
+  }
+  for (size_t i = 0; i < todo.size(); ++i) {
+    for (const FileIndexItem& item : indexes[i]) {
+      auto [it, fresh] = items_.try_emplace({item.fqn_hash, item.chunk}, Located{todo[i], item});
+      if (!fresh) {
+        throw CorruptionError("item " + std::to_string(item.fqn_hash) + "/" +
+                              std::to_string(item.chunk) + " is listed by the indexes of both '" +
+                              it->second.file->name + "' and '" + todo[i]->name + "' in " +
+                              store_.uri());
+      }
+    }
+  }
+}
+
+StorageInfo FileIndexResolver::InfoFor(const MetadataIndex& index, const std::string& fqn,
+                                       const EntryMetadata& entry) {
+  uint32_t chunk = 0;
+  int32_t writer = -1;
+  uint64_t raw = 0;
+  const auto* t = std::get_if<TensorMetadata>(&entry);
+  if (t != nullptr) {
+    const auto k = ChunkOrdinal(*t, index.offset, index.index);
+    if (!k) {
+      throw CorruptionError(store_.uri() + ": metadata has no chunk " + index.ToString());
+    }
+    chunk = static_cast<uint32_t>(*k);
+    writer = ChunkWriter(*t, *k);
+    raw = static_cast<uint64_t>(ChunkAt(*t, *k).numel()) * ElementSize(t->dtype);
+  } else {
+    writer = std::get<BytesMetadata>(entry).writer;
+    raw = std::get<BytesMetadata>(entry).size;
+  }
+  auto it = items_.find({FqnHash(fqn), chunk});
+  if (it == items_.end() && lost_.count(writer)) {
+    const DataFile* f = lost_.at(writer);
+    StorageInfo info;
+    info.relative_path = f->name;
+    info.offset = f->size;
+    info.length = raw;
+    info.raw_length = raw;
+    return info;
+  }
+  if (it == items_.end()) {
+    std::string searched;
+    auto files = files_by_writer_.find(writer);
+    if (files != files_by_writer_.end()) {
+      for (const DataFile* f : files->second)
+        searched += (searched.empty() ? "'" : ", '") + f->name + "'";
+    }
+    throw CorruptionError(store_.uri() + ": " + index.ToString() + " (chunk " +
+                          std::to_string(chunk) + ", written by rank " + std::to_string(writer) +
+                          ") is in no index of that rank's data files (" +
+                          (searched.empty() ? std::string("it has none") : searched) + ")");
+  }
+  const FileIndexItem& item = it->second.item;
+  if (item.raw_length != raw) {
+    throw CorruptionError("index of data file '" + store_.uri() + "/" + it->second.file->name +
+                          "': " + index.ToString() + " should hold " + std::to_string(raw) +
+                          " bytes but its index records " + std::to_string(item.raw_length));
+  }
+  StorageInfo info;
+  info.relative_path = it->second.file->name;
+  info.offset = item.offset;
+  info.length = item.length;
+  info.raw_length = item.raw_length;
+  info.crc32c = item.crc32c;
+  if (item.zstd) info.transforms = {kZstdTransform};
+  return info;
+}
+
+void FileIndexResolver::Resolve(const std::vector<MetadataIndex>& wanted,
+                                std::map<MetadataIndex, StorageInfo>& out) {
+  std::vector<int32_t> writers;
+  std::vector<std::pair<const MetadataIndex*, decltype(md_.entries.begin())>> todo;
+  for (const MetadataIndex& index : wanted) {
+    if (out.count(index)) continue;
+    auto e = md_.entries.find(index.fqn);
+    if (e == md_.entries.end()) {
+      throw CorruptionError(store_.uri() + ": metadata has no entry " + ClippedName(index.fqn));
+    }
+    int32_t writer;
+    if (const auto* t = std::get_if<TensorMetadata>(&e->second)) {
+      const auto k = ChunkOrdinal(*t, index.offset, index.index);
+      if (!k) throw CorruptionError(store_.uri() + ": metadata has no chunk " + index.ToString());
+      writer = ChunkWriter(*t, *k);
+    } else {
+      writer = std::get<BytesMetadata>(e->second).writer;
+    }
+    if (!loaded_.count(writer)) writers.push_back(writer);
+    todo.emplace_back(&index, e);
+  }
+  std::sort(writers.begin(), writers.end());
+  writers.erase(std::unique(writers.begin(), writers.end()), writers.end());
+  LoadWriters(writers);
+  for (const auto& [index, e] : todo) {
+    if (out.count(*index)) continue;
+    out.emplace(*index, InfoFor(*index, e->first, e->second));
+  }
+}
+
+void FileIndexResolver::ResolveAll(Store& store, Metadata& md) { Resolve(store, md, false); }
+
+void FileIndexResolver::ResolveAvailable(Store& store, Metadata& md) { Resolve(store, md, true); }
+
+void FileIndexResolver::Resolve(Store& store, Metadata& md, bool tolerate_lost_files) {
+  if (md.format_version < 2) return;
+  FileIndexResolver resolver(store, md);
+  std::vector<int32_t> writers;
+  for (const auto& [w, files] : resolver.files_by_writer_) writers.push_back(w);
+  resolver.LoadWriters(writers, tolerate_lost_files);
+  std::map<MetadataIndex, StorageInfo> storage;
+  size_t wanted = 0;
+  for (const auto& [fqn, entry] : md.entries) {
+    if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
+      ForEachChunk(*t, [&](size_t k, const ChunkMeta& c) {
+        MetadataIndex index{fqn, c.offsets, static_cast<int32_t>(k)};
+        storage.emplace(index, resolver.InfoFor(index, fqn, entry));
+        ++wanted;
+      });
+    } else {
+      MetadataIndex index{fqn, {}, 0};
+      storage.emplace(index, resolver.InfoFor(index, fqn, entry));
+      ++wanted;
+    }
+  }
+  if (resolver.lost_.empty() && resolver.items_.size() != wanted) {
+    throw CorruptionError(store.uri() + ": the data files' indexes list " +
+                          std::to_string(resolver.items_.size()) + " items, the metadata " +
+                          std::to_string(wanted));
+  }
+  md.storage = std::move(storage);
+}
+
+}  // namespace dcp

@@ -1,0 +1,68 @@
+// Version-2 checkpoints (docs/FORMAT.md) keep where each stored item lies in an index at the end
+// of each data file, written by the rank that wrote the file; the metadata holds the file table
+// and, per chunk, the rank that wrote it. A reader resolves the items it needs from the indexes
+// of those ranks' files only. Internal (not installed).
+//
+// A resolver serves one load on one thread; it reads each index at most once.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "dcp/proto/plan.h"
+#include "dcp/proto/schema/codec.h"
+#include "dcp/storage/store.h"
+
+namespace dcp {
+
+class FileIndexResolver {
+ public:
+  /// `md` (a validated version-2 metadata) and `store` must outlive the resolver.
+  FileIndexResolver(Store& store, const Metadata& md);
+
+  /// Add to `out` where each of `wanted` (stored items: fqn + chunk offsets) lies, from the
+  /// indexes of its writer's files, read (in parallel) and checked against the file table's
+  /// CRC32C the first time they are needed. Items already in `out` are skipped.
+  /// CorruptionError naming the entry, the chunk and the files searched when no index holds
+  /// an item, or when an index is damaged or records the wrong size for it; NotFoundError for
+  /// a missing file; UnsupportedError... never (the flags are checked when decoding).
+  void Resolve(const std::vector<MetadataIndex>& wanted, std::map<MetadataIndex, StorageInfo>& out);
+
+  /// Every item of `md`, into md.storage (dcp verify, inspect, diff, convert): every index is
+  /// read. Also reports items an index lists that the metadata has no chunk for (CorruptionError).
+  static void ResolveAll(Store& store, Metadata& md);
+
+  /// ResolveAll for tools that report damage item by item (dcp verify): a data file that is
+  /// missing or shorter than the file table records loses its index, so each item its writer
+  /// wrote that no other index of that writer lists is placed in it past its recorded end
+  /// (offset = the recorded size, no checksum): every read of it then fails as missing or
+  /// truncated, naming the item. Any other damage (a bad index checksum, a malformed index, an
+  /// item no index holds) throws as ResolveAll does.
+  static void ResolveAvailable(Store& store, Metadata& md);
+
+ private:
+  static void Resolve(Store& store, Metadata& md, bool tolerate_lost_files);
+  struct Located {
+    const DataFile* file;
+    FileIndexItem item;
+  };
+  void LoadWriters(const std::vector<int32_t>& writers, bool tolerate_lost_files = false);
+  StorageInfo InfoFor(const MetadataIndex& index, const std::string& fqn,
+                      const EntryMetadata& entry);
+
+  Store& store_;
+  const Metadata& md_;
+  std::unordered_map<int32_t, std::vector<const DataFile*>> files_by_writer_;
+  std::unordered_map<int32_t, bool> loaded_;
+  std::unordered_map<int32_t, const DataFile*> lost_;  // a missing or truncated file per writer
+  // (fqn hash, chunk) -> where, over every index read so far.
+  std::map<std::pair<uint64_t, uint32_t>, Located> items_;
+};
+
+/// Version 2: read and decode the index of data file `f` in `store`, checking its CRC32C.
+std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f);
+
+}  // namespace dcp

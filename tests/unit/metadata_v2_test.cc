@@ -1,0 +1,346 @@
+// Version-2 metadata (docs/FORMAT.md): rules instead of per-rank chunks, a file table, and an
+// index at the end of each data file written by the rank that wrote it.
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "dcp/checkpoint.h"
+#include "dcp/planner/default_planner.h"
+#include "dcp/proto/checksum.h"
+#include "dcp/proto/schema/codec.h"
+#include "dcp/storage/backends/mem_store.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "support/test_support.h"
+
+using namespace dcp;
+using Catch::Matchers::Contains;
+using dcp::testing::RandomTensor;
+using dcp::testing::RequireNoErrors;
+using dcp::testing::RowRange;
+using dcp::testing::RunRanks;
+using dcp::testing::SameElements;
+
+namespace {
+
+constexpr int kTensors = 12;
+
+// Tensor i: [rows_i, 24] float32, rows_i = 7 + 5 * i (neither rule divides every one evenly).
+Shape ShapeOf(int i) { return {7 + 5 * i, 24}; }
+const TensorView& Full(int i) {
+  static std::vector<TensorView> full = [] {
+    std::vector<TensorView> v;
+    for (int k = 0; k < kTensors; ++k)
+      v.push_back(RandomTensor(DType::kFloat32, ShapeOf(k), 90 + k));
+    return v;
+  }();
+  return full[static_cast<size_t>(i)];
+}
+
+// Rank r of `world`: every tensor row-sharded (numpy.array_split), a replicated tensor and a
+// blob every rank holds.
+StateDict RowSharded(int r, int world) {
+  StateDict sd;
+  for (int i = 0; i < kTensors; ++i) {
+    const Shape shape = ShapeOf(i);
+    auto [b, e] = RowRange(shape[0], r, world);
+    sd.Set("layer" + std::to_string(i) + ".w",
+           ShardedTensor{DType::kFloat32, shape, {{Full(i).Narrow({b, 0}, {e - b, 24}), {b, 0}}}});
+  }
+  sd.Set("replicated", Full(0));
+  sd.Set("tokenizer", Blob{std::string(3000, 'k')});
+  return sd;
+}
+
+void SaveAt(const std::string& name, int world, uint32_t version) {
+  ClearMemStore(name);
+  RequireNoErrors(RunRanks(world, [&](int r, Communicator& comm) {
+    SaveOptions so;
+    so.storage.metadata_version = version;
+    Save(RowSharded(r, world), "mem://" + name, comm, so);
+  }));
+}
+
+// Load at `world` ranks with column shards (every local chunk overlaps every saved one) and
+// check every value.
+void LoadColumnsAndCheck(const std::string& name, int world) {
+  std::vector<std::vector<TensorView>> got(static_cast<size_t>(world));
+  std::vector<Blob> blobs(static_cast<size_t>(world));
+  RequireNoErrors(RunRanks(world, [&](int r, Communicator& comm) {
+    StateDict sd;
+    auto& mine = got[static_cast<size_t>(r)];
+    for (int i = 0; i < kTensors; ++i) {
+      const Shape shape = ShapeOf(i);
+      auto [b, e] = RowRange(shape[1], r, world);
+      mine.push_back(TensorView::Allocate(DType::kFloat32, {shape[0], e - b}));
+      sd.Set("layer" + std::to_string(i) + ".w",
+             ShardedTensor{DType::kFloat32, shape, {{mine.back(), {0, b}}}});
+    }
+    mine.push_back(TensorView::Allocate(DType::kFloat32, ShapeOf(0)));
+    sd.Set("replicated", mine.back());
+    sd.Set("tokenizer", Blob{});
+    Load(sd, "mem://" + name, comm);
+    blobs[static_cast<size_t>(r)] = std::get<Blob>(*sd.Find("tokenizer"));
+  }));
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r);
+    for (int i = 0; i < kTensors; ++i) {
+      const Shape shape = ShapeOf(i);
+      auto [b, e] = RowRange(shape[1], r, world);
+      CHECK(SameElements(got[r][i], Full(i).Narrow({0, b}, {shape[0], e - b})));
+    }
+    CHECK(SameElements(got[r].back(), Full(0)));
+    CHECK(blobs[r].bytes == std::string(3000, 'k'));
+  }
+}
+
+Metadata RawMetadata(const std::string& name) {
+  return DecodeMetadataFile(MakeMemStore(name)->ReadAll(kMetadataName), "test");
+}
+
+void Publish(const std::string& name, const Metadata& md) {
+  MakeMemStore(name)->PublishAtomically(kMetadataName, EncodeMetadataFile(md));
+}
+
+// What a load of the checkpoint at mem://NAME throws (its message), at one rank.
+std::string LoadError(const std::string& name) {
+  StateDict sd;
+  for (int i = 0; i < kTensors; ++i) {
+    sd.Set("layer" + std::to_string(i) + ".w", TensorView::Allocate(DType::kFloat32, ShapeOf(i)));
+  }
+  sd.Set("replicated", TensorView::Allocate(DType::kFloat32, ShapeOf(0)));
+  sd.Set("tokenizer", Blob{});
+  try {
+    Load(sd, "mem://" + name);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "the load succeeded";
+}
+
+}  // namespace
+
+TEST_CASE("metadata v2: rules and a file table instead of per-rank items, loaded in any layout",
+          "[metadata-v2][option:StorageOptions::metadata_version]") {
+  SaveAt("v2-rules", 4, 2);
+  const Metadata md = RawMetadata("v2-rules");
+  CHECK(md.format_version == 2);
+  CHECK(md.storage.empty());
+  REQUIRE(md.files.size() == 4);
+  for (int r = 0; r < 4; ++r) CHECK(md.files[static_cast<size_t>(r)].writer == r);
+  for (int i = 0; i < kTensors; ++i) {
+    const auto& t = std::get<TensorMetadata>(md.entries.at("layer" + std::to_string(i) + ".w"));
+    REQUIRE(t.regular);
+    CHECK(t.chunks.empty());
+    CHECK(t.regular->world == 4);
+    CHECK(ChunkCount(t) == 4);
+  }
+  CHECK(std::get<BytesMetadata>(md.entries.at("tokenizer")).size == 3000);
+  // dcp::ReadMetadata lists every item, from the indexes.
+  const Metadata all = ReadMetadata("mem://v2-rules");
+  CHECK(all.storage.size() == kTensors * 4 + 2);
+  for (int world : {1, 3, 4}) {
+    DYNAMIC_SECTION("loaded at " << world << " ranks, column shards") {
+      LoadColumnsAndCheck("v2-rules", world);
+    }
+  }
+  ClearMemStore("v2-rules");
+}
+
+TEST_CASE("metadata v2: version 1 is still written on request and both load",
+          "[metadata-v2][option:StorageOptions::metadata_version]") {
+  SaveAt("v2-as-v1", 3, 1);
+  const Metadata md = RawMetadata("v2-as-v1");
+  CHECK(md.format_version == 1);
+  CHECK(md.files.empty());
+  CHECK(md.storage.size() == kTensors * 3 + 2);
+  for (const auto& [fqn, e] : md.entries) {
+    if (const auto* t = std::get_if<TensorMetadata>(&e)) CHECK_FALSE(t->regular);
+  }
+  LoadColumnsAndCheck("v2-as-v1", 2);
+  ClearMemStore("v2-as-v1");
+}
+
+TEST_CASE("metadata v2: the metadata does not grow with the world", "[metadata-v2]") {
+  auto size_at = [](int world, uint32_t version) {
+    SaveAt("v2-growth", world, version);
+    const uint64_t n = *MakeMemStore("v2-growth")->Size(kMetadataName);
+    ClearMemStore("v2-growth");
+    return n;
+  };
+  const uint64_t v2_small = size_at(2, 2), v2_large = size_at(8, 2);
+  const uint64_t v1_small = size_at(2, 1), v1_large = size_at(8, 1);
+  INFO("v1: " << v1_small << " -> " << v1_large << " bytes; v2: " << v2_small << " -> "
+              << v2_large);
+  // 6 more ranks: v2 adds 6 file-table rows; v1 adds 6 chunks and items per tensor.
+  CHECK(v2_large - v2_small < 6 * 120);
+  CHECK(v1_large - v1_small > 6 * kTensors * 60);
+  CHECK(v2_large < v1_large / 3);
+}
+
+TEST_CASE("metadata v2: a rule's chunks, overlaps and ordinals match its listed chunks",
+          "[metadata-v2]") {
+  for (RegularRule rule : {kRuleBalanced, kRuleCeil}) {
+    for (int64_t n : {1, 3, 7, 64, 1000}) {
+      for (int world : {1, 2, 3, 8, 64}) {
+        if (rule == kRuleCeil && n >= world && (world - 1) * ((n + world - 1) / world) >= n)
+          continue;  // not a valid ceil rule (some rank empty)
+        TensorMetadata t(DType::kInt8, {n, 3});
+        t.regular = RegularLayout{0, rule, world};
+        const TensorMetadata listed = WithListedChunks(t);
+        INFO("rule " << int(rule) << " n " << n << " world " << world);
+        REQUIRE(listed.chunks.size() == ChunkCount(t));
+        for (size_t k = 0; k < listed.chunks.size(); ++k) {
+          CHECK(listed.chunks[k].numel() > 0);
+          CHECK(ChunkOrdinal(t, listed.chunks[k].offsets) == k);
+          CHECK(ChunkWriter(t, k) == static_cast<int32_t>(k));
+        }
+        CHECK_FALSE(ChunkOrdinal(t, {0, 1}));
+        // The overlap range of every row window equals the brute-force answer.
+        for (int64_t b = 0; b < n; ++b) {
+          for (int64_t e = b + 1; e <= n; e += std::max<int64_t>(1, n / 7)) {
+            auto [first, last] = RegularChunkRange(t, b, e);
+            size_t lo = listed.chunks.size(), hi = 0;
+            for (size_t k = 0; k < listed.chunks.size(); ++k) {
+              const int64_t cb = listed.chunks[k].offsets[0];
+              const int64_t ce = cb + listed.chunks[k].sizes[0];
+              if (cb < e && b < ce) lo = std::min(lo, k), hi = k + 1;
+            }
+            CHECK(first == lo);
+            CHECK(last == hi);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("metadata v2: a load plan of a rule touches only the chunks it overlaps",
+          "[metadata-v2]") {
+  // 1,000,000 ranks' chunks described by one rule: a load of 2 rows plans 2 reads at once.
+  Metadata md;
+  md.format_version = 2;
+  md.world_size = 1000000;
+  TensorMetadata t(DType::kFloat32, {3000000, 2});
+  t.regular = RegularLayout{0, kRuleBalanced, 1000000};
+  md.entries["w"] = t;
+  StateDict sd;
+  TensorView mine = TensorView::Allocate(DType::kFloat32, {2, 2});
+  sd.Set("w", ShardedTensor{DType::kFloat32, {3000000, 2}, {{mine, {3, 0}}}});
+  DefaultLoadPlanner planner;
+  const auto start = std::chrono::steady_clock::now();
+  planner.SetUp(sd, md, PlannerContext{0, 1, true});
+  const LoadPlan plan = planner.CreateLocalPlan();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  REQUIRE(plan.items.size() == 1);  // rows 3-4 lie in rank 1's slice [3, 6)
+  CHECK(plan.items[0].storage_index.index == 1);
+  CHECK(s < 1.0);
+}
+
+TEST_CASE("metadata v2: hostile file tables, indexes and rules are refused, naming the file",
+          "[metadata-v2][hostile]") {
+  SaveAt("v2-hostile", 2, 2);
+  const Metadata good = RawMetadata("v2-hostile");
+  auto store = MakeMemStore("v2-hostile");
+  const DataFile f0 = good.files.at(0);
+  const std::string data0 = store->ReadAll(f0.name);
+  auto rewrite = [&](const std::string& bytes) {
+    auto w = store->Create(f0.name);
+    w->Append(bytes.data(), bytes.size());
+    w->Close();
+  };
+  auto restore = [&] {
+    rewrite(data0);
+    Publish("v2-hostile", good);
+  };
+  REQUIRE(LoadError("v2-hostile") == "the load succeeded");
+
+  SECTION("a damaged index fails its checksum") {
+    std::string bad = data0;
+    bad[f0.index_offset + 20] ^= 0x01;
+    rewrite(bad);
+    CHECK_THAT(LoadError("v2-hostile"), Contains(f0.name) && Contains("checksum"));
+  }
+  SECTION("an index that lists nothing (with a matching checksum) leaves items unfound") {
+    const std::string empty = EncodeFileIndex({});
+    Metadata md = good;
+    md.files[0].index_length = empty.size();
+    md.files[0].index_crc32c = Crc32c(0, empty.data(), empty.size());
+    md.files[0].size = f0.index_offset + empty.size();
+    rewrite(data0.substr(0, f0.index_offset) + empty);
+    Publish("v2-hostile", md);
+    CHECK_THAT(LoadError("v2-hostile"),
+               Contains("in no index") && Contains(f0.name) && Contains("rank 0"));
+  }
+  SECTION("an index whose items run into the index or overlap is refused") {
+    auto items =
+        DecodeFileIndex(data0.substr(f0.index_offset, f0.index_length), f0.index_offset, "x");
+    REQUIRE(items.size() >= 2);
+    for (int variant = 0; variant < 2; ++variant) {
+      auto edited = items;
+      if (variant == 0) edited[0].offset = f0.index_offset - edited[0].length + 1;
+      if (variant == 1) edited[1].offset = edited[0].offset, edited[1].length = edited[0].length;
+      for (auto& it : edited) it.raw_length = it.zstd ? it.raw_length : it.length;
+      const std::string idx = EncodeFileIndex(edited);
+      Metadata md = good;
+      md.files[0].index_crc32c = Crc32c(0, idx.data(), idx.size());
+      rewrite(data0.substr(0, f0.index_offset) + idx);
+      Publish("v2-hostile", md);
+      CHECK_THAT(LoadError("v2-hostile"),
+                 Contains(f0.name) && (Contains("runs past") || Contains("overlap")));
+    }
+  }
+  SECTION("file table rows outside their file, repeated or of unknown writers") {
+    Metadata md = good;
+    md.files[0].index_offset = md.files[0].size;
+    Publish("v2-hostile", md);
+    CHECK_THAT(LoadError("v2-hostile"), Contains(f0.name) && Contains("outside"));
+    md = good;
+    md.files[0].index_length += 5;
+    Publish("v2-hostile", md);
+    CHECK_THAT(LoadError("v2-hostile"), Contains(f0.name));
+    md = good;
+    md.files[1].name = md.files[0].name;
+    Publish("v2-hostile", md);
+    CHECK_THAT(LoadError("v2-hostile"), Contains("listed twice"));
+    md = good;
+    md.files[1].writer = 7;
+    Publish("v2-hostile", md);
+    CHECK_THAT(LoadError("v2-hostile"), Contains("writer rank 7"));
+  }
+  SECTION("rules that claim 10^12 shards cost nothing and are refused") {
+    Metadata md = good;
+    auto& t = std::get<TensorMetadata>(md.entries.at("layer3.w"));
+    t.shape = {1000000000000, 24};
+    t.regular->world = 1000000000;
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH(ValidateMetadata(md, "test"), Contains("layer3.w") && Contains("split over"));
+    // A valid rule over a shape the data files cannot back: refused before anything is
+    // allocated or read.
+    md = good;
+    std::get<TensorMetadata>(md.entries.at("layer3.w")).shape = {2000000000, 24};
+    Publish("v2-hostile", md);
+    CHECK_THAT(LoadError("v2-hostile"), Contains("more bytes"));
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    CHECK(s < 2.0);
+    md = good;
+    std::get<TensorMetadata>(md.entries.at("layer3.w")).regular->dim = 5;
+    CHECK_THROWS_WITH(ValidateMetadata(md, "test"), Contains("dimension 5"));
+    md = good;
+    std::get<TensorMetadata>(md.entries.at("layer3.w")).regular->rule = static_cast<RegularRule>(7);
+    CHECK_THROWS_WITH(ValidateMetadata(md, "test"), Contains("unknown sharding rule"));
+  }
+  SECTION("a version-2 document that lists items, or a version-1 one with a file table") {
+    Metadata md = ReadMetadata("mem://v2-hostile");  // with its items
+    CHECK_FALSE(md.storage.empty());
+    CHECK(DecodeMetadata(EncodeMetadata(md), "test").storage.empty());  // kept in the indexes
+    md.format_version = 1;
+    Metadata v1 = md;
+    v1.files = good.files;
+    CHECK_THROWS_WITH(ValidateMetadata(v1, "test"), Contains("file table"));
+  }
+  restore();
+  CHECK(LoadError("v2-hostile") == "the load succeeded");
+  ClearMemStore("v2-hostile");
+}
