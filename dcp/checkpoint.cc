@@ -353,6 +353,25 @@ void AssignWriters(Metadata& md, std::vector<SavePlan>& plans) {
   }
 }
 
+// Version 2: the items rank r writes: its global plan's (the residual ones, in compact
+// planning) plus chunk r of every rule that has one.
+std::vector<uint64_t> ExpectedItemsPerRank(const Metadata& md, const std::vector<SavePlan>& plans) {
+  std::vector<int64_t> starts(plans.size() + 1, 0);
+  for (const auto& [fqn, entry] : md.entries) {
+    const auto* t = std::get_if<TensorMetadata>(&entry);
+    if (t == nullptr || !t->regular) continue;
+    starts[0] += 1;
+    starts[std::min(ChunkCount(*t), plans.size())] -= 1;
+  }
+  std::vector<uint64_t> out(plans.size());
+  int64_t running = 0;
+  for (size_t r = 0; r < plans.size(); ++r) {
+    running += starts[r];
+    out[r] = plans[r].items.size() + static_cast<uint64_t>(running);
+  }
+  return out;
+}
+
 std::string ItemIdentity(const ReadItem& item) {
   std::string id = item.dest_index.ToString() + "@";
   for (int64_t v : item.dest_offsets) id += std::to_string(v) + ",";
@@ -741,6 +760,7 @@ class SaveOperation {
                           " plans for " + std::to_string(size_) + " ranks");
     }
     global_md_ = e.skeleton;
+    expected_items_ = ExpectedItemsPerRank(global_md_, e.global_plans);
     for (int r = 0; r < size_; ++r) {
       out[static_cast<size_t>(r)] =
           TagString(Tag::kCacheHit) + e.global_plans[static_cast<size_t>(r)].storage_data;
@@ -830,7 +850,10 @@ class SaveOperation {
   // Coordinator: cache the global plans and metadata skeleton, have the writer name the files,
   // and encode each rank's reply (`tag`, the plan id with a cache, the plan).
   std::vector<std::string> ReplyPlans(std::vector<SavePlan> global_plans, Metadata md, Tag tag) {
-    if (writer_.WritesFileIndexes()) AssignWriters(md, global_plans);
+    if (writer_.WritesFileIndexes()) {
+      AssignWriters(md, global_plans);
+      expected_items_ = ExpectedItemsPerRank(md, global_plans);
+    }
     if (cache_) {
       cache_->entry.global_plans = global_plans;
       cache_->entry.skeleton = md;
@@ -931,8 +954,18 @@ class SaveOperation {
       global_md_.format_version = 2;
       global_md_.files.clear();
       for (size_t r = 0; r < locals.size(); ++r) {
+        // The items each rank's indexes list must be those its plan gave it (a count check:
+        // where they lie is the rank's own business, but a rank that wrote more or fewer items
+        // than the metadata expects of it would commit a checkpoint that cannot load).
+        uint64_t items = 0;
         for (DataFile& f : DecodeDataFiles(locals[r], static_cast<int>(r))) {
+          items += (f.index_length - std::min(f.index_length, kFileIndexHeaderBytes)) /
+                   kFileIndexItemBytes;
           global_md_.files.push_back(std::move(f));
+        }
+        if (r < expected_items_.size() && items != expected_items_[r]) {
+          throw InternalError("rank " + std::to_string(r) + " indexed " + std::to_string(items) +
+                              " items, its plan gave it " + std::to_string(expected_items_[r]));
         }
         std::string().swap(locals[r]);
       }
@@ -975,11 +1008,12 @@ class SaveOperation {
   bool have_local_ = false;
   std::string my_local_;  // with a plan cache: the local plan, encoded, and its hash
   uint64_t my_hash_ = 0;
-  PlanSplit split_;         // compact planning: this rank's plan split into regular and other items
-  SavePlan central_;        // this rank's plan from the coordinator
-  Metadata global_md_;      // built on the coordinator
-  std::string md_bytes_;    // the committed metadata, as every rank received it
-  bool committed_ = false;  // the coordinator's Finish committed
+  PlanSplit split_;     // compact planning: this rank's plan split into regular and other items
+  SavePlan central_;    // this rank's plan from the coordinator
+  Metadata global_md_;  // built on the coordinator
+  std::vector<uint64_t> expected_items_;  // coordinator, version 2: items each rank writes
+  std::string md_bytes_;                  // the committed metadata, as every rank received it
+  bool committed_ = false;                // the coordinator's Finish committed
 };
 
 }  // namespace

@@ -307,7 +307,7 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       std::set<std::string> files;
       size_t tensors = 0, blobs = 0;
-      for (const auto& [index, info] : md.storage) files.insert(info.relative_path);
+      for (const auto& name : md.DataFileNames()) files.insert(name);
       for (const auto& [fqn, e] : md.entries)
         (std::holds_alternative<TensorMetadata>(e) ? tensors : blobs)++;
       const double stored = static_cast<double>(md.TotalStoredBytes());

@@ -117,6 +117,17 @@ def test_basic():
     _, out = dcp("diff", a, b, "--values", "--atol", "0.6")
     contains(out, "no differences")
 
+    # convert --metadata-version rewrites between the metadata versions; the values stay.
+    for version in ("1", "2"):
+        out_dir = os.path.join(args.workdir, "basic_v" + version)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        dcp("convert", a, out_dir, "--metadata-version", version)
+        check(inspect_json(out_dir)["format_version"] == int(version), version)
+        _, out = dcp("diff", a, out_dir, "--values")
+        contains(out, "no differences")
+        _, out = dcp("verify", out_dir)
+        contains(out, "OK")
+
     # Damage: a flipped byte, a truncated file, a missing file.
     d = fresh("flip")
     w0 = w_chunk(d)

@@ -2,9 +2,10 @@
 // - even: a metadata file. Decoding and validating any byte string must either succeed or throw
 //   a dcp::Error: never crash, hang, read out of bounds or allocate absurdly.
 // - odd: a whole checkpoint, [u32 little-endian n][metadata.dcp, n bytes][data], where `data` is
-//   the content of every data file the metadata names. It is loaded whole (load_all) from
-//   mem:// through the store reader, so every item path (raw, zstd, partial, blobs) and every
-//   size and checksum check meets crafted records, with the same rule.
+//   the content of every data file the metadata names (version 2: its file table; each file
+//   then ends in the index the table places, so crafted indexes meet the reader too). It is loaded
+//   whole (load_all) from mem:// through the store reader, so every item path (raw, zstd, partial,
+//   blobs) and every size and checksum check meets crafted records, with the same rule.
 // Built with clang when DCP_FUZZ is on; `tools/setup.sh test` runs it for a bounded time over
 // the corpus in tests/fuzz/corpus.
 #include <google/protobuf/stubs/logging.h>
@@ -38,6 +39,9 @@ void LoadCheckpoint(std::string_view bytes) {
     const dcp::Metadata md = dcp::DecodeMetadataFile(meta, "fuzz");
     for (const auto& [index, info] : md.storage) {
       if (files.size() < 8) files.insert(info.relative_path);
+    }
+    for (const auto& f : md.files) {  // version 2: the file table (each file ends in its index)
+      if (files.size() < 8) files.insert(f.name);
     }
   } catch (const dcp::Error&) {
   }

@@ -219,6 +219,7 @@ void SaveConverted(const StateDict& sd, const std::string& out_uri, const Conver
   so.storage.overwrite = o.overwrite;
   if (o.compress == "zstd") so.storage.compression = Compression::kZstd;
   so.storage.compression_level = o.compress_level;
+  so.storage.metadata_version = o.metadata_version;
   Save(sd, out_uri, so);
 }
 

@@ -13,6 +13,7 @@ struct ConvertOptions {
   size_t budget_bytes = size_t{64} << 20;  // per-piece memory bound when streaming
   std::string compress = "none";           // "zstd": compress the items of a dcp destination
   int compress_level = 3;                  // zstd level
+  uint32_t metadata_version = 2;           // of a dcp destination (docs/FORMAT.md)
 };
 
 /// Every entry of `src` into one safetensors file. Streams: the header first, then each tensor

@@ -82,6 +82,7 @@ void ConvertCheckpoint(const std::string& src, std::string dst, const std::strin
   so.storage.overwrite = o.overwrite;
   if (o.compress == "zstd") so.storage.compression = Compression::kZstd;
   so.storage.compression_level = o.compress_level;
+  so.storage.metadata_version = o.metadata_version;
   Save(sd, dst, so);
 }
 
@@ -216,6 +217,11 @@ int Main(int argc, char** argv) {
                    "or zstd; items that do not shrink by 10% are stored raw")
       ->check(CLI::IsMember({"none", "zstd"}));
   convert->add_option("--compress-level", co.compress_level, "zstd level (default 3)");
+  convert
+      ->add_option("--metadata-version", co.metadata_version,
+                   "metadata version of a dcp destination: 2 (default: rules, a file table and "
+                   "per-file indexes) or 1 (every item listed, for readers before version 2)")
+      ->check(CLI::IsMember({1u, 2u}));
   size_t budget_mib = 64, budget_bytes = 0;
   convert->add_option("--piece-mib", budget_mib, "memory bound per streamed piece (default 64)");
   convert->add_option("--piece-bytes", budget_bytes, "the same in bytes (overrides --piece-mib)");
