@@ -703,21 +703,42 @@ void AddTensorReads(const std::string& fqn, const WantedChunks& want, const Tens
       saved.chunks.size() >= kIndexFrom) {
     index.emplace(saved.chunks);
   }
+  if (saved.regular) {
+    // Chunk k spans the whole tensor but along the rule's dimension, so its overlap with a
+    // wanted box is the box narrowed to [max(b, start), min(e, end)) there (no chunk built).
+    const size_t d = static_cast<size_t>(saved.regular->dim);
+    const int64_t extent = saved.shape[d];
+    for (const auto& dst : want.chunks) {
+      if (dst.numel() == 0) continue;
+      const int64_t start = dst.offsets[d], end = start + dst.sizes[d];
+      auto [first, last] = RegularChunkRange(saved, start, end);
+      for (size_t k = first; k < last; ++k) {
+        auto [b, e] = RegularSlice(extent, static_cast<int64_t>(k), saved.regular->world,
+                                   saved.regular->rule);
+        const int64_t lo = std::max(b, start), hi = std::min(e, end);
+        if (lo >= hi) continue;
+        ReadItem item;
+        item.type = ReadItemType::kTensor;
+        item.dest_index = {fqn, dst.offsets, {}};
+        Shape src(global.size(), 0);
+        src[d] = b;
+        item.storage_index = {fqn, std::move(src), static_cast<int32_t>(k)};
+        item.lengths = dst.sizes;
+        item.lengths[d] = hi - lo;
+        item.dest_offsets.assign(global.size(), 0);
+        item.dest_offsets[d] = lo - start;
+        item.storage_offsets = dst.offsets;
+        item.storage_offsets[d] = lo - b;
+        out.push_back(std::move(item));
+      }
+    }
+    return;
+  }
   std::vector<size_t> hits;
   for (const auto& dst : want.chunks) {
-    if (saved.regular) {
-      hits.clear();
-      if (dst.numel() > 0) {
-        const size_t d = static_cast<size_t>(saved.regular->dim);
-        auto [first, last] =
-            RegularChunkRange(saved, dst.offsets[d], dst.offsets[d] + dst.sizes[d]);
-        for (size_t k = first; k < last; ++k) hits.push_back(k);
-      }
-    } else {
-      hits = index ? index->Overlapping(dst) : OverlappingChunksNaive(saved.chunks, dst);
-    }
+    hits = index ? index->Overlapping(dst) : OverlappingChunksNaive(saved.chunks, dst);
     for (size_t ci : hits) {
-      const ChunkMeta src = saved.regular ? ChunkAt(saved, ci) : saved.chunks[ci];
+      const ChunkMeta& src = saved.chunks[ci];
       auto overlap = Intersect(dst, src);
       if (!overlap) continue;
       ReadItem item;

@@ -344,3 +344,41 @@ TEST_CASE("metadata v2: hostile file tables, indexes and rules are refused, nami
   CHECK(LoadError("v2-hostile") == "the load succeeded");
   ClearMemStore("v2-hostile");
 }
+
+TEST_CASE("metadata v2: a rule plans the same reads as its listed chunks", "[metadata-v2]") {
+  for (RegularRule rule : {kRuleBalanced, kRuleCeil}) {
+    for (int world : {1, 3, 5, 16}) {
+      Metadata ruled;
+      ruled.world_size = world;
+      TensorMetadata t(DType::kFloat32, {37, 6, 4});
+      t.regular = RegularLayout{0, rule, world};
+      ruled.entries["w"] = t;
+      Metadata listed = ruled;
+      listed.entries["w"] = WithListedChunks(t);
+      // Wanted: a 3 x 2 grid of boxes over dims 0 and 1 (a reshard into another layout).
+      for (int part = 0; part < 6; ++part) {
+        auto [r0, r1] = RowRange(37, part / 2, 3);
+        auto [c0, c1] = RowRange(6, part % 2, 2);
+        TensorView mine = TensorView::Allocate(DType::kFloat32, {r1 - r0, c1 - c0, 4});
+        StateDict sd;
+        sd.Set("w", ShardedTensor{DType::kFloat32, {37, 6, 4}, {{mine, {r0, c0, 0}}}});
+        auto plan_of = [&](const Metadata& md) {
+          DefaultLoadPlanner planner;
+          planner.SetUp(sd, md, PlannerContext{0, 1, true});
+          return planner.CreateLocalPlan().items;
+        };
+        const auto a = plan_of(ruled), b = plan_of(listed);
+        INFO("rule " << int(rule) << " world " << world << " part " << part);
+        REQUIRE(a.size() == b.size());
+        for (size_t i = 0; i < a.size(); ++i) {
+          CHECK(a[i].storage_index == b[i].storage_index);
+          CHECK(a[i].storage_index.index == b[i].storage_index.index);
+          CHECK(a[i].dest_index == b[i].dest_index);
+          CHECK(a[i].dest_offsets == b[i].dest_offsets);
+          CHECK(a[i].storage_offsets == b[i].storage_offsets);
+          CHECK(a[i].lengths == b[i].lengths);
+        }
+      }
+    }
+  }
+}
