@@ -750,6 +750,19 @@ class BlockOutputStream : public google::protobuf::io::ZeroCopyOutputStream {
   int next_block_ = kFirstBlock;
 };
 
+void ToPb(const DataFile& f, pb::DataFile* out) {
+  out->set_name(f.name);
+  out->set_writer(f.writer);
+  out->set_size(f.size);
+  out->set_index_offset(f.index_offset);
+  out->set_index_length(f.index_length);
+  out->set_index_crc32c(f.index_crc32c);
+}
+
+DataFile FromPb(const pb::DataFile& f) {
+  return {f.name(), f.writer(), f.size(), f.index_offset(), f.index_length(), f.index_crc32c()};
+}
+
 // EncodeMetadata's bytes after `prefix` zero bytes (room for the file envelope).
 std::string EncodeMetadataAfter(const Metadata& md, size_t prefix) {
   const bool v2 = md.format_version >= 2;
@@ -813,15 +826,7 @@ std::string EncodeMetadataAfter(const Metadata& md, size_t prefix) {
     }
     for (const auto& [k, v] : md.planner_data) (*tail.mutable_planner_data())[k] = v;
     if (v2) {
-      for (const auto& f : md.files) {
-        auto* pf = tail.add_files();
-        pf->set_name(f.name);
-        pf->set_writer(f.writer);
-        pf->set_size(f.size);
-        pf->set_index_offset(f.index_offset);
-        pf->set_index_length(f.index_length);
-        pf->set_index_crc32c(f.index_crc32c);
-      }
+      for (const auto& f : md.files) ToPb(f, tail.add_files());
     }
     tail.SerializeToCodedStream(&cos);
     if (cos.HadError()) throw InternalError("cannot encode metadata");
@@ -835,15 +840,7 @@ std::string EncodeMetadata(const Metadata& md) { return EncodeMetadataAfter(md, 
 
 std::string EncodeDataFiles(const std::vector<DataFile>& files) {
   pb::Metadata p;
-  for (const auto& f : files) {
-    auto* pf = p.add_files();
-    pf->set_name(f.name);
-    pf->set_writer(f.writer);
-    pf->set_size(f.size);
-    pf->set_index_offset(f.index_offset);
-    pf->set_index_length(f.index_length);
-    pf->set_index_crc32c(f.index_crc32c);
-  }
+  for (const auto& f : files) ToPb(f, p.add_files());
   return p.SerializeAsString();
 }
 
@@ -861,8 +858,7 @@ std::vector<DataFile> DecodeDataFiles(std::string_view bytes, int rank) {
       throw CorruptionError("rank " + std::to_string(rank) + " reported data file '" + f.name() +
                             "' as written by rank " + std::to_string(f.writer()));
     }
-    out.push_back(
-        {f.name(), f.writer(), f.size(), f.index_offset(), f.index_length(), f.index_crc32c()});
+    out.push_back(FromPb(f));
   }
   return out;
 }
@@ -1033,10 +1029,7 @@ void ReadMetadataHeader(const std::string& rest, const std::string& src, Metadat
   }
   for (const auto& [k, v] : p.planner_data()) md.planner_data[k] = v;
   md.files.reserve(static_cast<size_t>(p.files_size()));
-  for (const auto& f : p.files()) {
-    md.files.push_back(
-        {f.name(), f.writer(), f.size(), f.index_offset(), f.index_length(), f.index_crc32c()});
-  }
+  for (const auto& f : p.files()) md.files.push_back(FromPb(f));
 }
 
 }  // namespace
@@ -1132,9 +1125,9 @@ int64_t CheckedVolume(const std::string& fqn, const TensorMetadata& t, const std
   return volume;
 }
 
-// A chunk lies inside its tensor and has a stored item of its size; returns its elements.
-int64_t CheckChunk(const Metadata& md, const std::string& fqn, const TensorMetadata& t,
-                   const ChunkMeta& c, const std::string& src) {
+// A chunk lies inside its tensor; returns its elements (version 2: nothing stored to check).
+int64_t CheckChunkBox(const std::string& fqn, const TensorMetadata& t, const ChunkMeta& c,
+                      const std::string& src) {
   if (c.offsets.size() != t.shape.size() || c.sizes.size() != t.shape.size()) {
     FailValidation(src, "tensor '" + fqn + "' chunk " + c.ToString() +
                             " does not match rank of shape " + ShapeToString(t.shape));
@@ -1145,7 +1138,13 @@ int64_t CheckChunk(const Metadata& md, const std::string& fqn, const TensorMetad
                               " lies outside its shape " + ShapeToString(t.shape));
     }
   }
-  const int64_t n = NumElements(c.sizes);
+  return NumElements(c.sizes);
+}
+
+// A chunk lies inside its tensor and has a stored item of its size; returns its elements.
+int64_t CheckChunk(const Metadata& md, const std::string& fqn, const TensorMetadata& t,
+                   const ChunkMeta& c, const std::string& src) {
+  const int64_t n = CheckChunkBox(fqn, t, c, src);
   auto it = md.storage.find(MetadataIndex{fqn, c.offsets, {}});
   if (it == md.storage.end()) {
     FailValidation(src, "tensor '" + fqn + "' chunk " + c.ToString() + " has no stored item");
@@ -1211,22 +1210,6 @@ void ValidateWriters(const Metadata& md, const std::string& fqn, const TensorMet
                               " in a checkpoint saved by " + std::to_string(md.world_size));
     }
   }
-}
-
-// A chunk lies inside its tensor; returns its elements (version 2: nothing stored to check).
-int64_t CheckChunkBox(const std::string& fqn, const TensorMetadata& t, const ChunkMeta& c,
-                      const std::string& src) {
-  if (c.offsets.size() != t.shape.size() || c.sizes.size() != t.shape.size()) {
-    FailValidation(src, "tensor '" + fqn + "' chunk " + c.ToString() +
-                            " does not match rank of shape " + ShapeToString(t.shape));
-  }
-  for (size_t i = 0; i < t.shape.size(); ++i) {
-    if (c.offsets[i] < 0 || c.sizes[i] < 0 || c.offsets[i] > t.shape[i] - c.sizes[i]) {
-      FailValidation(src, "tensor '" + fqn + "' chunk " + c.ToString() +
-                              " lies outside its shape " + ShapeToString(t.shape));
-    }
-  }
-  return NumElements(c.sizes);
 }
 
 // A tensor's chunks lie inside it, are stored, and cover it exactly once.
