@@ -58,8 +58,9 @@ class FileIndexResolver {
   std::unordered_map<int32_t, std::vector<const DataFile*>> files_by_writer_;
   std::unordered_map<int32_t, bool> loaded_;
   std::unordered_map<int32_t, const DataFile*> lost_;  // a missing or truncated file per writer
-  // (fqn hash, chunk) -> where, over every index read so far.
-  std::map<std::pair<uint64_t, uint32_t>, Located> items_;
+  const Located* Find(uint64_t hash, uint32_t chunk) const;
+  // Every entry of every index read so far, sorted by (fqn hash, chunk).
+  std::vector<Located> items_;
 };
 
 /// Version 2: read and decode the index of data file `f` in `store`, checking its CRC32C.

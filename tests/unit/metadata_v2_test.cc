@@ -290,6 +290,24 @@ TEST_CASE("metadata v2: hostile file tables, indexes and rules are refused, nami
                  Contains(f0.name) && (Contains("runs past") || Contains("overlap")));
     }
   }
+  SECTION("two files whose indexes list the same item") {
+    // Rank 1's file replaced by a copy of rank 0's (its own table row kept consistent).
+    const DataFile f1 = good.files.at(1);
+    const std::string data1 = store->ReadAll(f1.name);
+    auto put1 = [&](const std::string& bytes) {
+      auto w = store->Create(f1.name);
+      w->Append(bytes.data(), bytes.size());
+      w->Close();
+    };
+    put1(data0);
+    Metadata md = good;
+    md.files[1] = f0;
+    md.files[1].name = f1.name;
+    md.files[1].writer = 1;
+    Publish("v2-hostile", md);
+    CHECK_THAT(LoadError("v2-hostile"), Contains("listed by the indexes of both"));
+    put1(data1);
+  }
   SECTION("file table rows outside their file, repeated or of unknown writers") {
     Metadata md = good;
     md.files[0].index_offset = md.files[0].size;
