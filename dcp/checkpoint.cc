@@ -527,9 +527,9 @@ void ReceiveBatch(const std::string& msg, const SharedReadBatch& batch, const Lo
 // within the memory budget, those it reads for others), then take part in every batch's
 // broadcast in order. An error does not stop the broadcasts (the others would wait for this
 // rank); the first one is rethrown at the end.
-void ReadWithSharing(const LoadPlan& plan, const std::vector<SharedReadBatch>& batches,
-                     StorageReader& reader, LoadPlanner& planner, Communicator& comm,
-                     uint64_t budget, LoadStats& stats) {
+void ReadWithSharing(const LoadPlan& plan, const Metadata& md,
+                     const std::vector<SharedReadBatch>& batches, StorageReader& reader,
+                     LoadPlanner& planner, Communicator& comm, uint64_t budget, LoadStats& stats) {
   const int rank = comm.rank();
   std::vector<char> skip(plan.items.size(), 0);  // received, or read for others later
   std::vector<bool> early(batches.size(), false);
@@ -556,7 +556,7 @@ void ReadWithSharing(const LoadPlan& plan, const std::vector<SharedReadBatch>& b
     for (size_t i = 0; i < plan.items.size(); ++i) {
       if (keep(i)) p.items.push_back(plan.items[i]);
     }
-    return p;
+    return ExpandChunkSpans(std::move(p), md);  // batches name plain items only
   };
   std::exception_ptr error;
   try {
@@ -1213,9 +1213,11 @@ class LoadOperation {
         [&] {
           const LoadPlan plan = planner_.FinishPlan(std::move(central_));
           if (batches_.empty()) {
-            reader_.ReadData(plan, planner_).get();
+            // Readers see plain items only: spans become one item per stored chunk here.
+            const LoadPlan pieces = ExpandChunkSpans(plan, md_);
+            reader_.ReadData(pieces, planner_).get();
           } else {
-            ReadWithSharing(plan, batches_, reader_, planner_, comm_,
+            ReadWithSharing(plan, md_, batches_, reader_, planner_, comm_,
                             options_.storage.memory_budget_bytes, stats_);
           }
           return std::string();

@@ -941,7 +941,7 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
           if (e == md.entries.end()) continue;
           if (const auto* t = std::get_if<TensorMetadata>(&e->second)) {
             if (auto k = ChunkOrdinal(*t, item.storage_index.offset, item.storage_index.index)) {
-              writers.insert(ChunkWriter(*t, *k));
+              for (size_t c = *k; c < *k + item.chunk_span; ++c) writers.insert(ChunkWriter(*t, c));
             }
           } else {
             writers.insert(std::get<BytesMetadata>(e->second).writer);

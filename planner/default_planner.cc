@@ -704,33 +704,31 @@ void AddTensorReads(const std::string& fqn, const WantedChunks& want, const Tens
     index.emplace(saved.chunks);
   }
   if (saved.regular) {
-    // Chunk k spans the whole tensor but along the rule's dimension, so its overlap with a
-    // wanted box is the box narrowed to [max(b, start), min(e, end)) there (no chunk built).
+    // Chunk k spans the whole tensor but along the rule's dimension, so a wanted box overlaps
+    // the range of chunks its extent there reaches: one read of them all (a span, expanded per
+    // chunk only when read), so that a box across every rank's chunk costs one item, not N.
     const size_t d = static_cast<size_t>(saved.regular->dim);
     const int64_t extent = saved.shape[d];
     for (const auto& dst : want.chunks) {
       if (dst.numel() == 0) continue;
       const int64_t start = dst.offsets[d], end = start + dst.sizes[d];
       auto [first, last] = RegularChunkRange(saved, start, end);
-      for (size_t k = first; k < last; ++k) {
-        auto [b, e] = RegularSlice(extent, static_cast<int64_t>(k), saved.regular->world,
-                                   saved.regular->rule);
-        const int64_t lo = std::max(b, start), hi = std::min(e, end);
-        if (lo >= hi) continue;
-        ReadItem item;
-        item.type = ReadItemType::kTensor;
-        item.dest_index = {fqn, dst.offsets, {}};
-        Shape src(global.size(), 0);
-        src[d] = b;
-        item.storage_index = {fqn, std::move(src), static_cast<int32_t>(k)};
-        item.lengths = dst.sizes;
-        item.lengths[d] = hi - lo;
-        item.dest_offsets.assign(global.size(), 0);
-        item.dest_offsets[d] = lo - start;
-        item.storage_offsets = dst.offsets;
-        item.storage_offsets[d] = lo - b;
-        out.push_back(std::move(item));
-      }
+      if (first >= last) continue;
+      const int64_t b = RegularSlice(extent, static_cast<int64_t>(first), saved.regular->world,
+                                     saved.regular->rule)
+                            .first;
+      ReadItem item;
+      item.type = ReadItemType::kTensor;
+      item.dest_index = {fqn, dst.offsets, {}};
+      Shape src(global.size(), 0);
+      src[d] = b;
+      item.storage_index = {fqn, std::move(src), static_cast<int32_t>(first)};
+      item.lengths = dst.sizes;
+      item.dest_offsets.assign(global.size(), 0);
+      item.storage_offsets = dst.offsets;
+      item.storage_offsets[d] = start - b;
+      item.chunk_span = static_cast<uint32_t>(last - first);
+      out.push_back(std::move(item));
     }
     return;
   }

@@ -166,7 +166,11 @@ std::vector<std::vector<SharedReadBatch>> PlanSharedReads(const std::vector<Load
     for (size_t i = 0; i < items.size(); ++i) {
       sizes[r][i] = ReadItemBytes(items[i], metadata);
       load[r] += sizes[r][i];
-      if (!can_share[r] || sizes[r][i] == 0 || sizes[r][i] > max_batch_bytes) continue;
+      // A span is read piece by piece (ExpandChunkSpans): never shared whole.
+      if (!can_share[r] || items[i].chunk_span > 1 || sizes[r][i] == 0 ||
+          sizes[r][i] > max_batch_bytes) {
+        continue;
+      }
       auto& hs = askers[ShareKey(items[i])];
       if (hs.empty() || hs.back().rank != r) hs.push_back({r, static_cast<int32_t>(i)});
     }
@@ -249,7 +253,8 @@ std::vector<int32_t> CandidateItems(const LoadPlan& plan,
     if (const auto* t = std::get_if<TensorMetadata>(&entry->second)) {
       // The candidate's one chunk is the whole tensor: a whole read starts at its origin and
       // spans its shape.
-      whole = item.type == ReadItemType::kTensor && item.lengths == t->shape &&
+      whole = item.type == ReadItemType::kTensor && item.chunk_span == 1 &&
+              item.lengths == t->shape &&
               std::all_of(item.storage_offsets.begin(), item.storage_offsets.end(),
                           [](int64_t v) { return v == 0; });
     } else {

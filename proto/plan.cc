@@ -126,6 +126,101 @@ TensorMetadata WithListedChunks(const TensorMetadata& t) {
   return out;
 }
 
+void AppendSpanPieces(const ReadItem& item, const TensorMetadata& saved,
+                      std::vector<ReadItem>& out) {
+  if (item.chunk_span <= 1) {
+    out.push_back(item);
+    return;
+  }
+  const std::string& fqn = item.storage_index.fqn;
+  auto fail = [&](const std::string& why) {
+    throw InvalidArgumentError("read of tensor " + ClippedName(fqn) + " across " +
+                               std::to_string(item.chunk_span) + " stored chunks: " + why);
+  };
+  const size_t rank = saved.shape.size();
+  if (item.type != ReadItemType::kTensor || !saved.regular) {
+    fail("the tensor is not stored by a rule");
+  }
+  if (!item.storage_index.index || *item.storage_index.index < 0) fail("no first chunk");
+  const auto first = static_cast<size_t>(*item.storage_index.index);
+  const size_t count = ChunkCount(saved);
+  if (first >= count || item.chunk_span > count - first) {
+    fail("chunks " + std::to_string(first) + " to " + std::to_string(first + item.chunk_span - 1) +
+         " of " + std::to_string(count));
+  }
+  if (item.dest_offsets.size() != rank || item.storage_offsets.size() != rank ||
+      item.lengths.size() != rank || item.storage_index.offset.size() != rank) {
+    fail("offsets or lengths of the wrong rank");
+  }
+  const auto d = static_cast<size_t>(saved.regular->dim);
+  const int64_t extent = saved.shape[d];
+  const int64_t world = saved.regular->world;
+  const RegularRule rule = saved.regular->rule;
+  const int64_t first_begin = RegularSlice(extent, static_cast<int64_t>(first), world, rule).first;
+  const int64_t last_end =
+      RegularSlice(extent, static_cast<int64_t>(first + item.chunk_span - 1), world, rule).second;
+  for (size_t j = 0; j < rank; ++j) {
+    const int64_t origin = j == d ? first_begin : 0;
+    const int64_t limit = j == d ? last_end : saved.shape[j];
+    if (item.storage_index.offset[j] != origin) fail("the first chunk does not start there");
+    if (item.storage_offsets[j] < 0 || item.lengths[j] < 0 ||
+        item.storage_offsets[j] > limit - origin - item.lengths[j]) {
+      fail("the box lies outside its chunks");
+    }
+  }
+  // The box along d, in the tensor's coordinates; each chunk gets its part of it.
+  const int64_t begin = first_begin + item.storage_offsets[d];
+  const int64_t end = begin + item.lengths[d];
+  for (size_t k = first; k < first + item.chunk_span; ++k) {
+    const auto [b, e] = RegularSlice(extent, static_cast<int64_t>(k), world, rule);
+    const int64_t lo = std::max(b, begin), hi = std::min(e, end);
+    if (lo >= hi) continue;
+    ReadItem& piece = out.emplace_back(item);
+    piece.chunk_span = 1;
+    piece.storage_index.offset[d] = b;
+    piece.storage_index.index = static_cast<int32_t>(k);
+    piece.storage_offsets[d] = lo - b;
+    piece.dest_offsets[d] += lo - begin;
+    piece.lengths[d] = hi - lo;
+  }
+}
+
+LoadPlan ExpandChunkSpans(LoadPlan plan, const Metadata& md) {
+  if (std::none_of(plan.items.begin(), plan.items.end(),
+                   [](const ReadItem& item) { return item.chunk_span > 1; })) {
+    return plan;
+  }
+  std::vector<ReadItem> items;
+  // Pieces at most: one per chunk of each span, and a rule has at most world_size chunks (a
+  // span claiming more is refused below, after a reservation it cannot inflate).
+  const auto max_span = static_cast<size_t>(std::max(md.world_size, 1));
+  size_t bound = 0;
+  for (const ReadItem& item : plan.items) {
+    bound += std::clamp<size_t>(item.chunk_span, 1, max_span);
+  }
+  items.reserve(bound);
+  const std::string* last_fqn = nullptr;  // a tensor's items are usually adjacent
+  const TensorMetadata* saved = nullptr;
+  for (ReadItem& item : plan.items) {
+    if (item.chunk_span <= 1) {
+      items.push_back(std::move(item));
+      continue;
+    }
+    if (last_fqn == nullptr || *last_fqn != item.storage_index.fqn) {
+      auto it = md.entries.find(item.storage_index.fqn);
+      saved = it == md.entries.end() ? nullptr : std::get_if<TensorMetadata>(&it->second);
+      if (saved == nullptr) {
+        throw InvalidArgumentError("read of " + ClippedName(item.storage_index.fqn) +
+                                   " across stored chunks: the checkpoint has no such tensor");
+      }
+      last_fqn = &item.storage_index.fqn;
+    }
+    AppendSpanPieces(item, *saved, items);
+  }
+  plan.items = std::move(items);
+  return plan;
+}
+
 void FillStorage(Metadata& md, const std::vector<std::vector<WriteResult>>& results) {
   std::vector<const WriteResult*> order;
   size_t n = 0;

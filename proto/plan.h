@@ -57,6 +57,14 @@ enum class ReadItemType : uint8_t { kTensor = 1, kBytes = 2 };
 
 /// Copy the box [storage_offsets, +lengths) of the stored chunk `storage_index` into the box
 /// [dest_offsets, +lengths) of the local chunk `dest_index`. Offsets are relative to each chunk.
+///
+/// A *span* (chunk_span > 1) reads from the chunks storage_index.index, ..., + chunk_span - 1 of
+/// a tensor stored by a rule (TensorMetadata::regular) at once: storage_offsets are relative to
+/// the first of them and the box may reach into the following ones along the rule's dimension.
+/// Planners emit spans so that a load across many stored shards (an all-to-all reshard) plans
+/// in O(tensors), not O(tensors x ranks); the load expands them into one plain item per chunk
+/// (ExpandChunkSpans) just before StorageReader::ReadData, so readers and the planner's
+/// ResolveTensor / CommitTensor only ever see plain items.
 struct ReadItem {
   ReadItemType type = ReadItemType::kTensor;
   MetadataIndex dest_index;
@@ -64,6 +72,7 @@ struct ReadItem {
   MetadataIndex storage_index;
   Shape storage_offsets;
   Shape lengths;
+  uint32_t chunk_span = 1;
 };
 
 struct LoadPlan {
@@ -231,6 +240,18 @@ struct Metadata {
   /// The names of the data files the checkpoint references.
   std::set<std::string> DataFileNames() const;
 };
+
+/// Append the plain items `item` stands for to `out`: the item itself when it is plain
+/// (chunk_span 1), else one item per chunk of the span whose slice the box reaches, in chunk
+/// order, each as a planner would have listed it. `saved` is the stored tensor the item reads.
+/// InvalidArgumentError naming the tensor when a span does not fit `saved` (no rule, chunks past
+/// the last, a box outside the span's chunks).
+void AppendSpanPieces(const ReadItem& item, const TensorMetadata& saved,
+                      std::vector<ReadItem>& out);
+/// `plan` with every span replaced by its pieces (AppendSpanPieces), the other items kept in
+/// order; returned as is when it has no span. InvalidArgumentError as AppendSpanPieces, and for
+/// a span of an entry `md` does not hold as a tensor.
+LoadPlan ExpandChunkSpans(LoadPlan plan, const Metadata& md);
 
 /// Replace md.storage with the stored items of every rank's write results. The results are
 /// sorted first and appended in order (a tree walk per item is the slow part at millions of

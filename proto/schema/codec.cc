@@ -467,6 +467,7 @@ std::string EncodeLoadPlan(const LoadPlan& plan) {
     ToPb(item.storage_index, r->mutable_storage_index());
     FromShape(item.storage_offsets, r->mutable_storage_offsets());
     FromShape(item.lengths, r->mutable_lengths());
+    if (item.chunk_span > 1) r->set_chunk_span(item.chunk_span);
   }
   p.set_storage_data(plan.storage_data);
   p.set_planner_data(plan.planner_data);
@@ -487,6 +488,7 @@ LoadPlan DecodeLoadPlan(std::string_view bytes) {
     item.storage_index = FromPb(r.storage_index());
     item.storage_offsets = ToShape(r.storage_offsets());
     item.lengths = ToShape(r.lengths());
+    item.chunk_span = std::max<uint32_t>(r.chunk_span(), 1);
     plan.items.push_back(std::move(item));
   }
   plan.storage_data = p.storage_data();

@@ -383,10 +383,15 @@ TEST_CASE("metadata v2: a rule plans the same reads as its listed chunks", "[met
         auto plan_of = [&](const Metadata& md) {
           DefaultLoadPlanner planner;
           planner.SetUp(sd, md, PlannerContext{0, 1, true});
-          return planner.CreateLocalPlan().items;
+          return planner.CreateLocalPlan();
         };
-        const auto a = plan_of(ruled), b = plan_of(listed);
+        // The rule's plan reads each wanted box in one item (a span over the chunks it
+        // reaches); expanded, it is the listed chunks' plan item for item.
+        const LoadPlan spans = plan_of(ruled);
         INFO("rule " << int(rule) << " world " << world << " part " << part);
+        CHECK(spans.items.size() == 1);
+        const auto a = ExpandChunkSpans(spans, ruled).items, b = plan_of(listed).items;
+        CHECK(spans.items[0].chunk_span == std::max<size_t>(a.size(), 1));
         REQUIRE(a.size() == b.size());
         for (size_t i = 0; i < a.size(); ++i) {
           CHECK(a[i].storage_index == b[i].storage_index);
@@ -395,8 +400,82 @@ TEST_CASE("metadata v2: a rule plans the same reads as its listed chunks", "[met
           CHECK(a[i].dest_offsets == b[i].dest_offsets);
           CHECK(a[i].storage_offsets == b[i].storage_offsets);
           CHECK(a[i].lengths == b[i].lengths);
+          CHECK(a[i].chunk_span == 1);
+          CHECK(b[i].chunk_span == 1);
         }
       }
     }
   }
+}
+
+TEST_CASE("metadata v2: a box across every rank's chunk plans as one span and expands exactly",
+          "[metadata-v2]") {
+  // An all-to-all reshard: a column slice of a tensor row-sharded over 100,000 ranks reaches
+  // every chunk. It plans as one item; the read expands it into one item per chunk.
+  constexpr int kWorld = 100000;
+  Metadata md;
+  md.format_version = 2;
+  md.world_size = kWorld;
+  TensorMetadata t(DType::kFloat32, {300007, 8});
+  t.regular = RegularLayout{0, kRuleCeil, kWorld};
+  md.entries["w"] = t;
+  md.entries["listed"] = TensorMetadata(DType::kFloat32, {4, 8}, {{{0, 0}, {4, 8}}});
+  StateDict sd;
+  TensorView mine = TensorView::Allocate(DType::kFloat32, {300007, 3});
+  sd.Set("w", ShardedTensor{DType::kFloat32, {300007, 8}, {{mine, {0, 5}}}});
+  DefaultLoadPlanner planner;
+  planner.SetUp(sd, md, PlannerContext{0, 1, true});
+  const LoadPlan plan = planner.CreateLocalPlan();
+  REQUIRE(plan.items.size() == 1);
+  const ReadItem& span = plan.items[0];
+  // Under the ceil rule the last ranks' slices are empty: 75,002 chunks hold rows.
+  size_t chunks = 0;
+  while (chunks < ChunkCount(t) && ChunkAt(t, chunks).sizes[0] > 0) ++chunks;
+  CHECK(chunks == 75002);
+  CHECK(span.chunk_span == chunks);
+  CHECK(DecodeLoadPlan(EncodeLoadPlan(plan)).items.at(0).chunk_span == span.chunk_span);
+
+  const LoadPlan pieces = ExpandChunkSpans(plan, md);
+  REQUIRE(pieces.items.size() == chunks);
+  int64_t rows = 0;
+  for (size_t k = 0; k < chunks; ++k) {
+    const ReadItem& p = pieces.items[k];
+    const ChunkMeta c = ChunkAt(t, k);
+    REQUIRE(p.storage_index.index == static_cast<int32_t>(k));
+    REQUIRE(p.storage_index.offset == c.offsets);
+    REQUIRE(p.dest_offsets == Shape{rows, 0});
+    REQUIRE(p.storage_offsets == Shape{0, 5});
+    REQUIRE(p.lengths == Shape{c.sizes[0], 3});
+    rows += c.sizes[0];
+  }
+  CHECK(rows == 300007);
+
+  // Spans that do not fit what the metadata stores are refused, naming the tensor.
+  auto expand = [&](ReadItem item) {
+    LoadPlan p;
+    p.items.push_back(std::move(item));
+    return ExpandChunkSpans(std::move(p), md);
+  };
+  ReadItem bad = span;
+  bad.chunk_span = kWorld + 1;
+  CHECK_THROWS_WITH(expand(bad), Contains("'w'") && Contains("chunks 0 to"));
+  bad.chunk_span = 4000000000u;  // refused before anything is reserved for its pieces
+  CHECK_THROWS_WITH(expand(bad), Contains("'w'") && Contains("chunks 0 to"));
+  bad = span;
+  bad.storage_index.index = kWorld - 1;
+  CHECK_THROWS_WITH(expand(bad), Contains("'w'") && Contains("of 100000"));
+  bad = span;
+  bad.storage_offsets[1] = 6;
+  CHECK_THROWS_WITH(expand(bad), Contains("'w'") && Contains("outside"));
+  bad = span;
+  bad.chunk_span = 2;  // the column slice's rows do not fit in the first two chunks
+  CHECK_THROWS_WITH(expand(bad), Contains("outside"));
+  bad = span;
+  bad.storage_index.fqn = "listed";
+  CHECK_THROWS_WITH(expand(bad), Contains("'listed'") && Contains("not stored by a rule"));
+  bad.storage_index.fqn = "absent";
+  CHECK_THROWS_WITH(expand(bad), Contains("'absent'") && Contains("no such tensor"));
+  bad = span;
+  bad.lengths.pop_back();
+  CHECK_THROWS_WITH(expand(bad), Contains("wrong rank"));
 }
