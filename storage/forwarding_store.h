@@ -47,6 +47,7 @@ class ForwardingStore : public Store {
   std::string uri() const override;
   void CreateRoot() override;
   std::unique_ptr<WritableObject> Create(const std::string& name) override;
+  /// OpenKnownSize is not forwarded: its default calls Open, this class's or a subclass's.
   std::unique_ptr<ReadableObject> Open(const std::string& name) override;
   std::optional<uint64_t> Size(const std::string& name) override;
   void PublishAtomically(const std::string& name, std::string_view bytes) override;
@@ -88,8 +89,8 @@ class ForwardingReadableObject : public ReadableObject {
   void ReadAt(uint64_t offset, void* dst, size_t n) override;
   uint64_t size() const override;
   void Prefetch(uint64_t offset, uint64_t n) noexcept override;
-  // ReadAtStreaming is not forwarded: the default reads through ReadAt, so a subclass that
-  // changes ReadAt sees every byte of a streamed read too.
+  // ReadAtStreaming and ReadManyStreaming are not forwarded: the defaults read through ReadAt,
+  // so a subclass that changes ReadAt sees every byte of a streamed read too.
   void PrefetchRanges(const std::vector<ByteRange>& ranges) noexcept override;
   void LimitBuffers(size_t bytes) noexcept override;
 

@@ -41,6 +41,18 @@ void ReadableObject::ReadAtStreaming(uint64_t offset, void* dst, size_t n, size_
   }
 }
 
+void ReadableObject::ReadManyStreaming(const std::vector<ReadTarget>& targets, size_t step,
+                                       const std::function<void(size_t, size_t, size_t)>& landed) {
+  for (size_t t = 0; t < targets.size(); ++t) {
+    ReadAtStreaming(targets[t].offset, targets[t].dst, targets[t].n, step,
+                    [&](size_t pos, size_t len) { landed(t, pos, len); });
+  }
+}
+
+std::unique_ptr<ReadableObject> Store::OpenKnownSize(const std::string& name, uint64_t) {
+  return Open(name);
+}
+
 // No conditional create by default: the writer lock is the exclusion (store.h).
 void Store::PublishNew(const std::string& name, std::string_view bytes) {
   PublishAtomically(name, bytes);

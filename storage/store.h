@@ -52,6 +52,14 @@ struct ByteRange {
   bool operator==(const ByteRange&) const = default;
 };
 
+/// One destination of ReadableObject::ReadManyStreaming: n bytes of the object at offset, into
+/// dst (not owned; it must stay valid for the call).
+struct ReadTarget {
+  uint64_t offset = 0;
+  void* dst = nullptr;
+  size_t n = 0;
+};
+
 class ReadableObject {
  public:
   virtual ~ReadableObject() = default;
@@ -89,6 +97,18 @@ class ReadableObject {
   /// ranged GETs ahead, at least one of 1 MiB). Reads straight into the destination need no
   /// buffer and are not limited. The default ignores it.
   virtual void LimitBuffers(size_t /*bytes*/) noexcept {}
+  /// ReadAtStreaming of several targets, in order, as one stream: landed(t, pos, len) reports
+  /// consecutive pieces of target t (in the order of the targets, each covered from 0 to its n),
+  /// each as soon as its bytes are in place (a target of 0 bytes gets no call). A backend may keep
+  /// its transfers going from one target into the next (s3://: the next target's ranged GETs start
+  /// while this one's last are in flight, so reading many items of a file one after the other keeps
+  /// as many requests busy as one large item would). Errors as ReadAt; an exception from landed
+  /// propagates after every transfer into a target has stopped. The default calls ReadAtStreaming
+  /// for each target in turn. (Declared last: the slots above stay where built plugins expect
+  /// them.)
+  virtual void ReadManyStreaming(
+      const std::vector<ReadTarget>& targets, size_t step,
+      const std::function<void(size_t target, size_t pos, size_t len)>& landed);
 };
 
 /// Exclusive ownership of a store location (one writer per checkpoint location), held until the
@@ -171,6 +191,14 @@ class Store {
   /// does nothing. Thread-safe. IoError when the backend refuses. (ListIncomplete and this are
   /// declared last so that the existing virtual functions keep their places for built plugins.)
   virtual void DiscardIncomplete(const std::string& name);
+  /// Open an object whose size the caller knows from records of its own (a checkpoint's file
+  /// table), so that a backend may skip its size query: on s3:// the HEAD that Open makes, one
+  /// round trip per file before its first byte. Where it is skipped, size() is `size`, and a
+  /// read past the object's real end fails as ReadAt does on a short object; NotFoundError (at
+  /// the latest at the first read) when it is absent. The default is Open(name), which a
+  /// ForwardingStore keeps, so that a wrapper's own Open still sees every open. (Declared last
+  /// so that the existing virtual functions keep their places for built plugins.)
+  virtual std::unique_ptr<ReadableObject> OpenKnownSize(const std::string& name, uint64_t size);
 
   /// Read a whole object.
   std::string ReadAll(const std::string& name);

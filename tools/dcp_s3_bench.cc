@@ -27,6 +27,7 @@
 #include <cstring>
 #include <functional>
 #include <iostream>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 
@@ -91,14 +92,26 @@ std::vector<StateDict> Sharded(const std::vector<TensorView>& ts, int ranks, siz
   return out;
 }
 
+// --trace: every request, with the milliseconds since its operation began, on stderr.
+bool g_trace = false;
+std::mutex g_trace_mu;
+Clock::time_point g_trace_t0;
+
 // One measured operation: its times, and the requests it made (summed over the repeats).
 struct Phase {
+  explicit Phase(const char* n) : name(n) {}
+  const char* name;
   std::vector<double> seconds;
   uint64_t requests = 0;
   template <typename Fn>
   void Run(Fn fn) {
     const uint64_t r0 = S3RequestCountForTesting();
     const auto t0 = Clock::now();
+    if (g_trace) {
+      std::lock_guard<std::mutex> lock(g_trace_mu);
+      g_trace_t0 = t0;
+      std::fprintf(stderr, "--- %s\n", name);
+    }
     fn();
     seconds.push_back(Since(t0));
     requests += S3RequestCountForTesting() - r0;
@@ -118,7 +131,16 @@ int main(int argc, char** argv) {
   app.add_option("--files", files, "tensors = data files = raw objects = threads (1 rank)");
   app.add_option("--repeats", repeats, "runs of each measurement (the median is reported)");
   app.add_flag("--json", json, "one JSON line");
+  app.add_flag("--trace", g_trace, "print every request (ms into its operation) on stderr");
   CLI11_PARSE(app, argc, argv);
+  if (g_trace) {
+    SetS3FaultHookForTesting([](const S3RequestInfo& r) {
+      std::lock_guard<std::mutex> lock(g_trace_mu);
+      std::fprintf(stderr, "%8.1f %-6s %s%s%s\n", Since(g_trace_t0) * 1e3, r.method.c_str(),
+                   r.key.c_str(), r.query.empty() ? "" : "?", r.query.c_str());
+      return S3Fault::kNone;
+    });
+  }
   if (uri.rfind("s3://", 0) != 0 || files < 1 || repeats < 1) {
     std::cerr << "dcp-s3-bench: --uri must be s3://bucket/prefix, --files and --repeats >= 1\n";
     return 2;
@@ -163,7 +185,10 @@ int main(int argc, char** argv) {
     };
 
     const int files4 = std::max(1, files / kRanks);  // per rank
-    Phase put1, get1, save1, load1, put4, get4, save4, load4, reshard, reshard1;
+    Phase put1{"raw PUT, 1 rank"}, get1{"raw GET, 1 rank"}, save1{"save, 1 rank"},
+        load1{"load, 1 rank"}, put4{"raw PUT, 4 ranks"}, get4{"raw GET, 4 ranks"},
+        save4{"save, 4 ranks"}, load4{"load, 4 ranks"}, reshard{"column reshard, 4 ranks"},
+        reshard1{"load 4 -> 1"};
     SaveOptions so;
     so.storage.files_per_rank = files;
     so.storage.overwrite = true;

@@ -19,7 +19,7 @@ std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f) {
   const std::string where = store.uri() + "/" + f.name;
   std::unique_ptr<ReadableObject> in;
   try {
-    in = store.Open(f.name);
+    in = store.OpenKnownSize(f.name, f.size);  // the table's size: no size query
   } catch (const NotFoundError&) {
     throw NotFoundError("data file '" + where + "' is missing: the items its index lists " +
                         "cannot be read");

@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <unordered_map>
 
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/device/device.h"
@@ -251,13 +252,18 @@ class TaskQueue {
 // The object a reader has open, reused across its tasks while they are in one file.
 // Each object is told `buffer_limit`, the reader's share of the memory budget for the store's
 // read-ahead buffers.
+// `sizes`: the files whose sizes the checkpoint records (version 2's file table), opened
+// without a size query (Store::OpenKnownSize); the metadata's reader checked them.
 class OpenObject {
  public:
-  OpenObject(Store& store, size_t buffer_limit) : store_(store), buffer_limit_(buffer_limit) {}
+  OpenObject(Store& store, size_t buffer_limit,
+             const std::unordered_map<std::string, uint64_t>& sizes)
+      : store_(store), buffer_limit_(buffer_limit), sizes_(sizes) {}
   ReadableObject& Get(const std::string& name) {
     if (!in_ || name_ != name) {
       in_.reset();
-      in_ = store_.Open(name);
+      auto known = sizes_.find(name);
+      in_ = known == sizes_.end() ? store_.Open(name) : store_.OpenKnownSize(name, known->second);
       in_->LimitBuffers(buffer_limit_);
       name_ = name;
     }
@@ -267,6 +273,7 @@ class OpenObject {
  private:
   Store& store_;
   size_t buffer_limit_;
+  const std::unordered_map<std::string, uint64_t>& sizes_;
   std::string name_;
   std::unique_ptr<ReadableObject> in_;
 };
@@ -299,8 +306,10 @@ class StoreReader : public StorageReader {
     resolved_.clear();
     strided_.clear();
     index_resolver_.reset();
+    file_sizes_.clear();
     if (metadata.format_version >= 2) {
       index_resolver_ = std::make_unique<FileIndexResolver>(*store_, metadata);
+      for (const DataFile& f : metadata.files) file_sizes_[f.name] = f.size;
     }
   }
 
@@ -421,7 +430,7 @@ class StoreReader : public StorageReader {
                  const std::vector<ReadTask>& tasks, TaskQueue& queue, size_t reader,
                  size_t buffer_limit) {
     HostBuffer scratch;  // from the process-wide pool (proto/staging.h), returned at the end
-    OpenObject open(*store_, buffer_limit);
+    OpenObject open(*store_, buffer_limit, file_sizes_);
     std::optional<DeviceStaging> staging;  // made at this thread's first device piece
     while (const std::optional<size_t> t = queue.Take(reader)) {
       const ReadTask& task = tasks[*t];
@@ -812,14 +821,53 @@ class StoreReader : public StorageReader {
       const std::vector<ByteRange> ranges = RangesOf(plan, items);
       if (ranges.size() > 1) in.PrefetchRanges(ranges);
     }
+    // Whole items that land straight in dense host destinations are read as one stream
+    // (ReadManyStreaming), so that a remote store keeps its requests going from one item into
+    // the next; each is verified and committed when its last byte has landed.
+    struct Landing {
+      size_t item;
+      TensorView dst;
+      RunningCrc crc;
+      bool check;
+    };
+    std::vector<Landing> stream;
+    auto read_stream = [&] {
+      if (stream.size() == 1) {  // one item: as ReadHot reads it (one ReadAt when unchecked)
+        Landing& l = stream[0];
+        const ReadItem& item = plan.items[l.item];
+        const StorageInfo& info = Info(item);
+        ReadHot(in, info.offset, l.dst.data, info.length, l.check ? &l.crc : nullptr);
+        if (l.check) VerifyCrc(item, info, l.crc.value);
+        planner.CommitTensor(item, l.dst);
+        stream.clear();
+      }
+      if (stream.empty()) return;
+      std::vector<ReadTarget> targets;
+      targets.reserve(stream.size());
+      for (const Landing& l : stream) {
+        targets.push_back({Info(plan.items[l.item]).offset, l.dst.data, l.dst.nbytes()});
+      }
+      in.ReadManyStreaming(targets, kHotReadBytes, [&](size_t t, size_t pos, size_t len) {
+        Landing& l = stream[t];
+        const ReadItem& item = plan.items[l.item];
+        const StorageInfo& info = Info(item);
+        if (l.check) l.crc.Add(static_cast<const char*>(l.dst.data) + pos, len);
+        if (pos + len < info.length) return;
+        if (l.check) VerifyCrc(item, info, l.crc.value);
+        planner.CommitTensor(item, l.dst);
+      });
+      stream.clear();
+    };
     for (size_t i : items) {
       const ReadItem& item = plan.items[i];
       const StorageInfo& info = Info(item);
       if (!info.transforms.empty()) {
+        read_stream();
         ReadTransformed(planner, item, info, in, name, scratch, verified);
         continue;
       }
       if (item.type == ReadItemType::kBytes) {
+        read_stream();
         std::string bytes = AllocateOrThrow(
             [&] { return std::string(info.length, '\0'); },
             item.storage_index.ToString() + " from '" + store_->uri() + "/" + name + "'",
@@ -834,12 +882,15 @@ class StoreReader : public StorageReader {
       TensorView dst = Destination(planner, item, entry);
       const size_t esize = ElementSize(entry.dtype);
       const bool whole = item.lengths == chunk.sizes;
-      if (whole && dst.is_contiguous() && dst.device.is_cpu() && info.length == dst.nbytes()) {
+      if (whole && dst.is_contiguous() && dst.device.is_cpu() && info.length == dst.nbytes() &&
+          info.length > 0) {
         // The common case: the stored chunk lands directly in its destination.
-        const bool check = options_.verify_checksums && HasCrc(info);
-        RunningCrc crc = NewCrc(info);
-        ReadHot(in, info.offset, dst.data, info.length, check ? &crc : nullptr);
-        if (check) VerifyCrc(item, info, crc.value);
+        stream.push_back({i, dst, NewCrc(info), options_.verify_checksums && HasCrc(info)});
+        continue;
+      }
+      read_stream();
+      if (whole && dst.is_contiguous() && dst.device.is_cpu() && info.length == dst.nbytes()) {
+        // Empty: nothing to read.
       } else if (whole && !dst.device.is_cpu() && info.length == dst.nbytes()) {
         // A device destination: read piece by piece into pinned buffers, each piece's
         // host-to-device copy overlapping the next read (proto/device/device.h).
@@ -890,6 +941,7 @@ class StoreReader : public StorageReader {
       }
       planner.CommitTensor(item, dst);
     }
+    read_stream();
   }
 
   // An item stored compressed (storage/format/zstd_transform.h), decompressed on the way in:
@@ -984,8 +1036,9 @@ class StoreReader : public StorageReader {
   std::unique_ptr<FileIndexResolver> index_resolver_;  // version 2
   std::string encoded_;  // the last ReadMetadata's wire encoding, when its file held it
   StorageContext ctx_;
-  std::map<MetadataIndex, StorageInfo> resolved_;       // torch records read as plain items
-  std::map<MetadataIndex, TorchTensorRecord> strided_;  // torch records read by ReadTorchRecord
+  std::unordered_map<std::string, uint64_t> file_sizes_;  // version 2: the file table's
+  std::map<MetadataIndex, StorageInfo> resolved_;         // torch records read as plain items
+  std::map<MetadataIndex, TorchTensorRecord> strided_;    // torch records read by ReadTorchRecord
 };
 
 }  // namespace

@@ -75,17 +75,30 @@ class StoreWriter : public StorageWriter {
     // the plan phase, so none of its ranks writes anything.
     lock_ = store_->TryLock(LockHolder(ctx));
     if (!lock_) WarnNoLock();
-    for (const CheckpointLayout* other : AllLayouts()) {
-      if (other->metadata_name() == metadata_name_ || !other->Detect(*store_)) {
-        continue;
-      }
+    // What the location holds: each other layout's checkpoint, and this one's metadata. Asked
+    // together (on an object store each question is a round trip of its own), judged in order.
+    const std::vector<const CheckpointLayout*>& layouts = AllLayouts();
+    std::vector<char> present(layouts.size() + 1, 0);
+    ParallelFor(
+        present.size(),
+        [&](size_t i) {
+          if (i == layouts.size()) {
+            present[i] = store_->Size(metadata_name_).has_value();
+          } else if (layouts[i]->metadata_name() != metadata_name_) {
+            present[i] = layouts[i]->Detect(*store_);
+          }
+        },
+        present.size());
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      if (!present[i]) continue;
+      const CheckpointLayout* other = layouts[i];
       lock_.reset();
       throw AlreadyExistsError(store_->uri() + " holds a " + std::string(other->display_name()) +
                                " checkpoint (" + other->metadata_name() + "); a " +
                                std::string(layout_.display_name()) +
                                " checkpoint cannot replace it there: remove it or save elsewhere");
     }
-    const bool exists = store_->Size(metadata_name_).has_value();
+    const bool exists = present[layouts.size()] != 0;
     replacing_ = exists;
     if (exists && !options_.overwrite) {
       lock_.reset();
@@ -302,18 +315,28 @@ class StoreWriter : public StorageWriter {
     const std::string tmp_prefix = metadata_name_ + ".tmp.";
     auto is_data = [&](const std::string& name) { return layout_.IsDataFile(name); };
     try {
+      // Writes in progress that List() does not show (s3:// multipart uploads) are dead too
+      // under the lock: every write of this save is closed, so they are a crashed or failed
+      // save's, still holding (and billing) their parts. Both listings go out together (on an
+      // object store each is a round trip).
+      std::vector<std::string> names, unfinished;
+      ParallelFor(
+          2,
+          [&](size_t i) {
+            if (i == 0) {
+              names = store_->List();
+            } else if (lock_) {
+              unfinished = store_->ListIncomplete();
+            }
+          },
+          2);
       std::vector<std::string> dead;
-      for (const auto& name : store_->List()) {
+      for (const auto& name : names) {
         if (referenced.count(name) == 0 && (lock_ ? is_data(name) || name.rfind(tmp_prefix, 0) == 0
                                                   : replaced_.count(name) > 0 && is_data(name))) {
           dead.push_back(name);
         }
       }
-      // Writes in progress that List() does not show (s3:// multipart uploads) are dead too
-      // under the lock: every write of this save is closed, so they are a crashed or failed
-      // save's, still holding (and billing) their parts.
-      const std::vector<std::string> unfinished =
-          lock_ ? store_->ListIncomplete() : std::vector<std::string>{};
       // Files are dead only while no other writer can exist: with a lock that can be lost,
       // confirm it after the listing (a lost lock leaves them for the next locked save).
       if (lock_ && !(dead.empty() && unfinished.empty())) lock_->CheckHeld();

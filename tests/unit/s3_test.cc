@@ -609,6 +609,158 @@ TEST_CASE("s3: a load of many small adjacent items and a column-sharded load mak
   CHECK(hook.Count(is_data_get) <= 8 + 4);
 }
 
+TEST_CASE(
+    "s3: a load streams a file's items with ranged GETs in flight from one item into the next "
+    "and queries each file's size once",
+    "[s3]") {
+  if (!HaveServer()) return;
+  // Six items of one 5 MiB part each, read back to back: before ReadManyStreaming, a load read
+  // them one at a time, one GET in flight; as one stream they overlap (read_ahead_parts: 4).
+  const std::string root = S3TestRoot("many-stream") + "?part_size_mib=5";
+  auto store = OpenStore(root);
+  constexpr size_t kPart = size_t{5} << 20, kItems = 6;
+  std::string bytes(kPart * kItems, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>((i * 131) >> 7);
+  {
+    auto w = store->Create("obj");
+    w->Append(bytes.data(), bytes.size());
+    w->Close();
+  }
+  std::vector<std::string> got(kItems, std::string(kPart, '\0'));
+  std::vector<ReadTarget> targets;
+  for (size_t k = 0; k < kItems; ++k) targets.push_back({k * kPart, got[k].data(), kPart});
+  std::atomic<int> in_flight{0}, most{0};
+  std::vector<std::pair<size_t, size_t>> landed;  // (target, end of the piece)
+  {
+    Hook hook([&](const S3RequestInfo& i) {
+      if (i.method == "GET") {
+        const int now = ++in_flight;
+        int seen = most.load();
+        while (now > seen && !most.compare_exchange_weak(seen, now)) {
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(40));
+        --in_flight;
+      }
+      return S3Fault::kNone;
+    });
+    auto in = store->Open("obj");
+    in->ReadManyStreaming(targets, 1 << 20, [&](size_t t, size_t pos, size_t len) {
+      landed.push_back({t, pos + len});
+    });
+  }
+  for (size_t k = 0; k < kItems; ++k) {
+    CHECK(got[k] == bytes.substr(k * kPart, kPart));
+  }
+  // Every target reported, in order, each to its end.
+  REQUIRE(landed.size() >= kItems);
+  for (size_t j = 1; j < landed.size(); ++j) CHECK(landed[j - 1].first <= landed[j].first);
+  for (size_t k = 0; k < kItems; ++k) {
+    CHECK(std::count(landed.begin(), landed.end(), std::pair<size_t, size_t>{k, kPart}) == 1);
+  }
+  CHECK(most.load() >= 2);
+
+  // A load of items too large to be coalesced (>= 8 MiB) but each one GET (16 MiB parts), in
+  // one file, read by one thread, reads them as one stream too: before, one GET was in flight
+  // at a time.
+  const std::string ckpt = S3TestRoot("many-stream-load") + "?part_size_mib=16";
+  constexpr int64_t kItemFloats = (int64_t{9} << 20) / 4;
+  StateDict sd, back;
+  std::vector<TensorView> src, dst;
+  for (size_t k = 0; k < kItems; ++k) {
+    src.push_back(RandomTensor(DType::kFloat32, {kItemFloats}, 40 + k));
+    dst.push_back(RandomTensor(DType::kFloat32, {kItemFloats}, 99));
+    sd.Set("t" + std::to_string(k), src.back());
+    back.Set("t" + std::to_string(k), dst.back());
+  }
+  SaveOptions so;
+  so.storage.files_per_rank = 1;
+  {
+    // The save asks what the location holds (a checkpoint of each layout) in one round trip,
+    // not one HEAD after another.
+    Hook hook([&](const S3RequestInfo& i) {
+      if (i.method == "HEAD" && !i.key.empty()) {
+        const int now = ++in_flight;
+        int seen = most.load();
+        while (now > seen && !most.compare_exchange_weak(seen, now)) {
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(40));
+        --in_flight;
+      }
+      return S3Fault::kNone;
+    });
+    most = 0;
+    Save(sd, ckpt, so);
+    CHECK(most.load() >= 3);  // before: 1
+  }
+  LoadOptions lo;
+  lo.storage.read_threads = 1;
+  in_flight = 0;
+  most = 0;
+  {
+    Hook hook([&](const S3RequestInfo& i) {
+      if (i.method == "GET" && i.key.find(".data") != std::string::npos && i.query.empty()) {
+        const int now = ++in_flight;
+        int seen = most.load();
+        while (now > seen && !most.compare_exchange_weak(seen, now)) {
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(40));
+        --in_flight;
+      }
+      return S3Fault::kNone;
+    });
+    Load(back, ckpt, lo);
+    // The data file's size is queried once, by the metadata's check of the file table; its
+    // index and its items are read without a HEAD of their own (Store::OpenKnownSize).
+    CHECK(hook.Count([](const S3RequestInfo& i) {
+      return i.method == "HEAD" && i.key.find(".data") != std::string::npos;
+    }) == 1);
+  }
+  for (size_t k = 0; k < kItems; ++k) CHECK(SameElements(src[k], dst[k]));
+  CHECK(most.load() >= 2);
+}
+
+TEST_CASE("s3: an object's small tail travels with its last part", "[s3]") {
+  if (!HaveServer()) return;
+  // A data file is its items, then its index (a few KiB): the index used to be a part of its own,
+  // one more PUT before the completion could go.
+  auto store = OpenStore(S3TestRoot("tail") + "?part_size_mib=5");
+  constexpr size_t kPart = size_t{5} << 20;
+  std::string data(3 * kPart + 5000, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7 + (i >> 11));
+  auto is_part = [](const S3RequestInfo& i) {
+    return i.method == "PUT" && i.query.find("partNumber=") != std::string::npos;
+  };
+  {
+    Hook hook([](const S3RequestInfo&) { return S3Fault::kNone; });
+    auto w = store->Create("obj");
+    w->Append(data.data(), 3 * kPart);
+    w->Append(data.data() + 3 * kPart, 5000);
+    w->Close();
+    CHECK(hook.Count(is_part) == 3);  // before: 4, the last of 5,000 bytes
+  }
+  CHECK(store->ReadAll("obj") == data);
+  {
+    // Exactly one part's worth: one plain PUT (before: an upload of one part).
+    Hook hook([](const S3RequestInfo&) { return S3Fault::kNone; });
+    auto w = store->Create("one");
+    w->Append(data.data(), kPart);
+    w->Close();
+    CHECK(hook.Count(is_part) == 0);
+    CHECK(hook.Count([](const S3RequestInfo& i) { return i.method == "POST"; }) == 0);
+  }
+  CHECK(store->ReadAll("one") == data.substr(0, kPart));
+  {
+    // A tail larger than the slack is a part of its own, as before.
+    Hook hook([](const S3RequestInfo&) { return S3Fault::kNone; });
+    auto w = store->Create("big-tail");
+    w->Append(data.data(), 2 * kPart);
+    w->Append(data.data() + 2 * kPart, kPart / 2);
+    w->Close();
+    CHECK(hook.Count(is_part) == 3);
+  }
+  CHECK(store->ReadAll("big-tail") == data.substr(0, 2 * kPart + kPart / 2));
+}
+
 #else
 TEST_CASE("s3: backend", "[s3]") {
   WARN("SKIPPED: dcp was built without the s3:// backend (libcurl, OpenSSL or tinyxml2 not found)");

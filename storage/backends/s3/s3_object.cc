@@ -39,6 +39,9 @@ namespace dcp::s3 {
 
 namespace {
 
+// Room past a part's size for what follows it when that is all that follows (S3Writable::Append).
+constexpr size_t kS3PartSlackBytes = size_t{256} << 10;
+
 class S3Writable : public WritableObject {
  public:
   S3Writable(std::shared_ptr<Client> client, std::string key)
@@ -70,6 +73,12 @@ class S3Writable : public WritableObject {
   void Append(const void* data, size_t n) override {
     const char* p = static_cast<const char*>(data);
     while (n > 0) {
+      // A full part takes what follows into its slack when all of it fits there: the last bytes
+      // of an object (a data file's index) then travel with its last part, not in a small part
+      // of their own, one more round trip before the completion. Otherwise the part goes.
+      if (buffer_ && buffer_->size >= buffer_->target && n > buffer_->capacity - buffer_->size) {
+        ShipPart();
+      }
       if (!buffer_) {
         const size_t index = etags_.size() + inflight_.size();
         if (index >= kS3MaxParts) {
@@ -78,17 +87,18 @@ class S3Writable : public WritableObject {
                                      std::to_string(size_) + " bytes so far)");
         }
         buffer_ = std::make_shared<PartBuffer>();
-        buffer_->capacity = S3PartSize(part_size_, index);
+        buffer_->target = S3PartSize(part_size_, index);
+        buffer_->capacity = buffer_->target + kS3PartSlackBytes;
         // From the process-wide pool, back after its PUT.
         buffer_->memory.Reserve(buffer_->capacity);
       }
-      const size_t take = std::min(n, buffer_->capacity - buffer_->size);
+      const size_t end = buffer_->size < buffer_->target ? buffer_->target : buffer_->capacity;
+      const size_t take = std::min(n, end - buffer_->size);
       std::memcpy(buffer_->memory.data() + buffer_->size, p, take);
       buffer_->size += take;
       p += take;
       n -= take;
       size_ += take;
-      if (buffer_->size == buffer_->capacity) ShipPart();
     }
   }
 
@@ -154,7 +164,8 @@ class S3Writable : public WritableObject {
  private:
   struct PartBuffer {
     HostBuffer memory;
-    size_t capacity = 0;  // this part's size (S3PartSize)
+    size_t target = 0;    // this part's size (S3PartSize)
+    size_t capacity = 0;  // target + kS3PartSlackBytes
     size_t size = 0;
   };
   struct Part {
@@ -341,27 +352,48 @@ class S3Readable : public ReadableObject {
   // so the caller's checksum of one piece overlaps the transfer of the others.
   void ReadAtStreaming(uint64_t offset, void* dst, size_t n, size_t step,
                        const std::function<void(size_t, size_t)>& landed) override {
-    CheckRange(offset, n);
-    if (Overlaps(offset, n)) {  // the window has (some of) it: serve from there
-      ReadableObject::ReadAtStreaming(offset, dst, n, step, landed);
+    ReadManyStreaming({{offset, dst, n}}, step,
+                      [&](size_t, size_t pos, size_t len) { landed(pos, len); });
+  }
+
+  // Ranged GETs of at most part_size straight into the targets, read_ahead_parts in flight
+  // across target boundaries: a target's first GETs go out while the previous one's last are
+  // still coming.
+  void ReadManyStreaming(const std::vector<ReadTarget>& targets, size_t step,
+                         const std::function<void(size_t, size_t, size_t)>& landed) override {
+    bool windowed = false;  // the window has (some of) it: serve from there (ReadAt steps)
+    for (const ReadTarget& t : targets) {
+      CheckRange(t.offset, t.n);
+      windowed = windowed || Overlaps(t.offset, t.n);
+    }
+    if (windowed) {
+      for (size_t k = 0; k < targets.size(); ++k) {
+        ReadableObject::ReadAtStreaming(targets[k].offset, targets[k].dst, targets[k].n, step,
+                                        [&](size_t pos, size_t len) { landed(k, pos, len); });
+      }
       return;
     }
     const uint64_t part = client_->options().part_size;
     const size_t width = static_cast<size_t>(std::max(1, client_->options().read_ahead_parts));
-    char* out = static_cast<char*>(dst);
     struct Piece {
-      size_t pos, len;
+      size_t target, pos, len;
       Task<void> get;
     };
-    std::deque<Piece> running;  // on a throw, their destructors wait: dst is not written after
-    size_t next = 0;
+    std::deque<Piece> running;    // on a throw, their destructors wait: dst is not written after
+    size_t target = 0, next = 0;  // the next piece to ask for
     auto issue = [&] {
-      while (running.size() < width && next < n) {
-        const size_t len = static_cast<size_t>(std::min<uint64_t>(part, n - next));
-        char* to = out + next;
-        const uint64_t at = offset + next;
+      while (running.size() < width && target < targets.size()) {
+        const ReadTarget& t = targets[target];
+        if (next >= t.n) {
+          ++target;
+          next = 0;
+          continue;
+        }
+        const size_t len = static_cast<size_t>(std::min<uint64_t>(part, t.n - next));
+        char* to = static_cast<char*>(t.dst) + next;
+        const uint64_t at = t.offset + next;
         running.push_back(
-            {next, len, Spawn([this, at, to, len] { Get(*client_, key_, at, to, len); })});
+            {target, next, len, Spawn([this, at, to, len] { Get(*client_, key_, at, to, len); })});
         next += len;
       }
     };
@@ -371,7 +403,7 @@ class S3Readable : public ReadableObject {
       running.pop_front();
       p.get.get();
       issue();  // keep the connections busy while the caller works on this piece
-      landed(p.pos, p.len);
+      landed(p.target, p.pos, p.len);
     }
   }
 
