@@ -609,6 +609,26 @@ TEST_CASE("s3: a load of many small adjacent items and a column-sharded load mak
   CHECK(hook.Count(is_data_get) <= 8 + 4);
 }
 
+// The most requests of a kind in flight at once: each one `Holding` selects is held 40 ms in
+// the hook, so requests meant to overlap do.
+struct Overlap {
+  std::atomic<int> now{0}, most{0};
+  std::function<S3Fault(const S3RequestInfo&)> Holding(
+      std::function<bool(const S3RequestInfo&)> selects) {
+    return [this, selects](const S3RequestInfo& i) {
+      if (selects(i)) {
+        const int n = ++now;
+        int seen = most.load();
+        while (n > seen && !most.compare_exchange_weak(seen, n)) {
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(40));
+        --now;
+      }
+      return S3Fault::kNone;
+    };
+  }
+};
+
 TEST_CASE(
     "s3: a load streams a file's items with ranged GETs in flight from one item into the next "
     "and queries each file's size once",
@@ -629,20 +649,10 @@ TEST_CASE(
   std::vector<std::string> got(kItems, std::string(kPart, '\0'));
   std::vector<ReadTarget> targets;
   for (size_t k = 0; k < kItems; ++k) targets.push_back({k * kPart, got[k].data(), kPart});
-  std::atomic<int> in_flight{0}, most{0};
+  Overlap overlap;
   std::vector<std::pair<size_t, size_t>> landed;  // (target, end of the piece)
   {
-    Hook hook([&](const S3RequestInfo& i) {
-      if (i.method == "GET") {
-        const int now = ++in_flight;
-        int seen = most.load();
-        while (now > seen && !most.compare_exchange_weak(seen, now)) {
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(40));
-        --in_flight;
-      }
-      return S3Fault::kNone;
-    });
+    Hook hook(overlap.Holding([](const S3RequestInfo& i) { return i.method == "GET"; }));
     auto in = store->Open("obj");
     in->ReadManyStreaming(targets, 1 << 20, [&](size_t t, size_t pos, size_t len) {
       landed.push_back({t, pos + len});
@@ -657,7 +667,7 @@ TEST_CASE(
   for (size_t k = 0; k < kItems; ++k) {
     CHECK(std::count(landed.begin(), landed.end(), std::pair<size_t, size_t>{k, kPart}) == 1);
   }
-  CHECK(most.load() >= 2);
+  CHECK(overlap.most >= 2);
 
   // A load of items too large to be coalesced (>= 8 MiB) but each one GET (16 MiB parts), in
   // one file, read by one thread, reads them as one stream too: before, one GET was in flight
@@ -677,37 +687,19 @@ TEST_CASE(
   {
     // The save asks what the location holds (a checkpoint of each layout) in one round trip,
     // not one HEAD after another.
-    Hook hook([&](const S3RequestInfo& i) {
-      if (i.method == "HEAD" && !i.key.empty()) {
-        const int now = ++in_flight;
-        int seen = most.load();
-        while (now > seen && !most.compare_exchange_weak(seen, now)) {
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(40));
-        --in_flight;
-      }
-      return S3Fault::kNone;
-    });
-    most = 0;
+    Hook hook(overlap.Holding(
+        [](const S3RequestInfo& i) { return i.method == "HEAD" && !i.key.empty(); }));
+    overlap.most = 0;
     Save(sd, ckpt, so);
-    CHECK(most.load() >= 3);  // before: 1
+    CHECK(overlap.most >= 3);  // before: 1
   }
   LoadOptions lo;
   lo.storage.read_threads = 1;
-  in_flight = 0;
-  most = 0;
+  overlap.most = 0;
   {
-    Hook hook([&](const S3RequestInfo& i) {
-      if (i.method == "GET" && i.key.find(".data") != std::string::npos && i.query.empty()) {
-        const int now = ++in_flight;
-        int seen = most.load();
-        while (now > seen && !most.compare_exchange_weak(seen, now)) {
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(40));
-        --in_flight;
-      }
-      return S3Fault::kNone;
-    });
+    Hook hook(overlap.Holding([](const S3RequestInfo& i) {
+      return i.method == "GET" && i.key.find(".data") != std::string::npos && i.query.empty();
+    }));
     Load(back, ckpt, lo);
     // The data file's size is queried once, by the metadata's check of the file table; its
     // index and its items are read without a HEAD of their own (Store::OpenKnownSize).
@@ -716,7 +708,7 @@ TEST_CASE(
     }) == 1);
   }
   for (size_t k = 0; k < kItems; ++k) CHECK(SameElements(src[k], dst[k]));
-  CHECK(most.load() >= 2);
+  CHECK(overlap.most >= 2);
 }
 
 TEST_CASE("s3: an object's small tail travels with its last part", "[s3]") {
