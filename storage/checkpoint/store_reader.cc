@@ -286,6 +286,20 @@ class StoreReader : public StorageReader {
   std::string uri() const override { return store_->uri(); }
 
   Metadata ReadMetadata() override {
+    // The common case first, without asking whether it is there (on an object store the
+    // question is a round trip of its own): dcp's metadata, which DetectLayout would pick first.
+    {
+      std::optional<Metadata> md;
+      try {
+        md = LayoutFor(CheckpointFormat::kDcp).ReadMetadata(*store_, &encoded_);
+      } catch (const NotFoundError&) {
+        // Not a dcp checkpoint (or none): the layouts are asked below.
+      }
+      if (md) {
+        CheckDataFiles(*md);
+        return std::move(*md);
+      }
+    }
     if (const CheckpointLayout* layout = DetectLayout(*store_)) {
       Metadata md = layout->ReadMetadata(*store_, &encoded_);
       CheckDataFiles(md);

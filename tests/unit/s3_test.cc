@@ -706,6 +706,10 @@ TEST_CASE(
     CHECK(hook.Count([](const S3RequestInfo& i) {
       return i.method == "HEAD" && i.key.find(".data") != std::string::npos;
     }) == 1);
+    // The metadata is read without first asking whether it is there (before: two HEADs).
+    CHECK(hook.Count([](const S3RequestInfo& i) {
+      return i.method == "HEAD" && i.key.find("metadata.dcp") != std::string::npos;
+    }) == 1);
   }
   for (size_t k = 0; k < kItems; ++k) CHECK(SameElements(src[k], dst[k]));
   CHECK(overlap.most >= 2);
