@@ -51,6 +51,7 @@ namespace dcp {
 namespace tier_detail {
 struct StepReport;
 struct Transfer;
+struct MappedFile;
 }  // namespace tier_detail
 
 /// What one tier call did on this rank (for metrics and benches).
@@ -133,10 +134,13 @@ class MemoryTier {
  private:
   using StepReport = tier_detail::StepReport;
   using Transfer = tier_detail::Transfer;
+  using MappedFile = tier_detail::MappedFile;
   // Collectives on `comm`: the job's (comm_) or, for SaveAsync, the background one.
   std::vector<StepReport> GatherReports(Communicator& comm);
+  // `mapped`: files this rank wrote that are still mapped (sent from there); may be null.
   void TransferFiles(Communicator& comm, int64_t step, const std::vector<Transfer>& outgoing,
-                     std::string_view what, std::vector<std::string>* received);
+                     std::string_view what, std::vector<std::string>* received,
+                     std::map<std::string, MappedFile>* mapped);
   void Vote(Communicator& comm, const std::string& my_error, std::string_view phase);
   SaveResult SaveOn(Communicator& comm, int64_t step, const StateDict& state,
                     const SaveOptions& options);
@@ -159,8 +163,6 @@ class MemoryTier {
   bool closed_ = false;
   TierStats stats_;
   std::shared_ptr<AsyncSave> in_flight_;
-  // Replication staging (transfer_chunk_bytes per peer each way), kept warm across saves.
-  std::vector<char> send_staging_, receive_staging_;
   // Last: destroyed first, so a save still running ends before the members it uses go.
   std::unique_ptr<AsyncCheckpointer> saver_;
 };
