@@ -175,19 +175,6 @@ std::map<std::string, uint64_t> ReferencedFiles(const Metadata& md) {
 // freeing them is not free either).
 constexpr char kRecycleDir[] = "recycle";
 
-// Opens `path` for writing from offset 0 without truncating, as a file taken from `recycle_dir`
-// when there is one (renamed: atomic, and two ranks never get the same one), else a new one.
-// The writer truncates it to what it wrote when it closes.
-int OpenForOverwrite(const std::string& recycle_dir, const std::string& path) {
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(recycle_dir, ec)) {
-    if (::rename(e.path().c_str(), path.c_str()) == 0) break;
-  }
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);  // RDWR: mmap needs it
-  if (fd < 0) throw TierIoError("memory tier: cannot create " + path + ": " + std::strerror(errno));
-  return fd;
-}
-
 void TruncateAndClose(int fd, uint64_t size, const std::string& path) {
   const bool ok = ::ftruncate(fd, static_cast<off_t>(size)) == 0;
   const int err = errno;
@@ -242,10 +229,104 @@ class FileMapping {
   uint64_t size_ = 0;
 };
 
-// A file of the step still mapped by the writer that wrote its `size` bytes.
-struct MappedFile {
-  FileMapping map;
-  uint64_t size = 0;
+// The tier's files this rank wrote or received, kept mapped across saves. Freed steps' files
+// are written over by later steps (kRecycleDir), so a file comes back with its pages and its
+// mapping: a save in the steady state maps nothing, where populating a 512 MiB mapping costs
+// 0.04-0.1 s per file on 2 cores. Keyed by inode; Prune drops the entries whose file is gone
+// (no links left), so a deleted file's pages do not outlive the next Prune. Thread-safe.
+class MappingPool {
+ public:
+  MappingPool() = default;
+  MappingPool(const MappingPool&) = delete;
+  MappingPool& operator=(const MappingPool&) = delete;
+  ~MappingPool() { Clear(); }
+
+  /// The first `size` bytes of the file open (read-write) at `fd`, mapped writable: the kept
+  /// mapping when it covers them, else a new one, kept. Only for files whose `size` bytes are
+  /// allocated (writing a hole through a mapping could meet a full tmpfs: SIGBUS). The pointer
+  /// stays valid until Prune finds the file gone, Clear, or the pool's end.
+  char* Map(int fd, uint64_t size, const std::string& path) {
+    if (size == 0) return nullptr;
+    struct stat sb {};
+    if (::fstat(fd, &sb) != 0) {
+      throw TierIoError("memory tier: cannot stat " + path + ": " + std::strerror(errno));
+    }
+    const Key key{sb.st_dev, sb.st_ino};
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = entries_.find(key); it != entries_.end()) {
+      if (it->second.map.size() >= size) return it->second.map.data();
+      Drop(it);
+    }
+    Entry e;
+    e.map = FileMapping(fd, size, /*writable=*/true, path);
+    e.fd = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);  // to see the file's links later
+    if (e.fd < 0) {
+      throw TierIoError("memory tier: cannot keep " + path + " open: " + std::strerror(errno));
+    }
+    char* data = e.map.data();
+    bytes_mapped_ += size;
+    entries_.emplace(key, std::move(e));
+    return data;
+  }
+  /// The kept mapping of the file open at `fd` when it covers `size` bytes, else null.
+  char* Find(int fd, uint64_t size) {
+    struct stat sb {};
+    if (size == 0 || ::fstat(fd, &sb) != 0) return nullptr;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(Key{sb.st_dev, sb.st_ino});
+    return it != entries_.end() && it->second.map.size() >= size ? it->second.map.data() : nullptr;
+  }
+  /// Whether the file with this identity is kept mapped.
+  bool Holds(dev_t dev, ino_t ino) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return entries_.count(Key{dev, ino}) > 0;
+  }
+  /// Bytes mapped anew so far (mappings the pool already held are not counted again).
+  uint64_t bytes_mapped() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return bytes_mapped_;
+  }
+  /// Unmaps the files that no longer exist.
+  void Prune() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      struct stat sb {};
+      if (::fstat(it->second.fd, &sb) != 0 || sb.st_nlink == 0) {
+        it = Drop(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  void Clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!entries_.empty()) Drop(entries_.begin());
+  }
+  /// Forgets every mapping without unmapping it: a transport that may still write into one
+  /// must never find it gone, or another mapping in its place.
+  void Leak() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, e] : entries_) {
+      e.map.Leak();
+      ::close(e.fd);
+    }
+    entries_.clear();
+  }
+
+ private:
+  using Key = std::pair<dev_t, ino_t>;
+  struct Entry {
+    FileMapping map;
+    int fd = -1;
+  };
+  std::map<Key, Entry>::iterator Drop(std::map<Key, Entry>::iterator it) {
+    it->second.map.Reset();
+    if (it->second.fd >= 0) ::close(it->second.fd);
+    return entries_.erase(it);
+  }
+  mutable std::mutex mu_;
+  std::map<Key, Entry> entries_;
+  uint64_t bytes_mapped_ = 0;
 };
 
 }  // namespace tier_detail
@@ -253,7 +334,44 @@ struct MappedFile {
 namespace {
 
 using tier_detail::FileMapping;
-using tier_detail::MappedFile;
+using tier_detail::MappingPool;
+
+// A data file's name without its save id ("data-<save>-r<rank>-b<bucket>.data" gives
+// "r<rank>-b<bucket>.data"): what a rank's file of one step shares with its file of the next.
+std::string_view WithoutSaveId(std::string_view name) {
+  if (name.substr(0, 5) != "data-") return name;
+  const size_t dash = name.find('-', 5);
+  return dash == std::string_view::npos ? name : name.substr(dash + 1);
+}
+
+// Opens `path` for writing from offset 0 without truncating, as a file taken from `recycle_dir`
+// when there is one (renamed: atomic, and two ranks never get the same one), else a new one.
+// The ranks of a node share the directory; each takes first the file that held the same data
+// file of an earlier step (same name but for the save id: the same size, and the mapping this
+// rank kept of it), then any file it keeps mapped, then any. So a save in the steady state
+// writes over its own earlier files and maps nothing anew. The writer truncates the file to
+// what it wrote when it closes.
+int OpenForOverwrite(const std::string& recycle_dir, const std::string& path,
+                     const MappingPool& pool) {
+  const std::string name = fs::path(path).filename().native();
+  const std::string_view want = WithoutSaveId(name);
+  std::error_code ec;
+  std::vector<std::pair<int, fs::path>> candidates;  // (preference, file)
+  for (const auto& e : fs::directory_iterator(recycle_dir, ec)) {
+    struct stat sb {};
+    const bool mapped = ::stat(e.path().c_str(), &sb) == 0 && pool.Holds(sb.st_dev, sb.st_ino);
+    const std::string other = e.path().filename().native();
+    const bool same = WithoutSaveId(other) == want;
+    candidates.emplace_back((same ? 0 : 2) + (mapped ? 0 : 1), e.path());
+  }
+  std::sort(candidates.begin(), candidates.end());
+  for (const auto& [preference, file] : candidates) {
+    if (::rename(file.c_str(), path.c_str()) == 0) break;
+  }
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);  // RDWR: mmap needs it
+  if (fd < 0) throw TierIoError("memory tier: cannot create " + path + ": " + std::strerror(errno));
+  return fd;
+}
 
 // Makes the file at `fd` exactly `size` bytes with every page allocated, so that writing
 // through a mapping cannot hit a full tmpfs (SIGBUS): that fails here, as an error naming it.
@@ -273,36 +391,32 @@ void ReserveExactly(int fd, uint64_t size, const std::string& path) {
 }
 
 // A data file of a step being written: sequential writes over a possibly recycled file. The
-// recycled file's pages are written through a mapping (copies at memory speed, without
-// pwrite's per-page lookups), which the replication then sends from without mapping the file
-// again (`keep`, at Close). Bytes past those pages go through pwrite, where a full tmpfs is an
-// error, not a SIGBUS.
+// recycled file's pages are written through the pool's mapping (copies at memory speed,
+// without pwrite's per-page lookups), which the replication then sends from. Bytes past those
+// pages go through pwrite, where a full tmpfs is an error, not a SIGBUS.
 class TierFileWriter : public WritableObject {
  public:
-  using KeepMapping = std::function<void(FileMapping, uint64_t size)>;
-  TierFileWriter(int fd, std::string path, KeepMapping keep)
-      : fd_(fd), path_(std::move(path)), keep_(std::move(keep)) {
+  TierFileWriter(int fd, std::string path, MappingPool& pool) : fd_(fd), path_(std::move(path)) {
     struct stat sb {};
-    // Only a file whose every page exists is mapped: writing a hole through a mapping could
-    // meet a full tmpfs.
+    // Only a file whose every page exists is written through a mapping.
     if (::fstat(fd_, &sb) == 0 && sb.st_size > 0 &&
         static_cast<uint64_t>(sb.st_blocks) * 512 >= static_cast<uint64_t>(sb.st_size)) {
       try {
-        map_ = FileMapping(fd_, static_cast<uint64_t>(sb.st_size), /*writable=*/true, path_);
+        mapped_ = pool.Map(fd_, static_cast<uint64_t>(sb.st_size), path_);
+        mapped_size_ = static_cast<uint64_t>(sb.st_size);
       } catch (const Error&) {
         // Unmappable: every byte goes through pwrite.
       }
     }
   }
   ~TierFileWriter() override {
-    map_.Reset();
     if (fd_ >= 0) ::close(fd_);  // an abandoned write: the save's abort removes the file
   }
   void Append(const void* data, size_t n) override {
     const char* bytes = static_cast<const char*>(data);
-    if (size_ < map_.size()) {
-      const size_t fits = static_cast<size_t>(std::min<uint64_t>(n, map_.size() - size_));
-      std::memcpy(map_.data() + size_, bytes, fits);
+    if (size_ < mapped_size_) {
+      const size_t fits = static_cast<size_t>(std::min<uint64_t>(n, mapped_size_ - size_));
+      std::memcpy(mapped_ + size_, bytes, fits);
       bytes += fits;
       n -= fits;
       size_ += fits;
@@ -317,21 +431,15 @@ class TierFileWriter : public WritableObject {
     if (fd_ < 0) return;
     const int fd = fd_;
     fd_ = -1;
-    // The mapping outlives the truncation: only [0, size_) of it is ever touched again.
-    if (keep_ && size_ > 0 && size_ <= map_.size()) {
-      keep_(std::move(map_), size_);
-    } else {
-      map_.Reset();
-    }
-    TruncateAndClose(fd, size_, path_);
+    TruncateAndClose(fd, size_, path_);  // the pool's mapping is only touched below size_
   }
   uint64_t size() const override { return size_; }
 
  private:
   int fd_;
   std::string path_;
-  KeepMapping keep_;
-  FileMapping map_;
+  char* mapped_ = nullptr;  // the pool's, covering mapped_size_ bytes
+  uint64_t mapped_size_ = 0;
   uint64_t size_ = 0;
 };
 
@@ -343,9 +451,11 @@ class TierFileWriter : public WritableObject {
 // one still fails, naming it.
 class TierStepStore : public ForwardingStore {
  public:
-  TierStepStore(std::shared_ptr<Store> target, std::string dir, std::string recycle,
-                std::string uri, std::map<std::string, uint64_t> elsewhere = {})
+  TierStepStore(std::shared_ptr<Store> target, MappingPool& pool, std::string dir,
+                std::string recycle, std::string uri,
+                std::map<std::string, uint64_t> elsewhere = {})
       : ForwardingStore(std::move(target)),
+        pool_(pool),
         dir_(std::move(dir)),
         recycle_(std::move(recycle)),
         uri_(std::move(uri)),
@@ -365,11 +475,7 @@ class TierStepStore : public ForwardingStore {
     }
     if (!IsPlainName(name)) return ForwardingStore::Create(name);  // refused there, named
     const std::string path = dir_ + "/" + name;
-    return std::make_unique<TierFileWriter>(OpenForOverwrite(recycle_, path), path,
-                                            [this, name](FileMapping map, uint64_t size) {
-                                              std::lock_guard<std::mutex> lock(mu_);
-                                              written_[name] = {std::move(map), size};
-                                            });
+    return std::make_unique<TierFileWriter>(OpenForOverwrite(recycle_, path, pool_), path, pool_);
   }
   void PublishAtomically(const std::string& name, std::string_view bytes) override {
     if (Hold(name, bytes)) return;
@@ -384,11 +490,6 @@ class TierStepStore : public ForwardingStore {
     return created_;
   }
   const std::string& held_metadata() const { return metadata_; }
-  /// The files this store's writers wrote through a mapping, still mapped, with their sizes.
-  std::map<std::string, MappedFile> TakeMappedFiles() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return std::exchange(written_, {});
-  }
 
  private:
   bool Hold(const std::string& name, std::string_view bytes) {
@@ -397,12 +498,12 @@ class TierStepStore : public ForwardingStore {
     metadata_.assign(bytes);
     return true;
   }
+  MappingPool& pool_;
   std::string dir_, recycle_, uri_;
   std::map<std::string, uint64_t> elsewhere_;
   mutable std::mutex mu_;
   std::set<std::string> created_;
   std::string metadata_;
-  std::map<std::string, MappedFile> written_;
 };
 
 std::shared_ptr<Store> StepStore(const std::string& dir) {
@@ -493,7 +594,10 @@ using tier_detail::Candidate;
 
 MemoryTier::MemoryTier(Communicator& comm, MemoryTierOptions options,
                        std::unique_ptr<Communicator> background_comm, AsyncOptions async)
-    : comm_(comm), options_(std::move(options)), rank_(comm.rank()) {
+    : comm_(comm),
+      options_(std::move(options)),
+      rank_(comm.rank()),
+      pool_(std::make_unique<tier_detail::MappingPool>()) {
   const std::string& name = options_.name;
   std::string problem;
   if (!IsPlainName(name)) problem = "name '" + name + "' is not a plain name";
@@ -563,18 +667,17 @@ void MemoryTier::Vote(Communicator& comm, const std::string& my_error, std::stri
 // First an AllToAll of what each rank will send each other rank (file names and sizes); then
 // the bytes, in rounds: each round moves up to transfer_chunk_bytes of every (sender, receiver)
 // pair's stream (its files in order) through Communicator::ExchangeBytes, which MPI does
-// without copies of its own. The bytes go straight from the sender's file to the receiver's:
-// both are mapped (MAP_POPULATE: one walk over the pages instead of a fault per 4 KiB), so a
-// replica costs the transport's copy and nothing else, where reading into and writing out of
-// staging buffers cost two more copies (2.7x the exchange on 2 cores). The receiver reserves
-// its files' pages (fallocate) before mapping them: a full tmpfs is an error then, not a
-// SIGBUS in the middle of the transfer. Every file is opened and mapped before the bytes move
+// without copies of its own. The bytes go straight from the sender's file to the receiver's,
+// both mapped (the pool's mappings, kept across saves), so a replica costs the transport's
+// copy and nothing else, where reading into and writing out of staging buffers cost two more
+// copies (2.7x the exchange on 2 cores). The receiver reserves its files' pages (fallocate)
+// before mapping them: a full tmpfs is an error then, not a SIGBUS in the middle of the
+// transfer. Every file is opened and mapped before the bytes move
 // (a vote first), so a failure never leaves a peer waiting for data that will not come; a vote
 // at the end reports every outcome.
 void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
                                const std::vector<Transfer>& outgoing, std::string_view what,
-                               std::vector<std::string>* received,
-                               std::map<std::string, MappedFile>* mapped) {
+                               std::vector<std::string>* received) {
   const std::string dir = StepDirectory(step);
   const std::string recycle = root_ + "/" + kRecycleDir;
   const uint64_t chunk = options_.transfer_chunk_bytes;
@@ -587,8 +690,8 @@ void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
     std::string name;
     int fd = -1;
     uint64_t size = 0;
-    char* data = nullptr;  // its bytes: `map`, or the writer's mapping (`mapped`)
-    FileMapping map;
+    char* data = nullptr;  // its bytes: the pool's mapping, or `map`
+    FileMapping map;       // a sent file the pool does not hold (written by another process)
   };
   struct Stream {
     std::vector<PairFile> files;
@@ -613,22 +716,19 @@ void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
     f.name = t.name;
     const std::string path = dir + "/" + t.name;
     try {
-      f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      f.fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);  // RDWR: the pool's mappings are
       struct stat sb {};
       if (f.fd < 0 || ::fstat(f.fd, &sb) != 0) {
         throw TierIoError("memory tier: cannot open " + path + ": " + std::strerror(errno));
       }
       f.size = static_cast<uint64_t>(sb.st_size);
-      const MappedFile* written = nullptr;
-      if (mapped) {
-        auto it = mapped->find(t.name);
-        if (it != mapped->end() && it->second.size == f.size) written = &it->second;
-      }
-      if (written) {
-        f.data = written->map.data();
+      if (static_cast<uint64_t>(sb.st_blocks) * 512 >= f.size) {
+        f.data = pool_->Map(f.fd, f.size, path);  // kept: the file comes back recycled
       } else {
+        // A sparse file (not one the tier wrote) is read through a mapping of its own.
         f.map = FileMapping(f.fd, f.size, /*writable=*/false, path);
         f.data = f.map.data();
+        stats_.bytes_mapped += f.size;
       }
     } catch (const std::exception& e) {
       fail(ErrorText(e));
@@ -664,12 +764,11 @@ void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
         Stream& st = in_streams[source];
         st.total += f.size;
         const std::string path = dir + "/" + f.name;
-        f.fd = OpenForOverwrite(recycle, path);
+        f.fd = OpenForOverwrite(recycle, path, *pool_);
         st.files.push_back(std::move(f));
         PairFile& placed = st.files.back();
         ReserveExactly(placed.fd, placed.size, path);
-        placed.map = FileMapping(placed.fd, placed.size, /*writable=*/true, path);
-        placed.data = placed.map.data();
+        placed.data = pool_->Map(placed.fd, placed.size, path);
       }
     } catch (const std::exception& e) {
       fail(ErrorText(e));
@@ -724,9 +823,7 @@ void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
           for (auto& f : st.files) f.map.Leak();
         }
       }
-      if (mapped) {
-        for (auto& [name, file] : *mapped) file.map.Leak();
-      }
+      pool_->Leak();
       close_all();
       throw;
     }
@@ -763,8 +860,11 @@ SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict&
     if (ec) error = "memory tier: cannot prepare " + dir + ": " + ec.message();
   }
   Vote(comm, error, "tier/prepare");
-  auto store = std::make_shared<TierStepStore>(StepStore(dir), dir, root_ + "/" + kRecycleDir,
-                                               "tier://" + options_.name + "/" + StepName(step));
+  pool_->Prune();  // the files the previous saves' retention removed
+  const uint64_t mapped_before = pool_->bytes_mapped();
+  auto store =
+      std::make_shared<TierStepStore>(StepStore(dir), *pool_, dir, root_ + "/" + kRecycleDir,
+                                      "tier://" + options_.name + "/" + StepName(step));
   SaveOptions o = options;
   o.step = step;
   auto writer = MakeStoreWriter(store, o.storage);
@@ -787,8 +887,7 @@ SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict&
     for (const auto& name : own) outgoing.push_back({partner, name});
   }
   try {
-    auto mapped = store->TakeMappedFiles();
-    TransferFiles(comm, step, outgoing, "tier/replicate", nullptr, &mapped);
+    TransferFiles(comm, step, outgoing, "tier/replicate", nullptr);
   } catch (const Error&) {
     // Not committed anywhere: no node wrote the metadata. Free the step's copies.
     if (leader()) {
@@ -798,6 +897,7 @@ SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict&
     throw;
   }
   stats_.replicate_s = SecondsSince(t1);
+  stats_.bytes_mapped += pool_->bytes_mapped() - mapped_before;
 
   auto t2 = std::chrono::steady_clock::now();
   // Every copy of every file exists: each node commits its copy.
@@ -1007,6 +1107,7 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   if (closed_) throw InvalidArgumentError("memory tier: Restore after Close");
   Wait();
   stats_ = {};
+  const uint64_t mapped_before = pool_->bytes_mapped();
   auto t0 = std::chrono::steady_clock::now();
   const auto reports = GatherReports(comm_);
   const auto candidates = tier_detail::Candidates(reports);
@@ -1134,8 +1235,9 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   }
   Vote(comm_, error, "tier/recover-prepare");
   std::vector<std::string> received;
-  TransferFiles(comm_, step, outgoing, "tier/recover", &received, nullptr);
+  TransferFiles(comm_, step, outgoing, "tier/recover", &received);
   stats_.files_fetched = static_cast<int>(received.size());
+  stats_.bytes_mapped += pool_->bytes_mapped() - mapped_before;
   error.clear();
   if (static_cast<int>(received.size()) != expected) {
     error = "memory tier: rank " + std::to_string(rank_) + " received " +
@@ -1159,9 +1261,9 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   for (const auto& [node, rep] : report_of) {
     for (const auto& [name, size] : rep->present) elsewhere.emplace(name, size);
   }
-  auto store = std::make_shared<TierStepStore>(StepStore(dir), dir, root_ + "/" + kRecycleDir,
-                                               "tier://" + options_.name + "/" + StepName(step),
-                                               std::move(elsewhere));
+  auto store = std::make_shared<TierStepStore>(
+      StepStore(dir), *pool_, dir, root_ + "/" + kRecycleDir,
+      "tier://" + options_.name + "/" + StepName(step), std::move(elsewhere));
   auto reader = MakeStoreReader(store, options.storage);
   dcp::Load(state, *reader, comm_, options);
   stats_.load_s = SecondsSince(t1);
@@ -1240,6 +1342,7 @@ void MemoryTier::Close() {
     pending = std::current_exception();
   }
   if (saver_) saver_->Close();
+  pool_->Clear();  // every rank's mappings, so that freed files' pages go
   std::string error;
   if (options_.free_on_close && leader()) {
     std::error_code ec;

@@ -51,7 +51,7 @@ namespace dcp {
 namespace tier_detail {
 struct StepReport;
 struct Transfer;
-struct MappedFile;
+class MappingPool;
 }  // namespace tier_detail
 
 /// What one tier call did on this rank (for metrics and benches).
@@ -62,10 +62,13 @@ struct TierStats {
   uint64_t bytes_written = 0;   // this rank's own data files
   uint64_t bytes_sent = 0;      // replicas (Save) or fetched files (Restore) this rank sent
   uint64_t bytes_received = 0;  // ... and received
-  double recover_s = 0;         // Restore: agreement and fetching
-  double load_s = 0;            // Restore: the load itself
-  int files_fetched = 0;        // Restore: files this rank received from other nodes
-  double drain_s = 0;           // Drain (or SaveAsync's drain): copy to durable storage + commit
+  // Save/Restore: bytes of the tier's files this rank mapped anew (0 for a save in the steady
+  // state: freed steps' files come back with the mappings this rank kept).
+  uint64_t bytes_mapped = 0;
+  double recover_s = 0;   // Restore: agreement and fetching
+  double load_s = 0;      // Restore: the load itself
+  int files_fetched = 0;  // Restore: files this rank received from other nodes
+  double drain_s = 0;     // Drain (or SaveAsync's drain): copy to durable storage + commit
 };
 
 class MemoryTier {
@@ -134,13 +137,10 @@ class MemoryTier {
  private:
   using StepReport = tier_detail::StepReport;
   using Transfer = tier_detail::Transfer;
-  using MappedFile = tier_detail::MappedFile;
   // Collectives on `comm`: the job's (comm_) or, for SaveAsync, the background one.
   std::vector<StepReport> GatherReports(Communicator& comm);
-  // `mapped`: files this rank wrote that are still mapped (sent from there); may be null.
   void TransferFiles(Communicator& comm, int64_t step, const std::vector<Transfer>& outgoing,
-                     std::string_view what, std::vector<std::string>* received,
-                     std::map<std::string, MappedFile>* mapped);
+                     std::string_view what, std::vector<std::string>* received);
   void Vote(Communicator& comm, const std::string& my_error, std::string_view phase);
   SaveResult SaveOn(Communicator& comm, int64_t step, const StateDict& state,
                     const SaveOptions& options);
@@ -163,6 +163,8 @@ class MemoryTier {
   bool closed_ = false;
   TierStats stats_;
   std::shared_ptr<AsyncSave> in_flight_;
+  // This rank's mappings of the tier's files, kept across saves (memory_tier.cc).
+  std::unique_ptr<tier_detail::MappingPool> pool_;
   // Last: destroyed first, so a save still running ends before the members it uses go.
   std::unique_ptr<AsyncCheckpointer> saver_;
 };

@@ -2,6 +2,7 @@
 // other nodes, a commit only when every copy exists, recovery from the surviving copies.
 // Nodes are simulated (MemoryTierOptions::ranks_per_node), each with its own directory under a
 // private tier root, so "losing a node" is removing its directory.
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
@@ -468,6 +469,48 @@ TEST_CASE("memory tier: freed steps' files are written over by the next steps, t
   // Only the newest step and the files of the one before it, waiting to be reused, remain.
   CHECK(FilesIn(NodeDir(root, 0)) == std::set<std::string>{"recycle", "step-0000000004"});
   CHECK(!FilesIn(NodeDir(root, 0) + "/recycle").empty());
+}
+
+// Lines of /proc/self/maps that map a file under `dir`.
+int MappingsUnder(const std::string& dir) {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find(dir + "/") != std::string::npos) ++n;
+  }
+  return n;
+}
+
+TEST_CASE("memory tier: saves in the steady state map nothing anew and Close unmaps every file",
+          "[memory-tier][option:MemoryTierOptions::keep]") {
+  TempDir root("tier");
+  auto options = Options(root, 2);
+  options.keep = 1;
+  std::vector<std::vector<uint64_t>> mapped(kWorld);
+  std::atomic<int> mapped_before_close{0};
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    for (int64_t s = 1; s <= 5; ++s) {
+      TierState state(rank, kWorld, s);
+      tier.Save(s, state.sd);
+      mapped[rank].push_back(tier.last_stats().bytes_mapped);
+    }
+    comm.Barrier("saved");
+    if (rank == 0) mapped_before_close = MappingsUnder(root.path());
+    comm.Barrier("counted");
+    tier.Close();
+  }));
+  for (int r = 0; r < kWorld; ++r) {
+    INFO("rank " << r);
+    // Steps 1 and 2 find no freed files (keep = 1 frees step 1 only once step 2 is committed);
+    // from step 3 on each rank writes over, and sends from, the files it mapped before.
+    CHECK(mapped[r][0] > 0);
+    CHECK(mapped[r][2] == 0);
+    CHECK(mapped[r][3] == 0);
+    CHECK(mapped[r][4] == 0);
+  }
+  CHECK(mapped_before_close > 0);
+  CHECK(MappingsUnder(root.path()) == 0);
 }
 
 TEST_CASE(
