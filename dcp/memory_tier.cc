@@ -629,16 +629,19 @@ MemoryTier::MemoryTier(Communicator& comm, MemoryTierOptions options,
     label = "local";
   }
   const int nn = static_cast<int>(nodes_.size());
+  // Too few nodes for the replicas (a job restarted on the nodes that survived a loss): the
+  // steps in memory can still be restored and drained; saves are refused (BeginSave).
   if (options_.replicas > 0 && options_.replicas >= nn) {
-    throw InvalidArgumentError("memory tier: " + std::to_string(options_.replicas) +
-                               " replica(s) need " + std::to_string(options_.replicas + 1) +
-                               " nodes; the job has " + std::to_string(nn) +
-                               " (set ranks_per_node or DCP_TIER_RANKS_PER_NODE to simulate "
-                               "nodes on one machine)");
+    cannot_save_ = "memory tier: " + std::to_string(options_.replicas) + " replica(s) need " +
+                   std::to_string(options_.replicas + 1) + " nodes; the job has " +
+                   std::to_string(nn) +
+                   ". Restore, CompleteSteps and Drain work; to save, set replicas below the "
+                   "node count (or set ranks_per_node or DCP_TIER_RANKS_PER_NODE to simulate "
+                   "nodes on one machine)";
   }
   const auto& mine = nodes_[node_];
   const size_t position = std::find(mine.begin(), mine.end(), rank_) - mine.begin();
-  for (int j = 1; j <= options_.replicas; ++j) {
+  for (int j = 1; cannot_save_.empty() && j <= options_.replicas; ++j) {
     const auto& other = nodes_[(node_ + j) % nn];
     partners_.push_back(other[position % other.size()]);
   }
@@ -1047,6 +1050,7 @@ std::vector<MemoryTier::StepReport> MemoryTier::GatherReports(Communicator& comm
 
 void MemoryTier::BeginSave(int64_t step, const SaveOptions& options) {
   if (closed_) throw InvalidArgumentError("memory tier: Save after Close");
+  if (!cannot_save_.empty()) throw InvalidArgumentError(cannot_save_);
   if (step < next_step_) {
     throw InvalidArgumentError("memory tier: step " + std::to_string(step) +
                                " does not follow step " + std::to_string(next_step_ - 1));

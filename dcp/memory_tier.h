@@ -75,8 +75,10 @@ class MemoryTier {
  public:
   /// Collective over `comm` (which must outlive the tier): finds the nodes and partners.
   /// `background_comm` (another communicator over the same ranks, as AsyncCheckpointer needs)
-  /// enables SaveAsync; `async` sets its staging. InvalidArgumentError when replicas > 0 and
-  /// there are not replicas + 1 nodes, or an option is out of range.
+  /// enables SaveAsync; `async` sets its staging. InvalidArgumentError when an option is out
+  /// of range. With fewer than replicas + 1 nodes (a job restarted on the nodes that survived
+  /// a loss) the tier restores and drains the steps it holds, and Save/SaveAsync throw
+  /// InvalidArgumentError on every rank, saying so.
   MemoryTier(Communicator& comm, MemoryTierOptions options = {},
              std::unique_ptr<Communicator> background_comm = nullptr, AsyncOptions async = {});
   ~MemoryTier();
@@ -161,6 +163,7 @@ class MemoryTier {
   std::map<int64_t, std::vector<std::string>> written_;  // step -> this rank's own files
   std::map<int64_t, std::string> metadata_;              // step -> encoded metadata.dcp
   bool closed_ = false;
+  std::string cannot_save_;  // why saves are refused (too few nodes for the replicas), if so
   TierStats stats_;
   std::shared_ptr<AsyncSave> in_flight_;
   // This rank's mappings of the tier's files, kept across saves (memory_tier.cc).

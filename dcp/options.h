@@ -101,7 +101,8 @@ struct MemoryTierOptions {
   /// runs, not as long as the process).
   std::string shm_root = "/dev/shm";
   /// Copies of each rank's data on other nodes (0: none; a node's loss then loses the step).
-  /// Needs at least replicas + 1 nodes.
+  /// Saves need at least replicas + 1 nodes; with fewer, the tier restores and drains what it
+  /// holds and refuses saves (dcp/memory_tier.h).
   int replicas = 1;
   /// Complete steps each node keeps (at least 1); older ones are freed after each commit.
   int keep = 2;
@@ -113,8 +114,9 @@ struct MemoryTierOptions {
   /// Remove this rank's node directory's steps when the tier is closed cleanly (a failed or
   /// killed process leaves them for the restart to recover from).
   bool free_on_close = false;
-  /// Bytes each (sender, receiver) pair moves per round when replicating or recovering; each
-  /// rank keeps this much staging per peer in each direction (1 replica: 2 x this).
+  /// Bytes each (sender, receiver) pair moves per round when replicating or recovering. The
+  /// bytes go from the sender's mapped file straight into the receiver's (no staging); a round
+  /// bounds the size of one transport message and how long a failure goes unnoticed.
   uint64_t transfer_chunk_bytes = 64ull << 20;
 };
 

@@ -254,16 +254,34 @@ TEST_CASE("memory tier: retention keeps the newest steps per node",
   CHECK(!fs::exists(NodeDir(root, 1)));
 }
 
-TEST_CASE("memory tier: too few nodes for the replicas is refused", "[memory-tier]") {
+TEST_CASE(
+    "memory tier: on fewer nodes than replicas + 1 saves are refused and a surviving node's "
+    "step still restores at the new world size",
+    "[memory-tier][option:MemoryTierOptions::replicas]") {
   TempDir root("tier");
-  auto options = Options(root, kWorld);  // one node
-  auto errors = RunRanks(kWorld, [&](int, Communicator& comm) { MemoryTier tier(comm, options); });
-  for (auto& e : errors) {
-    REQUIRE(e);
+  SaveSteps(Options(root, 2), {3, 4});  // 2 nodes, 1 replica: each node holds every file
+  // Node 1 is gone for good; the job restarts on node 0 alone, with 2 ranks and the same
+  // options: one node cannot hold a replica.
+  fs::remove_all(NodeDir(root, 1));
+  constexpr int kSurvivors = 2;
+  std::vector<int64_t> restored(kSurvivors, -1);
+  auto errors = RunRanks(kSurvivors, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, Options(root, 2));
+    Expect(tier.node_count() == 1 && tier.partners().empty(), "one node, no partners");
+    auto back = TierState::Empty(rank, kSurvivors);
+    restored[rank] = tier.Restore(back.sd).value_or(-1);
+    Expect(TierState::Holds(back.sd, 4), "step 4's values, resharded from 4 ranks to 2");
+    TierState next(rank, kSurvivors, 5);
+    tier.Save(5, next.sd);  // refused
+  });
+  for (int r = 0; r < kSurvivors; ++r) {
+    CHECK(restored[r] == 4);
+    REQUIRE(errors[r]);
     try {
-      std::rethrow_exception(e);
+      std::rethrow_exception(errors[r]);
     } catch (const InvalidArgumentError& err) {
-      CHECK_THAT(err.what(), Contains("need 2 nodes") && Contains("has 1"));
+      CHECK_THAT(err.what(), Contains("need 2 nodes") && Contains("has 1") &&
+                                 Contains("Restore, CompleteSteps and Drain work"));
     }
   }
 }
