@@ -561,6 +561,12 @@ struct Transfer {
   std::string name;
 };
 
+// Who exchanges file headers with whom in a transfer: the ranks this one sends to (each gets
+// a header, maybe empty) and those it receives from.
+struct Pairs {
+  std::vector<int> to, from;
+};
+
 // A step's copies with one metadata: complete when its files, over every node that committed
 // it, number what the metadata names.
 struct Candidate {
@@ -645,6 +651,15 @@ MemoryTier::MemoryTier(Communicator& comm, MemoryTierOptions options,
     const auto& other = nodes_[(node_ + j) % nn];
     partners_.push_back(other[position % other.size()]);
   }
+  // The ranks whose partner this one is (it keeps their replicas), by the same rule.
+  for (int n = 0; cannot_save_.empty() && n < nn; ++n) {
+    for (size_t p = 0; p < nodes_[n].size(); ++p) {
+      for (int j = 1; j <= options_.replicas; ++j) {
+        const auto& other = nodes_[(n + j) % nn];
+        if (other[p % other.size()] == rank_) replica_sources_.push_back(nodes_[n][p]);
+      }
+    }
+  }
   root_ = options_.shm_root + "/dcp-tier-" + name + "/" + label;
   if (background_comm) {
     if (background_comm->rank() != rank_ || background_comm->size() != world) {
@@ -667,20 +682,58 @@ void MemoryTier::Vote(Communicator& comm, const std::string& my_error, std::stri
   if (!failures.empty()) throw CollectiveError(std::string(phase), std::move(failures));
 }
 
-// First an AllToAll of what each rank will send each other rank (file names and sizes); then
-// the bytes, in rounds: each round moves up to transfer_chunk_bytes of every (sender, receiver)
-// pair's stream (its files in order) through Communicator::ExchangeBytes, which MPI does
-// without copies of its own. The bytes go straight from the sender's file to the receiver's,
-// both mapped (the pool's mappings, kept across saves), so a replica costs the transport's
-// copy and nothing else, where reading into and writing out of staging buffers cost two more
-// copies (2.7x the exchange on 2 cores). The receiver reserves its files' pages (fallocate)
-// before mapping them: a full tmpfs is an error then, not a SIGBUS in the middle of the
-// transfer. Every file is opened and mapped before the bytes move
-// (a vote first), so a failure never leaves a peer waiting for data that will not come; a vote
-// at the end reports every outcome.
+// The file headers between the pairs only: each rank sends every rank of `to` (even nothing)
+// and receives from every rank of `from`, first the lengths, then the bytes. A save's partners
+// are known to both sides, so it needs no AllToAll, whose message to every rank would make a
+// save's cost grow with the job's size.
+std::vector<std::string> ExchangeHeaders(Communicator& comm, const tier_detail::Pairs& pairs,
+                                         const std::vector<std::string>& headers,
+                                         std::string_view what) {
+  std::vector<std::string> out_len(pairs.to.size()),
+      in_len(pairs.from.size(), std::string(8, '\0'));
+  std::vector<Communicator::BulkSend> sends;
+  std::vector<Communicator::BulkReceive> receives;
+  for (size_t k = 0; k < pairs.to.size(); ++k) {
+    PutU64(out_len[k], headers[pairs.to[k]].size());
+    sends.push_back({pairs.to[k], out_len[k].data(), out_len[k].size()});
+  }
+  for (size_t k = 0; k < pairs.from.size(); ++k) {
+    receives.push_back({pairs.from[k], in_len[k].data(), in_len[k].size()});
+  }
+  comm.ExchangeBytes(sends, receives, what);
+  std::vector<std::string> got(comm.size());
+  sends.clear();
+  receives.clear();
+  for (int dest : pairs.to) sends.push_back({dest, headers[dest].data(), headers[dest].size()});
+  for (size_t k = 0; k < pairs.from.size(); ++k) {
+    const int source = pairs.from[k];
+    const uint64_t n = MessageReader(in_len[k], "rank " + std::to_string(source)).U64();
+    constexpr uint64_t kMaxHeaderBytes = uint64_t{1} << 30;
+    if (n > kMaxHeaderBytes) {
+      throw CorruptionError("memory tier: rank " + std::to_string(source) + " announces " +
+                            std::to_string(n) + " bytes of file headers");
+    }
+    got[source].resize(n);
+    receives.push_back({source, got[source].data(), got[source].size()});
+  }
+  comm.ExchangeBytes(sends, receives, what);
+  return got;
+}
+
+// First what each rank will send each other rank (file names and sizes: between the pairs, or
+// an AllToAll); then the bytes, in rounds: each round moves up to transfer_chunk_bytes of every
+// (sender, receiver) pair's stream (its files in order) through Communicator::ExchangeBytes,
+// which MPI does without copies of its own. The bytes go straight from the sender's file to
+// the receiver's, both mapped (the pool's mappings, kept across saves), so a replica costs the
+// transport's copy and nothing else, where reading into and writing out of staging buffers
+// cost two more copies (2.7x the exchange on 2 cores). The receiver reserves its files' pages
+// (fallocate) before mapping them: a full tmpfs is an error then, not a SIGBUS in the middle of
+// the transfer. Every file is opened and mapped before the bytes move (a vote first), so a
+// failure never leaves a peer waiting for data that will not come; a vote at the end reports
+// every outcome.
 void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
                                const std::vector<Transfer>& outgoing, std::string_view what,
-                               std::vector<std::string>* received) {
+                               std::vector<std::string>* received, const Pairs* pairs) {
   const std::string dir = StepDirectory(step);
   const std::string recycle = root_ + "/" + kRecycleDir;
   const uint64_t chunk = options_.transfer_chunk_bytes;
@@ -745,7 +798,18 @@ void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
   for (const auto& [peer, st] : out_streams) {
     my_rounds = std::max(my_rounds, (st.total + chunk - 1) / chunk);
   }
-  auto got = comm.AllToAll(std::move(headers), what);
+  std::vector<std::string> got;
+  if (pairs) {
+    for (const auto& t : outgoing) {
+      if (std::find(pairs->to.begin(), pairs->to.end(), t.dest) == pairs->to.end()) {
+        throw InternalError("memory tier: a file for rank " + std::to_string(t.dest) +
+                            ", which is not among the pairs");
+      }
+    }
+    got = ExchangeHeaders(comm, *pairs, headers, what);
+  } else {
+    got = comm.AllToAll(std::move(headers), what);
+  }
   bool have_dir = false;
   for (int source = 0; source < static_cast<int>(got.size()); ++source) {
     try {
@@ -890,7 +954,8 @@ SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict&
     for (const auto& name : own) outgoing.push_back({partner, name});
   }
   try {
-    TransferFiles(comm, step, outgoing, "tier/replicate", nullptr);
+    const Pairs pairs{partners_, replica_sources_};
+    TransferFiles(comm, step, outgoing, "tier/replicate", nullptr, &pairs);
   } catch (const Error&) {
     // Not committed anywhere: no node wrote the metadata. Free the step's copies.
     if (leader()) {
@@ -1239,7 +1304,7 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   }
   Vote(comm_, error, "tier/recover-prepare");
   std::vector<std::string> received;
-  TransferFiles(comm_, step, outgoing, "tier/recover", &received);
+  TransferFiles(comm_, step, outgoing, "tier/recover", &received, nullptr);
   stats_.files_fetched = static_cast<int>(received.size());
   stats_.bytes_mapped += pool_->bytes_mapped() - mapped_before;
   error.clear();

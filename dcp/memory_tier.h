@@ -51,6 +51,7 @@ namespace dcp {
 namespace tier_detail {
 struct StepReport;
 struct Transfer;
+struct Pairs;
 class MappingPool;
 }  // namespace tier_detail
 
@@ -139,10 +140,13 @@ class MemoryTier {
  private:
   using StepReport = tier_detail::StepReport;
   using Transfer = tier_detail::Transfer;
+  using Pairs = tier_detail::Pairs;
   // Collectives on `comm`: the job's (comm_) or, for SaveAsync, the background one.
   std::vector<StepReport> GatherReports(Communicator& comm);
+  // `pairs`: the ranks this one sends to and receives from, when both sides know them (a
+  // save's partners); null: any rank may send any other (an AllToAll of the file headers).
   void TransferFiles(Communicator& comm, int64_t step, const std::vector<Transfer>& outgoing,
-                     std::string_view what, std::vector<std::string>* received);
+                     std::string_view what, std::vector<std::string>* received, const Pairs* pairs);
   void Vote(Communicator& comm, const std::string& my_error, std::string_view phase);
   SaveResult SaveOn(Communicator& comm, int64_t step, const StateDict& state,
                     const SaveOptions& options);
@@ -158,6 +162,7 @@ class MemoryTier {
   int node_ = 0;
   std::vector<std::vector<int>> nodes_;  // ranks of each node, ascending
   std::vector<int> partners_;
+  std::vector<int> replica_sources_;                     // the ranks whose partner this one is
   std::string root_;                                     // this node's directory
   int64_t next_step_ = 0;                                // the least step the next save may have
   std::map<int64_t, std::vector<std::string>> written_;  // step -> this rank's own files

@@ -489,6 +489,60 @@ TEST_CASE("memory tier: freed steps' files are written over by the next steps, t
   CHECK(!FilesIn(NodeDir(root, 0) + "/recycle").empty());
 }
 
+// Forwards to `inner`, counting the AllToAlls the memory tier asks for.
+class CountingCommunicator : public Communicator {
+ public:
+  explicit CountingCommunicator(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::vector<std::string> Gather(std::string m, int root, std::string_view what) override {
+    return inner_.Gather(std::move(m), root, what);
+  }
+  std::string Scatter(std::vector<std::string> m, int root, std::string_view what) override {
+    return inner_.Scatter(std::move(m), root, what);
+  }
+  std::string Broadcast(std::string m, int root, std::string_view what) override {
+    return inner_.Broadcast(std::move(m), root, what);
+  }
+  std::vector<std::string> AllGather(std::string m, std::string_view what) override {
+    return inner_.AllGather(std::move(m), what);
+  }
+  void Barrier(std::string_view what) override { inner_.Barrier(what); }
+  std::vector<std::string> AllToAll(std::vector<std::string> m, std::string_view what) override {
+    if (what.substr(0, 5) == "tier/") ++tier_all_to_alls;
+    return inner_.AllToAll(std::move(m), what);
+  }
+  void ExchangeBytes(const std::vector<BulkSend>& sends, const std::vector<BulkReceive>& receives,
+                     std::string_view what) override {
+    inner_.ExchangeBytes(sends, receives, what);
+  }
+  int tier_all_to_alls = 0;
+
+ private:
+  Communicator& inner_;
+};
+
+TEST_CASE("memory tier: a save exchanges file headers with its partners only, not with every rank",
+          "[memory-tier][communicator]") {
+  TempDir root("tier");
+  std::vector<int> all_to_alls(kWorld, -1);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    CountingCommunicator counting(comm);
+    MemoryTier tier(counting, Options(root, 2));
+    for (int64_t s = 1; s <= 3; ++s) {
+      TierState state(rank, kWorld, s);
+      tier.Save(s, state.sd);
+    }
+    all_to_alls[rank] = counting.tier_all_to_alls;
+    auto back = TierState::Empty(rank, kWorld);
+    Expect(tier.Restore(back.sd) == 3 && TierState::Holds(back.sd, 3), "step 3 restored");
+  }));
+  for (int r = 0; r < kWorld; ++r) {
+    INFO("rank " << r);
+    CHECK(all_to_alls[r] == 0);
+  }
+}
+
 // Lines of /proc/self/maps that map a file under `dir`.
 int MappingsUnder(const std::string& dir) {
   std::ifstream maps("/proc/self/maps");
