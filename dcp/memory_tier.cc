@@ -1266,6 +1266,7 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   std::vector<size_t> turns_of_node(node_count(), 0);
   std::vector<Transfer> outgoing;
   int expected = 0;
+  std::set<int> receivers, senders;  // every rank computes the same plan: both sides know them
   for (int n = 0; n < node_count(); ++n) {
     std::set<size_t> lacking;
     for (int r : nodes_[n]) {
@@ -1290,8 +1291,14 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
       sent_by_node[best] += referenced.at(names[i]);
       const int sender = nodes_[best][turns_of_node[best]++ % nodes_[best].size()];
       const int receiver = nodes_[n][k++ % nodes_[n].size()];
-      if (sender == rank_) outgoing.push_back({receiver, names[i]});
-      if (receiver == rank_) ++expected;
+      if (sender == rank_) {
+        outgoing.push_back({receiver, names[i]});
+        receivers.insert(receiver);
+      }
+      if (receiver == rank_) {
+        ++expected;
+        senders.insert(sender);
+      }
     }
   }
   error.clear();
@@ -1304,7 +1311,8 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   }
   Vote(comm_, error, "tier/recover-prepare");
   std::vector<std::string> received;
-  TransferFiles(comm_, step, outgoing, "tier/recover", &received, nullptr);
+  const Pairs pairs{{receivers.begin(), receivers.end()}, {senders.begin(), senders.end()}};
+  TransferFiles(comm_, step, outgoing, "tier/recover", &received, &pairs);
   stats_.files_fetched = static_cast<int>(received.size());
   stats_.bytes_mapped += pool_->bytes_mapped() - mapped_before;
   error.clear();

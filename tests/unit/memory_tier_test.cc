@@ -522,8 +522,9 @@ class CountingCommunicator : public Communicator {
   Communicator& inner_;
 };
 
-TEST_CASE("memory tier: a save exchanges file headers with its partners only, not with every rank",
-          "[memory-tier][communicator]") {
+TEST_CASE(
+    "memory tier: saves and restores exchange file headers between the ranks that move files only",
+    "[memory-tier][communicator]") {
   TempDir root("tier");
   std::vector<int> all_to_alls(kWorld, -1);
   RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
@@ -533,9 +534,14 @@ TEST_CASE("memory tier: a save exchanges file headers with its partners only, no
       TierState state(rank, kWorld, s);
       tier.Save(s, state.sd);
     }
-    all_to_alls[rank] = counting.tier_all_to_alls;
+    // A restore that fetches node 1's lost files from node 0.
+    comm.Barrier("saved");
+    if (rank == 0) fs::remove_all(NodeDir(root, 1));
+    comm.Barrier("lost");
     auto back = TierState::Empty(rank, kWorld);
     Expect(tier.Restore(back.sd) == 3 && TierState::Holds(back.sd, 3), "step 3 restored");
+    Expect(rank != 2 || tier.last_stats().files_fetched > 0, "node 1 fetched its files");
+    all_to_alls[rank] = counting.tier_all_to_alls;
   }));
   for (int r = 0; r < kWorld; ++r) {
     INFO("rank " << r);
