@@ -62,6 +62,12 @@ void Backoff(int& round) {
   ++round;
 }
 
+}  // namespace
+
+void PointToPointCommunicator::WaitForMail(uint64_t /*mark*/, int& round) { Backoff(round); }
+
+namespace {
+
 uint64_t NewOperationId() {
   static std::atomic<uint64_t> counter{0};
   std::random_device rd;
@@ -499,6 +505,7 @@ std::string PointToPointCommunicator::ReceiveFrame(int source, uint64_t seq,
   int round = 0;
   while (true) {
     ThrowIfPoisoned(what);  // e.g. a shutdown stopping this collective from another thread
+    const uint64_t mark = MailMark();
     if (auto frame = PollFrameOrNotice(source)) {
       if (auto at = Accept(*frame, source, seq, what)) {
         *payload_at = *at;
@@ -507,7 +514,7 @@ std::string PointToPointCommunicator::ReceiveFrame(int source, uint64_t seq,
       continue;
     }
     if (std::chrono::steady_clock::now() >= deadline) FailTimeout(what, {source});
-    Backoff(round);
+    WaitForMail(mark, round);
   }
 }
 
@@ -572,6 +579,7 @@ std::vector<std::string> PointToPointCommunicator::Gather(std::string message, i
   };
   while (missing > 0) {
     ThrowIfPoisoned(what);
+    const uint64_t mark = MailMark();
     bool progress = false;
     for (int r = 0; r < size(); ++r) {
       if (have[r]) continue;
@@ -617,7 +625,7 @@ std::vector<std::string> PointToPointCommunicator::Gather(std::string message, i
       }
       FailTimeout(what, late);
     }
-    if (!progress) Backoff(round);
+    if (!progress) WaitForMail(mark, round);
   }
   return out;
 }
@@ -740,10 +748,12 @@ std::string LocalCommunicator::Scatter(std::vector<std::string> m, int, std::str
 // InProcessGroup: mailboxes keyed by (source, dest, tag).
 
 struct InProcessGroup::State {
-  explicit State(int n) : size(n) {}
+  explicit State(int n) : size(n), arrived(static_cast<size_t>(n), 0) {}
   int size;
   std::mutex mu;
+  std::condition_variable cv;  // signalled at every arrival
   std::map<std::tuple<int, int, int>, std::deque<std::string>> mail;
+  std::vector<uint64_t> arrived;  // messages sent to each rank so far
 };
 
 namespace {
@@ -757,6 +767,8 @@ class InProcessCommunicator : public PointToPointCommunicator {
  protected:
   void Send(int dest, int tag, std::string payload) override;
   std::optional<std::string> TryReceive(int source, int tag) override;
+  uint64_t MailMark() override;
+  void WaitForMail(uint64_t mark, int& round) override;
 
  private:
   std::shared_ptr<InProcessGroup::State> state_;
@@ -767,8 +779,26 @@ class InProcessCommunicator : public PointToPointCommunicator {
 int InProcessCommunicator::size() const { return state_->size; }
 
 void InProcessCommunicator::Send(int dest, int tag, std::string payload) {
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->mail[{rank_, dest, tag}].push_back(std::move(payload));
+    ++state_->arrived.at(static_cast<size_t>(dest));
+  }
+  state_->cv.notify_all();
+}
+
+uint64_t InProcessCommunicator::MailMark() {
   std::lock_guard<std::mutex> lock(state_->mu);
-  state_->mail[{rank_, dest, tag}].push_back(std::move(payload));
+  return state_->arrived[static_cast<size_t>(rank_)];
+}
+
+// Threads of one process: a waiting rank sleeps until a message for it arrives (polls found
+// every message counted by `mark`), and wakes every millisecond for deadlines and poison.
+void InProcessCommunicator::WaitForMail(uint64_t mark, int& round) {
+  ++round;
+  std::unique_lock<std::mutex> lock(state_->mu);
+  state_->cv.wait_for(lock, std::chrono::milliseconds(1),
+                      [&] { return state_->arrived[static_cast<size_t>(rank_)] != mark; });
 }
 
 std::optional<std::string> InProcessCommunicator::TryReceive(int source, int tag) {

@@ -210,6 +210,15 @@ class PointToPointCommunicator : public Communicator {
   }
   /// A message from `source` with `tag` if one has arrived, without blocking.
   virtual std::optional<std::string> TryReceive(int source, int tag) = 0;
+  /// How a receiver waits between polls. MailMark is taken before a round of TryReceive calls;
+  /// WaitForMail(mark, round) returns when a message may have arrived for this rank since that
+  /// mark, or after a short while (a poll also watches deadlines and poison), `round` counting
+  /// the idle rounds of this wait. The default polls: a short spin, then sleeps of up to 1 ms.
+  /// A transport that can signal arrivals (InProcessGroup) overrides both, so a waiting rank
+  /// wakes at once and burns no CPU meanwhile. (Declared last so that the virtual functions
+  /// above keep their places.)
+  virtual uint64_t MailMark() { return 0; }
+  virtual void WaitForMail(uint64_t mark, int& round);
 
  private:
   struct Frame;

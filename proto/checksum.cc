@@ -48,9 +48,11 @@ uint32_t MultModP(uint32_t a, uint32_t b) {
   return p;
 }
 
+// x^(2^n) for every n a combination can reach (len_b < 2^64 bytes: 8 len_b < 2^67). zlib keeps
+// 32 and wraps n around, which holds for CRC-32, where x^(2^32) = x, but not for CRC32C.
 template <uint32_t P>
 struct PowerTable {
-  uint32_t x2n[32];  // x^(2^n) mod P
+  uint32_t x2n[67];  // x^(2^n) mod P
   PowerTable() {
     uint32_t p = 1u << 30;  // x^1
     for (auto& e : x2n) {
@@ -66,7 +68,7 @@ uint32_t X2nModP(uint64_t n, unsigned k) {
   static const PowerTable<P> table;
   uint32_t p = 1u << 31;  // x^0
   while (n) {
-    if (n & 1) p = MultModP<P>(table.x2n[k & 31], p);
+    if (n & 1) p = MultModP<P>(table.x2n[k], p);
     n >>= 1;
     ++k;
   }

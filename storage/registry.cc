@@ -53,6 +53,18 @@ std::unique_ptr<ReadableObject> Store::OpenKnownSize(const std::string& name, ui
   return Open(name);
 }
 
+std::string Store::ReadPrefix(const std::string& name, uint64_t max_bytes, uint64_t* size) {
+  auto obj = Open(name);
+  *size = obj->size();
+  std::string out(static_cast<size_t>(std::min(*size, max_bytes)), '\0');
+  obj->ReadAt(0, out.data(), out.size());
+  return out;
+}
+
+std::optional<std::vector<std::pair<std::string, uint64_t>>> Store::ListSizes(size_t) {
+  return std::nullopt;
+}
+
 // No conditional create by default: the writer lock is the exclusion (store.h).
 void Store::PublishNew(const std::string& name, std::string_view bytes) {
   PublishAtomically(name, bytes);

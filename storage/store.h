@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "dcp/proto/error.h"
@@ -199,6 +200,21 @@ class Store {
   /// ForwardingStore keeps, so that a wrapper's own Open still sees every open. (Declared last
   /// so that the existing virtual functions keep their places for built plugins.)
   virtual std::unique_ptr<ReadableObject> OpenKnownSize(const std::string& name, uint64_t size);
+
+  /// The first bytes of an object, at most `max_bytes` from its start, and its whole size in
+  /// *size, in one request where the backend can: on s3:// one ranged GET, whose answer states
+  /// the object's size (Open would first ask for it, a round trip of its own). NotFoundError
+  /// when it is absent. The default is Open(name), then ReadAt; a ForwardingStore keeps it, so
+  /// that a wrapper's own Open sees the read. (Declared last so that the existing virtual
+  /// functions keep their places for built plugins.)
+  virtual std::string ReadPrefix(const std::string& name, uint64_t max_bytes, uint64_t* size);
+  /// The sizes of the objects at the location, name -> size, where one listing states them
+  /// (s3://: ListObjectsV2 gives each key's size, up to 1,000 per page); as List() names them.
+  /// nullopt where the backend has no such listing (the default: a size query per object is
+  /// then as cheap) or when the location holds more than `max_names` objects. A listing may be
+  /// older than a write that just finished: a caller confirms what it finds missing or short
+  /// with Size(). Thread-safe. IoError when the listing fails. (Declared last.)
+  virtual std::optional<std::vector<std::pair<std::string, uint64_t>>> ListSizes(size_t max_names);
 
   /// Read a whole object.
   std::string ReadAll(const std::string& name);

@@ -1,9 +1,12 @@
 // dcp-s3-bench: dcp save/load through s3:// against raw PUT/GET of the same bytes with the same
 // client (dcp's S3 store used directly: the same multipart uploads and ranged GETs, no
-// checkpoint protocol, no checksums), on the same server in the same run. Medians of
-// --repeats runs; prints GB/s, the ratios dcp/raw, and the requests each load made per GiB.
+// checkpoint protocol, no checksums), on the same server in the same run. Prints GB/s (medians
+// of --repeats runs), the ratios dcp/raw and the requests each operation made per GiB. Each
+// dcp phase runs right before or after its raw phase (alternating), and a ratio is the median
+// of the repeats' raw/dcp time ratios, so that a noisy spell of a shared machine weighs on
+// both sides of a pair.
 //
-//   dcp-s3-bench --uri s3://bucket/prefix [--size-mib 256] [--files 4] [--repeats 3] [--json]
+//   dcp-s3-bench --uri s3://bucket/prefix [--size-mib 256] [--files 4] [--repeats 5] [--json]
 //
 // Configuration of the server and credentials: the AWS_* environment
 // (storage/backends/s3/s3_store.h); the store's options (target_gbps, max_connections,
@@ -114,6 +117,10 @@ struct Phase {
     }
     fn();
     seconds.push_back(Since(t0));
+    if (g_trace) {
+      std::lock_guard<std::mutex> lock(g_trace_mu);
+      std::fprintf(stderr, "%8.1f end of %s\n", seconds.back() * 1e3, name);
+    }
     requests += S3RequestCountForTesting() - r0;
   }
 };
@@ -123,7 +130,7 @@ struct Phase {
 int main(int argc, char** argv) {
   CLI::App app{"dcp save/load through s3:// vs raw PUT/GET of the same bytes, same client"};
   std::string uri;
-  int size_mib = 256, files = 4, repeats = 3;
+  int size_mib = 256, files = 4, repeats = 5;
   bool json = false;
   app.add_option("--uri", uri, "s3://bucket/prefix[?options] to use (emptied before and after)")
       ->required();
@@ -202,62 +209,85 @@ int main(int argc, char** argv) {
     LoadOptions lo4 = lo;
     lo4.storage.read_threads = files4;
     lo4.storage.memory_budget_bytes = static_cast<size_t>(files4) * kWriterStagingBytes;
+    // Each dcp phase is measured next to its raw phase, in alternating order (raw first in even
+    // repeats, dcp first in odd ones), and a row's ratio is the median of the repeats' ratios:
+    // a shared machine's slow spells then hit both sides of a pair alike.
+    auto pair = [&](int rep, Phase& raw_phase, const std::function<void()>& raw_fn,
+                    const std::function<void()>& raw_after, Phase& dcp_phase,
+                    const std::function<void()>& dcp_fn, const std::function<void()>& dcp_after) {
+      if (rep % 2 == 0) {
+        raw_phase.Run(raw_fn);
+        raw_after();
+      }
+      dcp_phase.Run(dcp_fn);
+      dcp_after();
+      if (rep % 2 == 1) {
+        raw_phase.Run(raw_fn);
+        raw_after();
+      }
+    };
+    auto nothing = [] {};
     for (int rep = 0; rep < repeats; ++rep) {
       // ---- 1 rank: one store, --files threads
-      {
-        auto store = OpenStore(raw + query);
-        put1.Run([&] {
-          OnThreads(files, [&](int i) {
-            auto w = store->Create("obj-" + std::to_string(i));
-            w->Append(src[i].data, per);
-            w->Close();
-          });
-        });
-        get1.Run([&] {
-          OnThreads(files, [&](int i) {
-            auto r = store->Open("obj-" + std::to_string(i));
-            r->ReadAt(0, dst[i].data, per);
-          });
-        });
-        check("raw GET");
-      }
-      save1.Run([&] { Save(sd, ckpt1 + query, so); });
-      load1.Run([&] { Load(back, ckpt1 + query, lo); });
-      check("load (1 rank)");
+      auto store = OpenStore(raw + query);
+      pair(
+          rep, put1,
+          [&] {
+            OnThreads(files, [&](int i) {
+              auto w = store->Create("obj-" + std::to_string(i));
+              w->Append(src[i].data, per);
+              w->Close();
+            });
+          },
+          nothing, save1, [&] { Save(sd, ckpt1 + query, so); }, nothing);
+      pair(
+          rep, get1,
+          [&] {
+            OnThreads(files, [&](int i) {
+              auto r = store->Open("obj-" + std::to_string(i));
+              r->ReadAt(0, dst[i].data, per);
+            });
+          },
+          [&] { check("raw GET"); }, load1, [&] { Load(back, ckpt1 + query, lo); },
+          [&] { check("load (1 rank)"); });
 
       // ---- 4 ranks: a store per rank; the raw side the same bytes in --files objects
-      {
-        std::vector<std::shared_ptr<Store>> stores;
-        for (int r = 0; r < kRanks; ++r) stores.push_back(OpenStore(raw + query));
-        const int threads = std::max(files, kRanks);
-        put4.Run([&] {
-          OnThreads(threads, [&](int t) {
-            if (t >= files) return;
-            auto w = stores[t % kRanks]->Create("obj-" + std::to_string(t));
-            w->Append(src[t].data, per);
-            w->Close();
-          });
+      std::vector<std::shared_ptr<Store>> stores;
+      for (int r = 0; r < kRanks; ++r) stores.push_back(OpenStore(raw + query));
+      const int threads = std::max(files, kRanks);
+      auto raw_get4 = [&] {
+        OnThreads(threads, [&](int t) {
+          if (t >= files) return;
+          auto r = stores[t % kRanks]->Open("obj-" + std::to_string(t));
+          r->ReadAt(0, dst[t].data, per);
         });
-        get4.Run([&] {
-          OnThreads(threads, [&](int t) {
-            if (t >= files) return;
-            auto r = stores[t % kRanks]->Open("obj-" + std::to_string(t));
-            r->ReadAt(0, dst[t].data, per);
-          });
-        });
-        check("raw GET (4 ranks)");
-      }
-      save4.Run([&] {
-        TimeRanks(group, [&](int r, Communicator& comm) {
-          Save(src_rows[static_cast<size_t>(r)], ckpt4 + query, comm, so4);
-        });
-      });
-      load4.Run([&] {
-        TimeRanks(group, [&](int r, Communicator& comm) {
-          Load(dst_rows[static_cast<size_t>(r)], ckpt4 + query, comm, lo4);
-        });
-      });
-      check("load (4 ranks)");
+      };
+      pair(
+          rep, put4,
+          [&] {
+            OnThreads(threads, [&](int t) {
+              if (t >= files) return;
+              auto w = stores[t % kRanks]->Create("obj-" + std::to_string(t));
+              w->Append(src[t].data, per);
+              w->Close();
+            });
+          },
+          nothing, save4,
+          [&] {
+            TimeRanks(group, [&](int r, Communicator& comm) {
+              Save(src_rows[static_cast<size_t>(r)], ckpt4 + query, comm, so4);
+            });
+          },
+          nothing);
+      pair(
+          rep, get4, raw_get4, [&] { check("raw GET (4 ranks)"); }, load4,
+          [&] {
+            TimeRanks(group, [&](int r, Communicator& comm) {
+              Load(dst_rows[static_cast<size_t>(r)], ckpt4 + query, comm, lo4);
+            });
+          },
+          [&] { check("load (4 ranks)"); });
+      // The resharding loads against the raw GETs of this repeat.
       reshard.Run([&] {
         TimeRanks(group, [&](int r, Communicator& comm) {
           Load(dst_cols[static_cast<size_t>(r)], ckpt4 + query, comm, lo4);
@@ -270,6 +300,13 @@ int main(int argc, char** argv) {
     for (const std::string& u : {ckpt1, ckpt4, raw}) RemoveAll(*OpenStore(u + query));
 
     auto gbps = [&](const Phase& p) { return total / Median(p.seconds) / 1e9; };
+    auto ratio = [&](const Phase& dcp_phase, const Phase& raw_phase) {
+      std::vector<double> r;
+      for (size_t i = 0; i < dcp_phase.seconds.size(); ++i) {
+        r.push_back(raw_phase.seconds[i] / dcp_phase.seconds[i]);
+      }
+      return Median(r);
+    };
     auto per_gib = [&](const Phase& p) { return double(p.requests) / repeats / gib; };
     struct Row {
       const char* name;
@@ -289,8 +326,7 @@ int main(int argc, char** argv) {
         std::printf(
             ",\"%s\":{\"gbps\":%.4f,\"raw_gbps\":%.4f,\"ratio\":%.3f,\"requests_per_gib\":%.1f,"
             "\"raw_requests_per_gib\":%.1f}",
-            r.name, gbps(r.dcp), gbps(r.raw), gbps(r.dcp) / gbps(r.raw), per_gib(r.dcp),
-            per_gib(r.raw));
+            r.name, gbps(r.dcp), gbps(r.raw), ratio(r.dcp, r.raw), per_gib(r.dcp), per_gib(r.raw));
       }
       std::printf("}\n");
     } else {
@@ -300,7 +336,7 @@ int main(int argc, char** argv) {
       for (const Row& r : table) {
         std::printf(
             "  %-20s %.3f GB/s  raw %s %.3f GB/s  ratio %.2f  requests/GiB %.1f (raw %.1f)\n",
-            r.name, gbps(r.dcp), r.raw_name, gbps(r.raw), gbps(r.dcp) / gbps(r.raw), per_gib(r.dcp),
+            r.name, gbps(r.dcp), r.raw_name, gbps(r.raw), ratio(r.dcp, r.raw), per_gib(r.dcp),
             per_gib(r.raw));
       }
     }

@@ -16,6 +16,9 @@
 namespace dcp {
 
 inline constexpr char kMetadataName[] = "metadata.dcp";
+/// Independent store requests a checkpoint operation makes at once (the metadata check's size
+/// queries, the clean-up's removals): each is a round trip on an object store.
+inline constexpr size_t kStoreRequestsInFlight = 16;
 
 /// The checkpoint protocol over `store`, writing the layout `options.format` names
 /// (storage/format/layout.h). A PyTorch DCP writer keeps the protocol (lock, atomic commit of

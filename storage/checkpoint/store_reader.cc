@@ -29,12 +29,10 @@ namespace dcp {
 
 namespace {
 
-// Large whole items are read in pieces of this size by all read threads at once (device
-// destinations in pieces of kDevicePieceBytes, the size of a reader's pinned buffer).
+// Large whole items are read in pieces so that all read threads have work (device
+// destinations in pieces of kDevicePieceBytes, the size of a reader's pinned buffer): host
+// pieces of at least this size, and no more pieces than the readers can take (HostPieceBytes).
 constexpr uint64_t kReadPieceBytes = uint64_t{32} << 20;
-
-// Size queries the metadata check makes at once (each a round trip on an object store).
-constexpr size_t kSizeQueriesInFlight = 16;
 
 // A verified read lands in steps of this size, each CRC'd at once while its bytes are still in
 // the CPU cache: a second pass over a large piece would stream it from memory again, which is
@@ -44,6 +42,12 @@ constexpr size_t kHotReadBytes = size_t{1} << 20;
 // Items of a file run smaller than this are announced to the store (PrefetchRanges) so that a
 // remote one fetches them in a few large requests instead of one each.
 constexpr uint64_t kCoalesceBelowBytes = uint64_t{8} << 20;
+
+// A location listed for its sizes (ListSizes) while the metadata is read: at most this many
+// objects (5 pages on s3://, one after another), past which each data file's size is asked for
+// instead. A location holds one checkpoint, so many objects there are its data files, whose
+// size queries (16 at a time) would take far longer.
+constexpr size_t kMaxListedObjects = 5000;
 
 // The running checksum of one item as it is read: CRC32C for dcp's own items, CRC-32 for the
 // storage of a torch.save record (its zip entry's CRC), so that every load path checks both.
@@ -288,21 +292,33 @@ class StoreReader : public StorageReader {
   Metadata ReadMetadata() override {
     // The common case first, without asking whether it is there (on an object store the
     // question is a round trip of its own): dcp's metadata, which DetectLayout would pick first.
+    // Meanwhile the location is listed where a listing states sizes (ListSizes): the data
+    // files' check then needs no size query of its own (one round trip, or thousands at scale).
+    Listed listed;
     {
       std::optional<Metadata> md;
-      try {
-        md = LayoutFor(CheckpointFormat::kDcp).ReadMetadata(*store_, &encoded_);
-      } catch (const NotFoundError&) {
-        // Not a dcp checkpoint (or none): the layouts are asked below.
-      }
+      ParallelFor(
+          2,
+          [&](size_t i) {
+            if (i == 1) {
+              listed = ListDataSizes();
+              return;
+            }
+            try {
+              md = LayoutFor(CheckpointFormat::kDcp).ReadMetadata(*store_, &encoded_);
+            } catch (const NotFoundError&) {
+              // Not a dcp checkpoint (or none): the layouts are asked below.
+            }
+          },
+          2);
       if (md) {
-        CheckDataFiles(*md);
+        CheckDataFiles(*md, listed);
         return std::move(*md);
       }
     }
     if (const CheckpointLayout* layout = DetectLayout(*store_)) {
       Metadata md = layout->ReadMetadata(*store_, &encoded_);
-      CheckDataFiles(md);
+      CheckDataFiles(md, listed);
       return md;
     }
     const auto names = store_->List();
@@ -343,7 +359,7 @@ class StoreReader : public StorageReader {
     ResolveTorchRecords(plan);
     FileItems files = ItemsByFile(plan);
     return Spawn([this, &plan, &planner, files = std::move(files)] {
-             ReadWork work = PlanReadWork(plan, planner, files);
+             ReadWork work = PlanReadWork(plan, planner, files, HostPieceBytes(plan));
              const size_t nthreads = ReaderCount(work.tasks.size());
              TaskQueue queue(work.tasks, nthreads);
              {
@@ -385,7 +401,18 @@ class StoreReader : public StorageReader {
 
   // The load cut into tasks (see Split and ReadTask): split items piece by piece, runs of the
   // others.
-  ReadWork PlanReadWork(const LoadPlan& plan, LoadPlanner& planner, const FileItems& files) const {
+  // Pieces beyond what the readers take in parallel only cut a reader's stream: a remote store
+  // keeps several requests in flight within one read (s3://: read_ahead_parts ranged GETs) and
+  // drains them at every piece's end. A rank with one reader reads an item whole.
+  uint64_t HostPieceBytes(const LoadPlan& plan) const {
+    uint64_t total = 0;
+    for (const ReadItem& item : plan.items) total += Info(item).length;
+    const uint64_t readers = ReaderCount(SIZE_MAX);
+    return std::max<uint64_t>(kReadPieceBytes, (total + readers - 1) / readers);
+  }
+
+  ReadWork PlanReadWork(const LoadPlan& plan, LoadPlanner& planner, const FileItems& files,
+                        uint64_t host_piece_bytes) const {
     ReadWork work;
     for (size_t f = 0; f < files.size(); ++f) {
       std::vector<size_t> run;
@@ -399,13 +426,13 @@ class StoreReader : public StorageReader {
         const ReadItem& item = plan.items[i];
         const StorageInfo& info = Info(item);
         TensorView dst;
-        uint64_t piece_bytes = kReadPieceBytes;
+        uint64_t piece_bytes = host_piece_bytes;
         if (!IsSplit(planner, item, info, &dst, &piece_bytes)) {
-          // Runs of smaller items are cut every kReadPieceBytes too, so that every read
-          // thread has work even when a rank's items sit in one file.
+          // Runs of smaller items are cut into pieces too, so that every read thread has work
+          // even when a rank's items sit in one file.
           run.push_back(i);
           run_bytes += info.length;
-          if (run_bytes >= kReadPieceBytes) end_run();
+          if (run_bytes >= host_piece_bytes) end_run();
           continue;
         }
         end_run();
@@ -599,21 +626,59 @@ class StoreReader : public StorageReader {
   // Every data file must hold the bytes the metadata places in it, checked before a load (or
   // load_all) allocates anything the metadata claims: a blob claiming 8 GiB in a 266-byte file
   // fails here, at the cost of one Size() per file, not after an 8 GiB allocation.
-  void CheckDataFiles(const Metadata& md) const {
-    if (md.format_version >= 2) return CheckFileTable(md);
+  // What the location's listing says of each object's size (empty where the store has no
+  // listing with sizes, or it failed: the check then asks each file's size).
+  using Listed = std::unordered_map<std::string, uint64_t>;
+  Listed ListDataSizes() const noexcept {
+    Listed out;
+    try {
+      if (auto sizes = store_->ListSizes(kMaxListedObjects)) {
+        for (auto& [name, size] : *sizes) out.emplace(std::move(name), size);
+      }
+    } catch (...) {
+      // Only a shortcut: every size is then asked for.
+    }
+    return out;
+  }
+
+  // The sizes of `files`: the listing's where it shows at least `need[i]` bytes, else the
+  // store's own answer (a listing may predate a write, so it only ever confirms).
+  std::vector<std::optional<uint64_t>> SizesOf(const std::vector<const std::string*>& files,
+                                               const std::vector<uint64_t>& need,
+                                               const Listed& listed) const {
+    std::vector<std::optional<uint64_t>> sizes(files.size());
+    std::vector<size_t> ask;
+    for (size_t i = 0; i < files.size(); ++i) {
+      auto it = listed.find(*files[i]);
+      if (it != listed.end() && it->second >= need[i]) {
+        sizes[i] = it->second;
+      } else {
+        ask.push_back(i);
+      }
+    }
+    // One size query per file; on an object store each is a round trip, so they go out
+    // together (a 4,096-rank checkpoint has 4,096 files).
+    ParallelFor(
+        ask.size(), [&](size_t k) { sizes[ask[k]] = store_->Size(*files[ask[k]]); },
+        std::min<size_t>(std::max<size_t>(ask.size(), 1), kStoreRequestsInFlight));
+    return sizes;
+  }
+
+  void CheckDataFiles(const Metadata& md, const Listed& listed) const {
+    if (md.format_version >= 2) return CheckFileTable(md, listed);
     std::map<std::string, std::pair<uint64_t, const MetadataIndex*>> need;  // file -> furthest
     for (const auto& [index, info] : md.storage) {
       auto& n = need.try_emplace(info.relative_path, 0, &index).first->second;
       if (info.offset + info.length > n.first) n = {info.offset + info.length, &index};
     }
-    // One size query per file; on an object store each is a round trip, so they go out
-    // together (a 4,096-rank checkpoint has 4,096 files), and are judged in file order.
+    // Judged in file order.
     std::vector<const std::string*> files;
-    for (const auto& [file, n] : need) files.push_back(&file);
-    std::vector<std::optional<uint64_t>> sizes(files.size());
-    ParallelFor(
-        files.size(), [&](size_t i) { sizes[i] = store_->Size(*files[i]); },
-        std::min<size_t>(files.size(), kSizeQueriesInFlight));
+    std::vector<uint64_t> needed;
+    for (const auto& [file, n] : need) {
+      files.push_back(&file);
+      needed.push_back(n.first);
+    }
+    const std::vector<std::optional<uint64_t>> sizes = SizesOf(files, needed, listed);
     size_t i = 0;
     for (const auto& [file, n] : need) {
       const std::optional<uint64_t>& size = sizes[i++];
@@ -632,11 +697,14 @@ class StoreReader : public StorageReader {
   // Version 2: every file of the table exists with the size it records, and what the entries
   // claim is backed by the stored bytes (every tensor's elements fit in what the files hold, at
   // zstd's most): a load_all allocates the shapes before reading.
-  void CheckFileTable(const Metadata& md) const {
-    std::vector<std::optional<uint64_t>> sizes(md.files.size());
-    ParallelFor(
-        md.files.size(), [&](size_t i) { sizes[i] = store_->Size(md.files[i].name); },
-        std::min<size_t>(std::max<size_t>(md.files.size(), 1), kSizeQueriesInFlight));
+  void CheckFileTable(const Metadata& md, const Listed& listed) const {
+    std::vector<const std::string*> files;
+    std::vector<uint64_t> needed;
+    for (const DataFile& f : md.files) {
+      files.push_back(&f.name);
+      needed.push_back(f.size);
+    }
+    const std::vector<std::optional<uint64_t>> sizes = SizesOf(files, needed, listed);
     uint64_t stored = 0;
     for (size_t i = 0; i < md.files.size(); ++i) {
       const DataFile& f = md.files[i];

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <exception>
 #include <future>
 #include <mutex>
 #include <set>
@@ -247,14 +248,43 @@ class StoreWriter : public StorageWriter {
                                         : "the commit may or may not have happened: ") +
                             e.what());
     }
-    if (lock_) {
-      // Still ours after the publish: nobody took the lock over while it was under way, so
-      // the metadata landed under it. Lost: a slow publish may have landed after another job
-      // took over (and even after that job's clean-up), so what the location holds is unknown.
+    // Still ours after the publish: nobody took the lock over while it was under way, so the
+    // metadata landed under it. Lost: a slow publish may have landed after another job took
+    // over (and even after that job's clean-up), so what the location holds is unknown.
+    // The clean-up's listings go out with that question (on an object store each is a round
+    // trip): they only read, and RemoveDeadFiles confirms the lock again before it removes.
+    std::exception_ptr lost;
+    listing_ = {};
+    std::string list_error[2];  // of List, of ListIncomplete (each written by its own thread)
+    ParallelFor(
+        3,
+        [&](size_t i) {
+          try {
+            if (i == 0) {
+              if (lock_) lock_->CheckHeld();
+            } else if (i == 1) {
+              listing_.names = store_->List();
+            } else if (lock_) {
+              listing_.unfinished = store_->ListIncomplete();
+            }
+          } catch (const Error& e) {
+            if (i == 0) {
+              lost = std::current_exception();
+            } else {
+              list_error[i - 1] = e.what();
+            }
+          } catch (const std::exception& e) {
+            if (i == 0) throw;
+            list_error[i - 1] = e.what();
+          }
+        },
+        3);
+    listing_.error = list_error[0].empty() ? list_error[1] : list_error[0];
+    if (lost) {
+      ReleaseLock();
       try {
-        lock_->CheckHeld();
+        std::rethrow_exception(lost);
       } catch (const Error& e) {
-        ReleaseLock();
         throw CommitError(Outcome::kUnknown, e.code(),
                           std::string("the metadata was published, but the writer lock was lost "
                                       "meanwhile: ") +
@@ -270,6 +300,7 @@ class StoreWriter : public StorageWriter {
     if (committed_) RemoveDeadFiles(referenced_);
     committed_ = false;
     referenced_.clear();
+    listing_ = {};
     ReleaseLock();
   }
 
@@ -317,19 +348,14 @@ class StoreWriter : public StorageWriter {
     try {
       // Writes in progress that List() does not show (s3:// multipart uploads) are dead too
       // under the lock: every write of this save is closed, so they are a crashed or failed
-      // save's, still holding (and billing) their parts. Both listings go out together (on an
-      // object store each is a round trip).
-      std::vector<std::string> names, unfinished;
-      ParallelFor(
-          2,
-          [&](size_t i) {
-            if (i == 0) {
-              names = store_->List();
-            } else if (lock_) {
-              unfinished = store_->ListIncomplete();
-            }
-          },
-          2);
+      // save's, still holding (and billing) their parts. Both were listed after the publish
+      // (Finish).
+      if (!listing_.error.empty()) {
+        report("listing the dead files", listing_.error.c_str());
+        return;
+      }
+      const std::vector<std::string>& names = listing_.names;
+      const std::vector<std::string>& unfinished = listing_.unfinished;
       std::vector<std::string> dead;
       for (const auto& name : names) {
         if (referenced.count(name) == 0 && (lock_ ? is_data(name) || name.rfind(tmp_prefix, 0) == 0
@@ -340,22 +366,29 @@ class StoreWriter : public StorageWriter {
       // Files are dead only while no other writer can exist: with a lock that can be lost,
       // confirm it after the listing (a lost lock leaves them for the next locked save).
       if (lock_ && !(dead.empty() && unfinished.empty())) lock_->CheckHeld();
-      for (const auto& name : dead) {
-        try {
-          store_->Remove(name);
-        } catch (const std::exception& e) {
-          // Leftover garbage does not make the committed checkpoint wrong; `dcp verify` lists
-          // unreferenced files, and the next locked save removes them.
-          report("removing the dead file " + name, e.what());
-        }
-      }
-      for (const auto& name : unfinished) {
-        try {
-          store_->DiscardIncomplete(name);
-        } catch (const std::exception& e) {
-          report("discarding the unfinished upload " + name, e.what());
-        }
-      }
+      // Together: on an object store each is a round trip, and a save that replaces a
+      // checkpoint of N ranks finds N or more dead files.
+      const size_t n = dead.size() + unfinished.size();
+      ParallelFor(
+          n,
+          [&](size_t i) {
+            const bool is_dead = i < dead.size();
+            const std::string& name = is_dead ? dead[i] : unfinished[i - dead.size()];
+            try {
+              if (is_dead) {
+                store_->Remove(name);
+              } else {
+                store_->DiscardIncomplete(name);
+              }
+            } catch (const std::exception& e) {
+              // Leftover garbage does not make the committed checkpoint wrong; `dcp verify`
+              // lists unreferenced files, and the next locked save removes them.
+              report((is_dead ? "removing the dead file " : "discarding the unfinished upload ") +
+                         name,
+                     e.what());
+            }
+          },
+          std::min<size_t>(std::max<size_t>(n, 1), kStoreRequestsInFlight));
     } catch (const std::exception& e) {
       // Listing failed after the commit, or the lock could not be confirmed: the garbage waits
       // for the next save.
@@ -470,11 +503,16 @@ class StoreWriter : public StorageWriter {
   std::vector<std::string> created_;
   std::unique_ptr<StoreLock> lock_;   // coordinator: held from SetUp to AfterCommitDelivered/Abort
   std::set<std::string> referenced_;  // coordinator: files of the committed metadata
-  bool committed_ = false;            // coordinator: Finish committed; clean-up pending
-  bool replacing_ = false;            // metadata existed at SetUp (an overwrite)
-  std::set<std::string> replaced_;    // unlocked overwrite: files of the replaced checkpoint
-  std::mutex files_mutex_;            // guards files_ (files are written in parallel)
-  std::vector<DataFile> files_;       // version 2: this rank's files of the current save
+  struct Listing {
+    std::vector<std::string> names, unfinished;  // List(), ListIncomplete() after the publish
+    std::string error;                           // why they failed, if they did
+  };
+  Listing listing_;                 // coordinator: what the clean-up after the commit judges
+  bool committed_ = false;          // coordinator: Finish committed; clean-up pending
+  bool replacing_ = false;          // metadata existed at SetUp (an overwrite)
+  std::set<std::string> replaced_;  // unlocked overwrite: files of the replaced checkpoint
+  std::mutex files_mutex_;          // guards files_ (files are written in parallel)
+  std::vector<DataFile> files_;     // version 2: this rank's files of the current save
 };
 
 }  // namespace

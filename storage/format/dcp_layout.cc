@@ -80,11 +80,13 @@ class DcpItemEncoder : public ItemEncoder {
 // that lies) costs one small read. The payload is read in pieces into a buffer that grows with
 // what arrives, so memory follows the bytes actually delivered, not a claimed size.
 std::string ReadMetadataFile(Store& store, const std::string& where) {
-  auto in = store.Open(kMetadataName);
-  const uint64_t size = in->size();
-  std::string bytes(std::min<uint64_t>(size, kMetadataHeaderSize), '\0');
-  in->ReadAt(0, bytes.data(), bytes.size());
-  CheckMetadataFileHeader(bytes, size, where);
+  // The first MiB and the size in one request (ReadPrefix): most metadata is all there.
+  constexpr uint64_t kFirstRead = uint64_t{1} << 20;
+  uint64_t size = 0;
+  std::string bytes = store.ReadPrefix(kMetadataName, kFirstRead, &size);
+  CheckMetadataFileHeader(std::string_view(bytes).substr(0, kMetadataHeaderSize), size, where);
+  if (bytes.size() >= size) return bytes;
+  auto in = store.OpenKnownSize(kMetadataName, size);
   constexpr uint64_t kPiece = uint64_t{64} << 20;
   for (uint64_t at = bytes.size(); at < size;) {
     const uint64_t n = std::min(kPiece, size - at);

@@ -627,6 +627,28 @@ TEST_CASE("codec: Crc32cCombine equals the CRC of the concatenation", "[codec][c
   CHECK(Crc32cCombine(0xE3069283u, 0, 0) == 0xE3069283u);
 }
 
+TEST_CASE("codec: CRC combination holds for pieces of 512 MiB and more", "[codec][crc]") {
+  // Appending n bytes multiplies by x^(8n): at n >= 2^29 that power needed x^(2^32) and more,
+  // which a table of x^(2^k) for k < 32 used cyclically got wrong for CRC32C (a load that
+  // verified an item read in 1.2 GB pieces reported a checksum mismatch). B is n zero bytes,
+  // its CRC computed a MiB at a time.
+  const std::vector<char> zeros(1 << 20, 0);
+  const std::string a = "123456789";
+  for (uint64_t mib : {uint64_t{511}, uint64_t{512}, uint64_t{1229}, uint64_t{4097}}) {
+    INFO(mib << " MiB");
+    uint32_t b = 0, ab = Crc32c(0, a.data(), a.size());
+    uint32_t b_zip = 0, ab_zip = Crc32(0, a.data(), a.size());
+    for (uint64_t i = 0; i < mib; ++i) {
+      b = Crc32c(b, zeros.data(), zeros.size());
+      ab = Crc32c(ab, zeros.data(), zeros.size());
+      b_zip = Crc32(b_zip, zeros.data(), zeros.size());
+      ab_zip = Crc32(ab_zip, zeros.data(), zeros.size());
+    }
+    CHECK(Crc32cCombine(Crc32c(0, a.data(), a.size()), b, mib << 20) == ab);
+    CHECK(Crc32Combine(Crc32(0, a.data(), a.size()), b_zip, mib << 20) == ab_zip);
+  }
+}
+
 TEST_CASE("codec: Crc32Combine (zip's CRC-32) equals the CRC of the concatenation",
           "[codec][crc]") {
   CHECK(Crc32(0, "123456789", 9) == 0xCBF43926u);

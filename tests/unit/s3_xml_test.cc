@@ -1,6 +1,6 @@
-// S3's XML answers (storage/backends/s3/s3_xml.h): the documents the s3:// backend reads, as AWS and RGW
-// write them, and bodies that are not what they should be (malformed, cut short, hostile), which
-// must end in a dcp error, never a crash or an unbounded allocation. Runs without any server.
+// S3's XML answers (storage/backends/s3/s3_xml.h): the documents the s3:// backend reads, as AWS
+// and RGW write them, and bodies that are not what they should be (malformed, cut short, hostile),
+// which must end in a dcp error, never a crash or an unbounded allocation. Runs without any server.
 #include <catch2/catch.hpp>
 #include <string>
 #include <vector>
@@ -122,6 +122,22 @@ TEST_CASE("s3 xml: a ListObjectsV2 page decodes escaped keys", "[s3][xml]") {
   CHECK(page.keys[4] == "p/<raw>&");
   CHECK_FALSE(page.truncated);
   CHECK(page.next_token.empty());
+  // Each key's <Size>; -1 where there is none.
+  CHECK(page.sizes == std::vector<int64_t>{0, -1, -1, -1, -1});
+}
+
+TEST_CASE("s3 xml: a ListObjectsV2 page gives each key's size and no size for a bad one",
+          "[s3][xml]") {
+  const ListObjectsPage page = ParseListObjectsV2(
+      ListPage("<IsTruncated>false</IsTruncated>"
+               "<Contents><Key>a</Key><Size>12583274</Size></Contents>"
+               "<Contents><Key>b</Key><Size>-3</Size></Contents>"
+               "<Contents><Key>c</Key><Size>12x</Size></Contents>"
+               "<Contents><Key>d</Key><Size>99999999999999999999999</Size></Contents>"
+               "<Contents><Key>e</Key><Size></Size></Contents>"),
+      "s3://bkt/p");
+  REQUIRE(page.keys.size() == 5);
+  CHECK(page.sizes == std::vector<int64_t>{12583274, -1, -1, -1, -1});
 }
 
 TEST_CASE("s3 xml: a truncated ListObjectsV2 page gives its continuation token", "[s3][xml]") {

@@ -6,6 +6,7 @@
 // commit: the second gets 412 -> AlreadyExistsError.
 #include "dcp/storage/backends/s3/s3_store.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/staging.h"
 #include "dcp/storage/backends/s3/s3_http.h"
 #include "dcp/storage/backends/s3/s3_lock.h"
 #include "dcp/storage/backends/s3/s3_object.h"
@@ -68,6 +70,28 @@ class ListingBounds {
 
 // ---- the store ------------------------------------------------------------------------------
 
+// The buckets this process has seen exist (endpoint, credentials, bucket).
+class BucketSet {
+ public:
+  bool Contains(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return keys_.count(key) > 0;
+  }
+  void Add(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    keys_.insert(key);
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<std::string> keys_;
+};
+
+BucketSet& KnownBuckets() {
+  static BucketSet* known = new BucketSet;  // never destroyed: stores may outlive main
+  return *known;
+}
+
 class S3Store : public Store {
  public:
   S3Store(std::shared_ptr<Client> client, std::string prefix)
@@ -81,6 +105,15 @@ class S3Store : public Store {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (root_ok_) return;
+    }
+    // Every rank's save asks; once one store of this process has seen the bucket, the others
+    // skip the round trip (a bucket removed since makes the writes fail with NoSuchBucket).
+    const std::string bucket_key = client_->options().endpoint + "\n" +
+                                   client_->options().access_key_id + "\n" + client_->bucket();
+    if (KnownBuckets().Contains(bucket_key)) {
+      std::lock_guard<std::mutex> lock(mu_);
+      root_ok_ = true;
+      return;
     }
     Call head{"HEAD", ""};
     Response r = client_->Send(head);
@@ -100,6 +133,7 @@ class S3Store : public Store {
     } else if (r.status / 100 != 2) {
       client_->Throw(head, r);
     }
+    KnownBuckets().Add(bucket_key);
     std::lock_guard<std::mutex> lock(mu_);
     root_ok_ = true;
   }
@@ -150,31 +184,84 @@ class S3Store : public Store {
 
   std::vector<std::string> List() override {
     std::vector<std::string> names;
-    const std::string pre = prefix_.empty() ? "" : prefix_ + "/";
-    std::string token;
-    ListingBounds bounds(uri());
-    for (;;) {
-      Call c{"GET", ""};
-      c.query = {{"list-type", "2"}, {"prefix", pre}, {"delimiter", "/"}};
-      if (!token.empty()) c.query.emplace_back("continuation-token", token);
-      Response r = client_->Send(c);
-      if (r.status == 404 && ErrorCodeOf(r) == "NoSuchBucket") return names;  // nothing there
-      if (r.status / 100 != 2) client_->Throw(c, r);
-      ListObjectsPage page = ParseListObjectsV2(r.body, uri());
-      for (std::string& key : page.keys) {
-        if (key.size() > pre.size() && key.compare(0, pre.size(), pre) == 0) {
-          key = key.substr(pre.size());
-          if (key != kLockObjectName) names.push_back(std::move(key));
-        }
-      }
-      if (!page.truncated) break;
-      token = std::move(page.next_token);
-      if (token.empty()) break;
-      bounds.NextPage(page.keys.size(), token);
-    }
+    ListPages([&](std::string name, int64_t) {
+      names.push_back(std::move(name));
+      return true;
+    });
     return names;
   }
 
+  std::optional<std::vector<std::pair<std::string, uint64_t>>> ListSizes(
+      size_t max_names) override {
+    std::vector<std::pair<std::string, uint64_t>> sizes;
+    bool whole = ListPages([&](std::string name, int64_t size) {
+      if (sizes.size() >= max_names) return false;
+      // A key without a readable size is left out: the caller asks for it (Size).
+      if (size >= 0) sizes.emplace_back(std::move(name), static_cast<uint64_t>(size));
+      return true;
+    });
+    if (!whole) return std::nullopt;
+    return sizes;
+  }
+
+  // One ranged GET: the answer's Content-Range ("bytes 0-N/SIZE") states the object's size.
+  std::string ReadPrefix(const std::string& name, uint64_t max_bytes, uint64_t* size) override {
+    if (max_bytes == 0) return Store::ReadPrefix(name, max_bytes, size);
+    // A short body (a connection cut mid-response that curl did not notice) is retried.
+    for (int attempt = 0;; ++attempt) {
+      try {
+        return ReadPrefixOnce(name, max_bytes, size);
+      } catch (const ShortRead&) {
+        if (attempt >= client_->options().max_retries) throw;
+      }
+    }
+  }
+
+ private:
+  struct ShortRead : IoError {
+    using IoError::IoError;
+  };
+
+  std::string ReadPrefixOnce(const std::string& name, uint64_t max_bytes, uint64_t* size) {
+    // Received into a pooled buffer, returned as a string of what came: a fresh 1 MiB string per
+    // read would leave malloc's arenas holding them (RSS growing over a thousand loads).
+    HostBuffer buffer(static_cast<size_t>(max_bytes));
+    Call c{"GET", Key(name)};
+    c.headers = {{"range", "bytes=0-" + std::to_string(max_bytes - 1)}};
+    c.dst = buffer.data();
+    c.dst_size = static_cast<size_t>(max_bytes);
+    Response r = client_->Send(c);
+    if (r.status == 404) throw NotFoundError("object '" + uri() + "/" + name + "' does not exist");
+    if (r.status == 416) {
+      // No byte 0: an empty object (asked for its size, so that a server's odd answer cannot
+      // pass for one).
+      return Store::ReadPrefix(name, max_bytes, size);
+    }
+    if (r.status / 100 != 2) client_->Throw(c, r);
+    uint64_t total = r.dst_bytes;  // 200: the whole object (the client refuses more than asked)
+    if (r.status == 206) {
+      const std::string& range = r.headers["content-range"];
+      const size_t slash = range.rfind('/');
+      char* end = nullptr;
+      total = slash == std::string::npos ? 0 : std::strtoull(range.c_str() + slash + 1, &end, 10);
+      if (slash == std::string::npos || end == range.c_str() + slash + 1 || *end != '\0') {
+        throw IoError("s3: GET " + client_->Describe(Key(name)) +
+                          " answered a range without the object's size (Content-Range: '" + range +
+                          "')",
+                      true);
+      }
+    }
+    if (r.dst_bytes != std::min(total, max_bytes)) {
+      throw ShortRead("s3: GET " + client_->Describe(Key(name)) + " returned " +
+                          std::to_string(r.dst_bytes) + " bytes of the first " +
+                          std::to_string(std::min(total, max_bytes)),
+                      true);
+    }
+    *size = total;
+    return std::string(buffer.data(), r.dst_bytes);
+  }
+
+ public:
   void Remove(const std::string& name) override {
     Call del{"DELETE", Key(name)};
     Response r = client_->Send(del);
@@ -215,6 +302,36 @@ class S3Store : public Store {
 
  private:
   static std::string ErrorCodeOf(const Response& r) { return Client::ErrorCode(r); }
+
+  // Every object directly under the prefix (but the lock object), page by page, to `take`
+  // (name relative to the prefix, size or -1), until it returns false. False when stopped so.
+  template <class Take>
+  bool ListPages(Take take) {
+    const std::string pre = prefix_.empty() ? "" : prefix_ + "/";
+    std::string token;
+    ListingBounds bounds(uri());
+    for (;;) {
+      Call c{"GET", ""};
+      c.query = {{"list-type", "2"}, {"prefix", pre}, {"delimiter", "/"}};
+      if (!token.empty()) c.query.emplace_back("continuation-token", token);
+      Response r = client_->Send(c);
+      if (r.status == 404 && ErrorCodeOf(r) == "NoSuchBucket") return true;  // nothing there
+      if (r.status / 100 != 2) client_->Throw(c, r);
+      ListObjectsPage page = ParseListObjectsV2(r.body, uri());
+      for (size_t i = 0; i < page.keys.size(); ++i) {
+        std::string& key = page.keys[i];
+        if (key.size() > pre.size() && key.compare(0, pre.size(), pre) == 0) {
+          key = key.substr(pre.size());
+          if (key != kLockObjectName && !take(std::move(key), page.sizes[i])) return false;
+        }
+      }
+      if (!page.truncated) break;
+      token = std::move(page.next_token);
+      if (token.empty()) break;
+      bounds.NextPage(page.keys.size(), token);
+    }
+    return true;
+  }
 
   struct Upload {
     std::string key;

@@ -109,6 +109,14 @@ ListObjectsPage ParseListObjectsV2(std::string_view body, const std::string& wha
   for (const XMLElement* c = root->FirstChildElement("Contents"); c != nullptr;
        c = c->NextSiblingElement("Contents")) {
     page.keys.push_back(ChildText(*c, "Key"));
+    // <Size>: decimal digits, or unknown (-1) when it is anything else.
+    const std::string size = ChildText(*c, "Size");
+    int64_t n = size.empty() || size.size() > 18 ? -1 : 0;
+    for (char ch : size) {
+      if (n < 0) break;
+      n = ch >= '0' && ch <= '9' ? n * 10 + (ch - '0') : -1;
+    }
+    page.sizes.push_back(n);
   }
   page.truncated = ChildText(*root, "IsTruncated") == "true";
   page.next_token = ChildText(*root, "NextContinuationToken");

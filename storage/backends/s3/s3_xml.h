@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -42,6 +43,7 @@ std::string ParseInitiateMultipartUpload(std::string_view body, const std::strin
 // One page of ListObjectsV2 (ListBucketResult).
 struct ListObjectsPage {
   std::vector<std::string> keys;  // every <Contents>'s <Key>, decoded, in the server's order
+  std::vector<int64_t> sizes;     // and its <Size>, -1 where absent or not a number
   bool truncated = false;         // <IsTruncated>true</IsTruncated>
   std::string next_token;         // <NextContinuationToken>, "" when absent
 };
