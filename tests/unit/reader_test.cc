@@ -1,17 +1,22 @@
-// The reader's parallel path: a large whole item is read in 32 MiB pieces by every read thread,
-// each piece CRC'd alone and the CRCs combined; corruption in any piece is still named.
+// The reader's parallel path: a large whole item is read in pieces (at least 32 MiB, no more
+// than the read threads can share) by every read thread, each piece CRC'd alone and the CRCs
+// combined; corruption in any piece is still named.
 // Each read thread reads a contiguous stripe of the tasks through one open object per file.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <mutex>
+#include <vector>
 
 #include "dcp/storage/backends/fault_store.h"
 #include "dcp/storage/backends/file_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/registry.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -117,6 +122,94 @@ TEST_CASE("reader: each read thread streams its stripe of a file through one ope
   CHECK(two <= one + 1);
   CHECK(three >= one);
   CHECK(three <= one + 2);
+}
+
+namespace {
+
+// Records the streamed reads (ReadAtStreaming, ReadManyStreaming) of data files, each by its
+// bytes; they then read through ReadAt, as the defaults do.
+std::mutex g_streamed_mu;
+std::vector<uint64_t> g_streamed;
+
+class StreamCountingObject : public ForwardingReadableObject {
+ public:
+  using ForwardingReadableObject::ForwardingReadableObject;
+  void ReadAtStreaming(uint64_t offset, void* dst, size_t n, size_t step,
+                       const std::function<void(size_t, size_t)>& landed) override {
+    Record(n);
+    ReadableObject::ReadAtStreaming(offset, dst, n, step, landed);
+  }
+  void ReadManyStreaming(const std::vector<ReadTarget>& targets, size_t step,
+                         const std::function<void(size_t, size_t, size_t)>& landed) override {
+    uint64_t n = 0;
+    for (const ReadTarget& t : targets) n += t.n;
+    Record(n);
+    in_many_ = true;  // its targets come through ReadAtStreaming: one streamed read
+    ReadableObject::ReadManyStreaming(targets, step, landed);
+    in_many_ = false;
+  }
+
+ private:
+  void Record(uint64_t n) const {
+    if (in_many_) return;
+    std::lock_guard<std::mutex> lock(g_streamed_mu);
+    g_streamed.push_back(n);
+  }
+  bool in_many_ = false;
+};
+
+class StreamCountingStore : public ForwardingStore {
+ public:
+  using ForwardingStore::ForwardingStore;
+  std::unique_ptr<ReadableObject> Open(const std::string& name) override {
+    auto inner = ForwardingStore::Open(name);
+    if (!IsDataObjectName(name)) return inner;
+    return std::make_unique<StreamCountingObject>(std::move(inner));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("reader: a large item is cut into no more pieces than its readers share",
+          "[reader][option:StorageOptions::read_threads]") {
+  // A remote store keeps several requests in flight within one streamed read and drains them
+  // at its end: s3:// ran a 4-rank load (one reader per rank, 64 MiB each) at 0.90x raw GET
+  // because each item was read in 32 MiB pieces whatever the number of readers.
+  TempDir dir("rdpieces");
+  const TensorView big = RandomTensor(DType::kFloat32, {5, 5 << 20}, 85);  // 100 MiB
+  const TensorView small = RandomTensor(DType::kInt8, {1000}, 86);
+  RegisterBackend("streamcount", [&](const std::string& location) -> std::shared_ptr<Store> {
+    return std::make_shared<StreamCountingStore>(MakeFileStore(dir / location));
+  });
+  StateDict sd;
+  sd.Set("big", big);
+  sd.Set("small", small);
+  LocalCommunicator comm;
+  Save(sd, "streamcount://c", comm);
+  auto streamed = [&](int threads) {
+    {
+      std::lock_guard<std::mutex> lock(g_streamed_mu);
+      g_streamed.clear();
+    }
+    LoadOptions o;
+    o.storage.read_threads = threads;
+    LoadAndCheck("streamcount://c", big, small, o);
+    std::lock_guard<std::mutex> lock(g_streamed_mu);
+    std::vector<uint64_t> big_reads;
+    for (uint64_t n : g_streamed) {
+      if (n > 1000) big_reads.push_back(n);
+    }
+    std::sort(big_reads.begin(), big_reads.end());
+    return big_reads;
+  };
+  // One reader: the item in one streamed read, with the small one after it (before: four
+  // pieces of at most 32 MiB, then the small item).
+  CHECK(streamed(1) == std::vector<uint64_t>{(uint64_t{100} << 20) + 1000});
+  // Two: about a half each.
+  const std::vector<uint64_t> two = streamed(2);
+  REQUIRE(two.size() == 2);
+  CHECK(two[0] + two[1] == uint64_t{100} << 20);
+  CHECK(two[0] >= uint64_t{49} << 20);
 }
 
 namespace {
