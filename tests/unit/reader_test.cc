@@ -39,6 +39,15 @@ void LoadAndCheck(const std::string& uri, const TensorView& big, const TensorVie
   CHECK(SameElements(s, small));
 }
 
+// Save "big" and "small" to `uri` from one rank.
+void SaveBigAndSmall(const std::string& uri, const TensorView& big, const TensorView& small) {
+  StateDict sd;
+  sd.Set("big", big);
+  sd.Set("small", small);
+  LocalCommunicator comm;
+  Save(sd, uri, comm);
+}
+
 }  // namespace
 
 TEST_CASE("reader: large items read in parallel pieces, corruption in any piece is named",
@@ -99,11 +108,7 @@ TEST_CASE("reader: each read thread streams its stripe of a file through one ope
   const TensorView small = RandomTensor(DType::kInt8, {1000}, 84);
   auto store = std::make_shared<FaultInjectionStore>(MakeFileStore(dir / "c"));
   RegisterFaultScheme("stripes", store);
-  StateDict sd;
-  sd.Set("big", big);
-  sd.Set("small", small);
-  LocalCommunicator comm;
-  Save(sd, "stripes://c", comm);
+  SaveBigAndSmall("stripes://c", big, small);
   auto opens_to_load = [&](int threads) {
     LoadOptions o;
     o.storage.read_threads = threads;
@@ -181,11 +186,7 @@ TEST_CASE("reader: a large item is cut into no more pieces than its readers shar
   RegisterBackend("streamcount", [&](const std::string& location) -> std::shared_ptr<Store> {
     return std::make_shared<StreamCountingStore>(MakeFileStore(dir / location));
   });
-  StateDict sd;
-  sd.Set("big", big);
-  sd.Set("small", small);
-  LocalCommunicator comm;
-  Save(sd, "streamcount://c", comm);
+  SaveBigAndSmall("streamcount://c", big, small);
   auto streamed = [&](int threads) {
     {
       std::lock_guard<std::mutex> lock(g_streamed_mu);
