@@ -3,8 +3,8 @@
 // checkpoint protocol, no checksums), on the same server in the same run. Prints GB/s (medians
 // of --repeats runs), the ratios dcp/raw and the requests each operation made per GiB. Each
 // dcp phase runs right before or after its raw phase (alternating), and a ratio is the median
-// of the repeats' raw/dcp time ratios, so that a noisy spell of a shared machine weighs on
-// both sides of a pair.
+// of the repeats' raw/dcp time ratios (their range in parentheses), so that a noisy spell of a
+// shared machine weighs on both sides of a pair.
 //
 //   dcp-s3-bench --uri s3://bucket/prefix [--size-mib 256] [--files 4] [--repeats 5] [--json]
 //
@@ -300,12 +300,17 @@ int main(int argc, char** argv) {
     for (const std::string& u : {ckpt1, ckpt4, raw}) RemoveAll(*OpenStore(u + query));
 
     auto gbps = [&](const Phase& p) { return total / Median(p.seconds) / 1e9; };
+    // The repeats' raw/dcp time ratios: their median, lowest and highest.
+    struct Ratio {
+      double median, low, high;
+    };
     auto ratio = [&](const Phase& dcp_phase, const Phase& raw_phase) {
       std::vector<double> r;
       for (size_t i = 0; i < dcp_phase.seconds.size(); ++i) {
         r.push_back(raw_phase.seconds[i] / dcp_phase.seconds[i]);
       }
-      return Median(r);
+      return Ratio{Median(r), *std::min_element(r.begin(), r.end()),
+                   *std::max_element(r.begin(), r.end())};
     };
     auto per_gib = [&](const Phase& p) { return double(p.requests) / repeats / gib; };
     struct Row {
@@ -323,10 +328,12 @@ int main(int argc, char** argv) {
     if (json) {
       std::printf("{\"bytes\":%.0f,\"files\":%d,\"repeats\":%d", total, files, repeats);
       for (const Row& r : table) {
+        const Ratio q = ratio(r.dcp, r.raw);
         std::printf(
-            ",\"%s\":{\"gbps\":%.4f,\"raw_gbps\":%.4f,\"ratio\":%.3f,\"requests_per_gib\":%.1f,"
-            "\"raw_requests_per_gib\":%.1f}",
-            r.name, gbps(r.dcp), gbps(r.raw), ratio(r.dcp, r.raw), per_gib(r.dcp), per_gib(r.raw));
+            ",\"%s\":{\"gbps\":%.4f,\"raw_gbps\":%.4f,\"ratio\":%.3f,\"ratio_low\":%.3f,"
+            "\"ratio_high\":%.3f,\"requests_per_gib\":%.1f,\"raw_requests_per_gib\":%.1f}",
+            r.name, gbps(r.dcp), gbps(r.raw), q.median, q.low, q.high, per_gib(r.dcp),
+            per_gib(r.raw));
       }
       std::printf("}\n");
     } else {
@@ -334,9 +341,11 @@ int main(int argc, char** argv) {
                   total / (1 << 20), files, static_cast<long long>(rows),
                   static_cast<long long>(kCols), repeats, uri.c_str(), query.c_str());
       for (const Row& r : table) {
+        const Ratio q = ratio(r.dcp, r.raw);
         std::printf(
-            "  %-20s %.3f GB/s  raw %s %.3f GB/s  ratio %.2f  requests/GiB %.1f (raw %.1f)\n",
-            r.name, gbps(r.dcp), r.raw_name, gbps(r.raw), ratio(r.dcp, r.raw), per_gib(r.dcp),
+            "  %-20s %.3f GB/s  raw %s %.3f GB/s  ratio %.2f (%.2f-%.2f)  requests/GiB %.1f (raw "
+            "%.1f)\n",
+            r.name, gbps(r.dcp), r.raw_name, gbps(r.raw), q.median, q.low, q.high, per_gib(r.dcp),
             per_gib(r.raw));
       }
     }
