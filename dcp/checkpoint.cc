@@ -969,6 +969,13 @@ class SaveOperation {
         }
         std::string().swap(locals[r]);
       }
+      // Index copies past the budget (from a writer that ignored its share) are all dropped:
+      // a load reads the index of a file without a copy from the file, one round trip more.
+      uint64_t copies = 0;
+      for (const DataFile& f : global_md_.files) copies += f.index_copy.size();
+      if (copies > kMetadataIndexCopyBytes) {
+        for (DataFile& f : global_md_.files) std::string().swap(f.index_copy);
+      }
       writer_.Finish(global_md_, {});
     } else if (writer_.FinishTakesFilledStorage()) {
       global_md_.format_version = 1;

@@ -214,6 +214,9 @@ struct DataFile {
   uint64_t index_offset = 0;
   uint64_t index_length = 0;
   uint32_t index_crc32c = 0;  // CRC32C of the index bytes
+  /// The index's bytes when the metadata carries a copy (small checkpoints: a load then reads no
+  /// index); empty: the index is read from the file. Validated against the two fields above.
+  std::string index_copy;
   bool operator==(const DataFile&) const = default;
 };
 

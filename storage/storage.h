@@ -191,7 +191,9 @@ class StorageWriter {
   /// header keep their vtable layout. Default false.
   virtual bool WritesFileIndexes() const { return false; }
   /// With WritesFileIndexes, after WriteData's future completed: the files this rank wrote in
-  /// this save, their indexes written (moved out).
+  /// this save, their indexes written (moved out). A file's `index_copy` goes into the
+  /// metadata as it is: a writer fills it only within its share of kMetadataIndexCopyBytes
+  /// (proto/schema/codec.h), or leaves it empty.
   virtual std::vector<DataFile> TakeDataFiles() { return {}; }
 };
 

@@ -759,10 +759,12 @@ void ToPb(const DataFile& f, pb::DataFile* out) {
   out->set_index_offset(f.index_offset);
   out->set_index_length(f.index_length);
   out->set_index_crc32c(f.index_crc32c);
+  if (!f.index_copy.empty()) out->set_index(f.index_copy);
 }
 
 DataFile FromPb(const pb::DataFile& f) {
-  return {f.name(), f.writer(), f.size(), f.index_offset(), f.index_length(), f.index_crc32c()};
+  return {f.name(),         f.writer(),       f.size(), f.index_offset(),
+          f.index_length(), f.index_crc32c(), f.index()};
 }
 
 // EncodeMetadata's bytes after `prefix` zero bytes (room for the file envelope).
@@ -1360,6 +1362,13 @@ void ValidateFileTable(const Metadata& md, const std::string& src) {
         (f.index_length - kFileIndexHeaderBytes) % kFileIndexItemBytes != 0) {
       FailValidation(src, "data file '" + p + "': an index of " + std::to_string(f.index_length) +
                               " bytes is no whole number of items");
+    }
+    if (!f.index_copy.empty() &&
+        (f.index_copy.size() != f.index_length ||
+         Crc32c(0, f.index_copy.data(), f.index_copy.size()) != f.index_crc32c)) {
+      FailValidation(src, "data file '" + p +
+                              "': the metadata's copy of its index does not match the index's "
+                              "recorded length and checksum");
     }
   }
 }

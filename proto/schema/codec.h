@@ -83,6 +83,12 @@ inline constexpr uint64_t kMaxZstdExpansion = 32768;
 inline constexpr uint64_t kFileIndexHeaderBytes = 16;
 inline constexpr uint64_t kFileIndexItemBytes = 41;
 
+/// Version 2: the most bytes of index copies a metadata carries (DataFile::index_copy). Each of
+/// a save's W ranks copies its files' indexes into the metadata only when they take at most
+/// 1/W of this, so the copies stay within the budget at any world size: a load of a small
+/// checkpoint reads no index (one round trip less on an object store), a large one reads them.
+inline constexpr uint64_t kMetadataIndexCopyBytes = 256 << 10;
+
 /// The 64-bit key of an fqn in a file index: FNV-1a over its bytes, then the splitmix64
 /// finalizer. Stable across versions (it is on disk).
 uint64_t FqnHash(std::string_view fqn);

@@ -36,7 +36,11 @@ std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f) {
   return DecodeFileIndex(bytes, f.index_offset, where);
 }
 
-FileIndexResolver::FileIndexResolver(Store& store, const Metadata& md) : store_(store), md_(md) {
+FileIndexResolver::FileIndexResolver(Store& store, const Metadata& md)
+    : FileIndexResolver(store, md, /*use_copies=*/true) {}
+
+FileIndexResolver::FileIndexResolver(Store& store, const Metadata& md, bool use_copies)
+    : store_(store), md_(md), use_copies_(use_copies) {
   for (const DataFile& f : md.files) files_by_writer_[f.writer].push_back(&f);
 }
 
@@ -60,7 +64,19 @@ void FileIndexResolver::LoadWriters(const std::vector<int32_t>& writers, bool to
             return;
           }
         }
-        indexes[i] = ReadFileIndex(store_, *todo[i]);
+        const DataFile& f = *todo[i];
+        if (use_copies_ && !f.index_copy.empty()) {
+          // The file's presence and size were judged with the file table (CheckFileTable).
+          const std::string where = store_.uri() + "/" + f.name;
+          if (f.index_copy.size() != f.index_length ||
+              Crc32c(0, f.index_copy.data(), f.index_copy.size()) != f.index_crc32c) {
+            throw CorruptionError("the metadata's copy of the index of data file '" + where +
+                                  "' does not match its checksum");
+          }
+          indexes[i] = DecodeFileIndex(f.index_copy, f.index_offset, where);
+          return;
+        }
+        indexes[i] = ReadFileIndex(store_, f);
       },
       std::min<size_t>(std::max<size_t>(todo.size(), 1), kIndexReadsInFlight));
   for (size_t i = 0; i < todo.size(); ++i) {
@@ -192,7 +208,7 @@ void FileIndexResolver::ResolveAvailable(Store& store, Metadata& md) { Resolve(s
 
 void FileIndexResolver::Resolve(Store& store, Metadata& md, bool tolerate_lost_files) {
   if (md.format_version < 2) return;
-  FileIndexResolver resolver(store, md);
+  FileIndexResolver resolver(store, md, /*use_copies=*/false);
   std::vector<int32_t> writers;
   for (const auto& [w, files] : resolver.files_by_writer_) writers.push_back(w);
   resolver.LoadWriters(writers, tolerate_lost_files);

@@ -24,15 +24,17 @@ class FileIndexResolver {
   FileIndexResolver(Store& store, const Metadata& md);
 
   /// Add to `out` where each of `wanted` (stored items: fqn + chunk offsets) lies, from the
-  /// indexes of its writer's files, read (in parallel) and checked against the file table's
-  /// CRC32C the first time they are needed. Items already in `out` are skipped.
+  /// indexes of its writer's files, the first time they are needed: the metadata's copy of an
+  /// index where it has one (DataFile::index_copy), else read from the file (in parallel);
+  /// either is checked against the file table's CRC32C. Items already in `out` are skipped.
   /// CorruptionError naming the entry, the chunk and the files searched when no index holds
   /// an item, or when an index is damaged or records the wrong size for it; NotFoundError for
   /// a missing file; UnsupportedError... never (the flags are checked when decoding).
   void Resolve(const std::vector<MetadataIndex>& wanted, std::map<MetadataIndex, StorageInfo>& out);
 
   /// Every item of `md`, into md.storage (dcp verify, inspect, diff, convert): every index is
-  /// read. Also reports items an index lists that the metadata has no chunk for (CorruptionError).
+  /// read from its file, even where the metadata has a copy, so that a damaged one is found. Also
+  /// reports items an index lists that the metadata has no chunk for (CorruptionError).
   static void ResolveAll(Store& store, Metadata& md);
 
   /// ResolveAll for tools that report damage item by item (dcp verify): a data file that is
@@ -45,6 +47,7 @@ class FileIndexResolver {
 
  private:
   static void Resolve(Store& store, Metadata& md, bool tolerate_lost_files);
+  FileIndexResolver(Store& store, const Metadata& md, bool use_copies);
   struct Located {
     const DataFile* file;
     FileIndexItem item;
@@ -55,6 +58,7 @@ class FileIndexResolver {
 
   Store& store_;
   const Metadata& md_;
+  const bool use_copies_;  // take the metadata's index copies (loads) or read every file
   std::unordered_map<int32_t, std::vector<const DataFile*>> files_by_writer_;
   std::unordered_map<int32_t, bool> loaded_;
   std::unordered_map<int32_t, const DataFile*> lost_;  // a missing or truncated file per writer

@@ -197,6 +197,13 @@ class StoreWriter : public StorageWriter {
     std::lock_guard<std::mutex> lock(files_mutex_);
     std::sort(files_.begin(), files_.end(),
               [](const DataFile& a, const DataFile& b) { return a.name < b.name; });
+    // The metadata carries this rank's indexes only within its share of the budget, so that the
+    // copies cost a load nothing at any world size (and the gather no more than the budget).
+    uint64_t copies = 0;
+    for (const DataFile& f : files_) copies += f.index_copy.size();
+    if (copies > kMetadataIndexCopyBytes / static_cast<uint64_t>(std::max(1, ctx_.world_size))) {
+      for (DataFile& f : files_) std::string().swap(f.index_copy);
+    }
     return std::exchange(files_, {});
   }
 
@@ -491,6 +498,7 @@ class StoreWriter : public StorageWriter {
     f.index_crc32c = Crc32c(0, bytes.data(), bytes.size());
     out.Append(bytes.data(), bytes.size());
     f.size = out.size();
+    f.index_copy = bytes;  // kept for the metadata if small (TakeDataFiles)
     std::lock_guard<std::mutex> lock(files_mutex_);
     files_.push_back(std::move(f));
   }

@@ -162,11 +162,14 @@ TEST_CASE("metadata v2: version 1 is still written on request and both load",
 }
 
 TEST_CASE("metadata v2: the metadata does not grow with the world", "[metadata-v2]") {
+  // Without the index copies a small checkpoint's metadata carries (bounded by
+  // kMetadataIndexCopyBytes at any world size: the next test).
   auto size_at = [](int world, uint32_t version) {
     SaveAt("v2-growth", world, version);
-    const uint64_t n = *MakeMemStore("v2-growth")->Size(kMetadataName);
+    Metadata md = RawMetadata("v2-growth");
+    for (DataFile& f : md.files) f.index_copy.clear();
     ClearMemStore("v2-growth");
-    return n;
+    return static_cast<uint64_t>(EncodeMetadataFile(md).size());
   };
   const uint64_t v2_small = size_at(2, 2), v2_large = size_at(8, 2);
   const uint64_t v1_small = size_at(2, 1), v1_large = size_at(8, 1);
@@ -176,6 +179,78 @@ TEST_CASE("metadata v2: the metadata does not grow with the world", "[metadata-v
   CHECK(v2_large - v2_small < 6 * 120);
   CHECK(v1_large - v1_small > 6 * kTensors * 60);
   CHECK(v2_large < v1_large / 3);
+}
+
+TEST_CASE(
+    "metadata v2: a small checkpoint's metadata carries its files' indexes so a load reads none "
+    "and past its share of the budget a rank's are read from its files",
+    "[metadata-v2]") {
+  SaveAt("v2-copies", 4, 2);
+  const Metadata md = RawMetadata("v2-copies");
+  auto store = MakeMemStore("v2-copies");
+  REQUIRE(md.files.size() == 4);
+  for (const DataFile& f : md.files) {
+    INFO(f.name);
+    CHECK(f.index_copy == store->ReadAll(f.name).substr(f.index_offset, f.index_length));
+  }
+  // Every file's own index damaged: a load takes the metadata's copies and reads none (before,
+  // it read each one and failed its checksum); every value still checks out.
+  for (const DataFile& f : md.files) {
+    std::string bytes = store->ReadAll(f.name);
+    bytes[f.index_offset + 20] ^= 0x01;
+    auto w = store->Create(f.name);
+    w->Append(bytes.data(), bytes.size());
+    w->Close();
+  }
+  LoadColumnsAndCheck("v2-copies", 3);
+  // What inspects and verifies a checkpoint reads every file's own index, so the damage shows.
+  CHECK_THROWS_WITH(ReadMetadata("mem://v2-copies"), Contains(".data") && Contains("checksum"));
+  ClearMemStore("v2-copies");
+
+  // Rank r's index copies ride along only within 1/world of the budget: 1,700 one-element
+  // tensors index to 69,716 bytes, within a world of 1's share (256 KiB), over a world of 4's
+  // (64 KiB), where the metadata then carries none.
+  constexpr int kSmall = 1700;
+  REQUIRE(kFileIndexHeaderBytes + kSmall * kFileIndexItemBytes > kMetadataIndexCopyBytes / 4);
+  for (int world : {1, 4}) {
+    DYNAMIC_SECTION("world " << world) {
+      ClearMemStore("v2-copies");
+      std::vector<std::vector<TensorView>> mine(static_cast<size_t>(world));
+      RequireNoErrors(RunRanks(world, [&](int r, Communicator& comm) {
+        StateDict sd;
+        for (int i = 0; i < kSmall; ++i) {
+          mine[static_cast<size_t>(r)].push_back(
+              RandomTensor(DType::kFloat32, {1}, static_cast<uint64_t>(r * kSmall + i)));
+          sd.Set("r" + std::to_string(r) + ".t" + std::to_string(i),
+                 mine[static_cast<size_t>(r)].back());
+        }
+        Save(sd, "mem://v2-copies", comm);
+      }));
+      const Metadata many = RawMetadata("v2-copies");
+      uint64_t copies = 0;
+      for (const DataFile& f : many.files) copies += f.index_copy.size();
+      if (world == 1) {
+        CHECK(copies == kFileIndexHeaderBytes + kSmall * kFileIndexItemBytes);
+      } else {
+        CHECK(copies == 0);
+      }
+      // Either way the load finds every item.
+      RequireNoErrors(RunRanks(world, [&](int r, Communicator& comm) {
+        StateDict sd;
+        std::vector<TensorView> back;
+        for (int i = 0; i < kSmall; ++i) {
+          back.push_back(TensorView::Allocate(DType::kFloat32, {1}));
+          sd.Set("r" + std::to_string(r) + ".t" + std::to_string(i), back.back());
+        }
+        Load(sd, "mem://v2-copies", comm);
+        for (int i = 0; i < kSmall; ++i) {
+          REQUIRE(SameElements(back[static_cast<size_t>(i)],
+                               mine[static_cast<size_t>(r)][static_cast<size_t>(i)]));
+        }
+      }));
+    }
+  }
+  ClearMemStore("v2-copies");
 }
 
 TEST_CASE("metadata v2: a rule's chunks, overlaps and ordinals match its listed chunks",
@@ -241,6 +316,10 @@ TEST_CASE("metadata v2: hostile file tables, indexes and rules are refused, nami
           "[metadata-v2][hostile]") {
   SaveAt("v2-hostile", 2, 2);
   const Metadata good = RawMetadata("v2-hostile");
+  REQUIRE_FALSE(good.files.at(0).index_copy.empty());
+  // The same table without the index copies: a load then reads each file's own index.
+  Metadata bare = good;
+  for (DataFile& f : bare.files) f.index_copy.clear();
   auto store = MakeMemStore("v2-hostile");
   const DataFile f0 = good.files.at(0);
   const std::string data0 = store->ReadAll(f0.name);
@@ -259,11 +338,21 @@ TEST_CASE("metadata v2: hostile file tables, indexes and rules are refused, nami
     std::string bad = data0;
     bad[f0.index_offset + 20] ^= 0x01;
     rewrite(bad);
+    Publish("v2-hostile", bare);
     CHECK_THAT(LoadError("v2-hostile"), Contains(f0.name) && Contains("checksum"));
+  }
+  SECTION("a damaged copy of an index in the metadata fails its checksum") {
+    Metadata md = good;
+    md.files[0].index_copy[20] ^= 0x01;
+    Publish("v2-hostile", md);
+    CHECK_THAT(LoadError("v2-hostile"), Contains(f0.name) && Contains("copy of its index"));
+    md.files[0].index_copy.pop_back();
+    Publish("v2-hostile", md);
+    CHECK_THAT(LoadError("v2-hostile"), Contains(f0.name) && Contains("copy of its index"));
   }
   SECTION("an index that lists nothing (with a matching checksum) leaves items unfound") {
     const std::string empty = EncodeFileIndex({});
-    Metadata md = good;
+    Metadata md = bare;
     md.files[0].index_length = empty.size();
     md.files[0].index_crc32c = Crc32c(0, empty.data(), empty.size());
     md.files[0].size = f0.index_offset + empty.size();
@@ -282,9 +371,16 @@ TEST_CASE("metadata v2: hostile file tables, indexes and rules are refused, nami
       if (variant == 1) edited[1].offset = edited[0].offset, edited[1].length = edited[0].length;
       for (auto& it : edited) it.raw_length = it.zstd ? it.raw_length : it.length;
       const std::string idx = EncodeFileIndex(edited);
-      Metadata md = good;
+      Metadata md = bare;
       md.files[0].index_crc32c = Crc32c(0, idx.data(), idx.size());
       rewrite(data0.substr(0, f0.index_offset) + idx);
+      Publish("v2-hostile", md);
+      CHECK_THAT(LoadError("v2-hostile"),
+                 Contains(f0.name) && (Contains("runs past") || Contains("overlap")));
+      // The same index as the metadata's copy (its checksum recorded too) passes the same
+      // checks, whatever the file holds.
+      rewrite(data0);
+      md.files[0].index_copy = idx;
       Publish("v2-hostile", md);
       CHECK_THAT(LoadError("v2-hostile"),
                  Contains(f0.name) && (Contains("runs past") || Contains("overlap")));

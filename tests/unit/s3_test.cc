@@ -716,6 +716,11 @@ TEST_CASE(
     CHECK(hook.Count([](const S3RequestInfo& i) {
       return i.key.find("metadata.dcp") != std::string::npos;
     }) == 1);
+    // The file's index comes with the metadata (DataFile::index_copy; before: one more GET,
+    // after the metadata's and before the first item's): a GET per item, nothing else.
+    CHECK(hook.Count([](const S3RequestInfo& i) {
+      return i.method == "GET" && i.key.find(".data") != std::string::npos && i.query.empty();
+    }) == static_cast<int>(kItems));
   }
   for (size_t k = 0; k < kItems; ++k) CHECK(SameElements(src[k], dst[k]));
   CHECK(overlap.most >= 2);
