@@ -822,6 +822,23 @@ TEST_CASE(
              Contains("is missing") && Contains(victim));
 }
 
+TEST_CASE("s3: connections outlive their store so the next store on the endpoint reuses them",
+          "[s3]") {
+  if (!HaveServer()) return;
+  // Every save and load opens a store of its own: before, each one connected anew (over https,
+  // a TLS handshake per connection) and closed its connections at its end.
+  const std::string root = S3TestRoot("warm-connections");
+  const std::string bytes = Pattern(100000, 5);
+  OpenStore(root)->PublishAtomically("obj", bytes);
+  const uint64_t before = S3ConnectionsOpenedForTesting();
+  for (int i = 0; i < 5; ++i) {
+    auto store = OpenStore(root);
+    CHECK(store->ReadAll("obj") == bytes);
+  }
+  CHECK(S3ConnectionsOpenedForTesting() - before == 0);  // before: one per store
+  OpenStore(root)->Remove("obj");
+}
+
 TEST_CASE("s3: an object's small tail travels with its last part", "[s3]") {
   if (!HaveServer()) return;
   // A data file is its items, then its index (a few KiB): the index used to be a part of its own,

@@ -1,5 +1,6 @@
-// The s3:// backend's HTTP client (internal): signed libcurl requests, a connection pool per
-// store, retries with backoff, and the mapping of HTTP answers onto dcp errors.
+// The s3:// backend's HTTP client (internal): signed libcurl requests, a process-wide pool of
+// idle connections per endpoint, retries with backoff, and the mapping of HTTP answers onto dcp
+// errors.
 #pragma once
 
 #include <curl/curl.h>
@@ -76,8 +77,14 @@ class Client {
   static size_t Header(char* data, size_t size, size_t nitems, void* user);
   static int SocketOpened(void* user, curl_socket_t fd, curlsocktype purpose);
 
-  CURL* Acquire();
-  void Return(CURL* h);
+  // A connection (an easy handle and the socket it keeps open, if known) from the endpoint's
+  // idle ones or a new handle; given back after a transfer that completed.
+  struct Connection {
+    CURL* handle = nullptr;
+    curl_socket_t socket = CURL_SOCKET_BAD;
+  };
+  Connection Acquire();
+  void Return(Connection c);
   long DeadlineMs(const Call& c) const;
   Response Once(const Call& c, int attempt);
 
@@ -88,9 +95,7 @@ class Client {
   std::string bucket_;
   std::string host_;
   std::mutex mu_;
-  std::vector<CURL*> pool_;
-  std::map<CURL*, curl_socket_t> sockets_;  // with mu_: a pooled handle's connection
-  std::condition_variable slot_freed_;      // with mu_
+  std::condition_variable slot_freed_;  // with mu_
   int slots_in_use_ = 0;
   uint64_t slot_tickets_ = 0, slot_next_ = 0;  // FIFO order of the waiters
 };

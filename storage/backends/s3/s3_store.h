@@ -156,6 +156,8 @@ enum class S3Fault {
 void SetS3FaultHookForTesting(std::function<S3Fault(const S3RequestInfo&)> hook);
 /// Requests sent (or faulted) by every S3 store of the process so far.
 uint64_t S3RequestCountForTesting();
+/// TCP connections the s3:// client has opened in this process.
+uint64_t S3ConnectionsOpenedForTesting();
 
 /// Gaps between wanted ranges up to this many bytes are read through (one GET instead of two):
 /// a request costs about a round trip, in which a connection would have carried more.
