@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/safetensors.h"
@@ -226,8 +227,13 @@ class SafetensorsLayoutImpl : public CheckpointLayout {
   std::string_view display_name() const override { return "safetensors"; }
   const std::string& metadata_name() const override { return name_; }
   bool Detect(Store& store) const override {
-    return AsFileView(store) != nullptr || store.Size(kSafetensorsIndexName) ||
-           store.Size(kSafetensorsSingleName);
+    if (AsFileView(store) != nullptr) return true;
+    // Both commit markers asked together: on an object store each question is a round trip.
+    const std::string names[2] = {kSafetensorsIndexName, kSafetensorsSingleName};
+    char found[2] = {0, 0};
+    ParallelFor(
+        2, [&](size_t i) { found[i] = store.Size(names[i]).has_value(); }, 2);
+    return found[0] || found[1];
   }
   // Checked by the protocol's constructor (store_writer.cc), before anything is written.
   void CheckWriteOptions(const StorageOptions& options, const std::string& uri) const override {
