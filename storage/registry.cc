@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -10,6 +11,7 @@
 #include <string_view>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/executor.h"
 #include "dcp/storage/backends/file_store.h"
 #include "dcp/storage/backends/mem_store.h"
 #ifdef DCP_HAVE_S3
@@ -63,6 +65,23 @@ std::string Store::ReadPrefix(const std::string& name, uint64_t max_bytes, uint6
 
 std::optional<std::vector<std::pair<std::string, uint64_t>>> Store::ListSizes(size_t) {
   return std::nullopt;
+}
+
+void Store::RemoveMany(const std::vector<std::string>& names) {
+  std::vector<std::exception_ptr> errors(names.size());
+  ParallelFor(
+      names.size(),
+      [&](size_t i) {
+        try {
+          Remove(names[i]);
+        } catch (...) {
+          errors[i] = std::current_exception();
+        }
+      },
+      std::min<size_t>(std::max<size_t>(names.size(), 1), 16));
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
 }
 
 // No conditional create by default: the writer lock is the exclusion (store.h).

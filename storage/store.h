@@ -215,6 +215,12 @@ class Store {
   /// older than a write that just finished: a caller confirms what it finds missing or short
   /// with Size(). Thread-safe. IoError when the listing fails. (Declared last.)
   virtual std::optional<std::vector<std::pair<std::string, uint64_t>>> ListSizes(size_t max_names);
+  /// Remove every object of `names` (an absent one is no error), in as few requests as the
+  /// backend allows: s3:// one multi-object delete per 1,000 names, all in flight together. The
+  /// default removes them one by one (Remove), 16 at a time; a ForwardingStore keeps it, so that
+  /// a wrapper's own Remove sees each. Every name is tried; then the first failure is thrown
+  /// (naming its object; IoError on s3:// naming how many failed). Thread-safe. (Declared last.)
+  virtual void RemoveMany(const std::vector<std::string>& names);
 
   /// Read a whole object.
   std::string ReadAll(const std::string& name);

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "dcp/dcp.h"
+#include "dcp/proto/executor.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/registry.h"
 #include "support/s3_test_support.h"
@@ -765,6 +766,11 @@ TEST_CASE(
   };
   CHECK(count("DELETE", ".dcp.lock") == 1);
   CHECK(count("HEAD", "") == 0);  // before: 1
+  // The replaced checkpoint's data files go in one multi-object delete (before: a DELETE each).
+  CHECK(count("DELETE", ".data") == 0);
+  CHECK(hook.Count([](const S3RequestInfo& i) {
+    return i.method == "POST" && i.query.rfind("delete", 0) == 0;
+  }) == 1);
   BigBack back;
   Load(back.sd, ckpt);
   CHECK(SameElements(back.big, state.big));
@@ -839,6 +845,28 @@ TEST_CASE("s3: connections outlive their store so the next store on the endpoint
   }
   CHECK(S3ConnectionsOpenedForTesting() - before == 0);  // before: one per store
   OpenStore(root)->Remove("obj");
+}
+
+TEST_CASE("s3: RemoveMany deletes a thousand objects per request and absent ones are no error",
+          "[s3]") {
+  if (!HaveServer()) return;
+  const std::string root = S3TestRoot("remove-many");
+  auto store = OpenStore(root);
+  std::vector<std::string> names;
+  for (int i = 0; i < 1100; ++i) names.push_back("obj-" + std::to_string(i) + "&<'\">");
+  ParallelFor(
+      names.size(), [&](size_t i) { store->PublishAtomically(names[i], "x"); }, 16);
+  REQUIRE(store->List().size() == names.size());
+  names.push_back("never-written");
+  Hook hook([](const S3RequestInfo&) { return S3Fault::kNone; });
+  store->RemoveMany(names);
+  CHECK(store->List().empty());
+  // Two requests (1,000 keys each at most), no DELETE one by one.
+  CHECK(hook.Count([](const S3RequestInfo& i) { return i.method == "POST"; }) == 2);
+  CHECK(hook.Count([](const S3RequestInfo& i) { return i.method == "DELETE"; }) == 0);
+  store->RemoveMany({});
+  // The two POSTs and the listing: nothing for no names.
+  CHECK(hook.Count([](const S3RequestInfo&) { return true; }) == 3);
 }
 
 TEST_CASE("s3: an object's small tail travels with its last part", "[s3]") {

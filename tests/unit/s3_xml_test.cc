@@ -269,3 +269,18 @@ TEST_CASE("s3 xml: S3's XML answers", "[s3][xml]") {
   WARN("SKIPPED: dcp was built without the s3:// backend (libcurl, OpenSSL or tinyxml2 not found)");
 }
 #endif
+
+TEST_CASE("s3 xml: a DeleteResult lists the keys that failed", "[s3][xml]") {
+  const auto failed = ParseDeleteResult(
+      "<?xml version=\"1.0\"?><DeleteResult><Deleted><Key>a</Key></Deleted>"
+      "<Error><Key>b&amp;c</Key><Code>AccessDenied</Code><Message>no</Message></Error>"
+      "</DeleteResult>",
+      "s3://b/p");
+  REQUIRE(failed.size() == 1);
+  CHECK(failed[0].key == "b&c");
+  CHECK(failed[0].code == "AccessDenied");
+  CHECK(failed[0].message == "no");
+  CHECK(ParseDeleteResult("<DeleteResult/>", "s3://b/p").empty());
+  CHECK_THROWS_AS(ParseDeleteResult("<ListBucketResult/>", "s3://b/p"), CorruptionError);
+  CHECK_THROWS_AS(ParseDeleteResult("<DeleteResult><Error>", "s3://b/p"), CorruptionError);
+}

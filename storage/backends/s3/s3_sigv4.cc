@@ -29,6 +29,17 @@ std::string Hex(std::string_view raw) {
   return out;
 }
 
+std::string Md5Base64(std::string_view data) {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  if (EVP_Digest(data.data(), data.size(), md, &n, EVP_md5(), nullptr) != 1) {
+    throw InternalError("s3: MD5 failed");
+  }
+  unsigned char out[4 * ((EVP_MAX_MD_SIZE + 2) / 3) + 1];
+  const int len = EVP_EncodeBlock(out, md, static_cast<int>(n));
+  return std::string(reinterpret_cast<const char*>(out), static_cast<size_t>(len));
+}
+
 std::string Sha256Hex(std::string_view data) {
   unsigned char md[SHA256_DIGEST_LENGTH];
   if (::SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), md) == nullptr) {

@@ -23,6 +23,8 @@ std::string Sha256Hex(std::string_view data);
 std::string HmacSha256(std::string_view key, std::string_view data);
 /// Lowercase hex of raw bytes.
 std::string Hex(std::string_view raw);
+/// Base64 of the MD5 of `data`: the Content-MD5 header a multi-object delete must carry.
+std::string Md5Base64(std::string_view data);
 
 /// RFC 3986 percent-encoding as SigV4 wants it: unreserved characters (A-Z a-z 0-9 - . _ ~)
 /// stay, every other byte becomes %XX (uppercase); '/' stays when `keep_slash` (object keys in

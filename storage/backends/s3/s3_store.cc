@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -17,10 +18,12 @@
 #include <vector>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/executor.h"
 #include "dcp/proto/staging.h"
 #include "dcp/storage/backends/s3/s3_http.h"
 #include "dcp/storage/backends/s3/s3_lock.h"
 #include "dcp/storage/backends/s3/s3_object.h"
+#include "dcp/storage/backends/s3/s3_sigv4.h"
 #include "dcp/storage/backends/s3/s3_xml.h"
 
 namespace dcp {
@@ -269,6 +272,58 @@ class S3Store : public Store {
     client_->Throw(del, r);
   }
 
+  // DeleteObjects: up to 1,000 keys per request (S3's limit), quiet (the answer lists only the
+  // failures), the requests in flight together. A key that does not exist counts as deleted.
+  void RemoveMany(const std::vector<std::string>& names) override {
+    constexpr size_t kKeysPerRequest = 1000;
+    const size_t requests = (names.size() + kKeysPerRequest - 1) / kKeysPerRequest;
+    std::vector<std::vector<DeleteFailure>> failed(requests);
+    std::vector<std::exception_ptr> errors(requests);
+    ParallelFor(
+        requests,
+        [&](size_t k) {
+          try {
+            const size_t begin = k * kKeysPerRequest;
+            const size_t end = std::min(names.size(), begin + kKeysPerRequest);
+            std::string body = "<Delete xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">";
+            body += "<Quiet>true</Quiet>";
+            for (size_t i = begin; i < end; ++i) {
+              body += "<Object><Key>" + XmlEscaped(Key(names[i])) + "</Key></Object>";
+            }
+            body += "</Delete>";
+            Call c{"POST", "", {{"delete", ""}}};
+            c.headers = {{"content-md5", sigv4::Md5Base64(body)}};
+            c.body = body.data();
+            c.body_size = body.size();
+            Response r = client_->Send(c);
+            if (r.status / 100 != 2) client_->Throw(c, r);
+            failed[k] = ParseDeleteResult(r.body, uri());
+          } catch (...) {
+            errors[k] = std::current_exception();
+          }
+        },
+        std::min<size_t>(std::max<size_t>(requests, 1), 16));
+    for (const auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+    size_t count = 0;
+    const DeleteFailure* first = nullptr;
+    for (const auto& f : failed) {
+      for (const DeleteFailure& d : f) {
+        if (d.code == "NoSuchKey") continue;
+        if (first == nullptr) first = &d;
+        ++count;
+      }
+    }
+    if (first != nullptr) {
+      throw IoError("s3: removing " + std::to_string(names.size()) + " objects under " + uri() +
+                        ": " + std::to_string(count) + " failed, the first s3://" +
+                        client_->bucket() + "/" + first->key + " (" + first->code + ": " +
+                        first->message + ")",
+                    first->code == "InternalError" || first->code == "SlowDown");
+    }
+  }
+
   // A multipart upload started under the location and neither completed nor aborted: a
   // writer's that is still open, or a crashed one's (its parts are stored, and billed, until
   // aborted; a bucket lifecycle rule is the only other way they go).
@@ -302,6 +357,33 @@ class S3Store : public Store {
 
  private:
   static std::string ErrorCodeOf(const Response& r) { return Client::ErrorCode(r); }
+
+  static std::string XmlEscaped(const std::string& text) {
+    std::string out;
+    out.reserve(text.size());
+    for (char ch : text) {
+      switch (ch) {
+        case '&':
+          out += "&amp;";
+          break;
+        case '<':
+          out += "&lt;";
+          break;
+        case '>':
+          out += "&gt;";
+          break;
+        case '"':
+          out += "&quot;";
+          break;
+        case '\'':
+          out += "&apos;";
+          break;
+        default:
+          out += ch;
+      }
+    }
+    return out;
+  }
 
   // Every object directly under the prefix (but the lock object), page by page, to `take`
   // (name relative to the prefix, size or -1), until it returns false. False when stopped so.

@@ -141,4 +141,21 @@ ListUploadsPage ParseListMultipartUploads(std::string_view body, const std::stri
   return page;
 }
 
+std::vector<DeleteFailure> ParseDeleteResult(std::string_view body, const std::string& what) {
+  static constexpr const char* kRoot = "DeleteResult";
+  XMLDocument doc;
+  std::string why;
+  const XMLElement* root = Root(doc, body, kRoot, &why);
+  if (root == nullptr) {
+    throw CorruptionError("removing objects under " + what + ": the server's answer is not a " +
+                          kRoot + " (" + why + ")");
+  }
+  std::vector<DeleteFailure> failed;
+  for (const XMLElement* e = root->FirstChildElement("Error"); e != nullptr;
+       e = e->NextSiblingElement("Error")) {
+    failed.push_back({ChildText(*e, "Key"), ChildText(*e, "Code"), ChildText(*e, "Message")});
+  }
+  return failed;
+}
+
 }  // namespace dcp::s3

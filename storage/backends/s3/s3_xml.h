@@ -61,4 +61,11 @@ struct ListUploadsPage {
 // CorruptionError naming `what` when the body is not that document.
 ListUploadsPage ParseListMultipartUploads(std::string_view body, const std::string& what);
 
+// The objects a multi-object delete (DeleteResult, quiet) failed to delete: each <Error>'s
+// <Key>, <Code> and <Message>. CorruptionError naming `what` when the body is not that document.
+struct DeleteFailure {
+  std::string key, code, message;
+};
+std::vector<DeleteFailure> ParseDeleteResult(std::string_view body, const std::string& what);
+
 }  // namespace dcp::s3
