@@ -145,6 +145,10 @@ CheckpointManager::CheckpointManager(std::string root, Communicator& comm,
     if (options_.memory_every < 1 || options_.durable_every < 1) {
       throw InvalidArgumentError("ManagerOptions::memory_every and durable_every must be >= 1");
     }
+    // The tier's steps belong to this job: its durable root, as the store spells it (a relative
+    // path and its absolute form are one root), so a restart on the root finds them and a job on
+    // another root never sees them.
+    if (options_.memory_tier->owner.empty()) options_.memory_tier->owner = OpenStore(root_)->uri();
     // The tier saves in the background itself, on the background communicator.
     tier_ = std::make_unique<MemoryTier>(comm, *options_.memory_tier, std::move(background_comm),
                                          options_.async);
@@ -156,6 +160,11 @@ CheckpointManager::CheckpointManager(std::string root, Communicator& comm,
 }
 
 CheckpointManager::~CheckpointManager() { Close(); }  // reports on stderr, never throws
+
+AsyncCheckpointer* CheckpointManager::background_saver() const {
+  if (saver_) return saver_.get();
+  return tier_ ? tier_->background_saver() : nullptr;
+}
 
 std::string CheckpointManager::PathFor(int64_t step) const {
   return JoinUri(root_, StepName(step));
@@ -208,7 +217,16 @@ void CheckpointManager::RemoveStep(int64_t step, bool only_if_uncommitted) {
   OpenStore(root_)->Remove(StepName(step) + kMarkerSuffix);  // last: the step stays findable
 }
 
-std::vector<int64_t> CheckpointManager::CompleteSteps() { return Scan().complete; }
+std::vector<int64_t> CheckpointManager::CompleteSteps() {
+  if (!tier_) return Scan().complete;
+  // The tier's steps count too: what Restore may load. A save in flight ends first (the tier's
+  // listing would wait for it anyway), raising its error.
+  Wait();
+  std::set<int64_t> steps;
+  for (int64_t s : Scan().complete) steps.insert(s);
+  for (int64_t s : tier_->CompleteSteps()) steps.insert(s);
+  return {steps.begin(), steps.end()};
+}
 
 std::optional<int64_t> CheckpointManager::LatestStep() {
   auto steps = CompleteSteps();
@@ -254,12 +272,21 @@ void CheckpointManager::Retain(int64_t step) {
                              complete.end());
       keep.insert(newest);
       // "latest" names only a committed step, and never goes back behind a step that may be one.
+      // When it cannot be written it stays behind, and so does the step it names; the rest of
+      // the pass goes on (a failure is reported with the removals').
+      bool latest_written = false;
       if (scan.unreadable.empty() || scan.unreadable.back().first < newest) {
-        OpenStore(root_)->PublishAtomically("latest", std::to_string(newest) + "\n");
-      } else if (auto named = LatestFileStep(*OpenStore(root_))) {
+        try {
+          OpenStore(root_)->PublishAtomically("latest", std::to_string(newest) + "\n");
+          latest_written = true;
+        } catch (const Error& e) {
+          if (failed++ == 0) first_error = std::string("writing latest: ") + e.what();
+        }
+      }
+      if (!latest_written) {
         // "latest" stays behind: the step it names stays too, however many newer ones exist.
         // (A read that fails throws: this retention then removes nothing.)
-        keep.insert(*named);
+        if (auto named = LatestFileStep(*OpenStore(root_))) keep.insert(*named);
       }
       for (int64_t s : complete) {
         if (options_.keep_every > 0 && s % options_.keep_every == 0) keep.insert(s);
@@ -274,8 +301,9 @@ void CheckpointManager::Retain(int64_t step) {
     }
     std::string removal_error;
     if (failed > 0) {
-      removal_error = "could not remove " + std::to_string(failed) + " old step(s) under " + root_ +
-                      "; first: " + first_error;
+      removal_error =
+          "retention under " + root_ + " failed " + std::to_string(failed) +
+          " time(s) (old steps that could not be removed, or latest); first: " + first_error;
     }
     return std::to_string(removal_error.size()) + ":" + removal_error + scan.Encode();
   });
@@ -344,14 +372,18 @@ std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict
   }
   Wait();
   if (tier_) return SaveThroughTier(step, state);
+  return SaveToRoot(step, state);
+}
+
+std::shared_ptr<AsyncSave> CheckpointManager::SaveToRoot(int64_t step, const StateDict& state) {
   BeginStep(step);
   last_step_ = step;
   SaveOptions so = options_.save;
   so.storage.overwrite = true;  // checked by BeginStep: only a crashed attempt is overwritten
   so.step = step;
-  if (saver_) {
+  if (AsyncCheckpointer* saver = background_saver()) {
     in_flight_step_ = step;
-    in_flight_ = saver_->Save(state, PathFor(step), so);
+    in_flight_ = saver->Save(state, PathFor(step), so);
     return in_flight_;
   }
   // Synchronous: a finished handle, for a uniform return type.
@@ -374,26 +406,52 @@ std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict
   return AsyncSave::Completed(std::move(md), std::move(m));
 }
 
-// A step to memory, and to the root when due: the tier's save, then its drain under the root
-// (both in the background when the tier has a background communicator). A durable step is
-// entered in the root's index first, as every managed save is.
+// A step to memory, and to the root when due: the tier's save, then the durable copy under the
+// root (both in the background when the tier has a background communicator). A durable step is
+// entered in the root's index first, as every managed save is. The durable copy honours the
+// root's storage options: a copy of the tier's files where they are what those options write,
+// else a save of the state (another format, compression). Where the tier cannot save (fewer
+// nodes than its replicas need), durable steps are saved to the root directly and the others
+// skipped, said once.
 std::shared_ptr<AsyncSave> CheckpointManager::SaveThroughTier(int64_t step,
                                                               const StateDict& state) {
   const bool durable = step % options_.durable_every == 0;
   const bool memory = durable || step % options_.memory_every == 0;
+  if (!memory) {
+    last_step_ = step;
+    return AsyncSave::Completed(Metadata{}, SaveMetrics{});
+  }
+  if (!tier_->save_refusal().empty()) {
+    if (!told_tier_refusal_ && comm_->rank() == 0) {
+      std::fprintf(stderr,
+                   "dcp: CheckpointManager: %s. Durable steps (multiples of %d) are saved to %s "
+                   "directly; the other steps are not saved.\n",
+                   tier_->save_refusal().c_str(), options_.durable_every, root_.c_str());
+    }
+    told_tier_refusal_ = true;
+    if (!durable) {
+      last_step_ = step;
+      return AsyncSave::Completed(Metadata{}, SaveMetrics{});
+    }
+    return SaveToRoot(step, state);
+  }
   last_step_ = step;
-  if (!memory) return AsyncSave::Completed(Metadata{}, SaveMetrics{});
   if (durable) BeginStep(step);
-  // The tier writes dcp's own layout to shared memory; the root's storage options apply to the
-  // durable copy.
+  // The tier writes dcp's own layout to shared memory, laid out as the root's would be (files
+  // per rank, metadata version) so that a copy of it is the durable checkpoint.
   SaveOptions so = options_.save;
   so.storage = StorageOptions{};
+  so.storage.files_per_rank = options_.save.storage.files_per_rank;
+  so.storage.metadata_version = options_.save.storage.metadata_version;
+  SaveOptions durable_options = options_.save;
+  durable_options.storage.overwrite = true;  // checked by BeginStep (allow_replacing_steps)
+  durable_options.step = step;
   const std::string drain_to = durable ? PathFor(step) : std::string();
   in_flight_step_ = durable ? step : -1;
   in_flight_in_tier_ = true;
   if (tier_->saves_in_background()) {
     try {
-      in_flight_ = tier_->SaveAsync(step, state, so, drain_to, options_.save.storage);
+      in_flight_ = tier_->SaveAsync(step, state, so, drain_to, durable_options);
     } catch (...) {
       in_flight_in_tier_ = false;
       in_flight_step_ = -1;
@@ -406,7 +464,13 @@ std::shared_ptr<AsyncSave> CheckpointManager::SaveThroughTier(int64_t step,
   Metadata md;
   try {
     md = tier_->Save(step, state, so).metadata;
-    if (durable) tier_->Drain(step, drain_to, options_.save.storage);
+    if (durable) {
+      if (MemoryTier::DrainCopies(durable_options.storage)) {
+        tier_->Drain(step, drain_to, durable_options.storage);
+      } else {
+        dcp::Save(state, drain_to, *comm_, durable_options);
+      }
+    }
   } catch (...) {
     in_flight_in_tier_ = false;
     in_flight_step_ = -1;
@@ -433,7 +497,7 @@ void CheckpointManager::Wait() {
     if (in_flight_in_tier_) {
       tier_->Wait();
     } else {
-      saver_->Wait();
+      background_saver()->Wait();
     }
   } catch (...) {
     error = std::current_exception();

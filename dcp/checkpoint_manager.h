@@ -81,7 +81,9 @@ class CheckpointManager {
   void Wait();
   /// Newest complete step, agreed by all ranks; nullopt when there is none.
   std::optional<int64_t> LatestStep();
-  /// Complete steps, ascending (rank 0's view, broadcast).
+  /// Complete steps, ascending (rank 0's view, broadcast), with the memory tier's complete steps
+  /// when there is one (after waiting for the save in flight, whose error it raises): the
+  /// steps Restore may load.
   std::vector<int64_t> CompleteSteps();
   /// Load the newest step that loads into `state` and return it; nullopt when the store holds
   /// no step. Candidates are the complete and unreadable steps, newest first: when one fails
@@ -132,6 +134,10 @@ class CheckpointManager {
   void RemoveStep(int64_t step, bool only_if_uncommitted);  // rank 0 only
   void BeginStep(int64_t step);  // collective: checks the step, writes the index entry
   std::shared_ptr<AsyncSave> SaveThroughTier(int64_t step, const StateDict& state);
+  std::shared_ptr<AsyncSave> SaveToRoot(int64_t step, const StateDict& state);
+  // The saver of asynchronous saves to the root: the manager's, or the tier's (a tier that
+  // cannot save, see SaveThroughTier); nullptr when saves are synchronous.
+  AsyncCheckpointer* background_saver() const;
   void AfterSaveEnded(int64_t step);  // latest + retention, rank 0 acting; never throws an Error
   void Retain(int64_t step);
   std::string root_;
@@ -150,6 +156,7 @@ class CheckpointManager {
   std::string restore_source_;
   std::unique_ptr<MemoryTier> tier_;
   bool in_flight_in_tier_ = false;  // in_flight_ is the tier's (its step is in_flight_step_)
+  bool told_tier_refusal_ = false;  // the tier cannot save here, and that was said
 };
 
 }  // namespace dcp

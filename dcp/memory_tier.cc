@@ -1,6 +1,7 @@
 #include "dcp/memory_tier.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -149,13 +150,243 @@ std::string HostIdentity() {
   return id;
 }
 
-std::string ReadFileBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw NotFoundError("memory tier: cannot open " + path);
-  std::ostringstream s;
-  s << in.rdbuf();
-  if (!in.good() && !in.eof()) throw TierIoError("memory tier: cannot read " + path);
-  return std::move(s).str();
+// ---- The tier's directories: private to the user, never reached through a link.
+//
+// The tier keeps model weights under a directory every local user reaches (/dev/shm). Its
+// anchor is <shm_root>/dcp-tier-u<uid>, created 0700 and used only while it is a real directory
+// of this user that no one else may write; everything below it is created 0700/0600 and opened
+// without following links, and only regular files are read. So another user can neither read
+// a step nor plant or redirect one.
+
+constexpr char kPrivateDirAdvice[] =
+    "remove it (as its owner, or as root) or set MemoryTierOptions::shm_root to a directory of "
+    "your own";
+
+std::string OctalMode(mode_t mode) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%04o", static_cast<unsigned>(mode & 07777));
+  return buf;
+}
+
+// `path` (whose parent exists) as a private directory: created 0700, or the one there if it is
+// a real directory of this user that no one else may write (its group and other bits are then
+// cleared). InvalidArgumentError, saying what to do, for anything else.
+void MakePrivateDirectory(const std::string& path) {
+  if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) {
+    throw TierIoError("memory tier: cannot create " + path + ": " + std::strerror(errno));
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ELOOP || errno == ENOTDIR) {
+      throw InvalidArgumentError("memory tier: " + path +
+                                 " is a symbolic link or not a directory: the tier does not "
+                                 "follow it; " +
+                                 kPrivateDirAdvice);
+    }
+    const int err = errno;
+    struct stat there {};
+    if (err == EACCES && ::lstat(path.c_str(), &there) == 0 && there.st_uid != ::geteuid()) {
+      throw InvalidArgumentError("memory tier: the directory " + path + " belongs to uid " +
+                                 std::to_string(there.st_uid) + ", not to this process's uid " +
+                                 std::to_string(::geteuid()) + "; " + kPrivateDirAdvice);
+    }
+    throw TierIoError("memory tier: cannot open " + path + ": " + std::strerror(err));
+  }
+  struct stat sb {};
+  std::string problem;
+  if (::fstat(fd, &sb) != 0) {
+    problem = std::string("cannot stat it: ") + std::strerror(errno);
+  } else if (sb.st_uid != ::geteuid()) {
+    problem = "belongs to uid " + std::to_string(sb.st_uid) + ", not to this process's uid " +
+              std::to_string(::geteuid()) + ": its owner could read the steps or plant one";
+  } else if ((sb.st_mode & 022) != 0) {
+    problem = "is writable by other users (mode " + OctalMode(sb.st_mode) +
+              "): a step in it may have been planted";
+  } else if ((sb.st_mode & 077) != 0 && ::fchmod(fd, 0700) != 0) {
+    problem = std::string("cannot make it private (mode 0700): ") + std::strerror(errno);
+  }
+  ::close(fd);
+  if (!problem.empty()) {
+    throw InvalidArgumentError("memory tier: the directory " + path + " " + problem + "; " +
+                               kPrivateDirAdvice);
+  }
+}
+
+// shm_root must be a directory that no one else can rename the tier's directory out of: not
+// writable by other users unless sticky (as /dev/shm and /tmp are).
+void CheckSharedRoot(const std::string& shm_root) {
+  struct stat sb {};
+  if (::stat(shm_root.c_str(), &sb) != 0) {
+    throw TierIoError("memory tier: shm_root " + shm_root + ": " + std::strerror(errno));
+  }
+  if (!S_ISDIR(sb.st_mode)) {
+    throw InvalidArgumentError("memory tier: shm_root " + shm_root + " is not a directory");
+  }
+  if ((sb.st_mode & 022) != 0 && (sb.st_mode & S_ISVTX) == 0) {
+    throw InvalidArgumentError("memory tier: shm_root " + shm_root + " (mode " +
+                               OctalMode(sb.st_mode) +
+                               ") is writable by other users without the sticky bit: they could "
+                               "replace the tier's directory; use a tmpfs like /dev/shm (mode "
+                               "1777) or a directory of your own");
+  }
+}
+
+// The bytes of a regular file of the tier, at most `max_bytes`. A link, FIFO or device is
+// refused (CorruptionError), never followed or waited on: O_NONBLOCK keeps the open of a FIFO
+// from waiting for a writer. NotFoundError when absent.
+std::string ReadTierFile(const std::string& path, uint64_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) throw NotFoundError("memory tier: " + path + " does not exist");
+    if (errno == ELOOP) {
+      throw CorruptionError("memory tier: " + path + " is a symbolic link: refused");
+    }
+    throw TierIoError("memory tier: cannot open " + path + ": " + std::strerror(errno));
+  }
+  struct stat sb {};
+  std::string out;
+  try {
+    if (::fstat(fd, &sb) != 0) {
+      throw TierIoError("memory tier: cannot stat " + path + ": " + std::strerror(errno));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+      throw CorruptionError("memory tier: " + path +
+                            " is not a regular file (a FIFO, device or directory): refused");
+    }
+    if (static_cast<uint64_t>(sb.st_size) > max_bytes) {
+      throw CorruptionError("memory tier: " + path + " holds " + std::to_string(sb.st_size) +
+                            " bytes, more than the " + std::to_string(max_bytes) + " allowed");
+    }
+    out.resize(static_cast<size_t>(sb.st_size));
+    ReadAt(fd, out.data(), out.size(), 0, path);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  return out;
+}
+
+// A tier file opened for reading and writing: a regular file, not through a link.
+int OpenTierFile(const std::string& path, int flags) {
+  const int fd = ::open(path.c_str(), flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    throw TierIoError("memory tier: cannot open " + path + ": " +
+                      (errno == ELOOP ? std::string("it is a symbolic link")
+                                      : std::string(std::strerror(errno))));
+  }
+  struct stat sb {};
+  if (::fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    ::close(fd);
+    throw CorruptionError("memory tier: " + path + " is not a regular file: refused");
+  }
+  return fd;
+}
+
+// Whether `path` is a directory itself (a link to one does not count).
+bool IsRealDirectory(const fs::path& path) {
+  std::error_code ec;
+  return fs::symlink_status(path, ec).type() == fs::file_type::directory;
+}
+bool IsRealFile(const fs::path& path) {
+  std::error_code ec;
+  return fs::symlink_status(path, ec).type() == fs::file_type::regular;
+}
+
+// The most a tier's metadata.dcp or job record may hold.
+constexpr uint64_t kMaxTierMetadataBytes = uint64_t{1} << 30;
+
+// The job record of a tier directory: the owner it was created for.
+constexpr char kJobRecordName[] = "JOB";
+// The lock file of a node's directory: flock()ed by the node's first rank while a tier object
+// uses it, so two processes of one job never share a node's steps (a job started twice).
+constexpr char kNodeLockName[] = "LOCK";
+
+// A stable 64-bit hash (FNV-1a) of the owner, for the job directory's name.
+std::string OwnerHash(const std::string& owner) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : owner) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+// Records `owner` as the job of `job_dir` (created if absent: link(2) makes the first writer
+// win atomically), or checks the record there. InvalidArgumentError when another job owns it.
+void ClaimJobDirectory(const std::string& job_dir, const std::string& owner) {
+  const std::string record = job_dir + "/" + kJobRecordName;
+  const std::string text = "owner=" + owner + "\n";
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    try {
+      const std::string there = ReadTierFile(record, kMaxTierMetadataBytes);
+      if (there == text) return;
+      throw InvalidArgumentError(
+          "memory tier: " + job_dir + " holds the steps of another job (" +
+          ClippedName(there.substr(0, there.find('\n'))) + "), not of owner=" + owner +
+          ": its steps are never restored or freed by this one; give this job its own "
+          "MemoryTierOptions::name");
+    } catch (const NotFoundError&) {
+    }
+    const std::string tmp = record + ".tmp." + std::to_string(::getpid()) + "." +
+                            std::to_string(attempt) + "." + std::to_string(::gettid());
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0)
+      throw TierIoError("memory tier: cannot create " + tmp + ": " + std::strerror(errno));
+    try {
+      WriteAt(fd, text.data(), text.size(), 0, tmp);
+    } catch (...) {
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw;
+    }
+    ::close(fd);
+    const bool linked = ::link(tmp.c_str(), record.c_str()) == 0;
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    if (linked) return;
+    if (err != EEXIST) {
+      throw TierIoError("memory tier: cannot record the job in " + record + ": " +
+                        std::strerror(err));
+    }
+  }
+  throw TierIoError("memory tier: cannot read or write the job record " + record);
+}
+
+// Takes the node directory's lock (flock: the kernel frees it when the process dies, so a
+// crashed job's restart takes it at once) and records the holder in it. Returns the descriptor
+// that holds it; LockedError naming the holder when another process of the job holds it.
+int LockNodeDirectory(const std::string& node_dir, const std::string& name) {
+  const std::string path = node_dir + "/" + kNodeLockName;
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
+  if (fd < 0) throw TierIoError("memory tier: cannot open " + path + ": " + std::strerror(errno));
+  struct stat sb {};
+  if (::fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    ::close(fd);
+    throw CorruptionError("memory tier: " + path + " is not a regular file: refused");
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    char holder[256] = {};
+    const ssize_t n = ::pread(fd, holder, sizeof(holder) - 1, 0);
+    ::close(fd);
+    if (err != EWOULDBLOCK) {
+      throw TierIoError("memory tier: cannot lock " + path + ": " + std::strerror(err));
+    }
+    throw LockedError(
+        "memory tier '" + name + "' at " + node_dir,
+        n > 0 ? ClippedName(std::string(holder, static_cast<size_t>(n))) : std::string());
+  }
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "unknown-host");
+  const std::string holder = std::string("host=") + host + " pid=" + std::to_string(::getpid());
+  if (::ftruncate(fd, 0) == 0) {
+    ssize_t ignored = ::pwrite(fd, holder.data(), holder.size(), 0);  // for messages only
+    (void)ignored;
+  }
+  return fd;
 }
 
 // The checkpoint's data files and, for each, the extent its items reach (a file shorter than
@@ -359,7 +590,8 @@ int OpenForOverwrite(const std::string& recycle_dir, const std::string& path,
   std::vector<std::pair<int, fs::path>> candidates;  // (preference, file)
   for (const auto& e : fs::directory_iterator(recycle_dir, ec)) {
     struct stat sb {};
-    const bool mapped = ::stat(e.path().c_str(), &sb) == 0 && pool.Holds(sb.st_dev, sb.st_ino);
+    if (::lstat(e.path().c_str(), &sb) != 0 || !S_ISREG(sb.st_mode)) continue;  // files only
+    const bool mapped = pool.Holds(sb.st_dev, sb.st_ino);
     const std::string other = e.path().filename().native();
     const bool same = WithoutSaveId(other) == want;
     candidates.emplace_back((same ? 0 : 2) + (mapped ? 0 : 1), e.path());
@@ -368,8 +600,18 @@ int OpenForOverwrite(const std::string& recycle_dir, const std::string& path,
   for (const auto& [preference, file] : candidates) {
     if (::rename(file.c_str(), path.c_str()) == 0) break;
   }
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);  // RDWR: mmap needs it
-  if (fd < 0) throw TierIoError("memory tier: cannot create " + path + ": " + std::strerror(errno));
+  // RDWR: mmap needs it. Never through a link; a FIFO or device is refused.
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    throw TierIoError("memory tier: cannot create " + path + ": " +
+                      (errno == ELOOP ? std::string("a symbolic link is there")
+                                      : std::string(std::strerror(errno))));
+  }
+  struct stat sb {};
+  if (::fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    ::close(fd);
+    throw CorruptionError("memory tier: " + path + " is not a regular file: refused");
+  }
   return fd;
 }
 
@@ -527,7 +769,8 @@ int RanksPerNodeFromEnv() {
 void WriteWholeFile(const std::string& path, std::string_view bytes) {
   // Written under a temporary name and renamed: a reader never sees half a metadata file.
   const std::string tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ::unlink(tmp.c_str());  // a leftover (or a planted link): created afresh, never followed
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) throw TierIoError("memory tier: cannot create " + tmp + ": " + std::strerror(errno));
   try {
     WriteAt(fd, bytes.data(), bytes.size(), 0, tmp);
@@ -541,7 +784,29 @@ void WriteWholeFile(const std::string& path, std::string_view bytes) {
   }
 }
 
-std::string ErrorText(const std::exception& e) { return e.what(); }
+// A rank's failure as a vote carries it: "<ErrorCode>:<message>", so that every rank raises
+// the category the failing rank met (a refused directory is not an I/O error).
+std::string ErrorText(const std::exception& e) {
+  const auto* error = dynamic_cast<const Error*>(&e);
+  const ErrorCode code = error != nullptr ? error->code() : ErrorCode::kInternal;
+  return std::to_string(static_cast<int>(code)) + ":" + e.what();
+}
+std::string IoText(const std::string& message) {
+  return std::to_string(static_cast<int>(ErrorCode::kIo)) + ":" + message;
+}
+RankFailure DecodeFailure(int rank, const std::string& text) {
+  const size_t colon = text.find(':');
+  int code = 0;
+  if (colon != std::string::npos && colon > 0 && colon <= 2) {
+    for (size_t i = 0; i < colon && code >= 0; ++i) {
+      code = text[i] >= '0' && text[i] <= '9' ? code * 10 + (text[i] - '0') : -1;
+    }
+  }
+  if (code <= 0 || code > static_cast<int>(ErrorCode::kResourceExhausted)) {
+    return {rank, ErrorCode::kIo, text, false};
+  }
+  return {rank, static_cast<ErrorCode>(code), text.substr(colon + 1), false};
+}
 
 }  // namespace
 
@@ -660,16 +925,56 @@ MemoryTier::MemoryTier(Communicator& comm, MemoryTierOptions options,
       }
     }
   }
-  root_ = options_.shm_root + "/dcp-tier-" + name + "/" + label;
-  if (background_comm) {
-    if (background_comm->rank() != rank_ || background_comm->size() != world) {
-      throw InvalidArgumentError("memory tier: the background communicator's ranks differ");
+  if (background_comm && (background_comm->rank() != rank_ || background_comm->size() != world)) {
+    throw InvalidArgumentError("memory tier: the background communicator's ranks differ");
+  }
+  // This job's directory, private to the user, and this node's in it, locked while in use.
+  root_ = JobDirectory(options_) + "/" + label;
+  std::string error;
+  if (leader()) {
+    try {
+      CheckSharedRoot(options_.shm_root);
+      MakeNodeDirectories();
+      node_lock_fd_ = LockNodeDirectory(root_, name);
+    } catch (const std::exception& e) {
+      error = ErrorText(e);
     }
+  }
+  try {
+    Vote(comm, error, "tier/open");
+  } catch (...) {
+    ReleaseNodeLock();
+    throw;
+  }
+  if (background_comm) {
     saver_ = std::make_unique<AsyncCheckpointer>(std::move(background_comm), std::move(async));
   }
 }
 
-MemoryTier::~MemoryTier() = default;
+MemoryTier::~MemoryTier() {
+  saver_.reset();  // a save still running ends before the lock goes
+  ReleaseNodeLock();
+}
+
+void MemoryTier::MakeNodeDirectories() const {
+  const std::string job = JobDirectory(options_);
+  MakePrivateDirectory(fs::path(job).parent_path().string());
+  MakePrivateDirectory(job);
+  ClaimJobDirectory(job, options_.owner);
+  MakePrivateDirectory(root_);
+}
+
+void MemoryTier::ReleaseNodeLock() noexcept {
+  if (node_lock_fd_ >= 0) ::close(node_lock_fd_);  // closing the descriptor drops the flock
+  node_lock_fd_ = -1;
+}
+
+std::string MemoryTier::JobDirectory(const MemoryTierOptions& options) {
+  std::string dir =
+      options.shm_root + "/dcp-tier-u" + std::to_string(::geteuid()) + "/" + options.name;
+  if (!options.owner.empty()) dir += "-" + OwnerHash(options.owner);
+  return dir;
+}
 
 std::string MemoryTier::StepDirectory(int64_t step) const { return root_ + "/" + StepName(step); }
 
@@ -677,7 +982,7 @@ void MemoryTier::Vote(Communicator& comm, const std::string& my_error, std::stri
   auto all = comm.AllGather(my_error, phase);
   std::vector<RankFailure> failures;
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-    if (!all[r].empty()) failures.push_back({r, ErrorCode::kIo, all[r], false});
+    if (!all[r].empty()) failures.push_back(DecodeFailure(r, all[r]));
   }
   if (!failures.empty()) throw CollectiveError(std::string(phase), std::move(failures));
 }
@@ -772,9 +1077,9 @@ void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
     f.name = t.name;
     const std::string path = dir + "/" + t.name;
     try {
-      f.fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);  // RDWR: the pool's mappings are
+      f.fd = OpenTierFile(path, O_RDWR);  // RDWR: the pool's mappings are
       struct stat sb {};
-      if (f.fd < 0 || ::fstat(f.fd, &sb) != 0) {
+      if (::fstat(f.fd, &sb) != 0) {
         throw TierIoError("memory tier: cannot open " + path + ": " + std::strerror(errno));
       }
       f.size = static_cast<uint64_t>(sb.st_size);
@@ -823,9 +1128,7 @@ void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
                                 " sends a file named '" + ClippedName(f.name) + "'");
         }
         if (!have_dir) {
-          std::error_code ec;
-          fs::create_directories(dir, ec);
-          if (ec) throw TierIoError("memory tier: cannot create " + dir + ": " + ec.message());
+          MakePrivateDirectory(dir);
           have_dir = true;
         }
         Stream& st = in_streams[source];
@@ -922,9 +1225,14 @@ SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict&
     // A directory of this step left by a crashed attempt (or a step being saved again after a
     // restore from an older one) is replaced.
     std::error_code ec;
-    fs::remove_all(dir, ec);
-    fs::create_directories(dir, ec);
-    if (ec) error = "memory tier: cannot prepare " + dir + ": " + ec.message();
+    fs::remove_all(dir, ec);  // a link there is removed itself, never followed
+    try {
+      if (ec) throw TierIoError("memory tier: cannot prepare " + dir + ": " + ec.message());
+      MakeNodeDirectories();  // again: a node whose memory was wiped lost them
+      MakePrivateDirectory(dir);
+    } catch (const std::exception& e) {
+      error = ErrorText(e);
+    }
   }
   Vote(comm, error, "tier/prepare");
   pool_->Prune();  // the files the previous saves' retention removed
@@ -986,7 +1294,7 @@ SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict&
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     if (all[r] == "W") committed = true;
     if (!all[r].empty() && all[r][0] == 'E') {
-      failures.push_back({r, ErrorCode::kIo, all[r].substr(1), false});
+      failures.push_back(DecodeFailure(r, all[r].substr(1)));
     }
   }
   written_[step] = own;
@@ -1010,12 +1318,17 @@ void MemoryTier::Retain(int64_t newest) {
     for (const auto& e : fs::directory_iterator(root_, ec)) {
       auto step = ParseStepName(e.path().filename().string());
       if (!step) continue;
-      const bool has_md = fs::exists(e.path() / kMetadataName, ec);
+      if (!IsRealDirectory(e.path())) {
+        fs::remove(e.path(), ec);  // a link in the tier's place: removed itself, never followed
+        continue;
+      }
+      const bool has_md = IsRealFile(e.path() / kMetadataName);
       if (has_md && *step <= newest) {
         committed.push_back(*step);
-      } else if (*step != newest) {
-        other.push_back(*step);
+      } else if (!has_md && *step != newest) {
+        other.push_back(*step);  // an attempt that never committed (this job's: see LOCK)
       }
+      // A committed step newer than this one (the job's earlier run got further) is kept.
     }
     std::sort(committed.rbegin(), committed.rend());
     for (size_t i = options_.keep; i < committed.size(); ++i) other.push_back(committed[i]);
@@ -1026,13 +1339,17 @@ void MemoryTier::Retain(int64_t newest) {
     bool recycled = false;
     for (int64_t s : other) {
       const fs::path dir = StepDirectory(s);
-      if (!recycled && fs::exists(dir / kMetadataName, ec)) {
+      if (!recycled && IsRealFile(dir / kMetadataName)) {
         fs::remove(dir / kMetadataName, ec);
         if (!ec) {
           fs::remove_all(recycle, ec);
-          fs::create_directories(recycle, ec);
+          try {
+            MakePrivateDirectory(recycle.string());
+          } catch (const Error& e) {
+            std::cerr << "dcp: memory tier: " << e.what() << "\n";
+          }
           for (const auto& e : fs::directory_iterator(dir, ec)) {
-            if (IsDataObjectName(e.path().filename().string())) {
+            if (IsDataObjectName(e.path().filename().string()) && IsRealFile(e.path())) {
               fs::rename(e.path(), recycle / e.path().filename(), ec);
             }
           }
@@ -1060,13 +1377,19 @@ std::vector<MemoryTier::StepReport> MemoryTier::GatherReports(Communicator& comm
     for (const auto& e : fs::directory_iterator(root_, ec)) {
       auto step = ParseStepName(e.path().filename().string());
       if (!step) continue;
+      if (!IsRealDirectory(e.path())) {
+        std::cerr << "dcp: memory tier: ignoring " << e.path().string()
+                  << ": not a directory of the tier (a link is never followed)\n";
+        continue;
+      }
       const std::string md_path = (e.path() / kMetadataName).string();
       std::string bytes;
       Metadata md;
       try {
-        if (!fs::exists(md_path)) continue;  // not committed on this node
-        bytes = ReadFileBytes(md_path);
+        bytes = ReadTierFile(md_path, kMaxTierMetadataBytes);
         md = DecodeMetadataFile(bytes, md_path);
+      } catch (const NotFoundError&) {
+        continue;  // not committed on this node
       } catch (const std::exception& ex) {
         std::cerr << "dcp: memory tier: ignoring " << md_path << ": " << ex.what() << "\n";
         continue;
@@ -1080,7 +1403,8 @@ std::vector<MemoryTier::StepReport> MemoryTier::GatherReports(Communicator& comm
       for (const auto& [name, extent] : referenced) {
         struct stat st {};
         const std::string path = (e.path() / name).string();
-        if (::stat(path.c_str(), &st) == 0 && static_cast<uint64_t>(st.st_size) >= extent) {
+        if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+            static_cast<uint64_t>(st.st_size) >= extent) {
           PutString(present, name);
           PutU64(present, static_cast<uint64_t>(st.st_size));
           ++count;
@@ -1135,7 +1459,7 @@ SaveResult MemoryTier::Save(int64_t step, const StateDict& state, const SaveOpti
 std::shared_ptr<AsyncSave> MemoryTier::SaveAsync(int64_t step, const StateDict& state,
                                                  const SaveOptions& options,
                                                  const std::string& drain_to,
-                                                 const StorageOptions& drain_options) {
+                                                 const SaveOptions& drain_options) {
   if (!saver_) {
     throw InvalidArgumentError("memory tier: SaveAsync needs a background communicator");
   }
@@ -1145,7 +1469,16 @@ std::shared_ptr<AsyncSave> MemoryTier::SaveAsync(int64_t step, const StateDict& 
                        [this, step, drain_to, drain_options](
                            const StateDict& snapshot, Communicator& comm, const SaveOptions& so) {
                          SaveResult result = SaveOn(comm, step, snapshot, so);
-                         if (!drain_to.empty()) DrainOn(comm, step, drain_to, drain_options);
+                         if (drain_to.empty()) return std::move(result.metadata);
+                         if (DrainCopies(drain_options.storage)) {
+                           DrainOn(comm, step, drain_to, drain_options.storage);
+                         } else {
+                           // Another format or compression: the snapshot is saved there
+                           // (already taken: no second copy of the training state).
+                           SaveOptions durable = drain_options;
+                           durable.step = step;
+                           dcp::Save(snapshot, drain_to, comm, durable);
+                         }
                          return std::move(result.metadata);
                        });
   return in_flight_;
@@ -1199,7 +1532,7 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   std::string error;
   if (rank_ == md_root) {
     try {
-      encoded = ReadFileBytes(dir + "/" + kMetadataName);
+      encoded = ReadTierFile(dir + "/" + kMetadataName, kMaxTierMetadataBytes);
     } catch (const std::exception& e) {
       error = ErrorText(e);
     }
@@ -1306,8 +1639,13 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
     // Whatever this node holds of the step is not committed here: start it afresh.
     std::error_code ec;
     fs::remove_all(dir, ec);
-    fs::create_directories(dir, ec);
-    if (ec) error = "memory tier: cannot prepare " + dir + ": " + ec.message();
+    try {
+      if (ec) throw TierIoError("memory tier: cannot prepare " + dir + ": " + ec.message());
+      MakeNodeDirectories();  // again: a node whose memory was wiped lost them
+      MakePrivateDirectory(dir);
+    } catch (const std::exception& e) {
+      error = ErrorText(e);
+    }
   }
   Vote(comm_, error, "tier/recover-prepare");
   std::vector<std::string> received;
@@ -1317,9 +1655,9 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   stats_.bytes_mapped += pool_->bytes_mapped() - mapped_before;
   error.clear();
   if (static_cast<int>(received.size()) != expected) {
-    error = "memory tier: rank " + std::to_string(rank_) + " received " +
-            std::to_string(received.size()) + " of the " + std::to_string(expected) +
-            " files it fetches for node " + std::to_string(node_);
+    error = IoText("memory tier: rank " + std::to_string(rank_) + " received " +
+                   std::to_string(received.size()) + " of the " + std::to_string(expected) +
+                   " files it fetches for node " + std::to_string(node_));
   }
   Vote(comm_, error, "tier/recover-received");
   // Every file is in: a node that did not hold the step commits its copy.
@@ -1348,6 +1686,10 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   return step;
 }
 
+bool MemoryTier::DrainCopies(const StorageOptions& options) {
+  return options.format == CheckpointFormat::kDcp && options.compression == Compression::kNone;
+}
+
 void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& uri,
                          const StorageOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -1358,25 +1700,70 @@ void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& ur
                                "it to " +
                                uri);
   }
+  if (!DrainCopies(options)) {
+    throw InvalidArgumentError(
+        "memory tier: Drain copies the tier's files (the dcp format, uncompressed) and cannot "
+        "write another format or compress; save the state to " +
+        uri + " with dcp::Save (CheckpointManager does so for such durable steps)");
+  }
   const std::string dir = StepDirectory(step);
-  std::string error;
+  // Rank 0 holds the destination's writer lock from the existence check to the commit and the
+  // clean-up, as a save does: a replaced checkpoint (StorageOptions::overwrite) stays loadable
+  // until the new metadata is in place, and its files go only after that.
   std::shared_ptr<Store> dest;
-  try {
-    dest = OpenStore(uri, options.backend);
-    if (rank_ == 0 && dest->Size(kMetadataName)) {
-      throw AlreadyExistsError("memory tier: " + uri + " already holds a checkpoint");
+  std::unique_ptr<StoreLock> lock;
+  bool replacing = false;
+  std::set<std::string> replaced_files;
+  std::string error;
+  if (rank_ == 0) {
+    try {
+      dest = OpenStore(uri, options.backend);
+      dest->CreateRoot();
+      char host[256] = {};
+      if (gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "unknown-host");
+      lock = dest->TryLock(std::string("host=") + host + " pid=" + std::to_string(::getpid()) +
+                           " memory-tier-drain step=" + std::to_string(step));
+      if (dest->Size(kMetadataName)) {
+        if (!options.overwrite) {
+          throw AlreadyExistsError("memory tier: " + uri +
+                                   " already holds a checkpoint; set StorageOptions::overwrite "
+                                   "(CheckpointManager: allow_replacing_steps) to replace it");
+        }
+        replacing = true;
+        try {
+          replaced_files = ReadMetadata(uri, options).DataFileNames();
+        } catch (const Error&) {
+          // A damaged checkpoint being replaced: its files stay (dcp verify lists them).
+        }
+      }
+    } catch (const std::exception& e) {
+      error = ErrorText(e);
     }
-    dest->CreateRoot();
+  }
+  Vote(comm, error, "tier/drain-open");
+  // Each rank copies the files it wrote; what it copied goes again if the drain fails.
+  std::vector<std::string> copied;
+  auto remove_copies = [&]() noexcept {
+    for (const auto& name : copied) {
+      try {
+        dest->Remove(name);
+      } catch (...) {
+        // Unreferenced: dcp verify lists it, and the next save there removes it.
+      }
+    }
+  };
+  error.clear();
+  try {
+    if (!dest) dest = OpenStore(uri, options.backend);
     constexpr size_t kPiece = 16 << 20;  // what a store is handed at once
     std::vector<char> buffer(kPiece);
     for (const auto& name : files->second) {
       const std::string path = dir + "/" + name;
-      int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0)
-        throw TierIoError("memory tier: cannot open " + path + ": " + std::strerror(errno));
+      int fd = OpenTierFile(path, O_RDONLY);
       try {
         struct stat st {};
         if (::fstat(fd, &st) != 0) throw TierIoError("memory tier: cannot stat " + path);
+        copied.push_back(name);
         auto out = dest->Create(name);
         const uint64_t size = static_cast<uint64_t>(st.st_size);
         for (uint64_t at = 0; at < size; at += kPiece) {
@@ -1384,7 +1771,7 @@ void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& ur
           ReadAt(fd, buffer.data(), n, at, path);
           out->Append(buffer.data(), n);
         }
-        out->Sync();
+        if (options.sync) out->Sync();
         out->Close();
         stats_.bytes_sent += size;
       } catch (...) {
@@ -1396,16 +1783,55 @@ void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& ur
   } catch (const std::exception& e) {
     error = ErrorText(e);
   }
-  Vote(comm, error, "tier/drain");
+  try {
+    Vote(comm, error, "tier/drain");
+  } catch (...) {
+    remove_copies();
+    throw;
+  }
   error.clear();
   if (rank_ == 0) {
+    const std::string& encoded = metadata_.at(step);
     try {
-      dest->PublishNew(kMetadataName, metadata_.at(step));
+      if (lock) lock->CheckHeld();
+      if (replacing) {
+        dest->PublishAtomically(kMetadataName, encoded);
+      } else {
+        dest->PublishNew(kMetadataName, encoded);
+      }
     } catch (const std::exception& e) {
-      error = ErrorText(e);
+      // Committed all the same when the metadata in place is ours (a failure after the rename).
+      bool ours = false;
+      try {
+        ours = dest->Size(kMetadataName) && dest->ReadAll(kMetadataName) == encoded;
+      } catch (...) {
+      }
+      if (!ours) error = ErrorText(e);
+    }
+    if (error.empty() && !replaced_files.empty()) {
+      // The replaced checkpoint's files that the new one does not name are dead now.
+      std::vector<std::string> dead;
+      try {
+        const Metadata md = DecodeMetadataFile(encoded, uri);
+        const auto live = md.DataFileNames();
+        for (const auto& name : replaced_files) {
+          if (!live.count(name)) dead.push_back(name);
+        }
+        if (lock) lock->CheckHeld();
+        dest->RemoveMany(dead);
+      } catch (const std::exception& e) {
+        std::cerr << "dcp: memory tier: step " << step << " replaced the checkpoint at " << uri
+                  << "; removing the replaced files failed (" << e.what()
+                  << "): dcp verify lists them\n";
+      }
     }
   }
-  Vote(comm, error, "tier/drain-commit");
+  try {
+    Vote(comm, error, "tier/drain-commit");
+  } catch (...) {
+    remove_copies();
+    throw;
+  }
   stats_.drain_s = SecondsSince(t0);
 }
 
@@ -1424,9 +1850,10 @@ void MemoryTier::Close() {
   if (options_.free_on_close && leader()) {
     std::error_code ec;
     fs::remove_all(root_, ec);
-    if (ec) error = "memory tier: cannot free " + root_ + ": " + ec.message();
+    if (ec) error = IoText("memory tier: cannot free " + root_ + ": " + ec.message());
   }
   Vote(comm_, error, "tier/close");
+  ReleaseNodeLock();
   if (pending) std::rethrow_exception(pending);
 }
 

@@ -1,9 +1,20 @@
 // MemoryTier: checkpoint every step into node-local shared memory, replicated to other nodes.
 //
 // A step in the tier is an ordinary dcp checkpoint, spread over the nodes' shared memory:
-//   <shm_root>/dcp-tier-<name>/<node>/step-<N>/   metadata.dcp + data files
-// where <node> is "local" on a real node and "node-<k>" for simulated ones
-// (MemoryTierOptions::ranks_per_node). Each rank writes its own data files into its node's
+//   <shm_root>/dcp-tier-u<uid>/<job>/<node>/step-<N>/   metadata.dcp + data files
+// where <job> is the tier's name and a hash of its owner (JobDirectory) and <node> is "local" on
+// a real node and "node-<k>" for simulated ones (MemoryTierOptions::ranks_per_node).
+//
+// One job, one owner: a step belongs to the job that wrote it. The job directory records its
+// owner (MemoryTierOptions::owner: CheckpointManager's durable root) and is refused to any other;
+// restores and retention look only inside it, so one job never restores or frees another's
+// steps. Each node's first rank holds the node directory's lock (flock) while the tier object
+// lives: a second process of the same job on the node is refused (LockedError naming the
+// holder); a crashed one's lock goes with it. The tier's files are the user's alone:
+// dcp-tier-u<uid> is created 0700 and refused when it belongs to another user, is a link, or is
+// writable by others (InvalidArgumentError saying what to do); directories below are 0700, files
+// 0600, nothing is opened through a link, and only regular files are read (a FIFO is refused,
+// never waited on). Each rank writes its own data files into its node's
 // directory (a tmpfs: the files outlive the process, not the node), then sends them to its
 // partner on each of the next `replicas` nodes (the rank with the same position there), which
 // writes them into its own node's directory. Partners are always on other nodes, so no file's
@@ -74,7 +85,11 @@ struct TierStats {
 
 class MemoryTier {
  public:
-  /// Collective over `comm` (which must outlive the tier): finds the nodes and partners.
+  /// Collective over `comm` (which must outlive the tier): finds the nodes and partners, then
+  /// each node's first rank opens the node's directory (see the header comment), on every rank
+  /// alike: CollectiveError whose failure is kInvalidArgument for a directory that is not the
+  /// user's own or belongs to another owner, kAlreadyExists when another process of the job
+  /// holds the node.
   /// `background_comm` (another communicator over the same ranks, as AsyncCheckpointer needs)
   /// enables SaveAsync; `async` sets its staging. InvalidArgumentError when an option is out
   /// of range. With fewer than replicas + 1 nodes (a job restarted on the nodes that survived
@@ -95,13 +110,15 @@ class MemoryTier {
   /// Snapshot `state` (the caller blocks only for the copy into staging, as with
   /// AsyncCheckpointer) and save it as `step` in the background, on the background
   /// communicator, with the same commit as Save. With `drain_to` set, the background then
-  /// copies the committed step there (Drain) before the save counts as done. Waits for the
-  /// previous save first and raises its error. InvalidArgumentError without a background
+  /// writes the committed step there before the save counts as done: a copy of the tier's
+  /// files (Drain, with drain_options.storage) when DrainCopies(drain_options.storage), else a
+  /// dcp::Save of the snapshot with `drain_options` (another format, compression). Waits for
+  /// the previous save first and raises its error. InvalidArgumentError without a background
   /// communicator. The handle's Wait() gives the step's metadata.
   std::shared_ptr<AsyncSave> SaveAsync(int64_t step, const StateDict& state,
                                        const SaveOptions& options = {},
                                        const std::string& drain_to = "",
-                                       const StorageOptions& drain_options = {});
+                                       const SaveOptions& drain_options = {});
   /// Wait for the background save, if any; raises its error (once).
   void Wait();
   /// Whether the tier has a background communicator (SaveAsync works).
@@ -115,12 +132,23 @@ class MemoryTier {
   /// Committed steps any node holds whose every file survives somewhere, ascending (collective).
   std::vector<int64_t> CompleteSteps();
 
-  /// Copy committed `step` from the tier to the dcp location `uri` (collective): each rank the
-  /// files it wrote, then rank 0 the metadata, only after every copy succeeded. Only steps saved
-  /// by this tier object (it knows which files each rank wrote); InvalidArgumentError otherwise,
-  /// or when `uri` already holds a checkpoint. CollectiveError on failure, with nothing
-  /// committed at `uri`.
+  /// Copy committed `step` from the tier to the dcp location `uri` (collective): rank 0 takes
+  /// the location's writer lock, each rank copies the files it wrote, then rank 0 publishes the
+  /// metadata, only after every copy succeeded. With options.overwrite a checkpoint there is
+  /// replaced (it stays loadable until the new metadata is in place; its files go after);
+  /// without it, a checkpoint there fails the drain (kAlreadyExists). Only steps saved by this
+  /// tier object (it knows which files each rank wrote) and options the copy honours
+  /// (DrainCopies); InvalidArgumentError otherwise. CollectiveError on failure, with nothing
+  /// committed at `uri` and the files copied removed again.
   void Drain(int64_t step, const std::string& uri, const StorageOptions& options = {});
+  /// Whether a copy of the tier's files is a checkpoint written with `options`: the dcp format,
+  /// uncompressed (the tier writes no other). Other options need a save of the state.
+  static bool DrainCopies(const StorageOptions& options);
+  /// Why Save and SaveAsync are refused on this job (too few nodes for the replicas), or "".
+  const std::string& save_refusal() const { return cannot_save_; }
+  /// The background saver (SaveAsync's), or nullptr: CheckpointManager saves a durable step
+  /// through it when the tier cannot save.
+  AsyncCheckpointer* background_saver() const { return saver_.get(); }
 
   /// Wait for the background save, then free this node's tier directory when
   /// options.free_on_close (first rank of each node); collective. Raises the background save's
@@ -134,6 +162,12 @@ class MemoryTier {
   const std::vector<int>& partners() const { return partners_; }
   /// The directory holding this node's copy of `step`.
   std::string StepDirectory(int64_t step) const;
+  /// This node's directory: JobDirectory(options)/<node> ("local", or "node-<k>" simulated).
+  const std::string& NodeDirectory() const { return root_; }
+  /// The directory of the tier's job on any node (computes a path; creates nothing):
+  /// <shm_root>/dcp-tier-u<uid>/<name>, with "-<16 hex digits of a hash of owner>" appended
+  /// when MemoryTierOptions::owner is set.
+  static std::string JobDirectory(const MemoryTierOptions& options);
   /// The last call's figures on this rank.
   const TierStats& last_stats() const { return stats_; }
 
@@ -155,6 +189,10 @@ class MemoryTier {
   void BeginSave(int64_t step, const SaveOptions& options);
   void Retain(int64_t newest);
   bool leader() const { return rank_ == nodes_[node_].front(); }
+  void ReleaseNodeLock() noexcept;
+  // The user's tier directory, the job's and this node's (created, or checked: see the header
+  // comment); the node's first rank only.
+  void MakeNodeDirectories() const;
 
   Communicator& comm_;
   MemoryTierOptions options_;
@@ -162,9 +200,10 @@ class MemoryTier {
   int node_ = 0;
   std::vector<std::vector<int>> nodes_;  // ranks of each node, ascending
   std::vector<int> partners_;
-  std::vector<int> replica_sources_;                     // the ranks whose partner this one is
-  std::string root_;                                     // this node's directory
-  int64_t next_step_ = 0;                                // the least step the next save may have
+  std::vector<int> replica_sources_;  // the ranks whose partner this one is
+  std::string root_;                  // this node's directory
+  int node_lock_fd_ = -1;  // node leader: holds the flock of root_/LOCK while the tier lives
+  int64_t next_step_ = 0;  // the least step the next save may have
   std::map<int64_t, std::vector<std::string>> written_;  // step -> this rank's own files
   std::map<int64_t, std::string> metadata_;              // step -> encoded metadata.dcp
   bool closed_ = false;

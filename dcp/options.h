@@ -94,9 +94,15 @@ struct AsyncOptions {
 /// The memory tier (dcp/memory_tier.h): steps kept in node-local shared memory, replicated to
 /// partner ranks on other nodes.
 struct MemoryTierOptions {
-  /// Names the tier in shared memory: <shm_root>/dcp-tier-<name>/. One job, one name; a restart
-  /// of the job under the same name finds the steps its predecessor kept.
+  /// Names the tier in shared memory: <shm_root>/dcp-tier-u<uid>/<name>[-<owner hash>]/. A
+  /// restart of the job under the same name and owner finds the steps its predecessor kept.
   std::string name = "default";
+  /// The job the tier's steps belong to (any text; CheckpointManager sets its durable root when
+  /// this is empty). Steps are kept per owner: a tier never restores or frees the steps of
+  /// another owner, and a directory recorded for another owner is refused. Empty: the name
+  /// alone identifies the job (two jobs on a node then need two names; a second one with the
+  /// same name is refused while the first runs).
+  std::string owner;
   /// Where node-local shared memory is mounted (a tmpfs: its files live as long as the node
   /// runs, not as long as the process).
   std::string shm_root = "/dev/shm";

@@ -18,7 +18,9 @@ name="trials-$$"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 args=(--dir "$work/durable" --name "$name" --ranks-per-node 2 --durable-every 3 --mib 2)
 mkdir -p "$work"
-trap 'rm -rf "/dev/shm/dcp-tier-$name"' EXIT
+# The job's tier: <shm>/dcp-tier-u<uid>/<name>-<hash of the durable root> (dcp/memory_tier.h).
+tier_glob="/dev/shm/dcp-tier-u$(id -u)/$name-"
+trap 'rm -rf "$tier_glob"*' EXIT
 
 fail=0 memory=0 durable=0 nowhere=0 wiped=0 wiped_all=0 all_killed=0 last_durable=-1
 for ((t = 1; t <= trials; ++t)); do
@@ -39,9 +41,9 @@ for ((t = 1; t <= trials; ++t)); do
   wait "$job" 2>/dev/null
   r=$((RANDOM % 12))
   if ((r < 4)); then  # the node's memory goes with it
-    rm -rf "/dev/shm/dcp-tier-$name/node-$((RANDOM % 2))"; wiped=$((wiped + 1))
+    rm -rf "$tier_glob"*/"node-$((RANDOM % 2))"; wiped=$((wiped + 1))
   elif ((r == 4)); then  # every node's: the restart must fall back to the durable root
-    rm -rf "/dev/shm/dcp-tier-$name"; wiped_all=$((wiped_all + 1))
+    rm -rf "$tier_glob"*; wiped_all=$((wiped_all + 1))
   fi
   out=$(timeout 120 mpirun -np 4 "$train" "${args[@]}" --verify 2>&1)
   rc=$?

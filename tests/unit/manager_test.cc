@@ -22,6 +22,7 @@ namespace {
 // Faults of the "flaky" scheme (a mem:// store underneath), switched on and off by the test.
 std::atomic<bool> g_fail_remove{false};
 std::atomic<bool> g_fail_create{false};
+std::atomic<bool> g_fail_latest{false};
 
 class FlakyStore : public ForwardingStore {
  public:
@@ -33,6 +34,10 @@ class FlakyStore : public ForwardingStore {
   void Remove(const std::string& n) override {
     if (g_fail_remove) throw IoError("injected remove failure on " + n, false, EACCES);
     ForwardingStore::Remove(n);
+  }
+  void PublishAtomically(const std::string& n, std::string_view bytes) override {
+    if (g_fail_latest && n == "latest") throw IoError("injected latest failure", false, EROFS);
+    ForwardingStore::PublishAtomically(n, bytes);
   }
 };
 
@@ -47,8 +52,8 @@ void RegisterFlaky() {
 }
 
 struct Faults {
-  Faults() { g_fail_remove = g_fail_create = false; }
-  ~Faults() { g_fail_remove = g_fail_create = false; }
+  Faults() { g_fail_remove = g_fail_create = g_fail_latest = false; }
+  ~Faults() { g_fail_remove = g_fail_create = g_fail_latest = false; }
 };
 
 std::string MessageOfAny(const std::function<void()>& f) {
@@ -112,6 +117,35 @@ TEST_CASE("manager: a failing retention is reported on its own and never skips a
       CHECK(m.Close());
     }
   }
+}
+
+TEST_CASE("manager: when latest cannot be written retention still removes the old steps",
+          "[manager]") {
+  RegisterFlaky();
+  Faults faults;
+  static int counter = 0;
+  LocalCommunicator comm;
+  ManagerOptions o;
+  o.keep_last = 2;
+  CheckpointManager m("flaky://latest-" + std::to_string(counter++), comm, nullptr, o);
+  StepState s;
+  s.Fill(1);
+  m.Save(1, s.sd);  // "latest" names step 1
+  g_fail_latest = true;
+  for (int step = 2; step <= 5; ++step) {
+    s.Fill(step);
+    CHECK_NOTHROW(m.Save(step, s.sd));
+  }
+  // The step "latest" still names stays with the newest two; 2 and 3 go.
+  CHECK(m.CompleteSteps() == std::vector<int64_t>{1, 4, 5});
+  CHECK(m.retention_failures() >= 3);
+  CHECK_THAT(m.last_retention_error(), Contains("injected latest failure"));
+  // Once it can be written again, it names the newest step and step 1 goes too.
+  g_fail_latest = false;
+  s.Fill(6);
+  m.Save(6, s.sd);
+  CHECK(m.CompleteSteps() == std::vector<int64_t>{5, 6});
+  CHECK(m.Close());
 }
 
 TEST_CASE("manager: Close() reports instead of throwing, CloseOrThrow raises", "[async][manager]") {

@@ -2,12 +2,17 @@
 // other nodes, a commit only when every copy exists, recovery from the surviving copies.
 // Nodes are simulated (MemoryTierOptions::ranks_per_node), each with its own directory under a
 // private tier root, so "losing a node" is removing its directory.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <thread>
 
 #include "dcp/dcp.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
@@ -81,8 +86,33 @@ MemoryTierOptions Options(const TempDir& root, int ranks_per_node, int replicas 
   return o;
 }
 
+// The job's directory under the tier root (what wiping every node's memory removes).
+std::string TierDir(const TempDir& root) { return MemoryTier::JobDirectory(Options(root, 1)); }
+
 std::string NodeDir(const TempDir& root, int node) {
-  return root.path() + "/dcp-tier-test/node-" + std::to_string(node);
+  return TierDir(root) + "/node-" + std::to_string(node);
+}
+
+// Every job's tier of this user under the root (what losing every node's memory removes).
+std::string TierAnchor(const TempDir& root) {
+  return root.path() + "/dcp-tier-u" + std::to_string(::geteuid());
+}
+
+// The complete checkpoints under a manager's root, read without a manager.
+std::vector<int64_t> CompleteCheckpoints(const std::string& root) {
+  std::vector<int64_t> steps;
+  if (!fs::exists(root)) return steps;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step-", 0) != 0 || !e.is_directory()) continue;
+    try {
+      ReadMetadata(e.path().string());
+      steps.push_back(std::stoll(name.substr(5)));
+    } catch (const Error&) {
+    }
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
 }
 
 std::set<std::string> FilesIn(const std::string& dir) {
@@ -181,7 +211,7 @@ TEST_CASE("memory tier: a lost node's shards come back bit-exact from their repl
       // With two nodes each holds the whole step: the survivor fetches nothing.
       if (per_node == 2) CHECK(stats[per_node * (1 - lost)].files_fetched == 0);
       CHECK(fs::exists(NodeDir(root, lost) + "/step-0000000002/" + kMetadataName));
-      fs::remove_all(root.path() + "/dcp-tier-test");
+      fs::remove_all(TierDir(root));
     }
   }
 }
@@ -217,7 +247,7 @@ TEST_CASE(
     Expect(TierState::Holds(state.sd, 1), "step 1's values");
   }));
   // Nothing survives: Restore says so on every rank.
-  fs::remove_all(root.path() + "/dcp-tier-test");
+  fs::remove_all(TierDir(root));
   RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
     MemoryTier tier(comm, options);
     auto state = TierState::Empty(rank, kWorld);
@@ -424,8 +454,11 @@ TEST_CASE(
           manager.Save(s, state.sd);
         }
         manager.Wait();
-        durable_steps[rank] = manager.CompleteSteps();
+        durable_steps[rank] = CompleteCheckpoints(where);
         memory_steps[rank] = manager.memory_tier()->CompleteSteps();
+        Expect(manager.CompleteSteps() == std::vector<int64_t>{3, 6, 8},
+               "the manager's steps: the root's and the tier's");
+        Expect(manager.LatestStep() == 8, "the newest step is the tier's");
         auto back = TierState::Empty(rank, kWorld);
         Expect(manager.Restore(back.sd) == 8, "the newest step (8) is in memory");
         Expect(manager.restore_source() == "memory", "restored from memory");
@@ -436,7 +469,7 @@ TEST_CASE(
       CHECK(durable_steps[0] == std::vector<int64_t>{3, 6});
       CHECK(memory_steps[0] == std::vector<int64_t>{6, 8});
       // Every node lost: the restart restores the newest durable step.
-      fs::remove_all(root.path() + "/dcp-tier-test");
+      fs::remove_all(TierAnchor(root));
       RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
         CheckpointManager manager(where, comm, nullptr, mo);
         auto back = TierState::Empty(rank, kWorld);
@@ -485,7 +518,7 @@ TEST_CASE("memory tier: freed steps' files are written over by the next steps, t
     }
   }));
   // Only the newest step and the files of the one before it, waiting to be reused, remain.
-  CHECK(FilesIn(NodeDir(root, 0)) == std::set<std::string>{"recycle", "step-0000000004"});
+  CHECK(FilesIn(NodeDir(root, 0)) == std::set<std::string>{"LOCK", "recycle", "step-0000000004"});
   CHECK(!FilesIn(NodeDir(root, 0) + "/recycle").empty());
 }
 
@@ -620,4 +653,393 @@ TEST_CASE(
     }
     Expect(refused, "a short sender is named");
   }));
+}
+
+// ---------------------------------------------------------------------------------------------
+// One job, one owner (issue 43): the tier's steps belong to the job that wrote them, and its
+// directories to the user who runs it.
+
+namespace {
+
+// A manager job of `world` ranks (one node each: every rank keeps a replica of its partner's
+// files) on the durable root `where`, saving steps [first, last] to memory (every 4th also to
+// the root); then it restores and reports the step and whether the values are that step's.
+struct JobOutcome {
+  std::vector<std::vector<int64_t>> tier_steps;
+  int64_t restored = -1;
+  std::string source;
+  bool exact = false;
+};
+
+ManagerOptions TierManagerOptions(const TempDir& root, int ranks_per_node) {
+  ManagerOptions mo;
+  mo.memory_tier = Options(root, ranks_per_node);
+  mo.memory_tier->keep = 3;
+  mo.durable_every = 4;
+  return mo;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "memory tier: two jobs on one node with the default name never free or restore each "
+    "other's steps, and a new job restores nothing of a stranger's",
+    "[memory-tier][manager][owner][option:MemoryTierOptions::owner]") {
+  TempDir root("tier"), durable("durable");
+  constexpr int kJobWorld = 2;
+  auto run_job = [&](const std::string& where, int64_t first, int64_t last, JobOutcome& out) {
+    out.tier_steps.assign(kJobWorld, {});
+    auto errors = RunRanks(kJobWorld, [&](int rank, Communicator& comm) {
+      auto mo = TierManagerOptions(root, 1);
+      mo.memory_tier->name = "default";
+      CheckpointManager manager(where, comm, nullptr, mo);
+      for (int64_t s = first; s <= last; ++s) {
+        TierState state(rank, kJobWorld, s);
+        manager.Save(s, state.sd);
+      }
+      out.tier_steps[rank] = manager.memory_tier()->CompleteSteps();
+      manager.Close();
+    });
+    RequireNoErrors(errors);
+  };
+  // Two jobs at once on the same nodes, the same tier name, their own roots.
+  JobOutcome a, b;
+  std::thread job_a([&] { run_job(durable / "a", 1, 40, a); });
+  std::thread job_b([&] { run_job(durable / "b", 1001, 1040, b); });
+  job_a.join();
+  job_b.join();
+  for (int r = 0; r < kJobWorld; ++r) {
+    CHECK(a.tier_steps[r] == std::vector<int64_t>{38, 39, 40});
+    CHECK(b.tier_steps[r] == std::vector<int64_t>{1038, 1039, 1040});
+  }
+  // Each job restarted on its own root restores its own newest step from memory, bit-exact; a
+  // new job on an empty root restores nothing (it finds no step of its own anywhere).
+  auto restore = [&](const std::string& where) {
+    JobOutcome out;
+    std::vector<int64_t> got(kJobWorld, -1);
+    std::vector<std::string> source(kJobWorld);
+    std::vector<int> exact(kJobWorld, 0);
+    RequireNoErrors(RunRanks(kJobWorld, [&](int rank, Communicator& comm) {
+      auto mo = TierManagerOptions(root, 1);
+      mo.memory_tier->name = "default";
+      CheckpointManager manager(where, comm, nullptr, mo);
+      auto back = TierState::Empty(rank, kJobWorld);
+      auto step = manager.Restore(back.sd);
+      got[rank] = step.value_or(-1);
+      source[rank] = manager.restore_source();
+      exact[rank] = step && TierState::Holds(back.sd, *step);
+    }));
+    for (int r = 1; r < kJobWorld; ++r) {
+      CHECK(got[r] == got[0]);
+      CHECK(source[r] == source[0]);
+    }
+    out.restored = got[0];
+    out.source = source[0];
+    out.exact = exact[0] && exact[1];
+    return out;
+  };
+  const JobOutcome again_a = restore(durable / "a");
+  CHECK(again_a.restored == 40);
+  CHECK(again_a.source == "memory");
+  CHECK(again_a.exact);
+  const JobOutcome again_b = restore(durable / "b");
+  CHECK(again_b.restored == 1040);
+  CHECK(again_b.source == "memory");
+  CHECK(again_b.exact);
+  const JobOutcome stranger = restore(durable / "new-job");
+  CHECK(stranger.restored == -1);
+  CHECK(stranger.source == "");
+}
+
+TEST_CASE(
+    "memory tier: a second process of one job on a node is refused naming the holder, and a "
+    "directory recorded for another owner is refused",
+    "[memory-tier][owner][option:MemoryTierOptions::owner]") {
+  TempDir root("tier");
+  auto options = Options(root, 2);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier first(comm, options);
+    TierState state(rank, kWorld, 1);
+    first.Save(1, state.sd);
+    const std::string message = MessageOf<Error>([&] { MemoryTier second(comm, options); });
+    Expect(message.find("locked") != std::string::npos &&
+               message.find("pid=" + std::to_string(::getpid())) != std::string::npos,
+           "the second tier on the node is refused, naming the holder: " + message);
+  }));
+  // The lock went with the first tier: the job restarts and restores its step.
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    auto back = TierState::Empty(rank, kWorld);
+    Expect(tier.Restore(back.sd) == 1 && TierState::Holds(back.sd, 1), "step 1 restored");
+  }));
+  // A job directory whose record names another owner is not this job's.
+  auto owned = options;
+  owned.owner = "file:///jobs/a";
+  fs::create_directories(MemoryTier::JobDirectory(owned));
+  ::chmod(MemoryTier::JobDirectory(owned).c_str(), 0700);
+  std::ofstream(MemoryTier::JobDirectory(owned) + "/JOB") << "owner=file:///jobs/b\n";
+  auto errors = RunRanks(kWorld, [&](int, Communicator& comm) { MemoryTier tier(comm, owned); });
+  for (const auto& e : errors) {
+    REQUIRE(e);
+    try {
+      std::rethrow_exception(e);
+    } catch (const CollectiveError& err) {
+      CHECK(err.failures().front().code == ErrorCode::kInvalidArgument);
+      CHECK_THAT(err.what(),
+                 Contains("holds the steps of another job") && Contains("owner=file:///jobs/b"));
+    }
+  }
+}
+
+TEST_CASE(
+    "memory tier: its directories and files are the user's alone, and a directory that is "
+    "another's, a link or writable by others is refused saying what to do",
+    "[memory-tier][owner][security]") {
+  TempDir root("tier");
+  auto options = Options(root, 2);
+  SaveSteps(options, {1});
+  auto mode = [](const std::string& path) {
+    struct stat sb {};
+    REQUIRE(::lstat(path.c_str(), &sb) == 0);
+    return sb.st_mode & 07777;
+  };
+  const std::string anchor = TierAnchor(root);
+  CHECK(mode(anchor) == 0700);
+  CHECK(mode(TierDir(root)) == 0700);
+  CHECK(mode(NodeDir(root, 0)) == 0700);
+  const std::string step = NodeDir(root, 1) + "/step-0000000001";
+  CHECK(mode(step) == 0700);
+  for (const auto& name : FilesIn(step)) {
+    INFO(name);
+    CHECK(mode(step + "/" + name) == 0600);
+  }
+  auto refused = [&](const MemoryTierOptions& o) {
+    auto errors = RunRanks(kWorld, [&](int, Communicator& comm) { MemoryTier tier(comm, o); });
+    std::string message;
+    for (const auto& e : errors) {
+      if (!e) return std::string("(not refused)");
+      try {
+        std::rethrow_exception(e);
+      } catch (const CollectiveError& err) {
+        if (err.failures().front().code != ErrorCode::kInvalidArgument) return std::string("code");
+        message = err.what();
+      }
+    }
+    return message;
+  };
+  // Writable by others: a step may have been planted.
+  ::chmod(anchor.c_str(), 0777);
+  CHECK_THAT(refused(options), Contains("writable by other users") && Contains("shm_root"));
+  ::chmod(anchor.c_str(), 0700);
+  // Another user's (root may hand it over; the tier refuses it).
+  if (::geteuid() == 0) {
+    REQUIRE(::chown(anchor.c_str(), 4242, 4242) == 0);
+    CHECK_THAT(refused(options), Contains("belongs to uid 4242"));
+    REQUIRE(::chown(anchor.c_str(), 0, 0) == 0);
+  }
+  // A link in the anchor's place (to a directory the planter controls) is never followed.
+  TempDir elsewhere("elsewhere");
+  fs::rename(anchor, elsewhere / "moved");
+  fs::create_directory_symlink(elsewhere / "moved", anchor);
+  CHECK_THAT(refused(options), Contains("symbolic link"));
+  fs::remove(anchor);
+  fs::rename(elsewhere / "moved", anchor);
+  // A shm_root others may write without the sticky bit.
+  TempDir open_root("open");
+  ::chmod(open_root.path().c_str(), 0777);
+  auto in_open = options;
+  in_open.shm_root = open_root.path();
+  CHECK_THAT(refused(in_open), Contains("without the sticky bit"));
+  ::chmod(open_root.path().c_str(), 01777);
+  CHECK(refused(in_open) == "(not refused)");
+  // Back as it was: the job's step restores.
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    auto back = TierState::Empty(rank, kWorld);
+    Expect(tier.Restore(back.sd) == 1 && TierState::Holds(back.sd, 1), "step 1 restored");
+  }));
+}
+
+TEST_CASE(
+    "memory tier: links and FIFOs in its directory are never followed or waited on: retention "
+    "and saves leave files outside the tier alone",
+    "[memory-tier][owner][security]") {
+  TempDir root("tier"), victim("victim");
+  auto options = Options(root, 2);
+  options.keep = 1;
+  // The victim: a durable checkpoint and a file outside the tier.
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    TierState state(rank, kWorld, 7);
+    Save(state.sd, victim / "ckpt", comm);
+  }));
+  const std::string secret = victim / "secret.txt";
+  std::ofstream(secret) << "not the tier's";
+  SaveSteps(options, {1, 2});
+  // A step directory that is a link to the victim's checkpoint (retention would free it), a
+  // recycled data file that is a link to the victim's file (the next save would write through
+  // it), and a committed step whose metadata is a FIFO.
+  fs::create_directory_symlink(victim / "ckpt", NodeDir(root, 0) + "/step-0000000000");
+  const std::string recycle = NodeDir(root, 1) + "/recycle";
+  REQUIRE(fs::exists(recycle));
+  std::string recycled;
+  for (const auto& name : FilesIn(recycle)) recycled = name;
+  REQUIRE(!recycled.empty());
+  for (const auto& name : FilesIn(recycle)) fs::remove(recycle + "/" + name);
+  fs::create_symlink(secret, recycle + "/" + recycled);
+  const std::string fifo_step = NodeDir(root, 0) + "/step-0000000009";
+  fs::create_directory(fifo_step);
+  REQUIRE(::mkfifo((fifo_step + "/" + kMetadataName).c_str(), 0600) == 0);
+  // A watchdog: opening the FIFO for writing frees a reader that waits on it, and says so.
+  std::atomic<bool> done{false}, waited{false};
+  std::thread watchdog([&] {
+    for (int i = 0; i < 100 && !done; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (done) return;
+    waited = true;
+    int fd = ::open((fifo_step + "/" + kMetadataName).c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) ::close(fd);
+  });
+  std::vector<int64_t> restored(kWorld, -1);
+  auto errors = RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    auto back = TierState::Empty(rank, kWorld);
+    restored[rank] = tier.Restore(back.sd).value_or(-1);
+    Expect(TierState::Holds(back.sd, 2), "step 2 restored");
+    TierState state(rank, kWorld, 3);
+    tier.Save(3, state.sd);
+  });
+  done = true;
+  watchdog.join();
+  RequireNoErrors(errors);
+  CHECK_FALSE(waited);
+  for (int r = 0; r < kWorld; ++r) CHECK(restored[r] == 2);
+  // The victim's files are as they were; the links are gone or left, never followed.
+  std::ifstream in(secret);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(text == "not the tier's");
+  CHECK(fs::exists(victim / "ckpt/" + kMetadataName));
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    auto back = TierState::Empty(rank, kWorld);
+    Load(back.sd, victim / "ckpt", comm);
+    Expect(TierState::Holds(back.sd, 7), "the victim's checkpoint loads as it was");
+  }));
+}
+
+TEST_CASE(
+    "checkpoint manager with a memory tier: durable steps honour the root's format and "
+    "compression, replace a step when allowed, count in LatestStep, and go on where the tier "
+    "cannot save",
+    "[memory-tier][manager]") {
+  TempDir root("tier"), durable("durable");
+  auto compressible = [](int rank, int world, int64_t step) {
+    TierState state(rank, world, step);
+    TensorView z = TensorView::Allocate(DType::kFloat32, {4096});
+    std::memset(z.data, 0, z.nbytes());
+    static_cast<float*>(z.data)[0] = static_cast<float>(step);
+    state.sd.Set("z", z);
+    return state;
+  };
+  SECTION("compression and format") {
+    for (bool background : {false, true}) {
+      auto mo = TierManagerOptions(root, 2);
+      mo.memory_tier->name = background ? "bg" : "sync";
+      mo.durable_every = 2;
+      mo.save.storage.compression = Compression::kZstd;
+      const std::string where = durable / (background ? "zbg" : "zsync");
+      auto bg = BackgroundCommunicators();
+      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+        CheckpointManager manager(where, comm, background ? std::move(bg[rank]) : nullptr, mo);
+        for (int64_t s = 1; s <= 2; ++s) {
+          auto state = compressible(rank, kWorld, s);
+          manager.Save(s, state.sd);
+        }
+        manager.Close();
+      }));
+      const Metadata md = ReadMetadata(where + "/step-0000000002");
+      const auto& z = md.storage.at(MetadataIndex{"z", {0}, {}});
+      INFO((background ? "background" : "synchronous"));
+      CHECK(z.transforms == std::vector<std::string>{"zstd"});
+      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+        auto back = compressible(rank, kWorld, -1);
+        Load(back.sd, where + "/step-0000000002", comm);
+        Expect(TierState::Holds(back.sd, 2), "the durable step loads");
+      }));
+    }
+    auto mo = TierManagerOptions(root, 2);
+    mo.memory_tier->name = "st";
+    mo.durable_every = 1;
+    mo.save.storage.format = CheckpointFormat::kSafetensors;
+    const std::string where = durable / "st";
+    RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+      CheckpointManager manager(where, comm, nullptr, mo);
+      auto state = compressible(rank, kWorld, 1);
+      state.sd.items().erase("rng");  // safetensors holds tensors only
+      manager.Save(1, state.sd);
+    }));
+    int safetensors_files = 0;
+    for (const auto& name : FilesIn(where + "/step-0000000001")) {
+      safetensors_files += name.size() > 12 && name.substr(name.size() - 12) == ".safetensors";
+    }
+    CHECK(safetensors_files > 0);
+    CHECK_FALSE(fs::exists(where + "/step-0000000001/" + std::string(kMetadataName)));
+  }
+  SECTION("allow_replacing_steps") {
+    auto mo = TierManagerOptions(root, 2);
+    mo.durable_every = 1;
+    const std::string where = durable / "replace";
+    RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+      CheckpointManager manager(where, comm, nullptr, mo);
+      for (int64_t s = 1; s <= 3; ++s) {
+        TierState state(rank, kWorld, s);
+        manager.Save(s, state.sd);
+      }
+    }));
+    mo.allow_replacing_steps = true;
+    mo.memory_tier->name = "replace-again";
+    RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+      CheckpointManager manager(where, comm, nullptr, mo);
+      TierState other(rank, kWorld, 33);  // step 3 again, with other values
+      manager.Save(3, other.sd);
+      auto back = TierState::Empty(rank, kWorld);
+      Expect(manager.Restore(back.sd) == 3 && TierState::Holds(back.sd, 33),
+             "memory holds the replacement");
+    }));
+    const std::string step3 = where + "/step-0000000003";
+    std::set<std::string> data_files;
+    for (const auto& name : FilesIn(step3)) {
+      if (name != kMetadataName) data_files.insert(name);
+    }
+    CHECK(data_files == ReadMetadata(step3).DataFileNames());  // no stray file
+    RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+      auto back = TierState::Empty(rank, kWorld);
+      Load(back.sd, step3, comm);
+      Expect(TierState::Holds(back.sd, 33), "the root holds the replacement too");
+    }));
+  }
+  SECTION("one node with a replica to keep: durable saves go on") {
+    for (bool background : {false, true}) {
+      auto mo = TierManagerOptions(root, 2);  // 2 ranks, one node: the replica has nowhere to go
+      mo.durable_every = 2;
+      const std::string where = durable / (background ? "one-bg" : "one-sync");
+      InProcessGroup group(2);
+      std::vector<std::unique_ptr<Communicator>> bg;
+      for (int r = 0; r < 2; ++r) bg.push_back(group.Release(r));
+      std::vector<std::vector<int64_t>> steps(2);
+      RequireNoErrors(RunRanks(2, [&](int rank, Communicator& comm) {
+        CheckpointManager manager(where, comm, background ? std::move(bg[rank]) : nullptr, mo);
+        for (int64_t s = 1; s <= 4; ++s) {
+          TierState state(rank, 2, s);
+          manager.Save(s, state.sd);
+        }
+        manager.Wait();
+        steps[rank] = manager.CompleteSteps();
+        auto back = TierState::Empty(rank, 2);
+        Expect(manager.Restore(back.sd) == 4 && TierState::Holds(back.sd, 4), "step 4 restores");
+        manager.Close();
+      }));
+      INFO((background ? "background" : "synchronous"));
+      CHECK(steps[0] == std::vector<int64_t>{2, 4});
+      CHECK(steps[1] == steps[0]);
+    }
+  }
 }
