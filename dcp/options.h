@@ -142,7 +142,11 @@ struct ManagerOptions {
   /// `durable_every`-th also under the root, copied from the tier (no second snapshot; in the
   /// background when the manager has a background communicator, which the tier then uses).
   /// A step that is neither is skipped. Restore loads the newest step, from memory when the
-  /// tier holds one at least as new as the root's newest, else from the root.
+  /// tier holds one at least as new as the root's newest, else from the root. The tier's steps
+  /// belong to this root (MemoryTierOptions::owner is set to it when empty). Durable steps are
+  /// written with `save.storage` (another format or compression: a save of the state rather
+  /// than a copy). Where the tier cannot save (too few nodes for its replicas), durable steps go
+  /// to the root directly and the others are skipped, said once on stderr.
   std::optional<MemoryTierOptions> memory_tier;
   int memory_every = 1;   // with memory_tier: every n-th step to memory (>= 1)
   int durable_every = 1;  // with memory_tier: every k-th step also to the root (>= 1)
