@@ -149,7 +149,8 @@ int main(int argc, char** argv) {
     // Restore: the step it reports must be exactly what the state holds, and never older than
     // the newest complete durable step.
     auto restore = [&](const char* when) -> int64_t {
-      const auto durable = manager->CompleteSteps();
+      // The root's own steps (the manager's CompleteSteps counts the tier's too).
+      const auto durable = CheckpointManager(dir, comm).CompleteSteps();
       state.Clear();
       auto t0 = Clock::now();
       auto step = manager->Restore(state.sd);
