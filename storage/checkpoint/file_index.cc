@@ -15,7 +15,10 @@ namespace {
 constexpr size_t kIndexReadsInFlight = 16;
 }  // namespace
 
-std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f) {
+namespace {
+
+// The index bytes of data file `f`, checked against the file table's CRC32C.
+std::string ReadFileIndexBytes(Store& store, const DataFile& f) {
   const std::string where = store.uri() + "/" + f.name;
   std::unique_ptr<ReadableObject> in;
   try {
@@ -33,7 +36,13 @@ std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f) {
   if (Crc32c(0, bytes.data(), bytes.size()) != f.index_crc32c) {
     throw CorruptionError("index of data file '" + where + "' does not match its checksum");
   }
-  return DecodeFileIndex(bytes, f.index_offset, where);
+  return bytes;
+}
+
+}  // namespace
+
+std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f) {
+  return DecodeFileIndex(ReadFileIndexBytes(store, f), f.index_offset, store.uri() + "/" + f.name);
 }
 
 FileIndexResolver::FileIndexResolver(Store& store, const Metadata& md)
@@ -76,7 +85,18 @@ void FileIndexResolver::LoadWriters(const std::vector<int32_t>& writers, bool to
           indexes[i] = DecodeFileIndex(f.index_copy, f.index_offset, where);
           return;
         }
-        indexes[i] = ReadFileIndex(store_, f);
+        const std::string bytes = ReadFileIndexBytes(store_, f);
+        // A load resolves items through the metadata's copy of an index, so a copy that says
+        // other than the file's own index is corruption, found here (dcp verify, ReadMetadata):
+        // whatever verify accepts loads the bytes it checked. (Its CRC32C matching proves
+        // nothing: a CRC can be forged.)
+        if (!f.index_copy.empty() && f.index_copy != bytes) {
+          throw CorruptionError("the metadata's copy of the index of data file '" + store_.uri() +
+                                "/" + f.name +
+                                "' differs from the file's own index (a load would read what "
+                                "the copy says): the metadata is damaged or forged");
+        }
+        indexes[i] = DecodeFileIndex(bytes, f.index_offset, store_.uri() + "/" + f.name);
       },
       std::min<size_t>(std::max<size_t>(todo.size(), 1), kIndexReadsInFlight));
   for (size_t i = 0; i < todo.size(); ++i) {

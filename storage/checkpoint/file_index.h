@@ -33,7 +33,9 @@ class FileIndexResolver {
   void Resolve(const std::vector<MetadataIndex>& wanted, std::map<MetadataIndex, StorageInfo>& out);
 
   /// Every item of `md`, into md.storage (dcp verify, inspect, diff, convert): every index is
-  /// read from its file, even where the metadata has a copy, so that a damaged one is found. Also
+  /// read from its file, even where the metadata has a copy, so that a damaged one is found, and
+  /// a copy that differs from its file's index is a CorruptionError (loads resolve through the
+  /// copy: what this accepts, a load reads alike). Also
   /// reports items an index lists that the metadata has no chunk for (CorruptionError).
   static void ResolveAll(Store& store, Metadata& md);
 

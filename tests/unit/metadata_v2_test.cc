@@ -350,6 +350,48 @@ TEST_CASE("metadata v2: hostile file tables, indexes and rules are refused, nami
     Publish("v2-hostile", md);
     CHECK_THAT(LoadError("v2-hostile"), Contains(f0.name) && Contains("copy of its index"));
   }
+  SECTION("a copy of an index that differs from the file's own, with a forged checksum") {
+    // Item 0's checksum flag cleared (a load would no longer check it) and the 4 bytes of its
+    // now unused checksum field set so that the whole copy keeps the file table's CRC32C: a
+    // CRC is no proof. Verify (ReadMetadata reads every file's own index) must refuse what a
+    // load would resolve differently.
+    std::string forged = good.files[0].index_copy;
+    const size_t item0 = kFileIndexHeaderBytes, field = item0 + 36;
+    REQUIRE(forged.size() >= item0 + kFileIndexItemBytes);
+    REQUIRE((forged[item0 + 40] & 1) == 1);
+    forged[item0 + 40] = static_cast<char>(forged[item0 + 40] & ~1);
+    const uint32_t want = f0.index_crc32c;
+    // CRC32C is affine over GF(2): solve for the 32 bits of the free field.
+    auto crc_with = [&](uint32_t v) {
+      std::string b = forged;
+      for (int k = 0; k < 4; ++k) b[field + k] = static_cast<char>(v >> (8 * k));
+      return Crc32c(0, b.data(), b.size());
+    };
+    const uint32_t base = crc_with(0);
+    std::vector<std::pair<uint32_t, uint32_t>> rows;  // (crc delta, bits that make it)
+    for (int bit = 0; bit < 32; ++bit) rows.push_back({crc_with(1u << bit) ^ base, 1u << bit});
+    uint32_t need = base ^ want, value = 0;
+    for (int bit = 31; bit >= 0; --bit) {  // Gaussian elimination on the deltas
+      auto pivot = std::find_if(rows.begin(), rows.end(),
+                                [&](const auto& r) { return (r.first >> bit) & 1; });
+      if (pivot == rows.end()) continue;
+      const auto p = *pivot;
+      rows.erase(pivot);
+      for (auto& r : rows) {
+        if ((r.first >> bit) & 1) r.first ^= p.first, r.second ^= p.second;
+      }
+      if ((need >> bit) & 1) need ^= p.first, value ^= p.second;
+    }
+    REQUIRE(need == 0);
+    for (int k = 0; k < 4; ++k) forged[field + k] = static_cast<char>(value >> (8 * k));
+    REQUIRE(Crc32c(0, forged.data(), forged.size()) == want);
+    REQUIRE(forged != good.files[0].index_copy);
+    Metadata md = good;
+    md.files[0].index_copy = forged;
+    Publish("v2-hostile", md);
+    CHECK_THROWS_WITH(ReadMetadata("mem://v2-hostile"),
+                      Contains(f0.name) && Contains("differs from the file's own index"));
+  }
   SECTION("an index that lists nothing (with a matching checksum) leaves items unfound") {
     const std::string empty = EncodeFileIndex({});
     Metadata md = bare;
