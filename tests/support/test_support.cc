@@ -175,4 +175,15 @@ bool StepState::Holds(int64_t s) const {
   return *static_cast<int64_t*>(step.data) == s && SameElements(w, expect);
 }
 
+namespace {
+std::atomic<bool> g_test_case_skipped{false};
+}  // namespace
+
+void SkipTestCase(const std::string& reason) {
+  WARN("SKIPPED: " << reason);
+  g_test_case_skipped = true;
+}
+
+bool TakeTestCaseSkipped() { return g_test_case_skipped.exchange(false); }
+
 }  // namespace dcp::testing

@@ -112,6 +112,16 @@ std::map<std::string, ExpectedTensor> ReadSafetensorsExpected(const std::string&
 std::string RowSlice(const std::string& bytes, const Shape& shape, size_t esize, int64_t b,
                      int64_t e);
 
+/// Skip the running test case: prints "SKIPPED: <reason>" (a Catch2 WARN) and records the skip.
+/// The caller then returns from the test case. A unit-test binary whose test cases all skipped
+/// exits 77 (tests/unit/main.cc), which CTest reports as "Skipped" (SKIP_RETURN_CODE), never
+/// as passed. A test case that runs some of its parts and skips others (an s3:// row of a
+/// suite) does not call it: it says what it left out in a plain WARN.
+void SkipTestCase(const std::string& reason);
+/// Whether SkipTestCase was called since the last call of this (and clears it). For a test
+/// runner's main.
+bool TakeTestCaseSkipped();
+
 /// Fail the current test if any rank failed, with that rank's message.
 void RequireNoErrors(const std::vector<std::exception_ptr>& errors);
 

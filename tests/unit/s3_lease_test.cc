@@ -2,7 +2,7 @@
 // outlives many short leases), fenced at the commit (a holder whose lease was taken over fails
 // its save on every rank and the other job's checkpoint stays), released only while it is still
 // ours, freed one lease after its holder is killed, and SIGKILLs of overlapping jobs with short
-// leases never leave a torn checkpoint nor lose a committed one. Every test SKIPs, printing why,
+// leases never leave a torn checkpoint nor lose a committed one. Every test skips, printing why,
 // where no server is running.
 #include <signal.h>
 #include <sys/wait.h>
@@ -37,11 +37,7 @@ using std::chrono::milliseconds;
 #ifdef DCP_HAVE_S3
 namespace {
 
-bool HaveServer() {
-  const std::string why = S3SkipReason();
-  if (!why.empty()) WARN("SKIPPED: " << why);
-  return why.empty();
-}
+bool HaveServer() { return S3ServerOrSkip(); }
 
 struct LeaseGuard {
   explicit LeaseGuard(const char* seconds) { ::setenv("DCP_S3_LOCK_LEASE_S", seconds, 1); }
@@ -468,7 +464,5 @@ TEST_CASE(
   CHECK(committed > 0);
 }
 #else
-TEST_CASE("s3 lease: backend", "[s3]") {
-  WARN("SKIPPED: dcp was built without the s3:// backend (libcurl, OpenSSL or tinyxml2 not found)");
-}
+TEST_CASE("s3 lease: backend", "[s3]") { dcp::testing::SkipTestCase(dcp::testing::S3SkipReason()); }
 #endif

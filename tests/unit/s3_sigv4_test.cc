@@ -6,6 +6,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "support/s3_test_support.h"
+
 #ifdef DCP_HAVE_S3
 using namespace dcp::sigv4;
 
@@ -136,6 +138,6 @@ TEST_CASE("sigv4: the S3 API reference examples", "[s3][sigv4]") {
 }
 #else
 TEST_CASE("sigv4: AWS test suite", "[s3][sigv4]") {
-  WARN("SKIPPED: dcp was built without libcurl/OpenSSL/tinyxml2, so without the s3:// backend");
+  dcp::testing::SkipTestCase(dcp::testing::S3SkipReason());
 }
 #endif

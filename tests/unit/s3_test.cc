@@ -31,11 +31,7 @@ using Catch::Matchers::Contains;
 #ifdef DCP_HAVE_S3
 namespace {
 
-bool HaveServer() {
-  const std::string why = S3SkipReason();
-  if (!why.empty()) WARN("SKIPPED: " << why);
-  return why.empty();
-}
+bool HaveServer() { return S3ServerOrSkip(); }
 
 // Records what the hook saw; `decide` picks the fault for each request.
 struct Hook {
@@ -912,7 +908,5 @@ TEST_CASE("s3: an object's small tail travels with its last part", "[s3]") {
 }
 
 #else
-TEST_CASE("s3: backend", "[s3]") {
-  WARN("SKIPPED: dcp was built without the s3:// backend (libcurl, OpenSSL or tinyxml2 not found)");
-}
+TEST_CASE("s3: backend", "[s3]") { dcp::testing::SkipTestCase(dcp::testing::S3SkipReason()); }
 #endif
