@@ -7,7 +7,9 @@
 #   tools/setup.sh test     build + run the whole test suite with ctest (extra args go to ctest)
 #                           with a Ceph RADOS Gateway on loopback for the s3:// tests and the S3
 #                           benchmark (tests/s3/start_rgw.sh; skipped with the reason if it cannot
-#                           start), then: one clang-16 build with ASan+UBSan and libFuzzer coverage
+#                           start), then: a build without the s3:// backend ($DCP_BUILD_DIR-nos3:
+#                           the unit tests and the CLI compile, and the s3 tests report skipped);
+#                           one clang-16 build with ASan+UBSan and libFuzzer coverage
 #                           (all but LibTorch, $DCP_BUILD_DIR-clang16) that runs each fuzzer
 #                           (metadata, PyTorch input, safetensors) for $DCP_FUZZ_SECONDS (default
 #                           40) and the unit, fault and MPI tests; the LibTorch adapter's tests
@@ -130,6 +132,25 @@ case "$mode" in
     "$root/tests/s3/stop_rgw.sh" "$s3dir"
     trap - EXIT
     unset DCP_TEST_S3_ENDPOINT AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_REGION
+    # The s3:// backend is optional (DCP_WITH_S3; off where libcurl, OpenSSL or tinyxml2 is
+    # missing): the unit tests and the CLI must build without it, and its tests must report
+    # skipped, not passed. The cheapest build that shows it: -O0 without debug info, no LibTorch,
+    # CUDA, MPI or example plugin, only those two targets; through ccache where it is installed.
+    nos3="$build-nos3"
+    if [ ! -f "$nos3/build.ninja" ]; then
+      launcher=()
+      if command -v ccache >/dev/null 2>&1; then
+        launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
+      fi
+      log "configuring $nos3 (DCP_WITH_S3=OFF, -O0)"
+      cmake -S "$root" -B "$nos3" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O0 \
+        -DCMAKE_C_FLAGS_DEBUG=-O0 -DDCP_WITH_S3=OFF -DDCP_WITH_TORCH=OFF -DDCP_WITH_CUDA=OFF \
+        -DDCP_WITH_MPI=OFF -DDCP_BUILD_EXAMPLES=OFF "${launcher[@]}" >/dev/null
+    fi
+    log "building $nos3 (the unit tests and the CLI, without s3://)"
+    cmake --build "$nos3" -j "$jobs" --target dcp_unit_tests dcp-cli
+    log "without s3://: the s3 tests report skipped"
+    (cd "$nos3" && ctest --output-on-failure -j "$jobs" -L unit -R 's3|sigv4|xml')
     # One clang-16 build with ASan + UBSan and libFuzzer's coverage: the newest compiler and the
     # newest CMake Debian 12 can install (clang-16 with our -Werror flags, bookworm-backports'
     # CMake 3.31), so code that only g++ 12 accepts, or CMake code that only 3.25 accepts, cannot
