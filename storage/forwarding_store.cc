@@ -36,6 +36,16 @@ void ForwardingStore::DiscardIncomplete(const std::string& name) {
   target_->DiscardIncomplete(name);
 }
 
+std::optional<uint64_t> ForwardingStore::SizeAndVersion(const std::string& name,
+                                                        std::string* version) {
+  return target_->SizeAndVersion(name, version);
+}
+
+void ForwardingStore::PublishReplacing(const std::string& name, std::string_view bytes,
+                                       const std::string& version) {
+  target_->PublishReplacing(name, bytes, version);
+}
+
 ForwardingWritableObject::ForwardingWritableObject(std::unique_ptr<WritableObject> target)
     : target_(std::move(target)) {}
 ForwardingWritableObject::~ForwardingWritableObject() = default;

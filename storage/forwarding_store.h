@@ -12,11 +12,13 @@
 //
 // Contract:
 //  * Every virtual of Store is forwarded, the optional ones too: a decorator keeps the target's
-//    own TryLock and PublishNew instead of falling back to Store's defaults (no lock, and
-//    PublishAtomically). ReadAll is not virtual; it reads through Open, the subclass's if it
-//    overrides it.
-//  * A subclass overrides only what it changes. PublishNew goes to the target's PublishNew, not
-//    to the subclass's PublishAtomically: a subclass that changes publishing overrides both.
+//    own TryLock, PublishNew, SizeAndVersion and PublishReplacing instead of falling back to
+//    Store's defaults (no lock, no versions, and PublishAtomically). ReadAll is not virtual; it
+//    reads through Open, the subclass's if it overrides it.
+//  * A subclass overrides only what it changes. PublishNew and PublishReplacing go to the
+//    target's, not to the subclass's PublishAtomically: a subclass that changes publishing
+//    overrides all three. Likewise SizeAndVersion goes to the target's, not to the subclass's
+//    Size: a subclass that changes Size overrides both.
 //  * Ownership: it shares the target (shared_ptr); the target lives as long as the wrapper.
 //  * Thread safety: that of the target; ForwardingStore keeps no state of its own.
 //
@@ -57,6 +59,9 @@ class ForwardingStore : public Store {
   void PublishNew(const std::string& name, std::string_view bytes) override;
   std::vector<std::string> ListIncomplete() override;
   void DiscardIncomplete(const std::string& name) override;
+  std::optional<uint64_t> SizeAndVersion(const std::string& name, std::string* version) override;
+  void PublishReplacing(const std::string& name, std::string_view bytes,
+                        const std::string& version) override;
 
  protected:
   std::shared_ptr<Store> target_;

@@ -89,6 +89,16 @@ void Store::PublishNew(const std::string& name, std::string_view bytes) {
   PublishAtomically(name, bytes);
 }
 
+// No versions by default: the writer lock is the exclusion (store.h).
+std::optional<uint64_t> Store::SizeAndVersion(const std::string& name, std::string* version) {
+  if (version != nullptr) version->clear();
+  return Size(name);
+}
+
+void Store::PublishReplacing(const std::string& name, std::string_view bytes, const std::string&) {
+  PublishAtomically(name, bytes);
+}
+
 // No primitive by default: the writer then runs without exclusion (documented in store.h).
 std::unique_ptr<StoreLock> Store::TryLock(const std::string&) { return nullptr; }
 

@@ -222,6 +222,23 @@ class Store {
   /// (naming its object; IoError on s3:// naming how many failed). Thread-safe. (Declared last.)
   virtual void RemoveMany(const std::vector<std::string>& names);
 
+  /// Size(name), and in *version a token naming the version of the object seen (s3://: its
+  /// ETag), in the one request Size makes. The token is opaque, meant for PublishReplacing; ""
+  /// when the object is absent or the backend has no versions (the default: Size, no token).
+  /// The checkpoint writer asks it, under its lock, for the metadata a save is to replace.
+  /// Thread-safe. (Declared last.)
+  virtual std::optional<uint64_t> SizeAndVersion(const std::string& name, std::string* version);
+  /// PublishAtomically that replaces `name` only if it is still the version `version` (a token
+  /// from SizeAndVersion). A backend with a conditional write (s3://: PUT with If-Match: <ETag>)
+  /// decides it atomically and throws AlreadyExistsError, publishing nothing, when the object
+  /// was replaced or removed since. With an empty `version`, and by default, it is
+  /// PublishAtomically: the writer lock (TryLock) is then the only exclusion, as for PublishNew.
+  /// The checkpoint protocol commits an overwrite's metadata with it, so a writer whose lock was
+  /// lost (its lease ran out while it was paused) cannot replace the checkpoint another job
+  /// committed meanwhile. (Declared last.)
+  virtual void PublishReplacing(const std::string& name, std::string_view bytes,
+                                const std::string& version);
+
   /// Read a whole object.
   std::string ReadAll(const std::string& name);
 };

@@ -218,6 +218,17 @@ void FaultInjectionStore::PublishNew(const std::string& name, std::string_view b
   Store::PublishNew(name, bytes);
 }
 
+void FaultInjectionStore::PublishReplacing(const std::string& name, std::string_view bytes,
+                                           const std::string& version) {
+  Before(FaultOp::kPublish, name);
+  target_->PublishReplacing(name, bytes, version);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    written_.erase(name);  // durable once published
+  }
+  Before(FaultOp::kPublishSync, name);
+}
+
 void FaultInjectionStore::Remove(const std::string& name) {
   Before(FaultOp::kRemove, name);
   target_->Remove(name);

@@ -74,6 +74,10 @@ class FaultInjectionStore : public ForwardingStore,
   /// Through this store's PublishAtomically (Store's default), so that publish faults reach a
   /// new checkpoint's commit too.
   void PublishNew(const std::string& name, std::string_view bytes) override;
+  /// The target's PublishReplacing (its condition kept), with the faults of PublishAtomically
+  /// (kPublish before it, kPublishSync after it).
+  void PublishReplacing(const std::string& name, std::string_view bytes,
+                        const std::string& version) override;
   void Remove(const std::string& name) override;
 
   // Used by the wrapped objects. Throws the injected error; returns true when an append must

@@ -10,9 +10,11 @@
 //      lightest), writes the buckets on as many threads as the memory budget allows, CRC32C-ing
 //      every item as it goes, and fsyncs each file.
 //   4. The coordinator, once every rank succeeded, publishes metadata.dcp atomically
-//      (temp + fsync + rename + directory fsync). Once every rank was sent the verdict
-//      (AfterCommitDelivered), still under the lock, it removes the files of dead saves
-//      (unreferenced data files, metadata temporaries) and releases the lock.
+//      (temp + fsync + rename + directory fsync) and, where the store can decide it, only if
+//      the location still holds what step 1 saw (Store::PublishNew, PublishReplacing: s3://
+//      If-None-Match, If-Match). Once every rank was sent the verdict (AfterCommitDelivered),
+//      still under the lock, it removes the files of dead saves (unreferenced data files,
+//      metadata temporaries) and releases the lock.
 // A failed save calls Abort on every rank, which removes that rank's files of this save.
 #include <unistd.h>
 
@@ -66,6 +68,7 @@ class StoreWriter : public StorageWriter {
     }
     replaced_.clear();
     referenced_.clear();
+    metadata_version_.clear();
     committed_ = false;
     lock_.reset();
     store_->CreateRoot();
@@ -84,7 +87,8 @@ class StoreWriter : public StorageWriter {
         present.size(),
         [&](size_t i) {
           if (i == layouts.size()) {
-            present[i] = store_->Size(metadata_name_).has_value();
+            // The version seen (s3://: the HEAD's ETag) fences an overwrite's commit (Finish).
+            present[i] = store_->SizeAndVersion(metadata_name_, &metadata_version_).has_value();
           } else if (layouts[i]->metadata_name() != metadata_name_) {
             present[i] = layouts[i]->Detect(*store_);
           }
@@ -235,20 +239,33 @@ class StoreWriter : public StorageWriter {
     // still be ours right before the commit; LeaseLostError here fails the save with nothing
     // committed, and Abort follows.
     if (lock_) lock_->CheckHeld();
+    // The publish is conditional on what SetUp saw where the store can decide that atomically:
+    // a new checkpoint's metadata only if still absent (S3: If-None-Match: *), an overwrite's
+    // only if the metadata is still the version SetUp read under the lock (S3: If-Match: its
+    // ETag). So no commit lands over another writer's that came after this save looked, even
+    // past the lock: a writer paused (or stalled) between the check above and its publish
+    // while its lease ran out and another job took over, committed and cleaned up.
+    const bool conditional = !replacing_ || !metadata_version_.empty();
     try {
-      // A new checkpoint's metadata is created only if still absent where the store can say so
-      // atomically (S3: If-None-Match: *), so two jobs cannot both commit even past the lock.
-      if (replacing_) {
-        store_->PublishAtomically(metadata_name_, encoded);
-      } else {
+      if (!replacing_) {
         store_->PublishNew(metadata_name_, encoded);
+      } else if (!metadata_version_.empty()) {
+        store_->PublishReplacing(metadata_name_, encoded, metadata_version_);
+      } else {
+        store_->PublishAtomically(metadata_name_, encoded);
       }
     } catch (const Error& e) {
       // The rename may have happened before the failure (e.g. the directory fsync failed): then
       // the checkpoint is committed and every rank must keep its data (docs/PROTOCOL.md).
       const Outcome outcome = CommitOutcome(encoded);
-      if (outcome == Outcome::kFailed) throw;  // nothing committed: Abort follows
-      ReleaseLock();                           // the outcome is decided; no Abort follows
+      if (outcome == Outcome::kFailed) {
+        // Nothing committed: Abort follows.
+        if (conditional && e.code() == ErrorCode::kAlreadyExists) {
+          throw AlreadyExistsError(ConflictMessage(e));
+        }
+        throw;
+      }
+      ReleaseLock();  // the outcome is decided; no Abort follows
       throw CommitError(outcome, e.code(),
                         std::string(outcome == Outcome::kCommitted
                                         ? "the checkpoint was committed, then: "
@@ -408,6 +425,26 @@ class StoreWriter : public StorageWriter {
 
   Metadata ReadOwnMetadata() const { return layout_.ReadMetadata(*store_); }
 
+  // A conditional publish was refused: another writer's metadata came after this save looked.
+  // Whether this save's lock had been lost (it was paused or cut off past its lease, and the
+  // other job took the location over) is asked once more, for the message only.
+  std::string ConflictMessage(const Error& refused) const {
+    bool lease_lost = false;
+    if (lock_) {
+      try {
+        lock_->CheckHeld();
+      } catch (const LeaseLostError&) {
+        lease_lost = true;
+      } catch (const Error&) {
+        // Unconfirmed either way: the message does not claim it.
+      }
+    }
+    return "another writer committed at " + store_->uri() +
+           (lease_lost ? " after this save's lease ran out" : " since this save began") +
+           "; nothing of this save was committed (its conditional publish of " + metadata_name_ +
+           " was refused: " + refused.what() + ")";
+  }
+
   void ReleaseLock() noexcept {
     if (!lock_) return;
     try {
@@ -519,6 +556,7 @@ class StoreWriter : public StorageWriter {
   Listing listing_;                 // coordinator: what the clean-up after the commit judges
   bool committed_ = false;          // coordinator: Finish committed; clean-up pending
   bool replacing_ = false;          // metadata existed at SetUp (an overwrite)
+  std::string metadata_version_;    // its version then (Store::SizeAndVersion), "" if none
   std::set<std::string> replaced_;  // unlocked overwrite: files of the replaced checkpoint
   std::mutex files_mutex_;          // guards files_ (files are written in parallel)
   std::vector<DataFile> files_;     // version 2: this rank's files of the current save

@@ -150,6 +150,14 @@ class SafetensorsFileViewImpl : public ForwardingStore {
   void Remove(const std::string& name) override { Refuse(name); }
   std::unique_ptr<StoreLock> TryLock(const std::string&) override { return nullptr; }
   void PublishNew(const std::string& name, std::string_view) override { Refuse(name); }
+  std::optional<uint64_t> SizeAndVersion(const std::string& name, std::string* version) override {
+    if (version != nullptr) version->clear();
+    if (name != name_) return std::nullopt;
+    return target_->SizeAndVersion(name, version);
+  }
+  void PublishReplacing(const std::string& name, std::string_view, const std::string&) override {
+    Refuse(name);
+  }
 
  private:
   [[noreturn]] void Refuse(const std::string& name) const {

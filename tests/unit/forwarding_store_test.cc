@@ -1,6 +1,7 @@
 // ForwardingStore and the forwarding objects (storage/forwarding_store.h): every call reaches the
-// target, the optional ones (TryLock, PublishNew, Prefetch) included, a subclass changes only
-// what it overrides, and the checkpoint protocol runs through one unchanged.
+// target, the optional ones (TryLock, PublishNew, SizeAndVersion, PublishReplacing, Prefetch)
+// included, a subclass changes only what it overrides, and the checkpoint protocol runs through
+// one unchanged.
 #include "dcp/storage/forwarding_store.h"
 
 #include <algorithm>
@@ -119,6 +120,19 @@ class SpyStore : public Store {
     return {"upload"};
   }
   void DiscardIncomplete(const std::string& n) override { Log("DiscardIncomplete " + n); }
+  std::optional<uint64_t> SizeAndVersion(const std::string& n, std::string* version) override {
+    Log("SizeAndVersion " + n);
+    auto size = mem_->Size(n);
+    *version = size ? "v-" + mem_->ReadAll(n) : "";  // the bytes name the version
+    return size;
+  }
+  void PublishReplacing(const std::string& n, std::string_view b, const std::string& v) override {
+    Log("PublishReplacing " + n + " " + v);
+    if (!mem_->Size(n) || "v-" + mem_->ReadAll(n) != v) {
+      throw AlreadyExistsError(n + " changed");  // a conditional replace
+    }
+    mem_->PublishAtomically(n, b);
+  }
 
  private:
   void Log(const std::string& call) const { calls.push_back(call); }
@@ -187,13 +201,20 @@ TEST_CASE("forwarding store: every Store call reaches the target", "[storage][fo
   fwd.PublishNew("n", "new");
   CHECK(fwd.ListIncomplete() == Calls{"upload"});
   fwd.DiscardIncomplete("upload");
+  std::string version;
+  CHECK(fwd.SizeAndVersion("n", &version) == 3u);
+  CHECK(version == "v-new");
+  fwd.PublishReplacing("n", "newer", version);
   CHECK(spy->calls == Calls{"uri", "CreateRoot", "Size a", "Create a", "Append", "Close", "Size a",
                             "PublishAtomically m", "List", "Remove m", "TryLock job-a",
-                            "PublishNew n", "ListIncomplete", "DiscardIncomplete upload"});
+                            "PublishNew n", "ListIncomplete", "DiscardIncomplete upload",
+                            "SizeAndVersion n", "PublishReplacing n v-new"});
 
-  // The target's own PublishNew (a conditional create), not Store's default (an overwrite).
+  // The target's own PublishNew (a conditional create) and PublishReplacing (a conditional
+  // replace), not Store's defaults (an overwrite).
   CHECK_THROWS_AS(fwd.PublishNew("n", "again"), AlreadyExistsError);
-  CHECK(fwd.ReadAll("n") == "new");
+  CHECK_THROWS_AS(fwd.PublishReplacing("n", "again", version), AlreadyExistsError);
+  CHECK(fwd.ReadAll("n") == "newer");
   ClearMemStore("fwd-spy");
 }
 
@@ -251,6 +272,13 @@ TEST_CASE("forwarding store: objects and locks are the target's both ways",
   fwd->PublishAtomically("m", "second");
   CHECK(mem->ReadAll("m") == "second");
   fwd->PublishNew("n", "new");  // mem:// keeps Store's default: a plain publish
+  CHECK(mem->ReadAll("n") == "new");
+  std::string version = "unset";
+  CHECK(fwd->SizeAndVersion("n", &version) == 3u);
+  CHECK(version.empty());                      // mem:// has no versions: Store's default
+  fwd->PublishReplacing("n", "any", "stale");  // ... so the default publishes unconditionally
+  CHECK(mem->ReadAll("n") == "any");
+  fwd->PublishReplacing("n", "new", "");
   CHECK(mem->ReadAll("n") == "new");
   CHECK(Sorted(fwd->List()) == Sorted(mem->List()));
   CHECK(Sorted(fwd->List()) == Calls{"a", "b", "m", "n"});
@@ -314,6 +342,8 @@ TEST_CASE("forwarding store: a subclass overriding one method changes only that"
   CHECK(mem->ReadAll("p") == "QUIET");
   loud.PublishNew("q", "quiet");
   CHECK(mem->ReadAll("q") == "quiet");
+  loud.PublishReplacing("q", "still quiet", "");  // not overridden either: the target's
+  CHECK(mem->ReadAll("q") == "still quiet");
   Put(loud, "c", "quiet");  // objects are not published: unchanged
   CHECK(mem->ReadAll("c") == "quiet");
   ClearMemStore("fwd-sub");

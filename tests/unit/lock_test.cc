@@ -1,7 +1,8 @@
 // One writer per checkpoint location (issue 12, case 4): two jobs saving into one location at
 // once, a lock left by a killed process, and the post-commit clean-up that may remove only the
 // files of saves it can prove dead. The lock primitive itself is checked on every backend by
-// the conformance suite (storage_conformance_test.cc).
+// the conformance suite (storage_conformance_test.cc). And where the store has versions, an
+// overwrite's commit is conditional on the metadata its save found (Store::PublishReplacing).
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -9,7 +10,13 @@
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <filesystem>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string_view>
 #include <thread>
+#include <utility>
 
 #include "dcp/dcp.h"
 #include "dcp/storage/backends/fault_store.h"
@@ -284,4 +291,126 @@ TEST_CASE("lock: clean-up after a commit removes only the files of dead saves", 
     CHECK(foreign == 1);
     CHECK(ReadMetadata(dir).save_id == md2.save_id);
   }
+}
+
+namespace {
+
+// A store with versions and no lock: each object has a generation, SizeAndVersion states it and
+// PublishReplacing replaces an object only at the generation it names (what s3:// does with
+// ETags and If-Match). Two writers without a lock then race as two jobs of which one lost its
+// lease do: the fence is the store's condition alone.
+class VersionedStore : public ForwardingStore {
+ public:
+  using ForwardingStore::ForwardingStore;
+  std::unique_ptr<StoreLock> TryLock(const std::string& h) override { return Store::TryLock(h); }
+  std::optional<uint64_t> SizeAndVersion(const std::string& name, std::string* version) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto size = target_->Size(name);
+    if (version != nullptr) *version = size ? std::to_string(generation_[name]) : "";
+    return size;
+  }
+  void PublishAtomically(const std::string& name, std::string_view bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    target_->PublishAtomically(name, bytes);
+    ++generation_[name];
+  }
+  void PublishNew(const std::string& name, std::string_view bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (target_->Size(name)) throw AlreadyExistsError(name + " exists");
+    target_->PublishAtomically(name, bytes);
+    ++generation_[name];
+  }
+  void PublishReplacing(const std::string& name, std::string_view bytes,
+                        const std::string& version) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++replacing_publishes;
+    if (!target_->Size(name) || std::to_string(generation_[name]) != version) {
+      throw AlreadyExistsError(name + " changed since version " + version);
+    }
+    target_->PublishAtomically(name, bytes);
+    ++generation_[name];
+  }
+  int replacing_publishes = 0;
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, uint64_t> generation_;
+};
+
+// Runs `before` once, right before the first publish of the metadata goes to the target.
+class BeforeCommitStore : public ForwardingStore {
+ public:
+  BeforeCommitStore(std::shared_ptr<Store> target, std::function<void()> before)
+      : ForwardingStore(std::move(target)), before_(std::move(before)) {}
+  void PublishAtomically(const std::string& n, std::string_view b) override {
+    Before(n);
+    ForwardingStore::PublishAtomically(n, b);
+  }
+  void PublishNew(const std::string& n, std::string_view b) override {
+    Before(n);
+    ForwardingStore::PublishNew(n, b);
+  }
+  void PublishReplacing(const std::string& n, std::string_view b, const std::string& v) override {
+    Before(n);
+    ForwardingStore::PublishReplacing(n, b, v);
+  }
+
+ private:
+  void Before(const std::string& n) {
+    if (n == kMetadataName && before_) std::exchange(before_, nullptr)();
+  }
+  std::function<void()> before_;
+};
+
+}  // namespace
+
+TEST_CASE("lock: an overwrite commits only over the metadata it found where the store has versions",
+          "[lock][checkpoint]") {
+  TempDir tmp("fence");
+  const std::string dir = tmp.path() + "/ckpt";
+  auto store = std::make_shared<VersionedStore>(MakeFileStore(dir));
+  StorageOptions so;
+  so.overwrite = true;
+  so.files_per_rank = 2;
+  auto save = [&](std::shared_ptr<Store> through, int version) {
+    LocalCommunicator comm;
+    auto writer = MakeStoreWriter(std::move(through), so);
+    Versioned v = MakeVersion(version, 0, true);
+    return Save(v.sd, *writer, comm).metadata;
+  };
+  save(store, 1);
+  // Writer A overwrites; right before its commit, writer B (started after A looked) overwrites
+  // and commits. A's commit must then fail, with nothing of it committed, and B's stay.
+  Metadata b;
+  auto a_store = std::make_shared<BeforeCommitStore>(store, [&] { b = save(store, 3); });
+  std::string message;
+  try {
+    save(a_store, 2);
+    FAIL("the writer whose metadata was replaced meanwhile committed over it");
+  } catch (const CollectiveError& e) {
+    CHECK(e.outcome() == Outcome::kFailed);
+    REQUIRE(e.failures().size() == 1);
+    CHECK(e.failures()[0].code == ErrorCode::kAlreadyExists);
+    message = e.failures()[0].message;
+  }
+  WARN("the refused writer's error: " << message);
+  CHECK_THAT(message,
+             Contains("another writer committed at " + store->uri() + " since this save began") &&
+                 Contains("nothing of this save was committed"));
+  CHECK(store->replacing_publishes == 2);  // B's, then A's refused one
+  // B's checkpoint, whole; A's files were removed by its Abort.
+  CHECK(ReadMetadata(dir).save_id == b.save_id);
+  Versioned back = MakeVersion(0, 0, false);
+  Load(back.sd, dir);
+  Versioned expect = MakeVersion(3, 0, true);
+  for (size_t i = 0; i < back.tensors.size(); ++i) {
+    CHECK(SameElements(back.tensors[i], expect.tensors[i]));
+  }
+  for (const auto& name : store->List()) {
+    if (IsDataObjectName(name)) CHECK_THAT(name, Contains(b.save_id));
+  }
+  // The next overwrite replaces B's metadata at the version it finds: it commits.
+  const Metadata c = save(store, 4);
+  CHECK(ReadMetadata(dir).save_id == c.save_id);
+  CHECK(store->replacing_publishes == 3);
 }

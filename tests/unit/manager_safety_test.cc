@@ -89,6 +89,11 @@ class ChaosStore : public ForwardingStore {
     g_chaos.Maybe(&Chaos::p_size, "size " + Path(n));
     return ForwardingStore::Size(n);
   }
+  // A save's existence check asks this (ForwardingStore's contract: it changes Size, so this too).
+  std::optional<uint64_t> SizeAndVersion(const std::string& n, std::string* version) override {
+    g_chaos.Maybe(&Chaos::p_size, "size " + Path(n));
+    return ForwardingStore::SizeAndVersion(n, version);
+  }
   std::vector<std::string> List() override {
     g_chaos.Maybe(&Chaos::p_list, "list " + location_);
     return ForwardingStore::List();

@@ -3,7 +3,10 @@
 //
 // The commit: the checkpoint protocol publishes metadata.dcp last; for a new checkpoint with
 // Store::PublishNew (If-None-Match: *), so even two jobs that both bypassed the lock cannot both
-// commit: the second gets 412 -> AlreadyExistsError.
+// commit: the second gets 412 -> AlreadyExistsError. An overwrite publishes with
+// Store::PublishReplacing (If-Match: the ETag its coordinator's existence HEAD saw, under the
+// lock): a writer paused past its lease between its lock check and its PUT cannot replace what
+// the job that took over committed meanwhile (the server refuses it, 412).
 #include "dcp/storage/backends/s3/s3_store.h"
 
 #include <algorithm>
@@ -157,10 +160,20 @@ class S3Store : public Store {
   }
 
   std::optional<uint64_t> Size(const std::string& name) override {
+    return SizeAndVersion(name, nullptr);
+  }
+
+  // The HEAD's ETag is the version: it changes with every write of the key (a PUT of other
+  // bytes, a multipart upload), which is all PublishReplacing's If-Match needs.
+  std::optional<uint64_t> SizeAndVersion(const std::string& name, std::string* version) override {
+    if (version != nullptr) version->clear();
     Call head{"HEAD", Key(name)};
     Response r = client_->Send(head);
     if (r.status == 404) return std::nullopt;
     if (r.status / 100 != 2) client_->Throw(head, r);
+    if (version != nullptr) {
+      if (auto it = r.headers.find("etag"); it != r.headers.end()) *version = Unquote(it->second);
+    }
     return std::strtoull(r.headers["content-length"].c_str(), nullptr, 10);
   }
 
@@ -183,6 +196,30 @@ class S3Store : public Store {
       if (ReadAll(name) == bytes) return;
     }
     if (r.status / 100 != 2) client_->Throw(put, r);
+  }
+
+  // If-Match with the bare ETag (RGW 16 rejects the quoted form; the lock relies on the same).
+  // 412, or 404 from a server that answers so for a key gone meanwhile: another writer replaced
+  // or removed it, and nothing was written.
+  void PublishReplacing(const std::string& name, std::string_view bytes,
+                        const std::string& version) override {
+    if (version.empty()) return PublishAtomically(name, bytes);
+    Call put{"PUT", Key(name)};
+    put.headers = {{"if-match", version}};
+    put.body = bytes.data();
+    put.body_size = bytes.size();
+    bool retried = false;
+    Response r = client_->Send(put, &retried);
+    if (r.status / 100 == 2) return;
+    if (r.status == 412 || r.status == 404) {
+      // Our lost first attempt may be what is there.
+      if (retried && Size(name) == bytes.size() && ReadAll(name) == bytes) return;
+      throw AlreadyExistsError("object '" + client_->Describe(Key(name)) +
+                               "' was replaced or removed since version " + version +
+                               " was read (PUT If-Match: HTTP " + std::to_string(r.status) +
+                               "); nothing was written");
+    }
+    client_->Throw(put, r);
   }
 
   std::vector<std::string> List() override {

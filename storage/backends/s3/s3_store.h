@@ -32,14 +32,19 @@
 //   ListIncomplete  ListMultipartUploads under the prefix (a killed writer's uploads, whose
 //            parts stay billed); DiscardIncomplete aborts a key's uploads. The next locked save
 //            at the location calls them after its commit (storage/store.h).
-//   Open     HEAD for the size; ReadAt is a ranged GET (a large one split into parallel
+//   Open     HEAD for the size (SizeAndVersion: the same HEAD, its ETag the version); ReadAt is a
+//   ranged GET (a large one split into parallel
 //            ranges); Prefetch starts up to read_ahead_parts ranged GETs of part_size ahead.
 //            ReadAtStreaming: ranged GETs of part_size straight into the destination, up to
 //            read_ahead_parts in flight, each piece reported as it lands. PrefetchRanges: the
 //            ranges are coalesced (S3CoalesceRanges: gaps up to kS3CoalesceGapBytes are read
 //            through) into GETs of at most part_size, read_ahead_parts in flight.
 //   PublishAtomically  a single PUT (atomic in S3). PublishNew: PUT with If-None-Match: *
-//            (the commit of a new checkpoint: two jobs cannot both commit).
+//            (the commit of a new checkpoint: two jobs cannot both commit). PublishReplacing:
+//            PUT with If-Match: <ETag> (the commit of an overwrite, on the ETag of the metadata
+//            the save's existence HEAD saw under its lock): a writer paused past its lease
+//            between its CheckHeld and this PUT gets 412 (AlreadyExistsError, nothing written)
+//            once the job that took over has committed, instead of replacing that commit.
 //   List     ListObjectsV2 under the prefix ("/"-delimited: only the prefix's own objects).
 //   TryLock  the lock object .dcp.lock created with If-None-Match: *, holding a lease
 //            (lock_lease_seconds, 60 s by default); an expired lease is taken over with
