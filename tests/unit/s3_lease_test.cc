@@ -1,26 +1,34 @@
 // The s3:// writer lock's lease against the real test server: renewed while held (a lock
 // outlives many short leases), fenced at the commit (a holder whose lease was taken over fails
-// its save on every rank and the other job's checkpoint stays), released only while it is still
-// ours, freed one lease after its holder is killed, and SIGKILLs of overlapping jobs with short
-// leases never leave a torn checkpoint nor lose a committed one. Every test skips, printing why,
-// where no server is running.
+// its save on every rank and the other job's checkpoint stays; a writer paused between that
+// check and its publish cannot replace the commit of the job that took over, and one resuming
+// before that job commits makes that job's commit fail), released only while it is still ours,
+// freed one lease after its holder is killed, and SIGKILLs of overlapping jobs with short leases
+// never leave a torn checkpoint nor lose a committed one. Every test skips, printing why, where
+// no server is running.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <catch2/catch.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <random>
 #include <set>
 #include <sstream>
+#include <string_view>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "dcp/dcp.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/registry.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"
@@ -82,6 +90,161 @@ void SaveJob(int64_t id, const std::string& uri, Communicator& comm) {
   so.storage.overwrite = true;
   so.storage.files_per_rank = 2;
   Save(j.sd, uri, comm, so);
+}
+
+// Runs `before` once, right before the first publish of the checkpoint's metadata is forwarded
+// (after the writer's lock check, StoreWriter::Finish's CheckHeld).
+class BeforeCommitStore : public ForwardingStore {
+ public:
+  BeforeCommitStore(std::shared_ptr<Store> target, std::function<void()> before)
+      : ForwardingStore(std::move(target)), before_(std::move(before)) {}
+  void PublishAtomically(const std::string& n, std::string_view b) override {
+    Before(n);
+    ForwardingStore::PublishAtomically(n, b);
+  }
+  void PublishNew(const std::string& n, std::string_view b) override {
+    Before(n);
+    ForwardingStore::PublishNew(n, b);
+  }
+  void PublishReplacing(const std::string& n, std::string_view b, const std::string& v) override {
+    Before(n);
+    ForwardingStore::PublishReplacing(n, b, v);
+  }
+
+ private:
+  void Before(const std::string& n) {
+    if (n == kMetadataName && before_) std::exchange(before_, nullptr)();
+  }
+  std::function<void()> before_;
+};
+
+// Job `id`'s 1-rank overwrite of `uri` through `store` (a wrapper of OpenStore(uri)), retried
+// while another job's lock holds the location (a paused writer's, until its lease runs out).
+void SaveWhenUnlocked(int64_t id, const std::shared_ptr<Store>& store) {
+  const auto start = Clock::now();
+  for (;;) {
+    Job j(id);
+    SaveOptions so;
+    so.storage.overwrite = true;
+    so.storage.files_per_rank = 2;
+    auto writer = MakeStoreWriter(store, so.storage);
+    LocalCommunicator comm;
+    try {
+      Save(j.sd, *writer, comm, so);
+      return;
+    } catch (const CollectiveError& e) {
+      const bool locked = !e.failures().empty() &&
+                          e.failures()[0].message.find("is locked by") != std::string::npos;
+      if (!locked || Clock::now() - start > std::chrono::seconds(15)) throw;
+    }
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+}
+
+// How a save in a child process ended: 'C' committed, 'F' failed with nothing committed, 'U'
+// outcome unknown, 'K' committed then failed, 'E' another error; and the first failure's message.
+struct SaveReport {
+  char code = '?';
+  std::string message;
+};
+
+// A forked child whose job `id` overwrites `root` and stops itself (SIGSTOP) right before the
+// publish of its metadata, after its lock check: a writer frozen between its check and its PUT
+// (a debugger, a cgroup freezer, an overloaded host). Killed on destruction if still there.
+class PausedWriter {
+ public:
+  PausedWriter(int64_t id, const std::string& root) {
+    int fds[2];
+    if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
+    pid_ = ::fork();
+    if (pid_ < 0) throw std::runtime_error("fork failed");
+    if (pid_ == 0) {
+      ::close(fds[0]);
+      Child(id, root, fds[1]);
+    }
+    ::close(fds[1]);
+    fd_ = fds[0];
+  }
+  ~PausedWriter() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    if (fd_ >= 0) ::close(fd_);
+  }
+  PausedWriter(const PausedWriter&) = delete;
+
+  // True once it stopped at its publish; false when it ended before (its report says why).
+  bool WaitStopped() {
+    int status = 0;
+    while (::waitpid(pid_, &status, WUNTRACED) < 0) {
+      if (errno != EINTR) return false;
+    }
+    if (WIFSTOPPED(status)) return true;
+    pid_ = -1;
+    return false;
+  }
+  void Continue() { ::kill(pid_, SIGCONT); }
+  // Its report, once it ended.
+  SaveReport Wait() {
+    int status = 0;
+    while (pid_ > 0 && ::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    pid_ = -1;
+    return Report();
+  }
+  SaveReport Report() {
+    std::string all;
+    char buf[4096];
+    for (ssize_t n; (n = ::read(fd_, buf, sizeof buf)) > 0;)
+      all.append(buf, static_cast<size_t>(n));
+    SaveReport r;
+    if (!all.empty()) {
+      r.code = all[0];
+      r.message = all.substr(1);
+    }
+    return r;
+  }
+
+ private:
+  [[noreturn]] static void Child(int64_t id, const std::string& root, int fd) {
+    SaveReport r;
+    r.code = 'E';
+    try {
+      Job j(id);
+      SaveOptions so;
+      so.storage.overwrite = true;
+      so.storage.files_per_rank = 2;
+      auto store = std::make_shared<BeforeCommitStore>(OpenStore(root), [] { ::raise(SIGSTOP); });
+      auto writer = MakeStoreWriter(store, so.storage);
+      LocalCommunicator comm;
+      Save(j.sd, *writer, comm, so);
+      r.code = 'C';
+    } catch (const CollectiveError& e) {
+      r.code = e.outcome() == Outcome::kFailed ? 'F' : e.outcome() == Outcome::kUnknown ? 'U' : 'K';
+      r.message = e.failures().empty() ? e.what() : e.failures()[0].message;
+    } catch (const std::exception& e) {
+      r.message = e.what();
+    }
+    const std::string line = r.code + r.message;
+    if (::write(fd, line.data(), line.size()) < 0) ::_exit(4);  // the pipe holds it whole
+    ::_exit(0);
+  }
+
+  pid_t pid_ = -1;
+  int fd_ = -1;
+};
+
+// The data files of the location that its checkpoint does not reference.
+std::vector<std::string> UnreferencedDataFiles(const std::string& uri) {
+  const Metadata md = ReadMetadata(uri);
+  std::set<std::string> referenced;
+  for (const auto& [index, info] : md.storage) referenced.insert(info.relative_path);
+  std::vector<std::string> extra;
+  for (const auto& n : OpenStore(uri)->List()) {
+    if (IsDataObjectName(n) && referenced.count(n) == 0) extra.push_back(n);
+  }
+  return extra;
 }
 
 }  // namespace
@@ -462,6 +625,115 @@ TEST_CASE(
   CHECK(lost == 0);
   CHECK(failed_but_there == 0);
   CHECK(committed > 0);
+}
+// Issue 43: a writer paused (SIGSTOP) past its lease between its lock check and the publish of
+// its metadata; meanwhile the next job takes the lock over, overwrites, is told OK and removes
+// the paused writer's files. Resumed, the paused writer's PUT must not replace that commit: it
+// is conditional on the metadata's ETag the writer saw under its lock (If-Match), so the server
+// refuses it and the paused save fails with nothing committed. Before, its plain PUT replaced
+// the other job's metadata with one naming the data files that job had removed: an unloadable
+// location, after a save reported committed.
+TEST_CASE(
+    "s3 lease: a writer paused past its lease before its publish cannot overwrite the next "
+    "job's commit",
+    "[s3][lock]") {
+  if (!HaveServer()) return;
+  const std::string root = S3TestRoot("paused");
+  LeaseGuard lease("1");
+  RequireNoErrors(RunRanks(1, [&](int, Communicator& comm) { SaveJob(1, root, comm); }));
+  constexpr int kTrials = 20;
+  int overwritten = 0, failed_cleanly = 0;
+  const auto start = Clock::now();
+  for (int trial = 0; trial < kTrials; ++trial) {
+    const int64_t paused_id = 1000 + 2 * trial, next_id = 1001 + 2 * trial;
+    INFO("trial " << trial);
+    PausedWriter paused(paused_id, root);
+    if (!paused.WaitStopped())
+      FAIL("the writer ended before its publish: " << paused.Report().message);
+    // Its lock is free one lease after the renewal its check made; the next job takes it over.
+    SaveWhenUnlocked(next_id, OpenStore(root));
+    paused.Continue();
+    const SaveReport r = paused.Wait();
+    if (trial == 0) WARN("the paused writer's save: [" << r.code << "] " << r.message);
+    CHECK(r.code == 'F');
+    CHECK_THAT(r.message, Contains("another writer committed at " + root +
+                                   " after this save's lease ran out") &&
+                              Contains("nothing of this save was committed"));
+    failed_cleanly += r.code == 'F';
+    int64_t in_place = -1;
+    try {
+      in_place = CheckpointId(root);  // the values, bit-exact
+    } catch (const std::exception& e) {
+      FAIL_CHECK("the location does not load: " << e.what());
+    }
+    CHECK(in_place == next_id);
+    overwritten += in_place != next_id;
+    if (in_place == next_id) CHECK(UnreferencedDataFiles(root).empty());  // the paused one's went
+  }
+  WARN("paused-writer trials: " << kTrials << " in " << Ms(Clock::now() - start) / 1000
+                                << " s; the next job's commit overwritten " << overwritten
+                                << " times; paused writers failed cleanly " << failed_cleanly);
+  CHECK(overwritten == 0);
+  CHECK(failed_cleanly == kTrials);
+}
+
+// The other order: the paused writer resumes while the next job holds the lock but has not
+// committed yet. The paused writer's conditional PUT finds the metadata it saw and lands: a
+// commit (nobody committed since it looked), which it reports once it finds its metadata in
+// place (its lock was lost, so its own check cannot vouch for it). The next job's conditional
+// PUT, on the same ETag, must then fail cleanly, leaving the paused writer's checkpoint whole.
+// Before, the next job's plain PUT replaced a commit its writer had been told of.
+TEST_CASE(
+    "s3 lease: a paused writer resuming before the next job commits makes that commit fail "
+    "cleanly",
+    "[s3][lock]") {
+  if (!HaveServer()) return;
+  const std::string root = S3TestRoot("paused-first");
+  LeaseGuard lease("1");
+  RequireNoErrors(RunRanks(1, [&](int, Communicator& comm) { SaveJob(1, root, comm); }));
+  constexpr int kTrials = 5;
+  for (int trial = 0; trial < kTrials; ++trial) {
+    const int64_t paused_id = 2000 + 2 * trial, next_id = 2001 + 2 * trial;
+    INFO("trial " << trial);
+    std::set<std::string> before;  // the location's data files before the trial
+    for (const auto& n : OpenStore(root)->List()) {
+      if (IsDataObjectName(n)) before.insert(n);
+    }
+    PausedWriter paused(paused_id, root);
+    if (!paused.WaitStopped())
+      FAIL("the writer ended before its publish: " << paused.Report().message);
+    SaveReport a;
+    // The next job, holding the lock, lets the paused writer finish right before its own
+    // metadata's publish.
+    auto store = std::make_shared<BeforeCommitStore>(OpenStore(root), [&] {
+      paused.Continue();
+      a = paused.Wait();
+    });
+    std::string b_message;
+    try {
+      SaveWhenUnlocked(next_id, store);
+      FAIL_CHECK("the next job committed over the paused writer's commit");
+    } catch (const CollectiveError& e) {
+      CHECK(e.outcome() == Outcome::kFailed);
+      REQUIRE(!e.failures().empty());
+      CHECK(e.failures()[0].code == ErrorCode::kAlreadyExists);
+      b_message = e.failures()[0].message;
+    }
+    if (trial == 0) {
+      WARN("the paused writer's save: [" << a.code << "] " << a.message);
+      WARN("the next job's save: " << b_message);
+    }
+    // Its lock was lost meanwhile, so its commit's outcome was unknown to it, which it settled
+    // from the metadata in place: its own.
+    CHECK(a.code == 'C');
+    CHECK_THAT(b_message,
+               Contains("another writer committed at " + root + " since this save began") &&
+                   Contains("nothing of this save was committed"));
+    CHECK(CheckpointId(root) == paused_id);  // the paused writer's, bit-exact
+    // The next job's files were aborted. The paused writer, its lock lost, removed nothing: the
+    // replaced checkpoints' files wait for the next locked save's clean-up.
+    for (const auto& n : UnreferencedDataFiles(root)) CHECK(before.count(n) == 1);
+  }
 }
 #else
 TEST_CASE("s3 lease: backend", "[s3]") { dcp::testing::SkipTestCase(dcp::testing::S3SkipReason()); }
