@@ -1713,6 +1713,7 @@ void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& ur
   std::shared_ptr<Store> dest;
   std::unique_ptr<StoreLock> lock;
   bool replacing = false;
+  std::string replaced_version;  // what the commit may replace (s3://: its ETag)
   std::set<std::string> replaced_files;
   std::string error;
   if (rank_ == 0) {
@@ -1723,7 +1724,7 @@ void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& ur
       if (gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "unknown-host");
       lock = dest->TryLock(std::string("host=") + host + " pid=" + std::to_string(::getpid()) +
                            " memory-tier-drain step=" + std::to_string(step));
-      if (dest->Size(kMetadataName)) {
+      if (dest->SizeAndVersion(kMetadataName, &replaced_version)) {
         if (!options.overwrite) {
           throw AlreadyExistsError("memory tier: " + uri +
                                    " already holds a checkpoint; set StorageOptions::overwrite "
@@ -1795,7 +1796,9 @@ void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& ur
     try {
       if (lock) lock->CheckHeld();
       if (replacing) {
-        dest->PublishAtomically(kMetadataName, encoded);
+        // Only over the checkpoint found: a writer that took the location over meanwhile (a
+        // lease that ran out) keeps its commit.
+        dest->PublishReplacing(kMetadataName, encoded, replaced_version);
       } else {
         dest->PublishNew(kMetadataName, encoded);
       }
