@@ -53,7 +53,15 @@ std::string OnCoordinator(Communicator& comm, const std::string& what,
       out = "error:" + std::to_string(static_cast<int>(ErrorCode::kInternal)) + ":" + e.what();
     }
   }
-  out = comm.Broadcast(out, 0, what);
+  try {
+    out = comm.Broadcast(out, 0, what);
+  } catch (const CollectiveError&) {
+    // Outside an operation nobody gathers this rank's failure: its peers go on into the next
+    // save without it, and rank 0 would wait for it there until its deadline. A rank this
+    // failure poisoned (a mismatch: another step; a failure from above) tells them now.
+    comm.NotifyPeersOfPoison();
+    throw;
+  }
   if (out.rfind("error:", 0) == 0) {
     const size_t colon = out.find(':', 6);
     if (colon == std::string::npos) throw InternalError(what + ": malformed reply from rank 0");

@@ -17,7 +17,9 @@ namespace dcp {
 bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted = false);
 
 // Run `fn` on rank 0 and broadcast its result or its error, so every rank agrees. The error
-// keeps its code (a refused step is kInvalidArgument or kAlreadyExists on every rank).
+// keeps its code (a refused step is kInvalidArgument or kAlreadyExists on every rank). A rank
+// whose broadcast fails poisoned (`what` names the step and this rank is on another one) sends
+// its peers a poison notice (Communicator::NotifyPeersOfPoison) before it throws.
 std::string OnCoordinator(Communicator& comm, const std::string& what,
                           const std::function<std::string()>& fn);
 

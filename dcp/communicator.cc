@@ -199,6 +199,12 @@ std::string Communicator::poison_reason() const {
   return poison_reason_;
 }
 
+// Not virtual: a virtual function added to Communicator would move the slots of
+// PointToPointCommunicator's own (Send, TryReceive, ...), which built transport plugins use.
+void Communicator::NotifyPeersOfPoison() noexcept {
+  if (auto* p2p = dynamic_cast<PointToPointCommunicator*>(this)) p2p->AnnounceOpenFailure();
+}
+
 void Communicator::ThrowIfPoisoned(std::string_view what) const {
   if (!poisoned()) return;
   throw CollectiveError(

@@ -27,7 +27,9 @@
 // poisoned rank and its original reason (and is poisoned in turn), instead of waiting for its
 // deadline. So a save that follows a poisoned rank's failure (or that not every rank joins in the
 // same way) fails on every rank at once, with the real cause. A stopped communicator sends no
-// notice.
+// notice. A collective outside an operation whose failure poisons a rank (the CheckpointManager's
+// "manager/begin step=N" on a rank that is on another step) sends the same notice
+// (NotifyPeersOfPoison), so the save its peers start next without it fails at once too.
 //
 // Broadcast (PointToPointCommunicator) fans out along a binomial tree rooted at `root`: the root
 // sends ceil(log2 N) frames, every other rank receives one from its parent and forwards that same
@@ -114,6 +116,16 @@ class Communicator {
   bool stopped() const noexcept { return stopped_.load(std::memory_order_acquire); }
   /// Why it was poisoned ("" when it is not).
   std::string poison_reason() const;
+  /// Tell the ranks that would otherwise wait for this one that it takes no part in what
+  /// follows: a poison notice (see the header comment) to rank 0 and to this rank's children in
+  /// a broadcast tree rooted at rank 0, as a failed OpenOperation sends. For a rank that failed
+  /// outside an operation (e.g. a CheckpointManager collective that found the ranks on different
+  /// steps) while its peers go on into the next save without it: they fail at once, naming it
+  /// and why, instead of at their deadline. Does nothing unless poisoned, on a stopped
+  /// communicator, or on a backend without notices (only PointToPointCommunicator has them).
+  /// Never throws. Called like a collective: from the thread using the communicator, or while
+  /// no thread does.
+  void NotifyPeersOfPoison() noexcept;
 
   /// Why this communicator must not be used from a background thread while the application
   /// uses the same library on its own thread (e.g. MPI without MPI_THREAD_MULTIPLE), or "" when
@@ -191,6 +203,7 @@ class PointToPointCommunicator : public Communicator {
                                     std::string_view what) override;
   uint64_t OpenOperation(std::string_view name, std::string_view target) override;
   void EndOperation() noexcept override { op_ = 0; }
+  friend class Communicator;  // NotifyPeersOfPoison sends this class's notices
 
   /// Broadcast's extra wait per tree level for deadline `t`: min(t / 10, 1 s). A rank at depth
   /// d >= 1 waits t + (d - 1) * TreeMargin(t) for its parent.
@@ -254,7 +267,8 @@ class PointToPointCommunicator : public Communicator {
   // A poisoned rank tells `dests` (those not yet told) why, once (see the header comment).
   // Best effort; nothing on a stopped communicator or one that is not poisoned.
   void AnnouncePoison(const std::vector<int>& dests) noexcept;
-  // OpenOperation failed on this rank: tell rank 0 and this rank's children in the open tree.
+  // OpenOperation failed on this rank, or NotifyPeersOfPoison: tell rank 0 and this rank's
+  // children in the open tree.
   void AnnounceOpenFailure() noexcept;
   uint64_t NextSeq() { return ++seq_; }
   uint64_t seq_ = 0;
