@@ -464,6 +464,24 @@ void AsyncCheckpointer::Close(std::chrono::milliseconds timeout) {
   impl_->WaitLast();
 }
 
+void AsyncCheckpointer::Abandon(const std::string& reason) noexcept {
+  impl_->comm->Poison(reason);  // thread-safe: a save running now fails at its next receive
+  // The notice is a transport call, and one thread at a time may use the communicator: sent
+  // here only while the background thread runs no save (holding the queue's lock keeps it from
+  // starting one). A queued save fails at its open, which sends the same notice.
+  try {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (impl_->job) return;
+    if (std::shared_ptr<AsyncSave::State> s = impl_->last) {
+      std::lock_guard<std::mutex> done_lock(s->mu);
+      if (!s->done) return;
+    }
+    impl_->comm->NotifyPeersOfPoison();
+  } catch (...) {
+    // A lock that could not be taken: the peers fail at their deadline instead.
+  }
+}
+
 uint64_t AsyncCheckpointer::staging_bytes() const { return impl_->staging_bytes; }
 size_t AsyncCheckpointer::staging_allocations() const { return impl_->total_allocations; }
 

@@ -121,6 +121,15 @@ class AsyncCheckpointer {
   /// the application may finalise MPI at once.
   void Close(std::chrono::milliseconds timeout = std::chrono::minutes(10));
 
+  /// For a caller that knows this rank takes no part in the saves its peers run next (its own
+  /// collectives found it out of step, e.g. a CheckpointManager on another step than rank 0):
+  /// poison the background communicator with `reason` and tell the peers' background savers
+  /// (a poison notice, dcp/communicator.h), so that a save they run without this rank fails at
+  /// once, naming it and `reason`, instead of at its deadline. Meant for when no save is in
+  /// flight (e.g. after Wait()): one that is fails on the poison, but sends no notice. Later
+  /// saves fail at once; the remedy is a new checkpointer on a new communicator. Never throws.
+  void Abandon(const std::string& reason) noexcept;
+
   /// Bytes of staging memory held, and buffers allocated since construction.
   uint64_t staging_bytes() const;
   size_t staging_allocations() const;

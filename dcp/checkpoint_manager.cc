@@ -327,6 +327,18 @@ void CheckpointManager::Retain(int64_t step) {
 }
 
 void CheckpointManager::BeginStep(int64_t step) {
+  try {
+    BeginStepOnCoordinator(step);
+  } catch (const CollectiveError&) {
+    // Out of step with rank 0 (or poisoned before): the peers' background savers start this
+    // step's save without this rank; tell them too, as BeginStep told the job's communicator.
+    AsyncCheckpointer* saver = background_saver();
+    if (saver != nullptr && comm_->poisoned()) saver->Abandon(comm_->poison_reason());
+    throw;
+  }
+}
+
+void CheckpointManager::BeginStepOnCoordinator(int64_t step) {
   // The step's index entry goes in before any of its data, so that a crash leaves a step the
   // next retention can find and remove on every backend (a Store cannot list "folders").
   OnCoordinator(*comm_, StepTag("manager/begin", step), [&] {

@@ -133,6 +133,7 @@ class CheckpointManager {
   StepScan Scan();                          // collective: rank 0's scan, broadcast
   void RemoveStep(int64_t step, bool only_if_uncommitted);  // rank 0 only
   void BeginStep(int64_t step);  // collective: checks the step, writes the index entry
+  void BeginStepOnCoordinator(int64_t step);
   std::shared_ptr<AsyncSave> SaveThroughTier(int64_t step, const StateDict& state);
   std::shared_ptr<AsyncSave> SaveToRoot(int64_t step, const StateDict& state);
   // The saver of asynchronous saves to the root: the manager's, or the tier's (a tier that
