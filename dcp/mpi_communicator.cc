@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -21,6 +24,38 @@ void Check(int rc, const char* what) {
         what, {{-1, ErrorCode::kIo, std::string(what) + ": " + std::string(msg, len), false}});
   }
 }
+
+// Every MpiCommunicator of the process, for InitMpi's exit hook: was one poisoned by a failure
+// (a timeout, a mismatch, a peer's notice) that the job did not get past? A communicator made
+// (collectively: MPI_Comm_idup completed on every rank) after a poisoning shows that the ranks
+// met again, so it settles the failures before it: the job went on, as dcp documents (fresh
+// communicators). A stopped communicator does not count: a shutdown (AsyncCheckpointer::Close)
+// stopped it and reported its unfinished save to the application.
+struct FailureLedger {
+  std::mutex mu;
+  std::map<const MpiCommunicator*, bool> live;  // -> settled
+  std::string unsettled;  // why a communicator destroyed unsettled was poisoned ("": none)
+};
+
+FailureLedger& Ledger() {
+  static auto* ledger = new FailureLedger;  // never destroyed: the exit hook reads it
+  return *ledger;
+}
+
+bool Unsettled(const MpiCommunicator& c) { return c.poisoned() && !c.stopped(); }
+
+constexpr int kExitCodeAfterFailure = 1;  // mpirun's exit code when the exit hook aborts
+
+// Why the process must not wait for its peers in MPI_Finalize ("" when it may).
+std::string UnsettledFailure() {
+  FailureLedger& l = Ledger();
+  std::lock_guard<std::mutex> lock(l.mu);
+  for (const auto& [c, settled] : l.live) {
+    if (!settled && Unsettled(*c)) return c->poison_reason();
+  }
+  return l.unsettled;
+}
+
 }  // namespace
 
 struct MpiCommunicator::PendingSend {
@@ -58,6 +93,13 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::chrono::milliseconds timeou
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   MPI_Query_thread(&thread_level_);
+  FailureLedger& l = Ledger();
+  std::lock_guard<std::mutex> lock(l.mu);
+  for (auto& [c, settled] : l.live) {
+    if (c->poisoned()) settled = true;
+  }
+  l.unsettled.clear();
+  l.live[this] = false;
 }
 
 std::string MpiCommunicator::ConcurrentUseProblem() const {
@@ -75,6 +117,15 @@ std::string MpiCommunicator::ConcurrentUseProblem() const {
 }
 
 MpiCommunicator::~MpiCommunicator() {
+  {
+    FailureLedger& l = Ledger();
+    std::lock_guard<std::mutex> lock(l.mu);
+    auto it = l.live.find(this);
+    if (it != l.live.end()) {
+      if (!it->second && Unsettled(*this)) l.unsettled = poison_reason();
+      l.live.erase(it);
+    }
+  }
   // A stopped communicator promised no further MPI call (MPI may be finalised by now, e.g. when
   // a saver detached at shutdown ends later), and so does one outliving MPI: leave the sends
   // and the communicator to MPI_Finalize.
@@ -260,7 +311,25 @@ int InitMpi(int* argc, char*** argv) {
   std::atexit([] {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) MPI_Finalize();
+    if (finalized) return;
+    // MPI_Finalize waits for every rank. After a dcp failure the job did not get past (this
+    // rank caught a CollectiveError and returned from main), a peer may wait for this rank in
+    // a collective, dcp's or the application's, and never arrive: end the job instead, so
+    // that it ends at once and non-zero. The only MPI_Abort dcp makes.
+    std::string why = UnsettledFailure();
+    if (!why.empty()) {
+      if (why.size() > 400) why = why.substr(0, 400) + "...";
+      int rank = -1;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      std::fprintf(stderr,
+                   "dcp: rank %d: ending the MPI job (MPI_Abort, exit code %d) instead of "
+                   "MPI_Finalize, which would wait for peers that may never arrive: a dcp "
+                   "collective failed and no communicator was made after it (%s)\n",
+                   rank, kExitCodeAfterFailure, why.c_str());
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, kExitCodeAfterFailure);
+    }
+    MPI_Finalize();
   });
   return provided;
 }

@@ -3,7 +3,8 @@
 // DCP_WITH_MPI is on; include <mpi.h> users only.
 //
 // Collectives use MPI_Isend and MPI_Improbe/MPI_Mrecv polling, so a peer that never answers
-// becomes a CollectiveError after timeout() instead of a hang; MPI_Abort is never called.
+// becomes a CollectiveError after timeout() instead of a hang; a collective never calls
+// MPI_Abort (only InitMpi's exit hook may, see there).
 // MPI must be initialised before construction and finalised after destruction, unless the
 // communicator was stopped (Communicator::Stop, as AsyncCheckpointer::Close does): a stopped
 // MpiCommunicator makes no MPI call at all, its destructor included (its pending sends and its
@@ -61,7 +62,16 @@ class MpiCommunicator : public PointToPointCommunicator {
 };
 
 /// Initialise MPI if it is not already, asking for MPI_THREAD_MULTIPLE (needed by async save).
-/// Returns the thread level provided. Finalises at process exit if it initialised. Idempotent.
+/// Returns the thread level provided. Idempotent. If it initialised MPI, a hook at process exit
+/// (after main returns, or exit()) finalises it unless the program did, except after a failure
+/// the job did not get past: when an MpiCommunicator of this process was poisoned (a timeout, a
+/// mismatch, a peer's poison notice; not stopped by a shutdown such as AsyncCheckpointer::Close)
+/// and no MpiCommunicator was made after it, MPI_Finalize would wait for peers that may be
+/// waiting for this rank in a collective, for ever. The hook then prints one line on stderr
+/// ("dcp: rank N: ending the MPI job (MPI_Abort, exit code 1) ...", with the poison reason) and
+/// calls MPI_Abort(MPI_COMM_WORLD, 1), so the job ends at once, non-zero, on every rank. A job
+/// that went on with fresh communicators (CheckpointManager::ReplaceCommunicator, a new
+/// MpiCommunicator: made collectively, they show that the ranks met again) finalises as usual.
 int InitMpi(int* argc, char*** argv);
 
 }  // namespace dcp
