@@ -366,15 +366,17 @@ std::vector<std::string> RegisteredSchemes() {
 ParsedUri ParseUri(const std::string& uri) {
   ParsedUri p;
   const size_t pos = uri.find("://");
+  // A plain path is file://'s location: its query, from the first '?', is parsed alike (before,
+  // '?' was part of the path, and "/x/hf?format=safetensors" named a directory of that name).
+  const size_t from = pos == std::string::npos ? 0 : pos + 3;
   if (pos == std::string::npos) {
     p.scheme = "file";
-    p.location = uri;  // a plain path: '?' is part of it
-    return p;
+  } else {
+    p.scheme = uri.substr(0, pos);
+    std::transform(p.scheme.begin(), p.scheme.end(), p.scheme.begin(), ::tolower);
   }
-  p.scheme = uri.substr(0, pos);
-  std::transform(p.scheme.begin(), p.scheme.end(), p.scheme.begin(), ::tolower);
-  const size_t q = uri.find('?', pos + 3);
-  p.location = uri.substr(pos + 3, q == std::string::npos ? std::string::npos : q - pos - 3);
+  const size_t q = uri.find('?', from);
+  p.location = uri.substr(from, q == std::string::npos ? std::string::npos : q - from);
   if (q == std::string::npos) return p;
   std::string_view query(uri);
   query.remove_prefix(q + 1);
@@ -386,7 +388,9 @@ ParsedUri ParseUri(const std::string& uri) {
     const size_t eq = param.find('=');
     if (eq == std::string_view::npos || eq == 0) {
       throw InvalidArgumentError("query parameter '" + std::string(param) + "' of '" + uri +
-                                 "' is not key=value");
+                                 "' is not key=value (in a URI and in a plain path alike, as in "
+                                 "file://DIR?direct_io=0, '?' starts the query: a location cannot "
+                                 "hold '?')");
     }
     std::string key = PercentDecode(param.substr(0, eq), uri);
     if (p.query.count(key)) {
@@ -404,7 +408,7 @@ std::pair<std::string, std::string> SplitUri(const std::string& uri) {
 
 std::string JoinUri(const std::string& uri, const std::string& child) {
   const size_t pos = uri.find("://");
-  const size_t q = pos == std::string::npos ? std::string::npos : uri.find('?', pos + 3);
+  const size_t q = uri.find('?', pos == std::string::npos ? 0 : pos + 3);
   if (q == std::string::npos) return uri + "/" + child;
   return uri.substr(0, q) + "/" + child + uri.substr(q);
 }

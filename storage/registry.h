@@ -11,8 +11,10 @@
 // (the checkpoint protocol and every format come for free), or a full StorageWriter/Reader pair.
 // LoadStoragePlugin dlopen()s a shared library whose initialiser registers backends.
 //
-// A URI with a scheme may carry a query: `scheme://location?key=value&key=value` (values
-// %-escaped where needed). `format` (dcp, torchdcp, torchdcp113, safetensors) chooses
+// A URI may carry a query: `scheme://location?key=value&key=value` (values %-escaped where
+// needed), and so may a plain path, exactly as its file:// form (`/ckpt/hf?format=safetensors`
+// is `file:///ckpt/hf?format=safetensors`): the first '?' starts the query, so no location, path
+// or not, holds a '?'. `format` (dcp, torchdcp, torchdcp113, safetensors) chooses
 // the layout a writer writes, on any Store-based backend; every other key is a backend option
 // (StorageOptions::backend gives the same from code):
 //   file://   direct_io=0|1 (default: on, or DCP_DIRECT_IO)
@@ -21,8 +23,8 @@
 //             lock_lease_s, sign_payload, request_timeout_s (defaults: the DCP_S3_* / AWS_*
 //             environment, storage/backends/s3/s3_store.h); credentials only from the environment
 //   mem://    none
-// A key the backend does not know is an InvalidArgumentError naming it. A plain path (no
-// "://") has no query: '?' is part of the path.
+// A key the backend does not know is an InvalidArgumentError naming it, and so is a query that
+// is not key=value pairs (`/data/run?1`).
 //
 // Thread-safe: registration and lookup may happen from any thread.
 #pragma once
@@ -71,13 +73,13 @@ struct ParsedUri {
   std::string location;
   BackendOptionMap query;  // decoded
 };
-/// Split "scheme://location?query"; a string without "://" is a file path ("file", path).
-/// InvalidArgumentError for a malformed query.
+/// Split "scheme://location?query"; a string without "://" is a file path with an optional
+/// query ("file", path, query), as its file:// form. InvalidArgumentError for a malformed query.
 ParsedUri ParseUri(const std::string& uri);
 /// ParseUri's scheme and location (the query dropped).
 std::pair<std::string, std::string> SplitUri(const std::string& uri);
 /// `uri` with `child` appended to its location, its query kept: JoinUri("s3://b/x?a=1", "y") is
-/// "s3://b/x/y?a=1".
+/// "s3://b/x/y?a=1", and JoinUri("/d/x?a=1", "y") is "/d/x/y?a=1".
 std::string JoinUri(const std::string& uri, const std::string& child);
 
 /// Writer/reader for a URI. InvalidArgumentError for an unknown scheme (the message lists the

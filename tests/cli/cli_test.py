@@ -128,6 +128,8 @@ def test_basic():
         _, out = dcp("verify", out_dir)
         contains(out, "OK")
 
+    test_plain_path_query(a)
+
     # Damage: a flipped byte, a truncated file, a missing file.
     d = fresh("flip")
     w0 = w_chunk(d)
@@ -226,6 +228,39 @@ def test_basic():
     test_json(a, b)
     test_flag_hints(a)
     test_hostile(a)
+
+
+def test_plain_path_query(a):
+    """A query on a plain path means what it means on file:// (issue 43). Before, `convert A
+    DIR?format=safetensors` wrote a dcp checkpoint into a directory literally named
+    'DIR?format=safetensors' and exited 0."""
+    hf = os.path.join(args.workdir, "basic_hf")
+    for p in (hf, hf + "?format=safetensors", hf + "_back", hf + "_file", hf + "_to"):
+        shutil.rmtree(p, ignore_errors=True)
+    doc, _ = dcp_json("convert", a, hf + "?format=safetensors")
+    check(doc["to"] == "safetensors" and doc["entries"] == 9, str(doc))
+    check(not os.path.exists(hf + "?format=safetensors"), "wrote a directory named with its query")
+    check(os.path.exists(os.path.join(hf, "model.safetensors.index.json")), str(os.listdir(hf)))
+    check(not os.path.exists(os.path.join(hf, "metadata.dcp")), str(os.listdir(hf)))
+    for where in (hf, hf + "?format=safetensors"):
+        check(inspect_json(where)["format"] == "safetensors", where)
+    # Back to dcp from the path with its query: the values are the source's.
+    dcp("convert", hf + "?format=safetensors", hf + "_back")
+    _, out = dcp("diff", a, hf + "_back", "--values")
+    contains(out, "no differences")
+    # file:// and --to say the same: Hugging Face's layout in a directory, not one local file.
+    dcp("convert", a, "file://" + hf + "_file?format=safetensors")
+    dcp("convert", a, hf + "_to?direct_io=0", "--to", "safetensors")
+    for d in (hf + "_file", hf + "_to"):
+        check(inspect_json(d)["format"] == "safetensors", d)
+        check(not os.path.exists(d + "?direct_io=0"), d)
+    # A backend option file:// does not know is refused (usage, 2), as on file://.
+    _, out = dcp("convert", a, hf + "_x?colour=blue", expect=2)
+    contains(out, "colour")
+    check(not os.path.exists(hf + "_x?colour=blue"), "wrote a directory named with its query")
+    # A '?' that starts no query is refused, naming the rule.
+    _, out = dcp("inspect", a + "?1", expect=2)
+    contains(out, "not key=value", "file://")
 
 
 def dcp_json(*a, expect=0):

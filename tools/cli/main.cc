@@ -34,6 +34,13 @@ using nlohmann::ordered_json;
 
 // ---- convert ----
 
+// A path the file conversions (one safetensors or torch.save file) read or write as it is: no
+// scheme and no query. Anything else is a location that may carry a query (a plain path takes
+// one as its file:// form does, storage/registry.h), read and written as a checkpoint.
+bool IsLocalFilePath(const std::string& path) {
+  return path.find("://") == std::string::npos && path.find('?') == std::string::npos;
+}
+
 std::string GuessFormat(const std::string& path) {
   auto ends = [&](const char* s) {
     const std::string e(s);
@@ -48,9 +55,8 @@ std::string GuessFormat(const std::string& path) {
     return "torchdcp";  // torchdcp or torchdcp113
   }
   std::error_code ec;
-  if (path.find("://") == std::string::npos &&
-      !std::filesystem::exists(std::filesystem::path(path) / kMetadataName, ec)) {
-    const std::filesystem::path p(path);
+  const std::filesystem::path p(uri.location);  // a plain path's, without its query
+  if (path.find("://") == std::string::npos && !std::filesystem::exists(p / kMetadataName, ec)) {
     if (std::filesystem::exists(p / kTorchDcpMetadataName, ec)) return "torchdcp";
     // A Hugging Face directory (storage/format/safetensors.h).
     if (std::filesystem::exists(p / kSafetensorsIndexName, ec) ||
@@ -79,6 +85,10 @@ void ConvertCheckpoint(const std::string& src, std::string dst, const std::strin
       !d.query.count("format")) {
     so.storage.format = CheckpointFormat::kTorchDcp;
   }
+  // Hugging Face's sharded layout (a directory), as dcp::Save writes it for ?format=safetensors.
+  if (to == "safetensors" && !d.query.count("format")) {
+    so.storage.format = CheckpointFormat::kSafetensors;
+  }
   so.storage.overwrite = o.overwrite;
   if (o.compress == "zstd") so.storage.compression = Compression::kZstd;
   so.storage.compression_level = o.compress_level;
@@ -96,12 +106,15 @@ int Convert(const std::string& src, const std::string& dst, std::string from, st
   // One safetensors file on the local disk converts to dcp straight from its mapping; any other
   // safetensors source (a sharded directory, a URI) is read as a checkpoint through its layout.
   std::error_code ec;
-  const bool local_file =
-      src.find("://") == std::string::npos && std::filesystem::is_regular_file(src, ec);
+  const bool local_file = IsLocalFilePath(src) && std::filesystem::is_regular_file(src, ec);
   const bool ckpt_from = from == "dcp" || from == "torchdcp" || from == "safetensors";
+  // safetensors to a plain path is one file; to a URI or a path with a query (?format=
+  // safetensors), Hugging Face's sharded layout through dcp::Save, as the library writes it.
+  const bool ckpt_to =
+      to == "dcp" || to == "torchdcp" || (to == "safetensors" && !IsLocalFilePath(dst));
   if (from == "safetensors" && to == "dcp" && local_file) {
     ImportSafetensors(src, dst, o);
-  } else if (ckpt_from && (to == "dcp" || to == "torchdcp")) {
+  } else if (ckpt_from && ckpt_to) {
     ConvertCheckpoint(src, dst, to, o);
   } else if (ckpt_from && to == "safetensors") {
     const Checkpoint c = OpenCheckpoint(src);
@@ -121,7 +134,7 @@ int Convert(const std::string& src, const std::string& dst, std::string from, st
   // the file's size and the source checkpoint's entry count (a file's entries are its source's).
   size_t entries = 0;
   uint64_t bytes = 0;
-  if (to == "dcp" || to == "torchdcp") {
+  if (ckpt_to) {
     const Checkpoint out = OpenCheckpoint(
         to == "torchdcp" && dst.find("://") == std::string::npos ? "torchdcp://" + dst : dst);
     entries = out.md.entries.size();
@@ -207,8 +220,9 @@ int Main(int argc, char** argv) {
   convert
       ->add_option("--to", to,
                    "destination format (default: from the name: *.safetensors, "
-                   "*.pt/*.pth/*.bin = torch, torchdcp:// or torchdcp113:// = torchdcp, else "
-                   "dcp)")
+                   "*.pt/*.pth/*.bin = torch, torchdcp:// or torchdcp113:// = torchdcp, "
+                   "?format=FMT on a path or URI, else dcp; safetensors is one file at a plain "
+                   "path, Hugging Face's sharded layout at a URI or a path with a query)")
       ->check(CLI::IsMember({"dcp", "torchdcp", "safetensors", "torch"}));
   convert->add_flag("--overwrite", co.overwrite, "replace an existing destination");
   convert
