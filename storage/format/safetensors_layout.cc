@@ -5,8 +5,11 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
+#include <string_view>
 #include <vector>
 
 #include "dcp/proto/error.h"
@@ -35,58 +38,489 @@ constexpr size_t kMaxArrayLength = 1024;
   throw CorruptionError("safetensors file '" + where + "': " + what);
 }
 
-// Parse untrusted JSON: nlohmann's parser is iterative, but a DOM of deep nesting or of huge
-// arrays is not what any header holds, so both are refused while parsing.
-Json ParseBounded(std::string_view text, const std::string& where, const char* what) {
-  struct Refused {
-    std::string why;
-  };
-  std::vector<std::pair<bool, size_t>> open;  // (is array, elements so far)
-  auto count = [&] {
-    if (!open.empty() && open.back().first && ++open.back().second > kMaxArrayLength) {
-      throw Refused{"an array longer than " + std::to_string(kMaxArrayLength) + " elements"};
+// ---- Untrusted JSON, parsed in one linear pass ----
+//
+// Headers and indexes (up to 100 MiB each) are parsed with nlohmann-json's SAX interface into
+// only what is kept: each tensor's name, dtype, shape and offsets; the weight_map. No DOM is
+// built. (nlohmann's callback parser, json::parse with a parser_callback_t, rescans an object's
+// members each time one of them that is itself an object ends, so a header of N tensors cost
+// O(N^2): 50,000 tensors, 4 MiB, took 161 s. A DOM also costs several times the text.)
+//
+// Every document is held to the same bounds while it is read: containers at most kMaxJsonDepth
+// deep, arrays of at most `max_array` elements. A document that is not valid JSON or breaks a
+// bound is refused as such; otherwise the first problem of its structure (a tensor without a
+// dtype, a weight_map entry that is not a plain file name, ...) is recorded while parsing goes
+// on without keeping anything more, and reported at the end.
+
+// A JSON scalar as the SAX parser hands it over.
+struct Scalar {
+  enum Kind { kUnsigned, kNegative, kFloat, kString, kBool, kNull };
+  Kind kind = kNull;
+  uint64_t u = 0;                    // kUnsigned
+  int64_t i = 0;                     // kNegative
+  bool b = false;                    // kBool
+  std::string* str = nullptr;        // kString: the parser's buffer (a handler may move it out)
+  const std::string* lit = nullptr;  // kFloat: the number as written
+  // The value as a message shows it (a string quoted and clipped).
+  std::string Describe() const {
+    switch (kind) {
+      case kUnsigned:
+        return std::to_string(u);
+      case kNegative:
+        return std::to_string(i);
+      case kFloat:
+        return lit->size() <= 40 ? *lit : lit->substr(0, 40) + "...";
+      case kString:
+        return ClippedName(*str);
+      case kBool:
+        return b ? "true" : "false";
+      case kNull:
+        break;
     }
-  };
-  Json::parser_callback_t cb = [&](int depth, Json::parse_event_t ev, Json&) {
-    if (depth > kMaxJsonDepth) {
+    return "null";
+  }
+};
+
+struct Refused {
+  std::string why;
+};
+
+// What a document's structure got wrong: the error's kind and its message (without the file).
+struct Problem {
+  ErrorCode code = ErrorCode::kCorruption;
+  std::string what;
+};
+
+// The bounds every document is held to, and the events a handler sees: the root value is at
+// depth 0, a member or element of a container at depth d is at depth d + 1, and a key of an
+// object at depth d comes at depth d + 1, before its value. The member functions without a
+// capital are nlohmann::json_sax's (Json::sax_parse calls them).
+class BoundedSax {
+ public:
+  explicit BoundedSax(size_t max_array) : max_array_(max_array) {}
+  virtual ~BoundedSax() = default;
+
+  bool null() {
+    Scalar v;
+    return Value(v);
+  }
+  bool boolean(bool b) {
+    Scalar v;
+    v.kind = Scalar::kBool;
+    v.b = b;
+    return Value(v);
+  }
+  bool number_integer(int64_t i) {
+    if (i >= 0) return number_unsigned(static_cast<uint64_t>(i));
+    Scalar v;
+    v.kind = Scalar::kNegative;
+    v.i = i;
+    return Value(v);
+  }
+  bool number_unsigned(uint64_t u) {
+    Scalar v;
+    v.kind = Scalar::kUnsigned;
+    v.u = u;
+    return Value(v);
+  }
+  bool number_float(double, const std::string& literal) {
+    Scalar v;
+    v.kind = Scalar::kFloat;
+    v.lit = &literal;
+    return Value(v);
+  }
+  bool string(std::string& s) {
+    Scalar v;
+    v.kind = Scalar::kString;
+    v.str = &s;
+    return Value(v);
+  }
+  bool binary(Json::binary_t&) {  // not in JSON text
+    Scalar v;
+    return Value(v);
+  }
+  bool start_object(size_t) { return Open(false); }
+  bool start_array(size_t) { return Open(true); }
+  bool end_object() { return Close(); }
+  bool end_array() { return Close(); }
+  bool key(std::string& k) {
+    OnKey(k, static_cast<int>(open_.size()));
+    return true;
+  }
+  template <class Exception>
+  bool parse_error(size_t, const std::string&, const Exception& e) {
+    throw e;
+  }
+
+  const std::optional<Problem>& problem() const { return problem_; }
+  // The whole document has been read (valid JSON, within the bounds): what it lacks.
+  virtual void OnDone() {}
+
+ protected:
+  virtual void OnScalar(Scalar& v, int depth) = 0;
+  virtual void OnStart(bool array, int depth) = 0;
+  virtual void OnEnd(bool array, int depth) = 0;
+  virtual void OnKey(std::string& key, int depth) = 0;
+
+  // Record the document's first structural problem (later ones are not looked for).
+  void Fail(std::string what, ErrorCode code = ErrorCode::kCorruption) {
+    if (!problem_) problem_ = Problem{code, std::move(what)};
+  }
+  bool failed() const { return problem_.has_value(); }
+
+ private:
+  void Count() {
+    if (!open_.empty() && open_.back().first && ++open_.back().second > max_array_) {
+      throw Refused{"an array longer than " + std::to_string(max_array_) + " elements"};
+    }
+  }
+  bool Value(Scalar& v) {
+    Count();
+    OnScalar(v, static_cast<int>(open_.size()));
+    return true;
+  }
+  bool Open(bool array) {
+    Count();
+    if (open_.size() >= static_cast<size_t>(kMaxJsonDepth)) {
       throw Refused{"nesting deeper than " + std::to_string(kMaxJsonDepth) + " levels"};
     }
-    switch (ev) {
-      case Json::parse_event_t::object_start:
-        open.emplace_back(false, 0);
-        break;
-      case Json::parse_event_t::array_start:
-        open.emplace_back(true, 0);
-        break;
-      case Json::parse_event_t::object_end:
-      case Json::parse_event_t::array_end:
-        if (!open.empty()) open.pop_back();
-        count();
-        break;
-      case Json::parse_event_t::value:
-        count();
-        break;
-      case Json::parse_event_t::key:
-        break;
-    }
+    OnStart(array, static_cast<int>(open_.size()));
+    open_.emplace_back(array, 0);
     return true;
-  };
+  }
+  bool Close() {
+    const bool array = open_.back().first;
+    open_.pop_back();
+    OnEnd(array, static_cast<int>(open_.size()));
+    return true;
+  }
+
+  const size_t max_array_;
+  std::vector<std::pair<bool, size_t>> open_;  // (is an array, elements so far)
+  std::optional<Problem> problem_;
+};
+
+// Parse `text` with `sax` (bounds checked as it goes), then report its first problem.
+void ParseBounded(std::string_view text, BoundedSax& sax, const std::string& kind,
+                  const std::string& where, const char* what) {
   try {
-    return Json::parse(text.begin(), text.end(), cb);
+    Json::sax_parse(text.begin(), text.end(), &sax);
   } catch (const Refused& r) {
     throw CorruptionError("'" + where + "': " + what + " has " + r.why);
   } catch (const Json::exception& e) {
     throw CorruptionError("'" + where + "': " + what + " is not valid JSON: " + e.what());
   }
+  sax.OnDone();
+  if (const auto& p = sax.problem()) {
+    const std::string message = kind + " '" + where + "': " + p->what;
+    if (p->code == ErrorCode::kUnsupported) throw UnsupportedError(message);
+    throw CorruptionError(message);
+  }
 }
 
-// A JSON number that is a non-negative integer, as uint64.
-std::optional<uint64_t> Unsigned(const Json& j) {
-  if (j.is_number_unsigned()) return j.get<uint64_t>();
-  if (j.is_number_integer() && j.get<int64_t>() >= 0)
-    return static_cast<uint64_t>(j.get<int64_t>());
-  return std::nullopt;
-}
+// One tensor of a header, checked.
+struct TensorSpec {
+  std::string name;
+  DType dtype = DType::kUInt8;
+  Shape shape;
+  uint64_t begin = 0, end = 0;
+  bool blob = false;
+};
+
+// A header: {"<tensor>": {"dtype": "F32", "shape": [..], "data_offsets": [b, e]}, ...,
+// "__metadata__": {"<key>": "<value>", ...}}, read into TensorSpecs checked against the
+// `data_size` bytes after the header, and __metadata__["dcp.blobs"]. Other members of a tensor's
+// object are skipped.
+class HeaderSax : public BoundedSax {
+ public:
+  explicit HeaderSax(uint64_t data_size) : BoundedSax(kMaxArrayLength), data_size_(data_size) {}
+
+  std::vector<TensorSpec> specs;
+  std::optional<std::string> blobs;  // __metadata__["dcp.blobs"]
+
+ protected:
+  void OnKey(std::string& key, int depth) override {
+    if (depth == 1) {
+      key1_ = key;
+    } else if (depth == 2) {
+      key2_ = key;
+      if (in_ == In::kTensor) {
+        field_ = key == "dtype"          ? Field::kDtype
+                 : key == "shape"        ? Field::kShape
+                 : key == "data_offsets" ? Field::kOffsets
+                                         : Field::kOther;
+        if (field_ != Field::kOther && (seen_ & Bit(field_))) {
+          Fail(Tensor() + "has \"" + key + "\" twice");
+        }
+        seen_ |= Bit(field_);
+      }
+    }
+  }
+  void OnScalar(Scalar& v, int depth) override {
+    if (depth == 0) {
+      Fail("the header is not a JSON object");
+    } else if (depth == 1) {
+      Member(nullptr);
+    } else if (depth == 2 && in_ == In::kMetadata) {
+      if (v.kind != Scalar::kString) {
+        Fail("__metadata__ entry " + ClippedName(key2_) + " is not a string");
+      } else if (key2_ == kBlobsKey && !failed()) {
+        if (blobs) Fail("__metadata__ has \"" + std::string(kBlobsKey) + "\" twice");
+        blobs = std::move(*v.str);
+      }
+    } else if (depth == 2 && in_ == In::kTensor) {
+      if (field_ == Field::kDtype && v.kind == Scalar::kString) {
+        dtype_name_ = *v.str;
+        dtype_ok_ = true;
+      }
+    } else if (depth == 3 && collect_ == Field::kShape) {
+      Dimension(&v);
+    } else if (depth == 3 && collect_ == Field::kOffsets) {
+      Offset(&v);
+    }
+  }
+  void OnStart(bool array, int depth) override {
+    if (depth == 0) {
+      if (array) Fail("the header is not a JSON object");
+    } else if (depth == 1) {
+      Member(&array);
+    } else if (depth == 2 && in_ == In::kMetadata) {
+      Fail("__metadata__ entry " + ClippedName(key2_) + " is not a string");
+    } else if (depth == 2 && in_ == In::kTensor && array) {
+      if (field_ == Field::kShape) shape_ok_ = true;
+      if (field_ == Field::kOffsets) offsets_ok_ = true;
+      if (field_ == Field::kShape || field_ == Field::kOffsets) collect_ = field_;
+    } else if (depth == 3 && collect_ == Field::kShape) {
+      Dimension(nullptr);
+    } else if (depth == 3 && collect_ == Field::kOffsets) {
+      Offset(nullptr);
+    }
+  }
+  void OnEnd(bool, int depth) override {
+    if (depth == 2) collect_ = Field::kOther;
+    if (depth != 1) return;
+    if (in_ == In::kTensor) Finish();
+    in_ = In::kNone;
+  }
+
+ private:
+  enum class In { kNone, kMetadata, kTensor, kSkipped };
+  enum class Field { kDtype, kShape, kOffsets, kOther };
+  static unsigned Bit(Field f) { return 1u << static_cast<unsigned>(f); }
+  std::string Tensor() const { return "tensor " + ClippedName(cur_.name) + ": "; }
+
+  // A member of the root: `array` says which container begins (nullptr: a scalar).
+  void Member(const bool* array) {
+    in_ = array ? In::kSkipped : In::kNone;
+    if (key1_ == "__metadata__") {
+      if (seen_metadata_) Fail("__metadata__ appears twice");
+      seen_metadata_ = true;
+      if (!array || *array) {
+        Fail("__metadata__ is not a JSON object");
+      } else {
+        in_ = In::kMetadata;
+      }
+      return;
+    }
+    if (!array || *array) {
+      Fail("tensor " + ClippedName(key1_) + ": not a JSON object");
+      return;
+    }
+    in_ = In::kTensor;
+    cur_ = TensorSpec{};
+    cur_.name = key1_;
+    seen_ = 0;
+    collect_ = Field::kOther;
+    dtype_ok_ = shape_ok_ = offsets_ok_ = false;
+    bad_dim_.clear();
+    offsets_.clear();
+  }
+  // An element of "shape" (nullptr: a container).
+  void Dimension(const Scalar* v) {
+    if (v && v->kind == Scalar::kUnsigned &&
+        v->u <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      if (!failed()) cur_.shape.push_back(static_cast<int64_t>(v->u));
+    } else if (bad_dim_.empty()) {
+      bad_dim_ = v ? v->Describe() : std::string("a container");
+    }
+  }
+  // An element of "data_offsets" (nullptr: a container).
+  void Offset(const Scalar* v) {
+    if (offsets_.size() >= 3) return;  // three are already not a pair
+    Scalar kept;
+    std::string text = v ? v->Describe() : std::string("a container");
+    if (v && v->kind == Scalar::kUnsigned) kept = *v;
+    kept.str = nullptr;
+    offsets_.emplace_back(kept, std::move(text));
+  }
+  std::string OffsetsText() const {
+    std::string s = "[";
+    for (size_t i = 0; i < offsets_.size(); ++i) s += (i ? ", " : "") + offsets_[i].second;
+    return s + "]";
+  }
+  // The tensor's object has ended: check it against the data section, as the format requires.
+  void Finish() {
+    // Messages are built only when a check fails (most tensors pass every one).
+    const auto fail = [this](const std::string& why, ErrorCode code = ErrorCode::kCorruption) {
+      Fail(Tensor() + why, code);
+    };
+    if (!dtype_ok_) return fail("no \"dtype\" string");
+    if (!shape_ok_) return fail("no \"shape\" list");
+    if (!offsets_ok_ || offsets_.size() != 2) return fail("no \"data_offsets\" pair");
+    const std::optional<DType> dtype = DTypeFromSafetensorsName(dtype_name_);
+    if (!dtype) {
+      return fail("has dtype " + ClippedName(dtype_name_) + ", which dcp does not support",
+                  ErrorCode::kUnsupported);
+    }
+    if (!bad_dim_.empty()) {
+      return fail("shape has a dimension " + bad_dim_ + ", which is not a non-negative int64");
+    }
+    if (failed()) return;  // nothing more is kept
+    int64_t numel = 0;
+    try {
+      numel = NumElements(cur_.shape);
+    } catch (const InvalidArgumentError&) {
+      return fail("shape " + ShapeToString(cur_.shape) + " has more elements than int64 holds");
+    }
+    const uint64_t esize = ElementSize(*dtype);
+    if (static_cast<uint64_t>(numel) > std::numeric_limits<uint64_t>::max() / esize) {
+      return fail("shape " + ShapeToString(cur_.shape) + " is too large");
+    }
+    const uint64_t bytes = static_cast<uint64_t>(numel) * esize;
+    const Scalar& b = offsets_[0].first;
+    const Scalar& e = offsets_[1].first;
+    if (b.kind != Scalar::kUnsigned || e.kind != Scalar::kUnsigned || b.u > e.u) {
+      return fail("data_offsets " + OffsetsText() + " are not a range");
+    }
+    if (e.u > data_size_) {
+      return fail("data_offsets " + OffsetsText() + " reach past the file's " +
+                  std::to_string(data_size_) + " data bytes");
+    }
+    if (e.u - b.u != bytes) {
+      return fail("data_offsets " + OffsetsText() + " hold " + std::to_string(e.u - b.u) +
+                  " bytes, its dtype " + dtype_name_ + " and shape " + ShapeToString(cur_.shape) +
+                  " need " + std::to_string(bytes));
+    }
+    cur_.dtype = *dtype;
+    cur_.begin = b.u;
+    cur_.end = e.u;
+    specs.push_back(std::move(cur_));
+  }
+
+  const uint64_t data_size_;
+  std::string key1_, key2_;
+  In in_ = In::kNone;
+  bool seen_metadata_ = false;
+  // The tensor being read.
+  TensorSpec cur_;
+  Field field_ = Field::kOther, collect_ = Field::kOther;
+  unsigned seen_ = 0;
+  std::string dtype_name_;
+  bool dtype_ok_ = false, shape_ok_ = false, offsets_ok_ = false;
+  std::string bad_dim_;                                  // the first bad dimension, described
+  std::vector<std::pair<Scalar, std::string>> offsets_;  // (value, described)
+};
+
+// __metadata__["dcp.blobs"]: a JSON list of names; each that names one of `specs` (sorted by
+// name) marks it. Names of no tensor are ignored. The list may be as long as its text: nothing
+// of it is kept.
+class BlobListSax : public BoundedSax {
+ public:
+  explicit BlobListSax(std::vector<TensorSpec>& specs)
+      : BoundedSax(std::numeric_limits<size_t>::max()), specs_(specs) {}
+
+ protected:
+  void OnKey(std::string&, int) override {}
+  void OnScalar(Scalar& v, int depth) override {
+    if (depth == 0) return Fail(kWhat + " is not a JSON list");
+    if (depth != 1) return;
+    if (v.kind != Scalar::kString) return Fail(kWhat + " lists a non-string");
+    auto it = std::lower_bound(
+        specs_.begin(), specs_.end(), *v.str,
+        [](const TensorSpec& s, const std::string& name) { return s.name < name; });
+    if (it != specs_.end() && it->name == *v.str) it->blob = true;
+  }
+  void OnStart(bool array, int depth) override {
+    if (depth == 0 && !array) Fail(kWhat + " is not a JSON list");
+    if (depth == 1) Fail(kWhat + " lists a non-string");
+  }
+  void OnEnd(bool, int) override {}
+
+ private:
+  inline static const std::string kWhat = "__metadata__[\"" + std::string(kBlobsKey) + "\"]";
+  std::vector<TensorSpec>& specs_;
+};
+
+// model.safetensors.index.json: {"metadata": {...}, "weight_map": {"<tensor>": "<file>", ...}}.
+// Kept: the weight_map, its file names checked to be plain names in the checkpoint (the index is
+// untrusted), and "metadata"'s dcp save id. Other members are skipped.
+class IndexSax : public BoundedSax {
+ public:
+  IndexSax() : BoundedSax(kMaxArrayLength) {}
+
+  std::map<std::string, std::string> map;
+  std::string save_id;
+
+  void OnDone() override {
+    if (!seen_map_) Fail("no \"weight_map\" object");
+  }
+
+ protected:
+  void OnKey(std::string& key, int depth) override {
+    if (depth == 1) key1_ = key;
+    if (depth == 2) key2_ = key;
+  }
+  void OnScalar(Scalar& v, int depth) override {
+    if (depth == 0) return Fail("not a JSON object");
+    if (depth == 1) return Member(nullptr);
+    if (depth != 2) return;
+    if (in_ == In::kMetadata && key2_ == kSaveIdKey && v.kind == Scalar::kString &&
+        v.str->size() <= 64) {
+      save_id = *v.str;
+    } else if (in_ == In::kMap) {
+      if (v.kind != Scalar::kString) return Fail(Tensor() + " maps to a non-string");
+      Map(*v.str);
+    }
+  }
+  void OnStart(bool array, int depth) override {
+    if (depth == 0 && array) return Fail("not a JSON object");
+    if (depth == 1) return Member(&array);
+    if (depth == 2 && in_ == In::kMap) Fail(Tensor() + " maps to a non-string");
+  }
+  void OnEnd(bool, int depth) override {
+    if (depth == 1) in_ = In::kNone;
+  }
+
+ private:
+  enum class In { kNone, kMetadata, kMap };
+  std::string Tensor() const { return "tensor " + ClippedName(key2_); }
+  void Member(const bool* array) {
+    in_ = In::kNone;
+    if (key1_ == "weight_map") {
+      if (seen_map_) return Fail("\"weight_map\" appears twice");
+      seen_map_ = true;
+      if (!array || *array) return Fail("no \"weight_map\" object");
+      in_ = In::kMap;
+    } else if (key1_ == "metadata" && array && !*array) {
+      in_ = In::kMetadata;
+    }
+  }
+  void Map(std::string& f) {
+    // Names relative to the checkpoint, never outside it.
+    if (f.empty() || f == "." || f.find('/') != std::string::npos ||
+        f.find('\\') != std::string::npos || f.find("..") != std::string::npos ||
+        f.find('\0') != std::string::npos) {
+      return Fail(Tensor() + " maps to " + ClippedName(f) +
+                  ", which is not a plain file name in the checkpoint");
+    }
+    if (failed()) return;
+    if (!map.emplace(key2_, std::move(f)).second) Fail(Tensor() + " is mapped twice");
+  }
+
+  std::string key1_, key2_;
+  In in_ = In::kNone;
+  bool seen_map_ = false;
+};
 
 // The header length the first 8 bytes of a `file_size`-byte file claim, checked.
 uint64_t HeaderLength(std::string_view head, uint64_t file_size, const std::string& where) {
@@ -105,21 +539,6 @@ uint64_t HeaderLength(std::string_view head, uint64_t file_size, const std::stri
                    std::to_string(file_size - 8) + " bytes after it");
   }
   return n;
-}
-
-// The names __metadata__["dcp.blobs"] lists (a JSON list in a string), or none.
-std::set<std::string> BlobNames(const Json& meta, const std::string& where) {
-  std::set<std::string> names;
-  auto it = meta.find(kBlobsKey);
-  if (it == meta.end()) return names;
-  const Json list =
-      ParseBounded(it->get_ref<const std::string&>(), where, "__metadata__[\"dcp.blobs\"]");
-  if (!list.is_array()) Bad(where, "__metadata__[\"dcp.blobs\"] is not a JSON list");
-  for (const auto& n : list) {
-    if (!n.is_string()) Bad(where, "__metadata__[\"dcp.blobs\"] lists a non-string");
-    names.insert(n.get<std::string>());
-  }
-  return names;
 }
 
 class SafetensorsFileViewImpl : public ForwardingStore {
@@ -196,33 +615,11 @@ std::map<std::string, std::string> ReadIndex(Store& store, const std::string& wh
                           " bytes, over the limit of " +
                           std::to_string(kMaxSafetensorsHeaderBytes));
   }
-  const Json index = ParseBounded(store.ReadAll(kSafetensorsIndexName), where, "the index");
-  auto bad = [&](const std::string& what) -> CorruptionError {
-    return CorruptionError("safetensors index '" + where + "': " + what);
-  };
-  if (!index.is_object()) throw bad("not a JSON object");
-  if (auto meta = index.find("metadata"); meta != index.end() && meta->is_object()) {
-    auto id = meta->find(kSaveIdKey);
-    if (id != meta->end() && id->is_string() && id->get_ref<const std::string&>().size() <= 64) {
-      *save_id = id->get<std::string>();
-    }
-  }
-  auto wm = index.find("weight_map");
-  if (wm == index.end() || !wm->is_object()) throw bad("no \"weight_map\" object");
-  std::map<std::string, std::string> map;
-  for (const auto& [name, file] : wm->items()) {
-    if (!file.is_string()) throw bad("tensor " + ClippedName(name) + " maps to a non-string");
-    const std::string& f = file.get_ref<const std::string&>();
-    // Names relative to the checkpoint, never outside it (the index is untrusted).
-    if (f.empty() || f == "." || f.find('/') != std::string::npos ||
-        f.find('\\') != std::string::npos || f.find("..") != std::string::npos ||
-        f.find('\0') != std::string::npos) {
-      throw bad("tensor " + ClippedName(name) + " maps to " + ClippedName(f) +
-                ", which is not a plain file name in the checkpoint");
-    }
-    map.emplace(name, f);
-  }
-  return map;
+  const std::string text = store.ReadAll(kSafetensorsIndexName);
+  IndexSax sax;
+  ParseBounded(text, sax, "safetensors index", where, "the index");
+  *save_id = std::move(sax.save_id);
+  return std::move(sax.map);
 }
 
 const SafetensorsFileViewImpl* AsFileView(Store& store) {
@@ -346,87 +743,44 @@ void AddSafetensorsFile(std::string_view head, uint64_t file_size, const std::st
   const uint64_t n = HeaderLength(head, file_size, where);
   if (head.size() < 8 + n) Bad(where, "truncated header");
   const uint64_t data_begin = 8 + n, data_size = file_size - data_begin;
-  const Json header = ParseBounded(head.substr(8, n), where, "the header");
-  if (!header.is_object()) Bad(where, "the header is not a JSON object");
-  std::set<std::string> blobs;
-  if (auto meta = header.find("__metadata__"); meta != header.end()) {
-    if (!meta->is_object()) Bad(where, "__metadata__ is not a JSON object");
-    for (const auto& [key, value] : meta->items()) {
-      if (!value.is_string()) {
-        Bad(where, "__metadata__ entry " + ClippedName(key) + " is not a string");
-      }
+  const std::string_view text = head.substr(8, n);
+  HeaderSax sax(data_size);
+  ParseBounded(text, sax, "safetensors file", where, "the header");
+  std::vector<TensorSpec>& specs = sax.specs;
+  std::sort(specs.begin(), specs.end(),
+            [](const TensorSpec& a, const TensorSpec& b) { return a.name < b.name; });
+  for (size_t i = 1; i < specs.size(); ++i) {
+    if (specs[i].name == specs[i - 1].name) {
+      Bad(where, "tensor " + ClippedName(specs[i].name) + " appears twice in the header");
     }
-    blobs = BlobNames(*meta, where);
+  }
+  if (sax.blobs) {
+    BlobListSax blobs(specs);
+    ParseBounded(*sax.blobs, blobs, "safetensors file", where, "__metadata__[\"dcp.blobs\"]");
   }
   std::vector<std::pair<std::pair<uint64_t, uint64_t>, const std::string*>> ranges;
-  for (const auto& [name, spec] : header.items()) {
-    if (name == "__metadata__") continue;
-    const std::string what = "tensor " + ClippedName(name);
-    auto fail = [&](const std::string& why) { Bad(where, what + ": " + why); };
-    if (!spec.is_object()) fail("not a JSON object");
-    auto dt = spec.find("dtype");
-    auto sh = spec.find("shape");
-    auto off = spec.find("data_offsets");
-    if (dt == spec.end() || !dt->is_string()) fail("no \"dtype\" string");
-    if (sh == spec.end() || !sh->is_array()) fail("no \"shape\" list");
-    if (off == spec.end() || !off->is_array() || off->size() != 2) {
-      fail("no \"data_offsets\" pair");
-    }
-    const std::string& dtype_name = dt->get_ref<const std::string&>();
-    const std::optional<DType> dtype = DTypeFromSafetensorsName(dtype_name);
-    if (!dtype) {
-      throw UnsupportedError("safetensors file '" + where + "': " + what + " has dtype " +
-                             ClippedName(dtype_name) + ", which dcp does not support");
-    }
-    Shape shape;
-    for (const auto& d : *sh) {
-      const std::optional<uint64_t> v = Unsigned(d);
-      if (!v || *v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-        fail("shape " + sh->dump() + " has a dimension that is not a non-negative int64");
-      }
-      shape.push_back(static_cast<int64_t>(*v));
-    }
-    int64_t numel = 0;
-    try {
-      numel = NumElements(shape);
-    } catch (const InvalidArgumentError&) {
-      fail("shape " + ShapeToString(shape) + " has more elements than int64 holds");
-    }
-    const uint64_t esize = ElementSize(*dtype);
-    if (static_cast<uint64_t>(numel) > std::numeric_limits<uint64_t>::max() / esize) {
-      fail("shape " + ShapeToString(shape) + " is too large");
-    }
-    const uint64_t bytes = static_cast<uint64_t>(numel) * esize;
-    const std::optional<uint64_t> begin = Unsigned((*off)[0]), end = Unsigned((*off)[1]);
-    if (!begin || !end || *begin > *end) fail("data_offsets " + off->dump() + " are not a range");
-    if (*end > data_size) {
-      fail("data_offsets " + off->dump() + " reach past the file's " + std::to_string(data_size) +
-           " data bytes");
-    }
-    if (*end - *begin != bytes) {
-      fail("data_offsets " + off->dump() + " hold " + std::to_string(*end - *begin) +
-           " bytes, its dtype " + dtype_name + " and shape " + ShapeToString(shape) + " need " +
-           std::to_string(bytes));
-    }
-    if (auto it = md.entries.find(name); it != md.entries.end()) {
-      auto s = md.storage.lower_bound(MetadataIndex{name, {}, {}});
-      fail("is also in '" +
-           (s != md.storage.end() && s->first.fqn == name ? s->second.relative_path : "?") + "'");
+  for (TensorSpec& t : specs) {
+    if (md.entries.count(t.name)) {
+      auto s = md.storage.lower_bound(MetadataIndex{t.name, {}, {}});
+      Bad(where,
+          "tensor " + ClippedName(t.name) + ": is also in '" +
+              (s != md.storage.end() && s->first.fqn == t.name ? s->second.relative_path : "?") +
+              "'");
     }
     StorageInfo info;
     info.relative_path = file;
-    info.offset = data_begin + *begin;
-    info.length = bytes;
-    info.raw_length = bytes;
-    if (blobs.count(name) && *dtype == DType::kUInt8 && shape.size() == 1) {
-      md.entries.emplace(name, BytesMetadata{});
-      md.storage.emplace(MetadataIndex{name, {}, {}}, std::move(info));
+    info.offset = data_begin + t.begin;
+    info.length = t.end - t.begin;
+    info.raw_length = info.length;
+    if (t.blob && t.dtype == DType::kUInt8 && t.shape.size() == 1) {
+      md.storage.emplace(MetadataIndex{t.name, {}, {}}, std::move(info));
+      md.entries.emplace(t.name, BytesMetadata{});
     } else {
-      const Shape zeros(shape.size(), 0);
-      md.entries.emplace(name, TensorMetadata{*dtype, shape, {ChunkMeta{zeros, shape}}});
-      md.storage.emplace(MetadataIndex{name, zeros, 0}, std::move(info));
+      const Shape zeros(t.shape.size(), 0);
+      md.storage.emplace(MetadataIndex{t.name, zeros, 0}, std::move(info));
+      md.entries.emplace(t.name, TensorMetadata{t.dtype, t.shape, {ChunkMeta{zeros, t.shape}}});
     }
-    if (bytes > 0) ranges.push_back({{*begin, *end}, &name});
+    if (t.end > t.begin) ranges.push_back({{t.begin, t.end}, &t.name});
   }
   // The format forbids overlapping tensors; a reader would only read the same bytes twice, but
   // a header that claims it is not one a safetensors writer made.

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/registry.h"
 #include "support/test_support.h"
@@ -327,6 +328,21 @@ TEST_CASE("safetensors: hostile headers are refused with the file and tensor nam
        "overlap"},
       {"metadata not strings", StFile(R"({"__metadata__":{"a":1}})"), "is not a string"},
       {"bad blob list", StFile(R"({"__metadata__":{"dcp.blobs":"[1"}})"), "not valid JSON"},
+      // One name, one meaning: a key twice is refused (a DOM kept the last one silently).
+      {"a tensor twice",
+       StFile(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+              R"("w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})"),
+       "appears twice in the header"},
+      {"a field twice",
+       StFile(R"({"w":{"dtype":"F32","dtype":"F64","shape":[2],"data_offsets":[0,8]}})"),
+       "has \"dtype\" twice"},
+      {"__metadata__ twice", StFile(R"({"__metadata__":{},"__metadata__":{}})"),
+       "__metadata__ appears twice"},
+      {"a tensor that is not an object", StFile(R"({"w":[1,2]})"), "not a JSON object"},
+      {"a container for a dimension",
+       StFile(R"({"w":{"dtype":"F32","shape":[[2]],"data_offsets":[0,8]}})"), "not a non-negative"},
+      {"three offsets", StFile(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8,8]}})"),
+       "no \"data_offsets\" pair"},
   };
   for (const Case& c : cases) {
     DYNAMIC_SECTION(c.what) {
@@ -388,6 +404,11 @@ TEST_CASE("safetensors: hostile indexes are refused with the file and tensor nam
       {"a tensor its file lacks", R"({"weight_map":{"x":"a.safetensors"}})", "does not have it"},
       {"a tensor in two files", R"({"weight_map":{"w":"a.safetensors","v":"b.safetensors"}})",
        "is also in"},
+      {"a tensor mapped twice", R"({"weight_map":{"w":"a.safetensors","w":"b.safetensors"}})",
+       "mapped twice"},
+      {"weight_map twice", R"({"weight_map":{"w":"a.safetensors"},"weight_map":{}})",
+       "appears twice"},
+      {"not an object", R"(["weight_map"])", "not a JSON object"},
   };
   for (const Case& c : cases) {
     DYNAMIC_SECTION(c.what) {
@@ -398,9 +419,67 @@ TEST_CASE("safetensors: hostile indexes are refused with the file and tensor nam
       } catch (const Error& e) {
         CHECK(e.code() == c.code);
         CHECK_THAT(e.what(), Contains(c.message));
+        // Naming the file at fault: the index, or the data file that repeats a tensor.
+        CHECK_THAT(e.what(), Contains(c.message == "is also in"        ? "b.safetensors"
+                                      : c.code == ErrorCode::kNotFound ? "c.safetensors"
+                                                                       : kSafetensorsIndexName));
       }
     }
   }
+}
+
+// A header of 200,000 tensors (17 MB): parsed in one linear pass. nlohmann's callback parser,
+// which read headers before, rescanned the root's members each time a tensor's object ended:
+// 12,500 tensors took 8 s, 50,000 took 161 s, so these would take about 40 minutes, far past
+// CTest's 300 s for this test. (Not a timing: a quadratic parser cannot finish in time.)
+TEST_CASE("safetensors: a header of 200,000 tensors is read in one pass", "[safetensors]") {
+  constexpr int kTensors = 200000;
+  std::string header = "{";
+  for (int i = 0; i < kTensors; ++i) {
+    const std::string b = std::to_string(uint64_t{4} * i), e = std::to_string(uint64_t{4} * i + 4);
+    header += "\"model.layers." + std::to_string(i) +
+              ".mlp.w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[" + b + "," + e + "]},";
+  }
+  header += R"("__metadata__":{"format":"pt"}})";
+  REQUIRE(header.size() > (size_t{16} << 20));
+  std::string head(8, '\0');
+  for (int i = 0; i < 8; ++i) head[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  head += header;
+  Metadata md;
+  AddSafetensorsFile(head, head.size() + uint64_t{4} * kTensors, "model.safetensors", "big", md);
+  REQUIRE(md.entries.size() == kTensors);
+  const StorageInfo& last = md.storage.at(MetadataIndex{"model.layers.199999.mlp.w", Shape{0}, {}});
+  CHECK(last.offset == head.size() + uint64_t{4} * (kTensors - 1));
+  CHECK(last.length == 4);
+  ValidateMetadata(md, "big");
+}
+
+// "dcp.blobs" may name any number of tensors (the list is not held to the 1,024 elements of a
+// header's arrays: it is read name by name, nothing of it kept).
+TEST_CASE("safetensors: a file with 1,500 byte entries loads them as blobs", "[safetensors]") {
+  TempDir dir("st-blobs");
+  nlohmann::json header = nlohmann::json::object(), names = nlohmann::json::array();
+  std::string data;
+  for (int i = 0; i < 1500; ++i) {
+    const std::string name = "b" + std::to_string(i);
+    header[name] = {{"dtype", "U8"}, {"shape", {2}}, {"data_offsets", {2 * i, 2 * i + 2}}};
+    names.push_back(name);
+    data += static_cast<char>(i & 0xff);
+    data += static_cast<char>(i >> 8);
+  }
+  names.push_back("not a tensor");  // ignored
+  header["__metadata__"] = {{"dcp.blobs", names.dump()}};
+  WriteFile(dir / "model.safetensors", StFile(header.dump(), data));
+  const Metadata md = ReadMetadata(dir.path());
+  REQUIRE(md.entries.size() == 1500);
+  for (const auto& [name, e] : md.entries) {
+    INFO(name);
+    CHECK(std::holds_alternative<BytesMetadata>(e));
+  }
+  const StateDict all = LoadAll(dir.path());
+  const StateValue* v = all.Find("b1499");
+  REQUIRE(v);
+  CHECK(std::get<Blob>(*v).bytes == std::string("\xdb\x05", 2));
 }
 
 TEST_CASE("safetensors: detection comes after dcp and PyTorch DCP", "[safetensors]") {
