@@ -200,6 +200,30 @@ class BoundedSax {
   std::optional<Problem> problem_;
 };
 
+// "0x7b ('{')", for a message.
+std::string ByteName(char c) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  const auto u = static_cast<unsigned char>(c);
+  std::string s = {'0', 'x', kHex[u >> 4], kHex[u & 15]};
+  if (u >= 0x20 && u < 0x7f) s += std::string(" ('") + c + "')";
+  return s;
+}
+
+// A NUL byte (nlohmann's parser takes one for the end of its input, so "{...}\0<anything>"
+// would parse) or a byte order mark (which it skips) is refused in any document; `rule` says
+// what the document may hold.
+void CheckJsonText(std::string_view text, const std::string& where, const char* what,
+                   const char* rule) {
+  if (text.substr(0, 3) == "\xEF\xBB\xBF") {
+    throw CorruptionError("'" + where + "': " + what +
+                          " begins with a UTF-8 byte order mark (EF BB BF): " + rule);
+  }
+  if (const size_t nul = text.find('\0'); nul != std::string_view::npos) {
+    throw CorruptionError("'" + where + "': " + what + " has a NUL byte at offset " +
+                          std::to_string(nul) + ": " + rule);
+  }
+}
+
 // Parse `text` with `sax` (bounds checked as it goes), then report its first problem.
 void ParseBounded(std::string_view text, BoundedSax& sax, const std::string& kind,
                   const std::string& where, const char* what) {
@@ -463,6 +487,11 @@ class IndexSax : public BoundedSax {
 
   void OnDone() override {
     if (!seen_map_) Fail("no \"weight_map\" object");
+    if (seen_map_ && map.empty() && !failed()) {
+      Fail(
+          "the \"weight_map\" is empty (an index maps every tensor of the checkpoint to its "
+          "file)");
+    }
   }
 
  protected:
@@ -616,6 +645,8 @@ std::map<std::string, std::string> ReadIndex(Store& store, const std::string& wh
                           std::to_string(kMaxSafetensorsHeaderBytes));
   }
   const std::string text = store.ReadAll(kSafetensorsIndexName);
+  CheckJsonText(text, where, "the index",
+                "an index is JSON text (UTF-8 without a byte order mark, no NUL bytes)");
   IndexSax sax;
   ParseBounded(text, sax, "safetensors index", where, "the index");
   *save_id = std::move(sax.save_id);
@@ -744,6 +775,16 @@ void AddSafetensorsFile(std::string_view head, uint64_t file_size, const std::st
   if (head.size() < 8 + n) Bad(where, "truncated header");
   const uint64_t data_begin = 8 + n, data_size = file_size - data_begin;
   const std::string_view text = head.substr(8, n);
+  // The format: the header begins with '{' and may be padded with spaces (0x20) only.
+  constexpr char kPadRule[] =
+      "a safetensors header is JSON that begins with '{', padded with spaces (0x20) only";
+  CheckJsonText(text, where, "the header", kPadRule);
+  if (text.empty() || text[0] != '{') {
+    Bad(where, "the header is not a JSON object: it must begin with '{' (" +
+                   (text.empty() ? std::string("it is empty")
+                                 : "it begins with byte " + ByteName(text[0])) +
+                   ")");
+  }
   HeaderSax sax(data_size);
   ParseBounded(text, sax, "safetensors file", where, "the header");
   std::vector<TensorSpec>& specs = sax.specs;

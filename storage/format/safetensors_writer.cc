@@ -334,6 +334,13 @@ class SafetensorsWriter : public StorageWriter {
         if (by_name.count(t.name) == 0) by_name.emplace(t.name, std::move(t));
       }
     }
+    // An index maps at least one tensor: the reader refuses an empty weight_map (a hostile index
+    // must not pass for an empty model), so an empty save is refused before anything is written.
+    if (by_name.empty()) {
+      throw InvalidArgumentError("a safetensors checkpoint holds at least one entry: the state " +
+                                 std::string("dict saved to ") + uri() +
+                                 " is empty (save it as dcp or torchdcp)");
+    }
     Assignment a;
     a.round_bytes = std::clamp<uint64_t>(options_.memory_budget_bytes / 4, uint64_t{1} << 20,
                                          uint64_t{256} << 20);

@@ -275,6 +275,16 @@ TEST_CASE("safetensors: a save refuses what the format cannot hold", "[safetenso
   fine.Set("ok", RandomTensor(DType::kFloat32, {2}, 1));
   CHECK_THROWS_WITH(Save(fine, "mem://st-refuse3?format=safetensors", zstd),
                     Contains("compression"));
+  // An empty state dict: its index would map nothing, which the reader refuses (an empty
+  // weight_map); refused before anything is written.
+  try {
+    Save(StateDict{}, "mem://st-refuse4?format=safetensors");
+    FAIL("the save succeeded");
+  } catch (const CollectiveError& e) {
+    CHECK(e.failures()[0].code == ErrorCode::kInvalidArgument);
+    CHECK_THAT(e.what(), Contains("is empty") && Contains("mem://st-refuse4"));
+  }
+  CHECK(OpenStore("mem://st-refuse4")->List().empty());
 }
 
 TEST_CASE("safetensors: a rank failing mid-exchange fails every rank at once and leaves nothing",

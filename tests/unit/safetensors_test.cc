@@ -328,6 +328,13 @@ TEST_CASE("safetensors: hostile headers are refused with the file and tensor nam
        "overlap"},
       {"metadata not strings", StFile(R"({"__metadata__":{"a":1}})"), "is not a string"},
       {"bad blob list", StFile(R"({"__metadata__":{"dcp.blobs":"[1"}})"), "not valid JSON"},
+      // The format: a header begins with '{' and is padded with spaces (0x20) only. nlohmann's
+      // parser stops at a NUL (anything after it went unread) and skips a byte order mark.
+      {"NUL padding", StFile(good + std::string(6, '\0')), "NUL byte at offset 82"},
+      {"a NUL, then anything", StFile(good + std::string("\0{\"x\": nope", 12)), "NUL byte"},
+      {"a byte order mark", StFile("\xEF\xBB\xBF" + good), "byte order mark"},
+      {"leading spaces", StFile("  " + good), "must begin with '{'"},
+      {"an empty header", StFile(""), "must begin with '{'"},
       // One name, one meaning: a key twice is refused (a DOM kept the last one silently).
       {"a tensor twice",
        StFile(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
@@ -354,9 +361,10 @@ TEST_CASE("safetensors: hostile headers are refused with the file and tensor nam
         CHECK(e.code() == c.code);
         CHECK_THAT(e.what(), Contains(c.message));
         CHECK_THAT(e.what(), Contains("model.safetensors"));
-        // Errors about one tensor name it.
-        if (std::string(c.message) != "array longer" &&
-            c.bytes.find("\"w\":{") != std::string::npos) {
+        // Errors about one tensor name it (not those about the whole header's text).
+        const bool whole = c.message == "array longer" || c.message.find("NUL byte") == 0 ||
+                           c.message == "byte order mark" || c.message == "must begin with '{'";
+        if (!whole && c.bytes.find("\"w\":{") != std::string::npos) {
           CHECK_THAT(e.what(), Contains("tensor 'w'"));
         }
       }
@@ -404,6 +412,13 @@ TEST_CASE("safetensors: hostile indexes are refused with the file and tensor nam
       {"a tensor its file lacks", R"({"weight_map":{"x":"a.safetensors"}})", "does not have it"},
       {"a tensor in two files", R"({"weight_map":{"w":"a.safetensors","v":"b.safetensors"}})",
        "is also in"},
+      {"an empty weight_map", R"({"metadata":{},"weight_map":{}})", "\"weight_map\" is empty"},
+      {"a byte order mark",
+       "\xEF\xBB\xBF"
+       R"({"weight_map":{"w":"a.safetensors"}})",
+       "byte order mark"},
+      {"NUL padding", std::string(R"({"weight_map":{"w":"a.safetensors"}})") + std::string(4, '\0'),
+       "NUL byte at offset 36"},
       {"a tensor mapped twice", R"({"weight_map":{"w":"a.safetensors","w":"b.safetensors"}})",
        "mapped twice"},
       {"weight_map twice", R"({"weight_map":{"w":"a.safetensors"},"weight_map":{}})",
@@ -425,6 +440,18 @@ TEST_CASE("safetensors: hostile indexes are refused with the file and tensor nam
                                                                        : kSafetensorsIndexName));
       }
     }
+  }
+}
+
+TEST_CASE("safetensors: headers padded as the format allows are read", "[safetensors]") {
+  TempDir dir("st-padding");
+  const std::string good = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  // Spaces (what every writer pads with), and JSON's other whitespace, which JSON parsers (the
+  // reference implementation's serde_json among them) take too.
+  for (const std::string pad : {"", "      ", " \n", "\t\r\n "}) {
+    INFO(pad.size());
+    WriteFile(dir / "model.safetensors", StFile(good + pad));
+    CHECK(ReadMetadata(dir.path()).entries.size() == 1);
   }
 }
 
