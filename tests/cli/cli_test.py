@@ -228,6 +228,7 @@ def test_basic():
     test_json(a, b)
     test_flag_hints(a)
     test_hostile(a)
+    test_hostile_safetensors()
 
 
 def test_plain_path_query(a):
@@ -603,6 +604,50 @@ def test_hostile(good):
     out = bounded("convert", d, os.path.join(args.workdir, "x.safetensors"), "--overwrite",
                   expect=7, limit_as=1 << 30)
     contains(out, "out of memory", "'rng'", "data-ffffffffffffffff-r0-b0.data", "2147483648")
+
+
+def safetensors_bytes(header_text, data=b""):
+    return struct.pack("<Q", len(header_text)) + header_text + data
+
+
+def test_hostile_safetensors():
+    """Hostile safetensors files: convert refuses what verify refuses, with the same message,
+    fast and small."""
+    work = os.path.join(args.workdir, "hostile-st")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    test_safetensors_convert_refuses(work)
+
+
+def test_safetensors_convert_refuses(work):
+    """convert reads a file through the reader verify uses (it used to parse the header itself,
+    without the reader's bounds and checks): what verify refuses, convert refuses with the same
+    message, fast and small. Among them a 50 MiB header that the bounds refuse after its first
+    KiB (the old convert parsed it whole: 112 s, 4.3 GB)."""
+    good = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    cases = {
+        "long-shape": safetensors_bytes(b'{"w":{"dtype":"F32","shape":[' + b"1," * 2000 +
+                                        b'1],"data_offsets":[0,4]}}', bytes(4)),
+        "overlap": safetensors_bytes(json.dumps(
+            {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+             "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}).encode(), bytes(12)),
+        "nul-padding": safetensors_bytes(good + b"\0" * 5, bytes(8)),
+        "bom": safetensors_bytes(b"\xef\xbb\xbf" + good, bytes(8)),
+        "huge": safetensors_bytes(b'{"w":{"dtype":"F32","shape":[' + b"0," * (25 << 20) +
+                                  b'0],"data_offsets":[0,0]}}'),
+    }
+    for name, content in cases.items():
+        f = os.path.join(work, name + ".safetensors")
+        open(f, "wb").write(content)
+        verify = bounded("verify", f, expect=5)
+        out_dir = os.path.join(work, name + "-dcp")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        convert = bounded("convert", f, out_dir, expect=5)
+        error = [line for line in verify.splitlines() if line.startswith("dcp: error:")]
+        check(len(error) == 1 and error[0] in convert.splitlines(),
+              f"{name}: verify says\n{verify}\nconvert says\n{convert}")
+        check(not os.path.exists(out_dir), f"{name}: convert wrote {out_dir}")
+        os.remove(f)
 
 
 def read_safetensors(path):

@@ -130,11 +130,11 @@ CliError ClassifyCurrentException() {
   return e;
 }
 
-Checkpoint OpenCheckpoint(const std::string& path) {
+Checkpoint OpenCheckpoint(const std::string& path, std::shared_ptr<Store> store) {
   Checkpoint c;
   c.uri = path;
   try {
-    c.store = OpenStoreForReading(path);
+    c.store = store ? std::move(store) : OpenStoreForReading(path);
   } catch (const InvalidArgumentError& e) {
     // A registered scheme refusing its location (e.g. s3:// without credentials) says why
     // itself; the plugin hint is for schemes nobody registered.

@@ -70,7 +70,9 @@ struct Checkpoint {
 
 /// Open `path` (a directory, file://, mem:// or a registered Store-based URI) and read its
 /// metadata. Throws CliError with kNotCheckpoint / kIncomplete / kCorruptMetadata / kUnsupported.
-Checkpoint OpenCheckpoint(const std::string& path);
+/// `store`, when given, is read in place of the store `path` opens (e.g. a SafetensorsFileView
+/// of a file whose name does not end in .safetensors); `path` still names it in messages.
+Checkpoint OpenCheckpoint(const std::string& path, std::shared_ptr<Store> store = nullptr);
 /// Check that every data file the metadata references exists and holds the bytes placed in it,
 /// before anything is allocated or read from it (what load does too). CliError naming the file
 /// and an item otherwise: missing -> ExitCodeFor(kNotFound), truncated -> ExitCodeFor(kCorruption).

@@ -13,12 +13,12 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <set>
 
 #include "dcp/checkpoint.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/state_dict.h"
 #include "dcp/storage/format/safetensors.h"
+#include "dcp/storage/registry.h"
 
 namespace dcp::cli {
 
@@ -31,10 +31,6 @@ constexpr char kBlobsKey[] = "dcp.blobs";
 // The dtype names are the reader's (storage/format/safetensors.h), so that what an export
 // writes loads back through the safetensors layout.
 std::optional<std::string> SafetensorsDType(DType d) { return SafetensorsDTypeName(d); }
-
-std::optional<DType> FromSafetensorsDType(const std::string& s) {
-  return DTypeFromSafetensorsName(s);
-}
 
 class OutFile {
  public:
@@ -134,6 +130,20 @@ void ExportSafetensors(const Checkpoint& src, const std::string& out, const Conv
 }
 
 void ImportSafetensors(const std::string& in, const std::string& out_uri, const ConvertOptions& o) {
+  // The header is read and checked by the safetensors reader, as verify, inspect and load read
+  // it (its length bound, a bounded linear parse, every tensor's offsets against the file): a
+  // file they refuse is refused here with the same message, before anything is mapped. A file
+  // named otherwise (--from safetensors) is read through the same view of its directory.
+  std::shared_ptr<Store> view;
+  if (!IsSafetensorsName(in)) {
+    const std::filesystem::path p(in);
+    view = SafetensorsFileView(
+        OpenStoreForReading(p.has_parent_path() ? p.parent_path().string() : "."),
+        p.filename().string());
+  }
+  const Checkpoint c = OpenCheckpoint(in, view);
+  CheckDataFiles(c);
+
   const int fd = ::open(in.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw MakeIoError("open", in, errno);
   struct stat st {};
@@ -143,73 +153,33 @@ void ImportSafetensors(const std::string& in, const std::string& out_uri, const 
     throw MakeIoError("stat", in, e);
   }
   const size_t size = static_cast<size_t>(st.st_size);
-  auto bad = [&](const std::string& why) {
-    return CliError{kNotCheckpoint, "'" + in + "' is not a valid safetensors file: " + why};
-  };
-  if (size < 8) {
-    ::close(fd);
-    throw bad("shorter than its 8-byte header length");
-  }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_errno = errno;
+  void* map = size == 0 ? MAP_FAILED : ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_errno = size == 0 ? EINVAL : errno;
   ::close(fd);
   if (map == MAP_FAILED) throw MakeIoError("mmap", in, map_errno);
   std::shared_ptr<void> mapping(map, [size](void* p) { ::munmap(p, size); });
   ::madvise(map, size, MADV_SEQUENTIAL);
-  const auto* base = static_cast<const unsigned char*>(map);
-  uint64_t hlen = 0;
-  for (int i = 0; i < 8; ++i) hlen |= uint64_t{base[i]} << (8 * i);
-  if (hlen > size - 8) throw bad("header length " + std::to_string(hlen) + " exceeds the file");
-  ordered_json header;
-  try {
-    header = ordered_json::parse(base + 8, base + 8 + hlen);
-  } catch (const nlohmann::json::exception& e) {
-    throw bad(std::string("header is not JSON: ") + e.what());
-  }
-  if (!header.is_object()) throw bad("header is not a JSON object");
-  const char* data = reinterpret_cast<const char*>(base + 8 + hlen);
-  const uint64_t data_len = size - 8 - hlen;
+  char* base = static_cast<char*>(map);
 
-  std::set<std::string> blob_names;
-  if (header.contains("__metadata__") && header["__metadata__"].contains(kBlobsKey)) {
-    try {
-      for (const auto& n :
-           ordered_json::parse(header["__metadata__"][kBlobsKey].get<std::string>())) {
-        blob_names.insert(n.get<std::string>());
-      }
-    } catch (const nlohmann::json::exception& e) {
-      throw bad(std::string("bad ") + kBlobsKey + ": " + e.what());
-    }
-  }
+  // Each entry straight from the mapping, where the reader placed it.
   StateDict sd;
-  try {
-    for (const auto& [name, spec] : header.items()) {
-      if (name == "__metadata__") continue;
-      const std::string dtype_name = spec.at("dtype").get<std::string>();
-      const auto dtype = FromSafetensorsDType(dtype_name);
-      if (!dtype)
-        throw CliError{kUnsupported,
-                       "tensor '" + name + "': dtype " + dtype_name + " is not supported"};
-      const Shape shape = spec.at("shape").get<Shape>();
-      const auto offs = spec.at("data_offsets").get<std::vector<uint64_t>>();
-      if (offs.size() != 2 || offs[0] > offs[1] || offs[1] > data_len) {
-        throw bad("tensor '" + name + "' has data_offsets outside the data buffer");
-      }
-      const uint64_t want = static_cast<uint64_t>(NumElements(shape)) * ElementSize(*dtype);
-      if (offs[1] - offs[0] != want) {
-        throw bad("tensor '" + name + "' has " + std::to_string(offs[1] - offs[0]) +
-                  " bytes, its dtype and shape need " + std::to_string(want));
-      }
-      if (blob_names.count(name) && *dtype == DType::kUInt8 && shape.size() == 1) {
-        InsertDotted(sd, name, Blob{std::string(data + offs[0], want)});
-        continue;
-      }
-      TensorView v = TensorView::FromContiguous(const_cast<char*>(data + offs[0]), *dtype, shape);
-      v.owner = mapping;
-      InsertDotted(sd, name, v);
+  for (const auto& [index, info] : c.md.storage) {
+    // The file may have changed since it was read: every item must still lie inside it.
+    if (info.offset > size || info.length > size - info.offset) {
+      throw CliError{ExitCodeFor(ErrorCode::kCorruption),
+                     "damaged data: '" + in +
+                         "' changed while being converted: " + index.ToString() +
+                         " needs bytes up to " + std::to_string(info.offset + info.length) +
+                         ", the file has " + std::to_string(size)};
     }
-  } catch (const nlohmann::json::exception& e) {
-    throw bad(std::string("bad header entry: ") + e.what());
+    const EntryMetadata& entry = c.md.entries.at(index.fqn);
+    if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
+      TensorView v = TensorView::FromContiguous(base + info.offset, t->dtype, t->shape);
+      v.owner = mapping;
+      InsertDotted(sd, index.fqn, v);
+    } else {
+      InsertDotted(sd, index.fqn, Blob{std::string(base + info.offset, info.length)});
+    }
   }
   SaveConverted(sd, out_uri, o);
 }

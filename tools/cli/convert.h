@@ -20,8 +20,10 @@ struct ConvertOptions {
 /// assembled from its chunks in row-major order, a bounded piece at a time. Blobs become U8
 /// tensors, named in the header's __metadata__ "dcp.blobs" so that the way back restores them.
 void ExportSafetensors(const Checkpoint& src, const std::string& out, const ConvertOptions& o);
-/// A safetensors file into a new dcp checkpoint at `out_uri`. The file is memory-mapped and
-/// saved straight from the mapping (no copy of the data in memory).
+/// A safetensors file into a new dcp checkpoint at `out_uri`. Its header is read by the
+/// safetensors reader (OpenCheckpoint: the bounds and checks verify and load apply, with their
+/// messages); the file is then memory-mapped and saved straight from the mapping (no copy of
+/// the data in memory).
 void ImportSafetensors(const std::string& in, const std::string& out_uri, const ConvertOptions& o);
 
 /// Save `sd` (an imported file's entries) as a new checkpoint at `out_uri`, as `o` asks
