@@ -606,17 +606,70 @@ def test_hostile(good):
     contains(out, "out of memory", "'rng'", "data-ffffffffffffffff-r0-b0.data", "2147483648")
 
 
+def run_bytes(*a):
+    """Run dcp with `a`: (exit code, stdout + stderr as bytes, untranslated: a CR stays a CR)."""
+    p = subprocess.run([str(args.dcp), *map(str, a)], capture_output=True)
+    return p.returncode, p.stdout + p.stderr
+
+
 def safetensors_bytes(header_text, data=b""):
     return struct.pack("<Q", len(header_text)) + header_text + data
 
 
 def test_hostile_safetensors():
-    """Hostile safetensors files: convert refuses what verify refuses, with the same message,
-    fast and small."""
+    """Hostile safetensors files: what a file holds reaches the terminal escaped, and convert
+    refuses what verify refuses, with the same message, fast and small."""
     work = os.path.join(args.workdir, "hostile-st")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
+    test_safetensors_names_escaped(work)
     test_safetensors_convert_refuses(work)
+
+
+def test_safetensors_names_escaped(work):
+    """Every string from a file that the commands print is escaped."""
+    # Names with terminal escape codes (colour, clear screen, title), a CR that would overwrite
+    # the line, a BEL and a C1 CSI (U+009B): never raw on stdout or stderr; valid UTF-8 stays.
+    evil = "w\x1b[31mred\x1b[2J\x1b]0;title\x07\rover\u009b1m-\u00e9"
+    f32 = struct.pack("<2f", 1, 2)
+    a = os.path.join(work, "a.safetensors")
+    b = os.path.join(work, "b.safetensors")
+    write_safetensors(a, {evil: ("F32", [2], f32), "ok": ("F32", [2], f32)})
+    write_safetensors(b, {evil: ("F32", [2], struct.pack("<2f", 1, 3)), "ok": ("F32", [2], f32)})
+    raw = [b"\x1b", b"\r", b"\x07", "\u009b".encode()]
+    escaped = b"w\\x1b[31mred\\x1b[2J\\x1b]0;title\\x07\\x0dover\\u009b1m-" + "\u00e9".encode()
+
+    def clean(out, what):
+        for r in raw:
+            check(r not in out, f"{what}: raw {r!r} in the output:\n{out!r}")
+
+    for cmd, expect, shown in ((("inspect", a), 0, True), (("verify", a), 0, False),
+                               (("diff", a, b, "--values"), 1, True)):
+        rc, out = run_bytes(*cmd)
+        check(rc == expect, f"dcp {' '.join(cmd)}: exit {rc}\n{out!r}")
+        clean(out, cmd[0])
+        check(escaped in out or not shown, f"{cmd[0]}: no escaped name in:\n{out!r}")
+    # --json keeps the name exact (JSON escapes it).
+    rc, out = run_bytes("inspect", a, "--json")
+    clean(out, "inspect --json")
+    check(evil in [e["fqn"] for e in json.loads(out)["entries"]], out.decode(errors="replace"))
+    # Errors quoting a name or a file name from the checkpoint.
+    bad = os.path.join(work, "bad.safetensors")
+    open(bad, "wb").write(safetensors_bytes(json.dumps(
+        {evil: {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode(), f32))
+    for cmd in ("inspect", "verify", "convert"):
+        rc, out = run_bytes(cmd, bad, *([os.path.join(work, "bad-out")] if cmd == "convert" else []))
+        check(rc == 5, f"{cmd}: exit {rc}\n{out!r}")
+        clean(out, cmd + " of a bad header")
+        check(escaped in out and b"reach past" in out, f"{cmd}: {out!r}")
+    hub = os.path.join(work, "hub")
+    os.makedirs(hub)
+    open(os.path.join(hub, "model.safetensors.index.json"), "w").write(json.dumps(
+        {"weight_map": {"w": "m\x1b[2Jx.safetensors"}}))
+    rc, out = run_bytes("inspect", hub)
+    check(rc == 1, f"inspect of an index naming a missing file: exit {rc}\n{out!r}")
+    clean(out, "inspect of an index naming a missing file")
+    check(b"m\\x1b[2Jx.safetensors" in out, repr(out))
 
 
 def test_safetensors_convert_refuses(work):

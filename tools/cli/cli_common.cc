@@ -657,6 +657,83 @@ bool ElementAsDouble(DType d, const char* data, size_t i, double& out) {
   }
 }
 
+namespace {
+
+// The length of the valid UTF-8 sequence at the start of `s` and its code point; 0 when the
+// first byte does not begin one (a stray continuation byte, an overlong form, a surrogate,
+// past U+10FFFF, cut short).
+size_t Utf8Sequence(std::string_view s, uint32_t* cp) {
+  const auto b = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
+  const unsigned char c = b(0);
+  size_t n;
+  uint32_t v;
+  uint32_t min;
+  if (c < 0x80) {
+    *cp = c;
+    return 1;
+  } else if (c >= 0xc2 && c <= 0xdf) {
+    n = 2, v = c & 0x1f, min = 0x80;
+  } else if (c >= 0xe0 && c <= 0xef) {
+    n = 3, v = c & 0x0f, min = 0x800;
+  } else if (c >= 0xf0 && c <= 0xf4) {
+    n = 4, v = c & 0x07, min = 0x10000;
+  } else {
+    return 0;
+  }
+  if (s.size() < n) return 0;
+  for (size_t i = 1; i < n; ++i) {
+    if ((b(i) & 0xc0) != 0x80) return 0;
+    v = (v << 6) | (b(i) & 0x3f);
+  }
+  if (v < min || v > 0x10ffff || (v >= 0xd800 && v <= 0xdfff)) return 0;
+  *cp = v;
+  return n;
+}
+
+}  // namespace
+
+std::string Printable(std::string_view s, bool keep_newlines) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp = 0;
+    const size_t n = Utf8Sequence(s.substr(i), &cp);
+    if (n == 0 || (cp < 0x20 && !(keep_newlines && cp == '\n')) || cp == 0x7f) {
+      const auto c = static_cast<unsigned char>(s[i]);
+      out += {'\\', 'x', kHex[c >> 4], kHex[c & 15]};
+      ++i;
+    } else if (cp >= 0x80 && cp <= 0x9f) {
+      out += {'\\', 'u', '0', '0', kHex[cp >> 4], kHex[cp & 15]};
+      i += n;
+    } else {
+      out.append(s.substr(i, n));
+      i += n;
+    }
+  }
+  return out;
+}
+
+std::string DumpJson(const nlohmann::ordered_json& j) {
+  const std::string text = j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+  // nlohmann escapes C0 controls but writes C1 controls (U+0080..U+009F, C2 80..C2 9F: in valid
+  // UTF-8, which the dump is, a C2 byte always leads one) as they are; \u escapes are JSON too.
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size(); ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    const auto next = i + 1 < text.size() ? static_cast<unsigned char>(text[i + 1]) : 0;
+    if (c == 0xc2 && next >= 0x80 && next <= 0x9f) {
+      out += {'\\', 'u', '0', '0', kHex[next >> 4], kHex[next & 15]};
+      ++i;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
 std::string FormatTime(int64_t unix_ns) {
   const std::time_t t = static_cast<std::time_t>(unix_ns / 1000000000);
   std::tm tm{};

@@ -9,7 +9,9 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dcp/proto/error.h"
@@ -148,6 +150,18 @@ bool ElementAsDouble(DType dtype, const char* data, size_t i, double& out);
 bool IsIntegral(DType dtype);
 /// Numeric components per element: 2 for complex dtypes, else 1.
 int ComponentsPerElement(DType dtype);
+
+/// `s` as it may be shown on a terminal: every string read from a checkpoint (entry and file
+/// names, metadata strings, messages quoting them) goes through this before it is printed, so
+/// a hostile name cannot send escape sequences or move the cursor. Control characters (C0, DEL,
+/// and the C1 controls U+0080..U+009F that some terminals take as CSI), and bytes that are not
+/// valid UTF-8, become \xNN (C1: \u00NN); valid UTF-8 stays as it is. With `keep_newlines`,
+/// '\n' stays (for messages of several lines, e.g. one failure per rank).
+std::string Printable(std::string_view s, bool keep_newlines = false);
+/// `j` as --json prints it (indented): strings that are not valid UTF-8 have U+FFFD in place of
+/// their bad bytes (nlohmann-json would throw), control characters (C1 included) are JSON
+/// escapes.
+std::string DumpJson(const nlohmann::ordered_json& j);
 
 /// "2026-11-22 03:04:05 UTC".
 std::string FormatTime(int64_t unix_ns);

@@ -117,7 +117,7 @@ class Differ {
     const std::string summary = Summary();
     const int exit = differences_ ? kFailed : kOk;
     if (!json_) {
-      std::printf("%s\n", summary.c_str());
+      std::printf("%s\n", Printable(summary, true).c_str());
       return exit;
     }
     PrintJson(summary, exit);
@@ -131,7 +131,7 @@ class Differ {
       jdiffs_.push_back(
           {{"entry", fqn}, {"kind", kind}, {"details", std::move(details)}, {"message", s}});
     } else {
-      std::printf("%s\n", s.c_str());
+      std::printf("%s\n", Printable(s, true).c_str());  // it quotes names from the checkpoints
     }
     ++differences_;
   }
@@ -249,7 +249,7 @@ class Differ {
       jnotes_.push_back(
           {{"entry", fqn}, {"kind", "chunking"}, {"details", details}, {"message", s}});
     } else {
-      std::printf("%s (layout only; values compared below)\n", s.c_str());
+      std::printf("%s (layout only; values compared below)\n", Printable(s, true).c_str());
     }
   }
 
@@ -333,7 +333,7 @@ class Differ {
                     {"common_entries", common_.size()},  {"differences", differences_},
                     {"compared_by_value", compared_},    {"compared_by_checksum", by_crc_},
                     {"not_compared", not_compared_},     {"message", summary}};
-    std::cout << j.dump(2) << "\n";
+    std::cout << DumpJson(j) << "\n";
   }
 
   const Checkpoint a_, b_;

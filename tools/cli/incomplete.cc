@@ -31,19 +31,19 @@ int Incomplete(const std::string& path, bool abort, bool json) {
     out["location"] = store->uri();
     out["incomplete"] = names;
     out["aborted"] = abort ? names : std::vector<std::string>{};
-    std::printf("%s\n", out.dump(2).c_str());
+    std::printf("%s\n", DumpJson(out).c_str());
     return kOk;
   }
   if (names.empty()) {
-    std::printf("%s: no unfinished writes\n", store->uri().c_str());
+    std::printf("%s: no unfinished writes\n", Printable(store->uri()).c_str());
     return kOk;
   }
   for (const auto& name : names) {
-    std::printf("%s %s\n", abort ? "aborted" : "unfinished", name.c_str());
+    std::printf("%s %s\n", abort ? "aborted" : "unfinished", Printable(name).c_str());
   }
   if (!abort) {
     std::printf("%zu unfinished write(s) at %s; `dcp incomplete --abort` discards them\n",
-                names.size(), store->uri().c_str());
+                names.size(), Printable(store->uri()).c_str());
   }
   return kOk;
 }

@@ -118,21 +118,22 @@ void PrintJson(const Checkpoint& c, const Counts& n, const std::string& filter) 
     if (Selected(filter, fqn)) entries.push_back(EntryJson(md, fqn, e));
   }
   j["entries"] = std::move(entries);
-  std::cout << j.dump(2) << "\n";
+  std::cout << DumpJson(j) << "\n";
 }
 
+// Every string from the checkpoint is shown through Printable (a name may hold escape codes).
 void PrintSummary(const Checkpoint& c, const Counts& n) {
   const Metadata& md = c.md;
-  std::printf("checkpoint      %s\n", md.checkpoint_id.c_str());
-  std::printf("location        %s\n", c.store->uri().c_str());
-  std::printf("save id         %s\n", md.save_id.c_str());
+  std::printf("checkpoint      %s\n", Printable(md.checkpoint_id).c_str());
+  std::printf("location        %s\n", Printable(c.store->uri()).c_str());
+  std::printf("save id         %s\n", Printable(md.save_id).c_str());
   const std::string source = WorldSizeSource(c);
   std::printf("world size      %d%s\n", md.world_size,
               source == "metadata" ? "" : (" (from " + source + ")").c_str());
   std::printf("created         %s\n", md.created_unix_ns != 0
                                           ? FormatTime(md.created_unix_ns).c_str()
                                           : "not recorded (this format keeps no date)");
-  std::printf("library         %s (format version %u)\n", md.library_version.c_str(),
+  std::printf("library         %s (format version %u)\n", Printable(md.library_version).c_str(),
               md.format_version);
   std::printf("stored          %s (%llu bytes) in %zu files\n",
               FormatBytes(md.TotalStoredBytes()).c_str(),
@@ -148,12 +149,12 @@ std::vector<Row> EntryRows(const Metadata& md, const std::string& filter) {
   for (const auto& [fqn, e] : md.entries) {
     if (!Selected(filter, fqn)) continue;
     if (const auto* t = std::get_if<TensorMetadata>(&e)) {
-      rows.push_back({fqn, std::string(DTypeName(t->dtype)), ShapeToString(t->shape),
+      rows.push_back({Printable(fqn), std::string(DTypeName(t->dtype)), ShapeToString(t->shape),
                       std::to_string(t->chunks.size()), std::to_string(StoredBytesOf(md, fqn)),
                       Transforms(md, fqn)});
     } else {
-      rows.push_back(
-          {fqn, "bytes", "-", "1", std::to_string(StoredBytesOf(md, fqn)), Transforms(md, fqn)});
+      rows.push_back({Printable(fqn), "bytes", "-", "1", std::to_string(StoredBytesOf(md, fqn)),
+                      Transforms(md, fqn)});
     }
   }
   return rows;
@@ -192,7 +193,7 @@ int Inspect(const std::string& path, const std::string& filter, bool json) {
   const std::vector<Row> rows = EntryRows(c.md, filter);
   PrintTable(rows);
   if (rows.size() == 1 && !filter.empty()) {
-    std::printf("(no entry matches '%s')\n", filter.c_str());
+    std::printf("(no entry matches '%s')\n", Printable(filter).c_str());
   }
   return kOk;
 }

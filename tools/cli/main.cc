@@ -153,10 +153,10 @@ int Convert(const std::string& src, const std::string& dst, std::string from, st
                             {"overwrite", o.overwrite},
                             {"entries", entries},
                             {"bytes_written", bytes}};
-    std::cout << j.dump(2) << "\n";
+    std::cout << DumpJson(j) << "\n";
   } else {
-    std::printf("converted %s (%s) -> %s (%s): %zu entries, %llu bytes\n", src.c_str(),
-                from.c_str(), dst.c_str(), to.c_str(), entries,
+    std::printf("converted %s (%s) -> %s (%s): %zu entries, %llu bytes\n", Printable(src).c_str(),
+                from.c_str(), Printable(dst).c_str(), to.c_str(), entries,
                 static_cast<unsigned long long>(bytes));
   }
   return kOk;
@@ -168,7 +168,7 @@ void PrintJsonError(const CliError& e) {
   const ordered_json j = {
       {"error",
        {{"category", ExitCategory(e.code)}, {"exit_code", e.code}, {"message", e.message}}}};
-  std::cout << j.dump(2) << "\n";
+  std::cout << DumpJson(j) << "\n";
 }
 
 int Main(int argc, char** argv) {
@@ -273,7 +273,8 @@ int Main(int argc, char** argv) {
     }
   } catch (...) {
     const CliError e = ClassifyCurrentException();
-    std::fprintf(stderr, "dcp: error: %s\n", e.message.c_str());
+    // The message may quote names from a checkpoint (a hostile one's escape codes included).
+    std::fprintf(stderr, "dcp: error: %s\n", Printable(e.message, true).c_str());
     if (json) PrintJsonError(e);
     return e.code;
   }

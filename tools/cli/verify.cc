@@ -87,9 +87,14 @@ class Verifier {
       PrintJson(summary);
       return exit_;
     }
-    for (const auto& w : warnings_) std::printf("warning: %s\n", w.message.c_str());
-    for (const auto& p : problems_) std::printf("error: %s\n", p.message.c_str());
-    std::printf("%s\n", summary.c_str());
+    // Messages quote names from the checkpoint: shown through Printable.
+    for (const auto& w : warnings_) {
+      std::printf("warning: %s\n", Printable(w.message, true).c_str());
+    }
+    for (const auto& p : problems_) {
+      std::printf("error: %s\n", Printable(p.message, true).c_str());
+    }
+    std::printf("%s\n", Printable(summary, true).c_str());
     return exit_;
   }
 
@@ -323,7 +328,7 @@ class Verifier {
                             {"problems", std::move(jp)},
                             {"warnings", std::move(jw)},
                             {"summary", summary}};
-    std::cout << j.dump(2) << "\n";
+    std::cout << DumpJson(j) << "\n";
   }
 
   const Checkpoint& c_;
