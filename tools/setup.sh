@@ -11,7 +11,8 @@
 #                           the unit tests and the CLI compile, and the s3 tests report skipped);
 #                           one clang-16 build with ASan+UBSan and libFuzzer coverage
 #                           (all but LibTorch, $DCP_BUILD_DIR-clang16) that runs each fuzzer
-#                           (metadata, PyTorch input, safetensors) for $DCP_FUZZ_SECONDS (default
+#                           (metadata, PyTorch input, safetensors headers, safetensors indexes with
+#                           their files) for $DCP_FUZZ_SECONDS (default
 #                           40) and the unit, fault and MPI tests; the LibTorch adapter's tests
 #                           under g++'s ASan+UBSan ($DCP_BUILD_DIR-asan); and the threaded parts
 #                           (async save, protocol, communicators, readers, executor) under TSan
@@ -176,12 +177,13 @@ case "$mode" in
     "$cmake_new" --build "$clang16" -j "$jobs"
     # Metadata is untrusted input: fuzz its decoding and validation for a bounded time: dcp's
     # metadata, PyTorch DCP input (the restricted unpickler, .metadata, torch.save records), and
-    # safetensors headers and indexes, each from its seed corpus. The three run side by side
-    # (each is one process on one core); a crash fails the stage after all three reported.
+    # safetensors headers and indexes, and whole sharded safetensors checkpoints (an index with the
+    # files it names), each from its seed corpus. The four run side by side (each is one process
+    # on one core); a crash fails the stage after all four reported.
     fuzz_out=$(mktemp -d)
     fuzz_pids=()
     fuzz_targets=(dcp_metadata_fuzz:corpus dcp_torch_metadata_fuzz:torch_corpus
-      dcp_safetensors_fuzz:safetensors_corpus)
+      dcp_safetensors_fuzz:safetensors_corpus dcp_safetensors_index_fuzz:safetensors_index_corpus)
     log "fuzzing with ${fuzz_targets[*]%%:*} for ${DCP_FUZZ_SECONDS:-40} s, side by side"
     for target in "${fuzz_targets[@]}"; do
       mkdir "$fuzz_out/${target%%:*}"
