@@ -267,9 +267,10 @@ std::string ReadTierFile(const std::string& path, uint64_t max_bytes) {
   return out;
 }
 
-// A tier file opened for reading and writing: a regular file, not through a link.
+// A tier file opened with `flags` (O_CREAT: created 0600 if absent): a regular file, never
+// through a link; a FIFO or device is refused, never waited on.
 int OpenTierFile(const std::string& path, int flags) {
-  const int fd = ::open(path.c_str(), flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
   if (fd < 0) {
     throw TierIoError("memory tier: cannot open " + path + ": " +
                       (errno == ELOOP ? std::string("it is a symbolic link")
@@ -360,13 +361,7 @@ void ClaimJobDirectory(const std::string& job_dir, const std::string& owner) {
 // that holds it; LockedError naming the holder when another process of the job holds it.
 int LockNodeDirectory(const std::string& node_dir, const std::string& name) {
   const std::string path = node_dir + "/" + kNodeLockName;
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
-  if (fd < 0) throw TierIoError("memory tier: cannot open " + path + ": " + std::strerror(errno));
-  struct stat sb {};
-  if (::fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    ::close(fd);
-    throw CorruptionError("memory tier: " + path + " is not a regular file: refused");
-  }
+  const int fd = OpenTierFile(path, O_RDWR | O_CREAT);
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     char holder[256] = {};
@@ -600,19 +595,7 @@ int OpenForOverwrite(const std::string& recycle_dir, const std::string& path,
   for (const auto& [preference, file] : candidates) {
     if (::rename(file.c_str(), path.c_str()) == 0) break;
   }
-  // RDWR: mmap needs it. Never through a link; a FIFO or device is refused.
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    throw TierIoError("memory tier: cannot create " + path + ": " +
-                      (errno == ELOOP ? std::string("a symbolic link is there")
-                                      : std::string(std::strerror(errno))));
-  }
-  struct stat sb {};
-  if (::fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    ::close(fd);
-    throw CorruptionError("memory tier: " + path + " is not a regular file: refused");
-  }
-  return fd;
+  return OpenTierFile(path, O_RDWR | O_CREAT);  // RDWR: mmap needs it
 }
 
 // Makes the file at `fd` exactly `size` bytes with every page allocated, so that writing
