@@ -1,7 +1,12 @@
 // Version-2 metadata (docs/FORMAT.md): rules instead of per-rank chunks, a file table, and an
 // index at the end of each data file written by the rank that wrote it.
+#include <sys/wait.h>
+
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -9,6 +14,7 @@
 #include "dcp/planner/default_planner.h"
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/schema/codec.h"
+#include "dcp/storage/backends/file_store.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "support/test_support.h"
@@ -20,6 +26,7 @@ using dcp::testing::RequireNoErrors;
 using dcp::testing::RowRange;
 using dcp::testing::RunRanks;
 using dcp::testing::SameElements;
+using dcp::testing::TempDir;
 
 namespace {
 
@@ -617,3 +624,38 @@ TEST_CASE("metadata v2: a box across every rank's chunk plans as one span and ex
   bad.lengths.pop_back();
   CHECK_THROWS_WITH(expand(bad), Contains("wrong rank"));
 }
+
+#ifdef DCP_CLI
+TEST_CASE(
+    "metadata v2: verify refuses a checkpoint whose file table lists a missing file, as a "
+    "load does",
+    "[metadata-v2][hostile]") {
+  TempDir dir("v2-missing-file");
+  TensorView w = RandomTensor(DType::kFloat32, {16}, 3);
+  StateDict sd;
+  sd.Set("w", w);
+  Save(sd, dir.path());
+  auto store = MakeFileStore(dir.path());
+  Metadata md = DecodeMetadataFile(store->ReadAll(kMetadataName), "test");
+  REQUIRE(md.format_version >= 2);
+  // A row for a file that holds nothing any item needs (its writer's items are all in the
+  // other file), and that is not there.
+  DataFile extra = md.files.at(0);
+  extra.name = "data-00000000000000aa-r0-b9.data";
+  extra.index_copy.clear();
+  md.files.push_back(extra);
+  store->PublishAtomically(kMetadataName, EncodeMetadataFile(md));
+  StateDict back;
+  TensorView into = TensorView::Allocate(DType::kFloat32, {16});
+  back.Set("w", into);
+  CHECK_THROWS_WITH(Load(back, dir.path()), Contains(extra.name));
+  const std::string log = dir.path() + "/verify.log";
+  const int status =
+      std::system((std::string(DCP_CLI) + " verify " + dir.path() + " > " + log + " 2>&1").c_str());
+  std::stringstream out;
+  out << std::ifstream(log).rdbuf();
+  INFO(out.str());
+  CHECK(WEXITSTATUS(status) != 0);  // before: 0, "OK"
+  CHECK_THAT(out.str(), Contains("missing file '" + extra.name + "'"));
+}
+#endif
