@@ -158,4 +158,27 @@ TEST_CASE("s3 hostile: a response trickled just above the stall limit is cut at 
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   CHECK(secs < 20);
 }
+TEST_CASE("s3 hostile: a listing whose every page comes just inside its deadline is abandoned",
+          "[hostile][s3fake]") {
+  // Each page holds one key and takes ~0.3 s: no page times out, no page is empty, no token
+  // repeats, yet the listing would never end. It must keep up 1,000 keys/s after the request
+  // timeout (1 s here).
+  std::atomic<int> n{0};
+  FakeS3 server(
+      [&](const std::string&) {
+        const int i = n++;
+        return Page("<Contents><Key>p/data-" + std::to_string(i) + "</Key></Contents>",
+                    "t" + std::to_string(i));
+      },
+      std::chrono::milliseconds(150));
+  FakeEnvironment env(server.endpoint());
+  ::setenv("DCP_S3_REQUEST_TIMEOUT_S", "1", 1);
+  auto store = OpenStore("s3://bkt/p");
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(store->List(), IoError);
+  CHECK_THROWS_WITH(store->List(), Contains("slower than 1000 per second") &&
+                                       Contains("s3://bkt/p") && Contains("abandoned"));
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(secs < 10);
+}
 #endif

@@ -10,6 +10,7 @@
 #include "dcp/storage/backends/s3/s3_store.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
@@ -45,8 +46,14 @@ class ListingBounds {
  public:
   static constexpr uint64_t kMaxKeys = uint64_t{1} << 24;  // 16.7 M objects
   static constexpr int kMaxEmptyPages = 100;               // truncated pages without a key
+  // Each page has its own deadline, but a server can answer every page just inside it, a few
+  // keys at a time, and a listing of pages would then take days. A listing must keep up, on
+  // average, this rate once a request's timeout has passed: real servers list thousands of keys
+  // per second (a page of 1,000 in tens of milliseconds).
+  static constexpr uint64_t kMinKeysPerSecond = 1000;
 
-  explicit ListingBounds(std::string what) : what_(std::move(what)) {}
+  ListingBounds(std::string what, int64_t grace_seconds)
+      : what_(std::move(what)), grace_seconds_(grace_seconds) {}
 
   // A truncated page of `keys` keys continues at `token`.
   void NextPage(size_t keys, const std::string& token) {
@@ -62,6 +69,17 @@ class ListingBounds {
       Fail("the server sent " + std::to_string(empty_pages_) +
            " truncated pages in a row without a key");
     }
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    if (elapsed > grace_seconds_ + static_cast<double>(keys_) / kMinKeysPerSecond) {
+      // Slow, not lying: an I/O failure a caller may retry.
+      throw IoError("listing " + what_ + ": the server listed " + std::to_string(keys_) +
+                        " objects in " + std::to_string(static_cast<int64_t>(elapsed)) +
+                        " s, slower than " + std::to_string(kMinKeysPerSecond) +
+                        " per second after the first " + std::to_string(grace_seconds_) +
+                        " s (DCP_S3_REQUEST_TIMEOUT_S); the listing was abandoned",
+                    /*retryable=*/true);
+    }
   }
 
  private:
@@ -69,6 +87,8 @@ class ListingBounds {
     throw CorruptionError("listing " + what_ + ": " + why + "; the listing was abandoned");
   }
   std::string what_;
+  int64_t grace_seconds_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
   std::set<std::string> tokens_;
   uint64_t keys_ = 0;
   int empty_pages_ = 0;
@@ -428,7 +448,7 @@ class S3Store : public Store {
   bool ListPages(Take take) {
     const std::string pre = prefix_.empty() ? "" : prefix_ + "/";
     std::string token;
-    ListingBounds bounds(uri());
+    ListingBounds bounds(uri(), client_->options().request_timeout_seconds);
     for (;;) {
       Call c{"GET", ""};
       c.query = {{"list-type", "2"}, {"prefix", pre}, {"delimiter", "/"}};
@@ -461,7 +481,7 @@ class S3Store : public Store {
     std::vector<Upload> uploads;
     std::string key_marker, id_marker;
     const std::string what = uri() + " (incomplete uploads)";
-    ListingBounds bounds(what);
+    ListingBounds bounds(what, client_->options().request_timeout_seconds);
     for (;;) {
       Call c{"GET", "", {{"uploads", ""}, {"prefix", key_prefix}}};
       if (!key_marker.empty()) {
