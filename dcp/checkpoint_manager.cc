@@ -45,8 +45,11 @@ std::optional<int64_t> ParseStep(std::string name) {
 
 // The step the "latest" file names, if it exists and names one.
 std::optional<int64_t> LatestFileStep(Store& root) {
-  if (!root.Size("latest")) return std::nullopt;
-  const std::string text = root.ReadAll("latest");
+  // A step number: a longer file is not one this manager wrote.
+  constexpr uint64_t kMaxLatestBytes = 64;
+  const std::optional<uint64_t> size = root.Size("latest");
+  if (!size || *size > kMaxLatestBytes) return std::nullopt;
+  const std::string text = root.ReadAll("latest", kMaxLatestBytes);
   int64_t step = 0;
   const char* end = text.data() + text.size();
   auto [p, ec] = std::from_chars(text.data(), end, step);

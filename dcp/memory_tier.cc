@@ -1789,7 +1789,8 @@ void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& ur
       // Committed all the same when the metadata in place is ours (a failure after the rename).
       bool ours = false;
       try {
-        ours = dest->Size(kMetadataName) && dest->ReadAll(kMetadataName) == encoded;
+        ours = dest->Size(kMetadataName) == encoded.size() &&
+               dest->ReadAll(kMetadataName, encoded.size()) == encoded;
       } catch (...) {
       }
       if (!ours) error = ErrorText(e);

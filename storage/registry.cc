@@ -23,11 +23,28 @@
 
 namespace dcp {
 
-std::string Store::ReadAll(const std::string& name) {
-  auto obj = Open(name);
-  std::string out(obj->size(), '\0');
-  obj->ReadAt(0, out.data(), out.size());
-  return out;
+std::string Store::ReadAll(
+    const std::string& name, uint64_t max_bytes,
+    const std::function<void(std::string_view head, uint64_t size)>& check_head) {
+  constexpr uint64_t kHead = uint64_t{1} << 20;
+  uint64_t size = 0;
+  std::string bytes = ReadPrefix(name, std::min(kHead, max_bytes), &size);
+  if (check_head) check_head(bytes, size);
+  if (size > max_bytes) {
+    throw CorruptionError("'" + uri() + "/" + name + "' has " + std::to_string(size) +
+                          " bytes, over the limit of " + std::to_string(max_bytes) +
+                          " for what it holds; it was not read");
+  }
+  if (bytes.size() >= size) return bytes;
+  auto in = OpenKnownSize(name, size);
+  constexpr uint64_t kPiece = uint64_t{64} << 20;
+  for (uint64_t at = bytes.size(); at < size;) {
+    const uint64_t n = std::min(kPiece, size - at);
+    bytes.resize(at + n);
+    in->ReadAt(at, bytes.data() + at, n);
+    at += n;
+  }
+  return bytes;
 }
 
 // ReadAt in steps, after the hint that the whole range is coming (store.h).

@@ -239,8 +239,16 @@ class Store {
   virtual void PublishReplacing(const std::string& name, std::string_view bytes,
                                 const std::string& version);
 
-  /// Read a whole object.
-  std::string ReadAll(const std::string& name);
+  /// Reads a whole object whose size a file (or a server) states, so it may lie: its first
+  /// bytes (up to 1 MiB, one request: ReadPrefix) go to `check_head` with the stated size,
+  /// which throws when they are not what the caller expects (a file that is not a metadata file
+  /// costs one small read); an object over `max_bytes` is then refused with CorruptionError
+  /// naming it, before anything more is read; the rest is read in pieces into a buffer that grows
+  /// with what arrives, so memory follows the bytes delivered, not the size claimed. NotFoundError
+  /// when absent. Thread-safe as ReadPrefix is.
+  std::string ReadAll(const std::string& name, uint64_t max_bytes,
+                      const std::function<void(std::string_view head, uint64_t size)>&
+                          check_head = nullptr);
 };
 
 }  // namespace dcp

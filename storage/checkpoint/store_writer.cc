@@ -333,8 +333,9 @@ class StoreWriter : public StorageWriter {
   // cannot be read.
   Outcome CommitOutcome(const std::string& encoded) const noexcept {
     try {
-      if (!store_->Size(metadata_name_)) return Outcome::kFailed;
-      return store_->ReadAll(metadata_name_) == encoded ? Outcome::kCommitted : Outcome::kFailed;
+      if (store_->Size(metadata_name_) != encoded.size()) return Outcome::kFailed;
+      return store_->ReadAll(metadata_name_, encoded.size()) == encoded ? Outcome::kCommitted
+                                                                         : Outcome::kFailed;
     } catch (...) {
       return Outcome::kUnknown;
     }

@@ -77,24 +77,12 @@ class DcpItemEncoder : public ItemEncoder {
 };
 
 // The metadata file's bytes, its header checked first: a file that is not metadata (or a size
-// that lies) costs one small read. The payload is read in pieces into a buffer that grows with
-// what arrives, so memory follows the bytes actually delivered, not a claimed size.
+// that lies) costs one small read; one larger than protobuf can decode is not read at all.
 std::string ReadMetadataFile(Store& store, const std::string& where) {
-  // The first MiB and the size in one request (ReadPrefix): most metadata is all there.
-  constexpr uint64_t kFirstRead = uint64_t{1} << 20;
-  uint64_t size = 0;
-  std::string bytes = store.ReadPrefix(kMetadataName, kFirstRead, &size);
-  CheckMetadataFileHeader(std::string_view(bytes).substr(0, kMetadataHeaderSize), size, where);
-  if (bytes.size() >= size) return bytes;
-  auto in = store.OpenKnownSize(kMetadataName, size);
-  constexpr uint64_t kPiece = uint64_t{64} << 20;
-  for (uint64_t at = bytes.size(); at < size;) {
-    const uint64_t n = std::min(kPiece, size - at);
-    bytes.resize(at + n);
-    in->ReadAt(at, bytes.data() + at, n);
-    at += n;
-  }
-  return bytes;
+  return store.ReadAll(kMetadataName, kMetadataHeaderSize + MetadataPayloadLimit(),
+                       [&](std::string_view head, uint64_t size) {
+                         CheckMetadataFileHeader(head.substr(0, kMetadataHeaderSize), size, where);
+                       });
 }
 
 class DcpLayoutImpl : public CheckpointLayout {

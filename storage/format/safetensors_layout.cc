@@ -644,7 +644,7 @@ std::map<std::string, std::string> ReadIndex(Store& store, const std::string& wh
                           " bytes, over the limit of " +
                           std::to_string(kMaxSafetensorsHeaderBytes));
   }
-  const std::string text = store.ReadAll(kSafetensorsIndexName);
+  const std::string text = store.ReadAll(kSafetensorsIndexName, kMaxSafetensorsHeaderBytes);
   CheckJsonText(text, where, "the index",
                 "an index is JSON text (UTF-8 without a byte order mark, no NUL bytes)");
   IndexSax sax;

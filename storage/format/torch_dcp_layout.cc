@@ -74,7 +74,21 @@ class TorchDcpLayoutImpl : public CheckpointLayout {
   }
   Metadata ReadMetadata(Store& store, std::string* encoded) const override {
     if (encoded) encoded->clear();
-    return DecodeTorchDcpMetadata(store.ReadAll(name_), store.uri() + "/" + name_);
+    const std::string where = store.uri() + "/" + name_;
+    // A pickle torch writes starts with PROTO (0x80): anything else larger than the first read
+    // is refused after it, before the rest is read. Over 2 GiB is refused unread (the unpickler's
+    // own limit, DecodeTorchDcpMetadata).
+    constexpr uint64_t kMaxBytes = uint64_t{2} << 30;
+    const std::string bytes =
+        store.ReadAll(name_, kMaxBytes, [&](std::string_view head, uint64_t size) {
+          if (size > head.size() && static_cast<unsigned char>(head[0]) != 0x80) {
+            throw CorruptionError(where + ": not a pickle torch wrote (it starts with byte " +
+                                  std::to_string(static_cast<unsigned char>(head[0])) +
+                                  ", not PROTO 0x80), " + std::to_string(size) +
+                                  " bytes; it was not read further");
+          }
+        });
+    return DecodeTorchDcpMetadata(bytes, where);
   }
   std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions&) const override {
     return std::make_unique<TorchItemEncoder>(flavor_ == TorchDcpFlavor::kTorch2);

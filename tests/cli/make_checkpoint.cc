@@ -94,7 +94,7 @@ StateDict RankState(Globals& g, int rank) {
 // Rewrite the checkpoint at `dir` as `kind` says (see the header). False for an unknown kind.
 bool MakeHostile(const std::string& dir, const std::string& kind) {
   auto store = OpenStore(dir);
-  Metadata md = DecodeMetadataFile(store->ReadAll(kMetadataName), dir);
+  Metadata md = DecodeMetadataFile(store->ReadAll(kMetadataName, UINT64_MAX), dir);
   StorageInfo& rng = md.storage.at(MetadataIndex{"rng", {}, {}});
   constexpr uint64_t kGiB = uint64_t{1} << 30;
   if (kind == "blob-8g") {

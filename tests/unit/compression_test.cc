@@ -112,7 +112,7 @@ StateDict EmptyLike(const std::map<std::string, TensorView>& tensors,
 }
 
 void Patch(Store& store, const std::string& name, uint64_t offset, char x) {
-  std::string all = store.ReadAll(name);
+  std::string all = store.ReadAll(name, UINT64_MAX);
   all[offset] ^= x;
   auto w = store.Create(name);
   w->Append(all.data(), all.size());
@@ -482,7 +482,7 @@ TEST_CASE("compression: damaged compressed data is detected and named", "[compre
         CHECK(SameElements(rows, w.Narrow({0, 0}, {10, 300})));
       }
       SECTION("a truncated data file") {
-        const std::string all = store->ReadAll(wi.relative_path);
+        const std::string all = store->ReadAll(wi.relative_path, UINT64_MAX);
         auto out = store->Create(wi.relative_path);
         out->Append(all.data(), wi.offset + wi.length - 10);
         out->Close();
@@ -504,7 +504,7 @@ TEST_CASE("compression: frames of the wrong raw length, unknown transforms", "[c
         ReadStoredItems(other.uri, md);
         info = Item(md, "model.w", {0, 0});
         REQUIRE(IsZstdItem(info));
-        return OpenStore(other.uri)->ReadAll(info.relative_path).substr(info.offset, info.length);
+        return OpenStore(other.uri)->ReadAll(info.relative_path, UINT64_MAX).substr(info.offset, info.length);
       };
       StorageInfo short_info, long_info;
       const std::string short_frame = frame_of(63, short_info);

@@ -227,7 +227,7 @@ TEST_CASE("fault: every flipped byte of the metadata file is detected", "[fault]
   ClearMemStore("flip-meta");
   SaveVersion(1, "mem://flip-meta", 2, false);
   auto store = MakeMemStore("flip-meta");
-  const std::string good = store->ReadAll(kMetadataName);
+  const std::string good = store->ReadAll(kMetadataName, UINT64_MAX);
   int detected = 0;
   for (size_t i = 0; i < good.size(); ++i) {
     for (unsigned char mask : {0x01, 0x80}) {
@@ -255,7 +255,7 @@ TEST_CASE("fault: every flipped byte of the data is detected and named", "[fault
   int injected = 0, detected = 0, named = 0;
   for (const auto& name : store->List()) {
     if (!IsDataObjectName(name)) continue;
-    const std::string good = store->ReadAll(name);
+    const std::string good = store->ReadAll(name, UINT64_MAX);
     // Every byte of small files; a stride through big ones keeps the test fast.
     const size_t step = std::max<size_t>(1, good.size() / 3000);
     for (size_t i = 0; i < good.size(); i += step) {
@@ -315,7 +315,7 @@ TEST_CASE("fault: truncated and missing data files are detected", "[fault]") {
   int injected = 0, detected = 0;
   for (const auto& name : store->List()) {
     if (!IsDataObjectName(name)) continue;
-    const std::string good = store->ReadAll(name);
+    const std::string good = store->ReadAll(name, UINT64_MAX);
     for (size_t keep : {size_t{0}, size_t{1}, good.size() / 2, good.size() - 1}) {
       auto w = store->Create(name);
       w->Append(good.data(), keep);

@@ -123,12 +123,12 @@ class SpyStore : public Store {
   std::optional<uint64_t> SizeAndVersion(const std::string& n, std::string* version) override {
     Log("SizeAndVersion " + n);
     auto size = mem_->Size(n);
-    *version = size ? "v-" + mem_->ReadAll(n) : "";  // the bytes name the version
+    *version = size ? "v-" + mem_->ReadAll(n, UINT64_MAX) : "";  // the bytes name the version
     return size;
   }
   void PublishReplacing(const std::string& n, std::string_view b, const std::string& v) override {
     Log("PublishReplacing " + n + " " + v);
-    if (!mem_->Size(n) || "v-" + mem_->ReadAll(n) != v) {
+    if (!mem_->Size(n) || "v-" + mem_->ReadAll(n, UINT64_MAX) != v) {
       throw AlreadyExistsError(n + " changed");  // a conditional replace
     }
     mem_->PublishAtomically(n, b);
@@ -214,7 +214,7 @@ TEST_CASE("forwarding store: every Store call reaches the target", "[storage][fo
   // replace), not Store's defaults (an overwrite).
   CHECK_THROWS_AS(fwd.PublishNew("n", "again"), AlreadyExistsError);
   CHECK_THROWS_AS(fwd.PublishReplacing("n", "again", version), AlreadyExistsError);
-  CHECK(fwd.ReadAll("n") == "newer");
+  CHECK(fwd.ReadAll("n", UINT64_MAX) == "newer");
   ClearMemStore("fwd-spy");
 }
 
@@ -256,9 +256,9 @@ TEST_CASE("forwarding store: objects and locks are the target's both ways",
 
   // Written through the wrapper, seen in the target, and the other way round.
   Put(*fwd, "a", "through the wrapper");
-  CHECK(mem->ReadAll("a") == "through the wrapper");
+  CHECK(mem->ReadAll("a", UINT64_MAX) == "through the wrapper");
   Put(*mem, "b", "in the target");
-  CHECK(fwd->ReadAll("b") == "in the target");
+  CHECK(fwd->ReadAll("b", UINT64_MAX) == "in the target");
   CHECK(fwd->Size("b") == mem->Size("b"));
   CHECK_FALSE(fwd->Size("missing"));
   CHECK_THROWS_AS(fwd->Open("missing"), NotFoundError);
@@ -270,16 +270,16 @@ TEST_CASE("forwarding store: objects and locks are the target's both ways",
 
   fwd->PublishAtomically("m", "first");
   fwd->PublishAtomically("m", "second");
-  CHECK(mem->ReadAll("m") == "second");
+  CHECK(mem->ReadAll("m", UINT64_MAX) == "second");
   fwd->PublishNew("n", "new");  // mem:// keeps Store's default: a plain publish
-  CHECK(mem->ReadAll("n") == "new");
+  CHECK(mem->ReadAll("n", UINT64_MAX) == "new");
   std::string version = "unset";
   CHECK(fwd->SizeAndVersion("n", &version) == 3u);
   CHECK(version.empty());                      // mem:// has no versions: Store's default
   fwd->PublishReplacing("n", "any", "stale");  // ... so the default publishes unconditionally
-  CHECK(mem->ReadAll("n") == "any");
+  CHECK(mem->ReadAll("n", UINT64_MAX) == "any");
   fwd->PublishReplacing("n", "new", "");
-  CHECK(mem->ReadAll("n") == "new");
+  CHECK(mem->ReadAll("n", UINT64_MAX) == "new");
   CHECK(Sorted(fwd->List()) == Sorted(mem->List()));
   CHECK(Sorted(fwd->List()) == Calls{"a", "b", "m", "n"});
   fwd->Remove("a");
@@ -331,7 +331,7 @@ TEST_CASE("forwarding store: a subclass overriding one method changes only that"
   CHECK(off.Size("a") == 4u);
   CHECK_FALSE(off.Size("missing"));
   CHECK(mem->Size("a") == 3u);       // the target is untouched
-  CHECK(off.ReadAll("a") == "abc");  // ReadAll reads through Open, not Size
+  CHECK(off.ReadAll("a", UINT64_MAX) == "abc");  // ReadAll reads through Open, not Size
   CHECK(off.Open("a")->size() == 3);
   CHECK(off.uri() == mem->uri());
   CHECK(off.List() == Calls{"a"});
@@ -339,13 +339,13 @@ TEST_CASE("forwarding store: a subclass overriding one method changes only that"
 
   Shouting loud(mem);
   loud.PublishAtomically("p", "quiet");
-  CHECK(mem->ReadAll("p") == "QUIET");
+  CHECK(mem->ReadAll("p", UINT64_MAX) == "QUIET");
   loud.PublishNew("q", "quiet");
-  CHECK(mem->ReadAll("q") == "quiet");
+  CHECK(mem->ReadAll("q", UINT64_MAX) == "quiet");
   loud.PublishReplacing("q", "still quiet", "");  // not overridden either: the target's
-  CHECK(mem->ReadAll("q") == "still quiet");
+  CHECK(mem->ReadAll("q", UINT64_MAX) == "still quiet");
   Put(loud, "c", "quiet");  // objects are not published: unchanged
-  CHECK(mem->ReadAll("c") == "quiet");
+  CHECK(mem->ReadAll("c", UINT64_MAX) == "quiet");
   ClearMemStore("fwd-sub");
 }
 

@@ -89,7 +89,7 @@ void SaveSmall(const std::string& name, bool compress = false) {
 
 Metadata ReadRaw(const std::string& name) {
   auto store = MakeMemStore(name);
-  return DecodeMetadataFile(store->ReadAll(kMetadataName), "test");
+  return DecodeMetadataFile(store->ReadAll(kMetadataName, UINT64_MAX), "test");
 }
 
 // Publish `md` as the checkpoint's metadata without validating it (what an attacker can do).

@@ -129,7 +129,7 @@ std::set<int64_t> TrulyComplete(CheckpointManager& m, const std::vector<int64_t>
   for (int64_t s : candidates) {
     try {
       Metadata md =
-          DecodeMetadataFile(Underlying(m.PathFor(s))->ReadAll(kMetadataName), m.PathFor(s));
+          DecodeMetadataFile(Underlying(m.PathFor(s))->ReadAll(kMetadataName, UINT64_MAX), m.PathFor(s));
       (void)md;
       out.insert(s);
     } catch (const Error&) {
@@ -205,7 +205,7 @@ TEST_CASE("manager: a step written by a newer dcp is kept and reported, never re
   }
   // Step 2's metadata as a newer build would write it: a newer format version in its header.
   auto store2 = Underlying(m.PathFor(2));
-  std::string bytes = store2->ReadAll(kMetadataName);
+  std::string bytes = store2->ReadAll(kMetadataName, UINT64_MAX);
   bytes[8] = static_cast<char>(kFormatVersion + 1);
   store2->PublishAtomically(kMetadataName, bytes);
   const auto data_files = store2->List();
@@ -213,7 +213,7 @@ TEST_CASE("manager: a step written by a newer dcp is kept and reported, never re
   m.Save(3, s.sd);
   // keep_last = 1 would remove step 2 if it were an old complete step, and the old code took it
   // for a crashed leftover: it stays, whole, and is reported.
-  CHECK(store2->ReadAll(kMetadataName) == bytes);
+  CHECK(store2->ReadAll(kMetadataName, UINT64_MAX) == bytes);
   CHECK(store2->List().size() == data_files.size());
   CHECK(m.unreadable_steps() == std::vector<int64_t>{2});
   CHECK_THAT(m.last_retention_error(), Contains("newer"));
@@ -250,12 +250,12 @@ TEST_CASE("manager: the step 'latest' names stays while 'latest' cannot advance"
   }
   // After step 3's pass: complete {1, 2}, unreadable {3}. 'latest' still names 1, so 1 stays
   // (keep_last alone would have kept only 2).
-  CHECK(Underlying(root)->ReadAll("latest") == "1\n");
+  CHECK(Underlying(root)->ReadAll("latest", UINT64_MAX) == "1\n");
   CHECK(TrulyComplete(m, {1, 2, 3}) == std::set<int64_t>{1, 2, 3});
   // Once step 3 reads again, 'latest' advances and the old steps go.
   s.Fill(4);
   m.Save(4, s.sd);
-  CHECK(Underlying(root)->ReadAll("latest") == "4\n");
+  CHECK(Underlying(root)->ReadAll("latest", UINT64_MAX) == "4\n");
   CHECK(TrulyComplete(m, {1, 2, 3, 4}) == std::set<int64_t>{4});
   CHECK(m.Close());
 }
@@ -316,7 +316,7 @@ TEST_CASE(
       }
     }
     // "latest" never names a step that is not complete.
-    auto latest = Underlying(root)->Size("latest") ? Underlying(root)->ReadAll("latest") : "";
+    auto latest = Underlying(root)->Size("latest") ? Underlying(root)->ReadAll("latest", UINT64_MAX) : "";
     if (!latest.empty()) {
       const int64_t l = std::stoll(latest);
       if (!now.count(l)) FAIL("iteration " << i << ": latest names step " << l);
@@ -410,7 +410,7 @@ TEST_CASE("manager: Restore falls back to the newest step that loads, and says s
   auto store3 = Underlying(m.PathFor(3));
   for (const auto& name : store3->List()) {
     if (name.rfind("data-", 0) != 0) continue;
-    std::string bytes = store3->ReadAll(name);
+    std::string bytes = store3->ReadAll(name, UINT64_MAX);
     bytes[bytes.size() / 2] ^= 0x40;
     store3->PublishAtomically(name, bytes);
   }
@@ -423,7 +423,7 @@ TEST_CASE("manager: Restore falls back to the newest step that loads, and says s
   s.Fill(4);
   m.Save(4, s.sd);
   auto store4 = Underlying(m.PathFor(4));
-  std::string md = store4->ReadAll(kMetadataName);
+  std::string md = store4->ReadAll(kMetadataName, UINT64_MAX);
   md[md.size() - 3] ^= 0x01;
   store4->PublishAtomically(kMetadataName, md);
   CHECK(m.Restore(back.sd) == 2);

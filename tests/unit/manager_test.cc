@@ -217,7 +217,7 @@ TEST_CASE("manager: keep N, latest and resume over every Store backend", "[async
         }
         m.Wait();
         CHECK(m.CompleteSteps() == std::vector<int64_t>{4, 5});
-        CHECK(OpenStore(root)->ReadAll("latest") == "5\n");
+        CHECK(OpenStore(root)->ReadAll("latest", UINT64_MAX) == "5\n");
         // Steps removed by retention are gone from the backend, data and index entry alike.
         CHECK_THROWS_AS(ReadMetadata(m.PathFor(3)), NotFoundError);
         CHECK(OpenStore(m.PathFor(3))->List().empty());

@@ -102,7 +102,7 @@ void LoadColumnsAndCheck(const std::string& name, int world) {
 }
 
 Metadata RawMetadata(const std::string& name) {
-  return DecodeMetadataFile(MakeMemStore(name)->ReadAll(kMetadataName), "test");
+  return DecodeMetadataFile(MakeMemStore(name)->ReadAll(kMetadataName, UINT64_MAX), "test");
 }
 
 void Publish(const std::string& name, const Metadata& md) {
@@ -198,12 +198,12 @@ TEST_CASE(
   REQUIRE(md.files.size() == 4);
   for (const DataFile& f : md.files) {
     INFO(f.name);
-    CHECK(f.index_copy == store->ReadAll(f.name).substr(f.index_offset, f.index_length));
+    CHECK(f.index_copy == store->ReadAll(f.name, UINT64_MAX).substr(f.index_offset, f.index_length));
   }
   // Every file's own index damaged: a load takes the metadata's copies and reads none (before,
   // it read each one and failed its checksum); every value still checks out.
   for (const DataFile& f : md.files) {
-    std::string bytes = store->ReadAll(f.name);
+    std::string bytes = store->ReadAll(f.name, UINT64_MAX);
     bytes[f.index_offset + 20] ^= 0x01;
     auto w = store->Create(f.name);
     w->Append(bytes.data(), bytes.size());
@@ -329,7 +329,7 @@ TEST_CASE("metadata v2: hostile file tables, indexes and rules are refused, nami
   for (DataFile& f : bare.files) f.index_copy.clear();
   auto store = MakeMemStore("v2-hostile");
   const DataFile f0 = good.files.at(0);
-  const std::string data0 = store->ReadAll(f0.name);
+  const std::string data0 = store->ReadAll(f0.name, UINT64_MAX);
   auto rewrite = [&](const std::string& bytes) {
     auto w = store->Create(f0.name);
     w->Append(bytes.data(), bytes.size());
@@ -438,7 +438,7 @@ TEST_CASE("metadata v2: hostile file tables, indexes and rules are refused, nami
   SECTION("two files whose indexes list the same item") {
     // Rank 1's file replaced by a copy of rank 0's (its own table row kept consistent).
     const DataFile f1 = good.files.at(1);
-    const std::string data1 = store->ReadAll(f1.name);
+    const std::string data1 = store->ReadAll(f1.name, UINT64_MAX);
     auto put1 = [&](const std::string& bytes) {
       auto w = store->Create(f1.name);
       w->Append(bytes.data(), bytes.size());
@@ -636,7 +636,7 @@ TEST_CASE(
   sd.Set("w", w);
   Save(sd, dir.path());
   auto store = MakeFileStore(dir.path());
-  Metadata md = DecodeMetadataFile(store->ReadAll(kMetadataName), "test");
+  Metadata md = DecodeMetadataFile(store->ReadAll(kMetadataName, UINT64_MAX), "test");
   REQUIRE(md.format_version >= 2);
   // A row for a file that holds nothing any item needs (its writer's items are all in the
   // other file), and that is not there.

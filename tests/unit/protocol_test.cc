@@ -317,7 +317,7 @@ TEST_CASE("protocol: a load broadcasts the metadata file's payload as read, not 
     const std::string encoded = reader->TakeEncodedMetadata();
     if (std::string(format) == "dcp") {
       // The file's bytes after the 24-byte envelope: they decode to what the reader returned.
-      const std::string file = OpenStore(uri)->ReadAll(kMetadataName);
+      const std::string file = OpenStore(uri)->ReadAll(kMetadataName, UINT64_MAX);
       CHECK(encoded == file.substr(kMetadataHeaderSize));
       CHECK(DecodeMetadata(encoded, "test").entries.size() == md.entries.size());
       CHECK(reader->TakeEncodedMetadata().empty());  // moved out

@@ -271,7 +271,7 @@ TEST_CASE("read-once: a root that cannot read its items fails every rank at once
   // Damage replicated1's stored bytes: its root's checksum fails.
   const Metadata md = ReadMetadata("readonce://x");
   const StorageInfo& info = md.storage.at({"replicated1", {0, 0}, std::nullopt});
-  std::string bytes = store->ReadAll(info.relative_path);
+  std::string bytes = store->ReadAll(info.relative_path, UINT64_MAX);
   bytes[info.offset + 17] ^= 0x40;
   {
     auto out = store->inner()->Create(info.relative_path);

@@ -363,7 +363,7 @@ TEST_CASE("reshard: a corrupted item is caught by a partial read that verifies",
   auto store = MakeMemStore(name);
   for (const auto& n : store->List()) {
     if (!IsDataObjectName(n)) continue;
-    std::string bytes = store->ReadAll(n);
+    std::string bytes = store->ReadAll(n, UINT64_MAX);
     bytes[static_cast<size_t>(ref.nbytes()) - 1] ^= 0x5a;  // the item's end (an index follows)
     auto w = store->Create(n);
     w->Append(bytes.data(), bytes.size());

@@ -169,7 +169,7 @@ TEST_CASE("s3: the commit is a conditional create so two jobs cannot both commit
   auto store = OpenStore(S3TestRoot("commit"));
   store->PublishNew("metadata.dcp", "first job");
   CHECK_THROWS_AS(store->PublishNew("metadata.dcp", "second job"), AlreadyExistsError);
-  CHECK(store->ReadAll("metadata.dcp") == "first job");
+  CHECK(store->ReadAll("metadata.dcp", UINT64_MAX) == "first job");
   // A save that passed its "already exists" check while another job committed first loses at
   // the commit: here the other job's metadata appears between SetUp and Finish.
   const std::string root = S3TestRoot("race");
@@ -196,7 +196,7 @@ TEST_CASE("s3: the commit is a conditional create so two jobs cannot both commit
   } catch (const CollectiveError& e) {
     CHECK(e.failures()[0].code == ErrorCode::kAlreadyExists);
   }
-  CHECK(OpenStore(root)->ReadAll("metadata.dcp") == "other job's commit");
+  CHECK(OpenStore(root)->ReadAll("metadata.dcp", UINT64_MAX) == "other job's commit");
   for (const auto& n : OpenStore(root)->List()) CHECK_FALSE(IsDataObjectName(n));  // aborted
 }
 
@@ -837,7 +837,7 @@ TEST_CASE("s3: connections outlive their store so the next store on the endpoint
   const uint64_t before = S3ConnectionsOpenedForTesting();
   for (int i = 0; i < 5; ++i) {
     auto store = OpenStore(root);
-    CHECK(store->ReadAll("obj") == bytes);
+    CHECK(store->ReadAll("obj", UINT64_MAX) == bytes);
   }
   CHECK(S3ConnectionsOpenedForTesting() - before == 0);  // before: one per store
   OpenStore(root)->Remove("obj");
@@ -884,7 +884,7 @@ TEST_CASE("s3: an object's small tail travels with its last part", "[s3]") {
     w->Close();
     CHECK(hook.Count(is_part) == 3);  // before: 4, the last of 5,000 bytes
   }
-  CHECK(store->ReadAll("obj") == data);
+  CHECK(store->ReadAll("obj", UINT64_MAX) == data);
   {
     // Exactly one part's worth: one plain PUT (before: an upload of one part).
     Hook hook([](const S3RequestInfo&) { return S3Fault::kNone; });
@@ -894,7 +894,7 @@ TEST_CASE("s3: an object's small tail travels with its last part", "[s3]") {
     CHECK(hook.Count(is_part) == 0);
     CHECK(hook.Count([](const S3RequestInfo& i) { return i.method == "POST"; }) == 0);
   }
-  CHECK(store->ReadAll("one") == data.substr(0, kPart));
+  CHECK(store->ReadAll("one", UINT64_MAX) == data.substr(0, kPart));
   {
     // A tail larger than the slack is a part of its own, as before.
     Hook hook([](const S3RequestInfo&) { return S3Fault::kNone; });
@@ -904,7 +904,7 @@ TEST_CASE("s3: an object's small tail travels with its last part", "[s3]") {
     w->Close();
     CHECK(hook.Count(is_part) == 3);
   }
-  CHECK(store->ReadAll("big-tail") == data.substr(0, 2 * kPart + kPart / 2));
+  CHECK(store->ReadAll("big-tail", UINT64_MAX) == data.substr(0, 2 * kPart + kPart / 2));
 }
 
 #else

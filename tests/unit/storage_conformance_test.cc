@@ -143,7 +143,7 @@ const std::string& MetadataName(CheckpointFormat format) {
 
 // Overwrite `n` bytes of an object in place through the Store interface.
 void Patch(Store& store, const std::string& name, uint64_t offset, const std::string& bytes) {
-  std::string all = store.ReadAll(name);
+  std::string all = store.ReadAll(name, UINT64_MAX);
   std::memcpy(all.data() + offset, bytes.data(), bytes.size());
   auto w = store.Create(name);
   w->Append(all.data(), all.size());
@@ -151,7 +151,7 @@ void Patch(Store& store, const std::string& name, uint64_t offset, const std::st
 }
 
 void Truncate(Store& store, const std::string& name, uint64_t size) {
-  std::string all = store.ReadAll(name);
+  std::string all = store.ReadAll(name, UINT64_MAX);
   auto w = store.Create(name);
   w->Append(all.data(), size);
   w->Close();
@@ -185,7 +185,7 @@ TEST_CASE("conformance: Store objects", "[storage][conformance]") {
         w->Close();
       }
       REQUIRE(store->Size("a") == 11u);
-      CHECK(store->ReadAll("a") == "hello world");
+      CHECK(store->ReadAll("a", UINT64_MAX) == "hello world");
       auto r = store->Open("a");
       char buf[5];
       r->ReadAt(6, buf, 5);
@@ -203,7 +203,7 @@ TEST_CASE("conformance: Store objects", "[storage][conformance]") {
       // Atomic publish replaces whole objects.
       store->PublishAtomically("m", "first");
       store->PublishAtomically("m", "second!");
-      CHECK(store->ReadAll("m") == "second!");
+      CHECK(store->ReadAll("m", UINT64_MAX) == "second!");
       auto names = store->List();
       std::sort(names.begin(), names.end());
       CHECK(names == std::vector<std::string>{"a", "m"});  // no temporaries left behind
@@ -388,7 +388,7 @@ TEST_CASE("conformance: missing, incomplete and garbage checkpoints", "[storage]
         StateDict full = MakeState(src);
         Save(full, loc.uri);
         auto store = OpenStore(loc.uri);
-        const std::string good = store->ReadAll(metadata_name);
+        const std::string good = store->ReadAll(metadata_name, UINT64_MAX);
 
         store->Remove(metadata_name);  // data without metadata: an unfinished save
         CHECK_THROWS_WITH(ReadMetadata(loc.uri), Contains("incomplete checkpoint"));
@@ -430,7 +430,7 @@ TEST_CASE("conformance: damaged data is detected and named",
 
         // The middle of the item: its values in every format (a torch record's zip headers and
         // pickle take its first few hundred of these 8.4 KB).
-        std::string original = store->ReadAll(data);
+        std::string original = store->ReadAll(data, UINT64_MAX);
         const uint64_t at = w.offset + w.length / 2;
         Patch(*store, data, at, std::string(1, static_cast<char>(original[at] ^ 1)));
         StateDict back = MakeEmptyLike(dst);

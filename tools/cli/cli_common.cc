@@ -151,15 +151,13 @@ Checkpoint OpenCheckpoint(const std::string& path, std::shared_ptr<Store> store)
                                }() +
                                ")"};
   }
-  const std::string where = c.store->uri() + "/" + kMetadataName;
   std::optional<uint64_t> size;
   try {
     size = c.store->Size(kMetadataName);
     if (!size && c.store->Size(kTorchDcpMetadataName)) {
       // A PyTorch DCP directory (storage/format/torch_dcp.h).
       try {
-        c.md = DecodeTorchDcpMetadata(c.store->ReadAll(kTorchDcpMetadataName),
-                                      c.store->uri() + "/" + kTorchDcpMetadataName);
+        c.md = LayoutFor(CheckpointFormat::kTorchDcp).ReadMetadata(*c.store);
         c.format = "torchdcp";
       } catch (const CorruptionError& e) {
         throw CliError{kCorruptMetadata, std::string("corrupt metadata: ") + e.what()};
@@ -203,7 +201,7 @@ Checkpoint OpenCheckpoint(const std::string& path, std::shared_ptr<Store> store)
                    "not a checkpoint: " + c.store->uri() + " has no " + kMetadataName};
   }
   try {
-    c.md = DecodeMetadataFile(c.store->ReadAll(kMetadataName), where);
+    c.md = LayoutFor(CheckpointFormat::kDcp).ReadMetadata(*c.store);
     c.format = "dcp";
   } catch (const CorruptionError& e) {
     const bool foreign = std::strstr(e.what(), "not a dcp metadata file") != nullptr;

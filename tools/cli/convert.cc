@@ -67,10 +67,16 @@ void RefuseExisting(const std::string& out, const ConvertOptions& o) {
 void ExportSafetensors(const Checkpoint& src, const std::string& out, const ConvertOptions& o) {
   RefuseExisting(out, o);
   const Metadata& md = src.md;
-  ordered_json header = ordered_json::object();
+  // The header is written entry by entry: an ordered_json object looks each key up linearly,
+  // which made a header of many entries quadratic. The names are unique (md.entries is a map).
+  std::string entries_text;
   ordered_json blobs = ordered_json::array();
-  header["__metadata__"] = {
-      {"format", "pt"}, {"dcp.checkpoint_id", md.checkpoint_id}, {"dcp.save_id", md.save_id}};
+  auto add = [&](const std::string& fqn, const ordered_json& value) {
+    entries_text += ',';
+    entries_text += ordered_json(fqn).dump();
+    entries_text += ':';
+    entries_text += value.dump();
+  };
   uint64_t offset = 0;
   for (const auto& [fqn, entry] : md.entries) {
     uint64_t bytes;
@@ -82,19 +88,21 @@ void ExportSafetensors(const Checkpoint& src, const std::string& out, const Conv
                                          ", which safetensors cannot represent"};
       }
       bytes = static_cast<uint64_t>(NumElements(t->shape)) * ElementSize(t->dtype);
-      header[fqn] = {
-          {"dtype", *name}, {"shape", t->shape}, {"data_offsets", {offset, offset + bytes}}};
+      add(fqn, {{"dtype", *name}, {"shape", t->shape}, {"data_offsets", {offset, offset + bytes}}});
     } else {
       bytes = ItemInfo(md, fqn, {}).raw_length;  // the stored length when compressed differs
-      header[fqn] = {{"dtype", "U8"},
-                     {"shape", {static_cast<int64_t>(bytes)}},
-                     {"data_offsets", {offset, offset + bytes}}};
+      add(fqn, {{"dtype", "U8"},
+                {"shape", {static_cast<int64_t>(bytes)}},
+                {"data_offsets", {offset, offset + bytes}}});
       blobs.push_back(fqn);
     }
     offset += bytes;
   }
-  header["__metadata__"][kBlobsKey] = blobs.dump();
-  std::string text = header.dump();
+  const ordered_json metadata = {{"format", "pt"},
+                                 {"dcp.checkpoint_id", md.checkpoint_id},
+                                 {"dcp.save_id", md.save_id},
+                                 {kBlobsKey, blobs.dump()}};
+  std::string text = "{\"__metadata__\":" + metadata.dump() + entries_text + "}";
   text.append((8 - (8 + text.size()) % 8) % 8, ' ');  // keep the data buffer 8-byte aligned
 
   const std::string tmp = out + ".tmp";

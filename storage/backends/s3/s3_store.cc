@@ -213,7 +213,7 @@ class S3Store : public Store {
     Response r = client_->Send(put, &retried);
     if (r.status == 412 && retried) {
       // Our lost first attempt may be what is there.
-      if (ReadAll(name) == bytes) return;
+      if (Size(name) == bytes.size() && ReadAll(name, bytes.size()) == bytes) return;
     }
     if (r.status / 100 != 2) client_->Throw(put, r);
   }
@@ -233,7 +233,7 @@ class S3Store : public Store {
     if (r.status / 100 == 2) return;
     if (r.status == 412 || r.status == 404) {
       // Our lost first attempt may be what is there.
-      if (retried && Size(name) == bytes.size() && ReadAll(name) == bytes) return;
+      if (retried && Size(name) == bytes.size() && ReadAll(name, bytes.size()) == bytes) return;
       throw AlreadyExistsError("object '" + client_->Describe(Key(name)) +
                                "' was replaced or removed since version " + version +
                                " was read (PUT If-Match: HTTP " + std::to_string(r.status) +
