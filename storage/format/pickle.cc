@@ -360,6 +360,7 @@ class Machine {
     auto v = Make(kind);
     const char* p = Take(n);
     v->str.assign(p, n);
+    v->tree_bytes = n;
     return v;
   }
   ValuePtr GlobalV(std::string module, std::string name) {
@@ -368,15 +369,26 @@ class Machine {
     }
     auto v = Make(Kind::kGlobal);
     v->str = module + "\n" + name;
+    v->tree_bytes = v->str.size();
     return v;
   }
   // Nest `child` in `parent`: the child may no longer change (so no structure can contain
-  // itself) and the parent's depth covers it.
+  // itself), the parent's depth covers it and its tree holds the child's (once per reference).
   void Adopt(Value& parent, const ValuePtr& child) {
     child->frozen = true;
     if (child->depth + 1 > parent.depth) parent.depth = child->depth + 1;
     if (parent.depth > limits_.max_depth) {
       Corrupt("values nested deeper than " + std::to_string(limits_.max_depth));
+    }
+    if (__builtin_add_overflow(parent.tree_values, child->tree_values, &parent.tree_values) ||
+        parent.tree_values > limits_.max_tree_values) {
+      Corrupt("shared references (memo GETs) expand it to more than " +
+              std::to_string(limits_.max_tree_values) + " values");
+    }
+    if (__builtin_add_overflow(parent.tree_bytes, child->tree_bytes, &parent.tree_bytes) ||
+        parent.tree_bytes > limits_.max_tree_bytes) {
+      Corrupt("shared references (memo GETs) expand it to more than " +
+              std::to_string(limits_.max_tree_bytes) + " bytes of strings");
     }
   }
   ValuePtr Container(Kind kind, std::vector<ValuePtr> items) {

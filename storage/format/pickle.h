@@ -7,7 +7,8 @@
 // values recording the callable, its arguments and (after BUILD) its state; BINPERSID becomes a
 // kPersistent value around its id. Interpreting those (a torch.Size, a dtype, a dataclass) is
 // the caller's business (storage/format/torch_dcp.cc). Untrusted input is bounded: input size,
-// value count, container depth, memo size and stack depth all have limits, integers beyond 64 bits
+// value count, container depth, memo size, stack depth and the tree that shared references
+// expand to all have limits, integers beyond 64 bits
 // and recursive structures are refused. Every failure is a CorruptionError (malformed or
 // over-limit input) or an UnsupportedError (a valid pickle using an opcode or a global this
 // reader does not accept), naming the source, the byte offset and, for globals, the global.
@@ -59,6 +60,10 @@ struct Value {
   // Reader bookkeeping: a value nested in another may no longer change (no cycles).
   bool frozen = false;
   uint32_t depth = 1;
+  // The tree this value stands for, with every shared reference (a memo GET) counted as a copy:
+  // its values and its string bytes (saturating). What walks a value walks this tree.
+  uint64_t tree_values = 1;
+  uint64_t tree_bytes = 0;
 
   std::string module() const { return str.substr(0, str.find('\n')); }
   std::string name() const {
@@ -91,6 +96,11 @@ struct Limits {
   uint32_t max_depth = 64;              // container nesting
   size_t max_memo = size_t{1} << 22;    // memo slots
   size_t max_stack = size_t{1} << 22;   // stack + mark stack entries
+  // Memo references let a small pickle nest one container in another many times (a DAG whose
+  // tree is exponential): the tree of every value, as Value::tree_values/tree_bytes count it,
+  // is bounded too, so whatever walks the result (Dump, a converter) walks a bounded tree.
+  size_t max_tree_values = size_t{1} << 24;
+  size_t max_tree_bytes = size_t{1} << 30;  // str, bytes and global names
 };
 
 /// Decides whether a global may be referenced: (module, name) -> allowed.

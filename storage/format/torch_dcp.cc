@@ -301,6 +301,18 @@ constexpr uint64_t kMaxDirectoryBytes = uint64_t{4} << 20;  // central directori
 constexpr size_t kMaxPickleBytes = size_t{1} << 20;
 constexpr uint64_t kMaxInflatedBytes = uint64_t{64} << 20;  // deflated entries, per record
 
+// Limits for a pickle of `size` bytes from a torch.save archive: besides the input, the tree its
+// shared references expand to (pickle::Limits) is bounded by a multiple of the pickle, so what
+// walks it (the state dict walk, Dump of a leaf) costs time and memory in proportion to the file.
+// An honest pickle takes a byte or more per value; sharing (a memoised string) is modest.
+pickle::Limits DocumentLimits(size_t size, size_t max_input_bytes) {
+  pickle::Limits limits;
+  limits.max_input_bytes = max_input_bytes;
+  limits.max_tree_values = 2 * size + (size_t{1} << 16);
+  limits.max_tree_bytes = 16 * size + (size_t{16} << 20);
+  return limits;
+}
+
 // One central directory entry, as libzip read it (zip64 sizes and offsets included).
 struct ZipEntry {
   zip_uint64_t index = 0;
@@ -466,7 +478,10 @@ class Archive {
         crc = Crc32(crc, buf.data(), k);
         pos += k;
       }
-      if (crc != e.crc) Fail("entry " + name + " fails its CRC-32");
+      if (crc != e.crc) {
+        Fail("entry " + name + " fails its CRC-32 (the zip records " + Hex32(e.crc) + ", its " +
+             std::to_string(n) + " bytes have " + Hex32(crc) + ")");
+      }
       return;
     }
     File f = Open(name, e);
@@ -495,6 +510,11 @@ class Archive {
     void operator()(zip_t* z) const { zip_discard(z); }
   };
 
+  static std::string Hex32(uint32_t v) {
+    char buf[16];
+    std::snprintf(buf, sizeof(buf), "0x%08x", v);
+    return buf;
+  }
   static uint64_t Le(const unsigned char* p, int n) {
     uint64_t v = 0;
     for (int i = n - 1; i >= 0; --i) v = (v << 8) | p[i];
@@ -1044,6 +1064,8 @@ Metadata DecodeTorchDcpMetadata(std::string_view bytes, std::string_view source)
   const Reader r{std::string(source), bytes.size()};
   pickle::Limits limits;
   limits.max_input_bytes = size_t{2} << 30;
+  // The decoder charges what it copies out of shared values (Reader::Charge, naming the field).
+  limits.max_tree_values = limits.max_tree_bytes = SIZE_MAX;
   const ValuePtr root = pickle::Load(bytes, AllowMetadataGlobal, source, limits);
   const Value& st = r.State(root.get(), "Metadata", "the metadata");
   Metadata md;
@@ -1321,8 +1343,7 @@ TorchTensorRecord ResolveRecord(Archive& zip, uint64_t offset, const std::string
   const std::string prefix = zip.Prefix();
   CheckByteOrder(zip, prefix, what);
   const std::string pkl = zip.ReadSmall(prefix + "data.pkl", kMaxPickleBytes);
-  pickle::Limits limits;
-  limits.max_input_bytes = kMaxPickleBytes;
+  pickle::Limits limits = DocumentLimits(pkl.size(), kMaxPickleBytes);
   limits.max_values = 1 << 16;
   const ValuePtr root =
       pickle::Load(pkl, AllowTensorGlobal, what + " " + prefix + "data.pkl", limits);
@@ -1488,10 +1509,20 @@ bool HoldsTensor(const Value& v) {
   return v.state && HoldsTensor(*v.state);
 }
 
+// Walks the dict tree of a torch.save file into leaves. The pickle bounds the tree
+// (DocumentLimits); what the walk makes of it is bounded too: the names it builds (a long key
+// above many leaves is copied into each), and the bytes its tensors view, which convert writes
+// out whole (a stride-0 view of a small storage, or many tensors viewing one storage, would
+// turn a small file into a huge checkpoint).
 class StateDictWalker {
  public:
-  StateDictWalker(Archive& zip, const std::string& what)
-      : zip_(zip), what_(what), prefix_(zip.Prefix()) {}
+  StateDictWalker(Archive& zip, const std::string& what, uint64_t file_bytes, size_t pkl_bytes)
+      : zip_(zip),
+        what_(what),
+        prefix_(zip.Prefix()),
+        file_bytes_(file_bytes),
+        name_budget_(16 * static_cast<uint64_t>(pkl_bytes) + (uint64_t{16} << 20)),
+        tensor_budget_(kTensorBytesPerFileByte * file_bytes) {}
 
   void Walk(const Value& dict, const std::string& path, std::vector<TorchSaveLeaf>& out) {
     for (size_t i = 0; i + 1 < dict.items.size(); i += 2) {
@@ -1505,7 +1536,15 @@ class StateDictWalker {
         throw UnsupportedError(what_ + ": a key under '" + Shown(path) + "' is a " +
                                key.Describe() + " (only string and int keys are converted)");
       }
+      if (path.size() + 1 + name.size() > name_budget_ - name_bytes_) {
+        throw CorruptionError(what_ + ": its keys make names of more than " +
+                              std::to_string(name_budget_) +
+                              " bytes in all (16 times its pickle, plus 16 MiB): a key shared "
+                              "by reference, or one above many entries, copied into each name");
+      }
       const std::string fqn = path.empty() ? name : path + "." + name;
+      name_bytes_ += fqn.size();
+      CheckName(fqn);
       const ValuePtr value = Untagged(dict.items[i + 1]);
       const Value& v = *value;
       if (IsDictValue(v)) {
@@ -1532,6 +1571,19 @@ class StateDictWalker {
  private:
   static std::string Shown(const std::string& path) { return path.empty() ? "<root>" : path; }
 
+  // A name becomes a path of nested dicts at its dots, which what writes the checkpoint walks
+  // level by level with the prefix so far: bounded in bytes and in parts (real names have a few
+  // hundred bytes and a dozen parts).
+  void CheckName(const std::string& fqn) const {
+    const size_t parts = static_cast<size_t>(std::count(fqn.begin(), fqn.end(), '.')) + 1;
+    if (fqn.size() > kMaxNameBytes || parts > kMaxNameParts) {
+      throw UnsupportedError(what_ + ": the name '" + fqn.substr(0, 64) + "...' has " +
+                             std::to_string(fqn.size()) + " bytes in " + std::to_string(parts) +
+                             " dotted parts (limits: " + std::to_string(kMaxNameBytes) +
+                             " bytes, " + std::to_string(kMaxNameParts) + " parts)");
+    }
+  }
+
   TorchTensorRecord Tensor(const Value& v, const std::string& fqn) {
     const Value* t = &v;
     if (v.global_name() == "torch._utils._rebuild_parameter") {  // nn.Parameter(data, ...)
@@ -1547,17 +1599,58 @@ class StateDictWalker {
     const std::string entry = prefix_ + "data/" + ref.key;
     ReadStorageEntry(r, zip_, entry, ref, rec);
     CheckExtent(r, rec);
+    CheckViewedBytes(rec, fqn);
     auto known = storage_begin_.find(entry);
     if (known == storage_begin_.end()) {
-      known = storage_begin_.emplace(entry, zip_.DataOffset(entry)).first;
+      // Once per storage, however many tensors view it: where its data lies, and its CRC-32
+      // (torch.load never checks it; a damaged value must not pass into a checkpoint that then
+      // verifies).
+      const uint64_t at = zip_.DataOffset(entry);
+      zip_.CheckEntry(entry);
+      known = storage_begin_.emplace(entry, at).first;
     }
     rec.storage_begin = known->second;
     return rec;
   }
 
+  // A tensor is written out whole (numel x element size): it may not view more bytes than its
+  // storage holds, and the file's tensors together no more than kTensorBytesPerFileByte times the
+  // file (tied weights and views of one storage are honest, and rare).
+  void CheckViewedBytes(const TorchTensorRecord& rec, const std::string& fqn) {
+    uint64_t bytes = ElementSize(rec.dtype);
+    for (int64_t n : rec.sizes) {
+      if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(n), &bytes)) {
+        bytes = UINT64_MAX;
+        break;
+      }
+    }
+    if (bytes > rec.storage_bytes) {
+      throw UnsupportedError(
+          what_ + ": tensor '" + fqn + "' views " + std::to_string(bytes) +
+          " bytes of a storage of " + std::to_string(rec.storage_bytes) +
+          " (stride 0 or overlapping strides: an expanded tensor); it would be written out "
+          "whole, so a tensor may view at most the bytes its storage holds (save it with "
+          ".contiguous() or .clone())");
+    }
+    if (bytes > tensor_budget_ - tensor_bytes_) {
+      throw UnsupportedError(
+          what_ + ": its tensors view more than " + std::to_string(tensor_budget_) +
+          " bytes in all, " + std::to_string(kTensorBytesPerFileByte) + " times the file's " +
+          std::to_string(file_bytes_) + " (reached at tensor '" + fqn +
+          "'): so many tensors share storages that the checkpoint would be far larger than the "
+          "file");
+    }
+    tensor_bytes_ += bytes;
+  }
+
+  static constexpr uint64_t kTensorBytesPerFileByte = 8;
+  static constexpr size_t kMaxNameBytes = size_t{64} << 10, kMaxNameParts = 256;
   Archive& zip_;
   const std::string& what_;
   std::string prefix_;
+  uint64_t file_bytes_;
+  uint64_t name_budget_, name_bytes_ = 0;
+  uint64_t tensor_budget_, tensor_bytes_ = 0;
   std::map<std::string, uint64_t> storage_begin_;  // tensors may share a storage
 };
 
@@ -1569,8 +1662,7 @@ std::vector<TorchSaveLeaf> ReadTorchSaveFile(ReadableObject& in, uint64_t length
   const std::string prefix = zip.Prefix();
   CheckByteOrder(zip, prefix, what);
   const std::string pkl = zip.ReadSmall(prefix + "data.pkl", kMaxFilePickleBytes);
-  pickle::Limits limits;
-  limits.max_input_bytes = kMaxFilePickleBytes;
+  const pickle::Limits limits = DocumentLimits(pkl.size(), kMaxFilePickleBytes);
   const ValuePtr loaded =
       pickle::Load(pkl, AllowStateDictGlobal, what + " " + prefix + "data.pkl", limits);
   const ValuePtr root = Untagged(loaded);
@@ -1580,7 +1672,7 @@ std::vector<TorchSaveLeaf> ReadTorchSaveFile(ReadableObject& in, uint64_t length
                            "writes, are converted)");
   }
   std::vector<TorchSaveLeaf> leaves;
-  StateDictWalker(zip, what).Walk(*root, "", leaves);
+  StateDictWalker(zip, what, length, pkl.size()).Walk(*root, "", leaves);
   return leaves;
 }
 
@@ -1626,8 +1718,7 @@ ValuePtr TorchSaveObject(std::string_view bytes, const std::string& what) {
     throw InvalidArgumentError(what + ": its " + std::to_string(bytes.size()) +
                                " bytes are neither a torch.save archive nor a pickle");
   }
-  pickle::Limits limits;
-  limits.max_input_bytes = kMaxPickleBytes;
+  const pickle::Limits limits = DocumentLimits(pkl.size(), kMaxPickleBytes);
   return PlainValue(pickle::Load(pkl, AllowBytesGlobal, what, limits), what);
 }
 

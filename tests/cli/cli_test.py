@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import time
+import zlib
 
 SKIP = 77
 args = None
@@ -229,6 +230,7 @@ def test_basic():
     test_flag_hints(a)
     test_hostile(a)
     test_hostile_safetensors()
+    test_hostile_torch_save()
 
 
 def test_plain_path_query(a):
@@ -626,6 +628,71 @@ def test_hostile(good):
     out = bounded("convert", d, os.path.join(args.workdir, "x.safetensors"), "--overwrite",
                   expect=7, limit_as=1 << 30)
     contains(out, "out of memory", "'rng'", "data-ffffffffffffffff-r0-b0.data", "2147483648")
+
+
+def stored_zip(entries):
+    """A zip of stored entries [(name, data)], as torch.save writes one."""
+    le = lambda v, n: v.to_bytes(n, "little")
+    out, central = b"", b""
+    for name, data in entries:
+        at, crc = len(out), zlib.crc32(data)
+        sizes = le(crc, 4) + le(len(data), 4) * 2 + le(len(name), 2)
+        out += le(0x04034b50, 4) + le(20, 2) + le(0, 8) + sizes + le(0, 2) + name + data
+        central += (le(0x02014b50, 4) + le(20, 2) * 2 + le(0, 8) + sizes + le(0, 8) + le(0, 4) +
+                    le(at, 4) + name)
+    return (out + central + le(0x06054b50, 4) + le(0, 4) + le(len(entries), 2) * 2 +
+            le(len(central), 4) + le(len(out), 4) + le(0, 2))
+
+
+def test_hostile_torch_save():
+    """Crafted torch.save files (issue 44, case 6): dcp convert refuses them fast and small,
+    naming the file and what is at fault."""
+    work = fresh("hostile-pt")
+    pstr = lambda s: b"X" + len(s).to_bytes(4, "little") + s
+
+    def tensor(numel, size, stride):
+        return (b"ctorch._utils\n_rebuild_tensor_v2\n((" + pstr(b"storage") +
+                b"ctorch\nFloatStorage\n" + pstr(b"0") + pstr(b"cpu") + b"J" +
+                numel.to_bytes(4, "little") + b"tQK\x00J" + size.to_bytes(4, "little") +
+                b"\x85J" + stride.to_bytes(4, "little") +
+                b"\x85\x89ccollections\nOrderedDict\n)RtR")
+
+    def convert(name, entries, expect):
+        path = os.path.join(work, name + ".pt")
+        open(path, "wb").write(stored_zip(entries))
+        return bounded("convert", path, os.path.join(work, name), expect=expect)
+
+    # {"a": d, "b": d} nested 40 times by memo references: 2^40 entries from 500 bytes.
+    pkl = b"\x80\x02}q\x00(" + pstr(b"k") + b"K\x01u"
+    for i in range(1, 41):
+        pkl += b"0}q" + bytes([i]) + b"(" + pstr(b"a") + b"h" + bytes([i - 1]) + pstr(b"b") + \
+            b"h" + bytes([i - 1]) + b"u"
+    out = convert("dag", [(b"archive/data.pkl", pkl + b".")], 3)
+    contains(out, "dag.pt' archive/data.pkl: invalid pickle", "expand it to more than")
+    # A stride-0 view of one float as 2^28 elements (1 GiB once written).
+    one = b"\x01\x00\x00\x00"
+    pkl = b"\x80\x02}(" + pstr(b"w") + tensor(1, 1 << 28, 0) + b"u."
+    out = convert("expanded", [(b"archive/data.pkl", pkl), (b"archive/data/0", one)], 6)
+    contains(out, "expanded.pt': tensor 'w' views 1073741824 bytes of a storage of 4")
+    # 64 tensors viewing one 256 KiB storage: 16 MiB from a 270 KiB file.
+    storage = bytes(range(256)) * 1024
+    pkl = b"\x80\x02}(" + b"".join(pstr(b"t%d" % i) + tensor(1 << 16, 1 << 16, 1)
+                                    for i in range(64)) + b"u."
+    out = convert("shared", [(b"archive/data.pkl", pkl), (b"archive/data/0", storage)], 6)
+    contains(out, "shared.pt': its tensors view more than", "8 times the file")
+    # A 60 KiB name of 30001 dotted parts (each a level of nesting where it is written).
+    pkl = b"\x80\x02}(" + pstr(b"a." * 30000 + b"w") + b"K\x01u."
+    out = convert("longname", [(b"archive/data.pkl", pkl)], 6)
+    contains(out, "longname.pt': the name 'a.a.a.", "has 60001 bytes in 30001 dotted parts")
+    # A flipped bit in the storage: its zip CRC-32 is checked, not copied into the checkpoint.
+    pkl = b"\x80\x02}(" + pstr(b"w") + tensor(1 << 16, 1 << 16, 1) + b"u."
+    data = stored_zip([(b"archive/data.pkl", pkl), (b"archive/data/0", storage)])
+    at = data.find(storage) + 1000
+    data = data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:]
+    path = os.path.join(work, "flipped.pt")
+    open(path, "wb").write(data)
+    out = bounded("convert", path, os.path.join(work, "flipped"), expect=3)
+    contains(out, "flipped.pt' entry archive/data/0 fails its CRC-32")
 
 
 def run_bytes(*a):

@@ -387,3 +387,155 @@ TEST_CASE("torch record: a directory claiming millions of entries is refused bef
   Bytes in(TensorRecord(0, {16}, {1}, storage));
   CHECK(ResolveTorchTensorRecord(in, 0, in.size(), "record").storage_bytes == 64);
 }
+
+// Crafted torch.save files (issue 44, case 6): a dict of entries, as torch.save(state_dict)
+// writes it, with the pickle and storages made here.
+namespace {
+
+// The body of a tensor pickle (TensorPickle without PROTO and STOP), to nest in a dict.
+std::string TensorBody(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
+                       const std::string& storage) {
+  const std::string pkl = TensorPickle(0, sizes, strides, storage);
+  return pkl.substr(2, pkl.size() - 3);
+}
+
+std::string DictPickle(const std::vector<std::pair<std::string, std::string>>& entries) {
+  std::string pkl = "\x80\x02}(";
+  for (const auto& [key, body] : entries) pkl += PickleStr(key) + body;
+  return pkl + "u.";
+}
+
+std::string TorchSaveFile(const std::string& pkl, const std::string& storage = "") {
+  std::vector<std::pair<std::string, std::string>> entries = {{"archive/data.pkl", pkl}};
+  if (!storage.empty()) entries.emplace_back("archive/data/0", storage);
+  return StoredZip(entries);
+}
+
+std::vector<TorchSaveLeaf> ReadFile(const std::string& file) {
+  Bytes in(file);
+  return ReadTorchSaveFile(in, file.size(), "'crafted.pt'");
+}
+
+// {"a": d, "b": d} nested `levels` times over d = {"k": 1}, each level a memo reference to the
+// one below: a pickle of a few hundred bytes whose tree has 2^levels leaves.
+std::string SharedDictPickle(int levels) {
+  std::string pkl = std::string("\x80\x02}q") + '\0' + "(" + PickleStr("k") + "K\x01u";
+  for (int i = 1; i <= levels; ++i) {
+    const char prev = static_cast<char>(i - 1), self = static_cast<char>(i);
+    pkl += std::string("0}q") + self + "(" + PickleStr("a") + "h" + prev + PickleStr("b") + "h" +
+           prev + "u";
+  }
+  return pkl + ".";
+}
+
+}  // namespace
+
+TEST_CASE("torch.save file: shared pickle structures are bounded as the tree they expand to",
+          "[torch_dcp][hostile]") {
+  // The reader itself: 2^40 leaves from 500 bytes are refused while the pickle is read.
+  CHECK_THROWS_WITH(pickle::Load(SharedDictPickle(40), nullptr, "dag"),
+                    Contains("dag: invalid pickle at byte") &&
+                        Contains("shared references (memo GETs) expand it to more than 16777216 "
+                                 "values"));
+  // A torch.save file: its bound is a multiple of its pickle (the walk into names would not end).
+  CHECK_THROWS_WITH(ReadFile(TorchSaveFile(SharedDictPickle(40))),
+                    Contains("'crafted.pt' archive/data.pkl: invalid pickle") &&
+                        Contains("expand it to more than"));
+  CHECK_THROWS_AS(ReadFile(TorchSaveFile(SharedDictPickle(20))), CorruptionError);
+  // Modest sharing (a memoised string or dict used a few times) reads as before.
+  CHECK(ReadFile(TorchSaveFile(SharedDictPickle(3))).size() == 8);
+  // A 64 KiB string referenced 1024 times in a list: 64 MiB once expanded (each leaf value is
+  // pickled again as its own record): refused by its bytes.
+  std::string pkl = "\x80\x02}(" + PickleStr("list") + "]q" + '\0' + "(" +
+                    PickleStr(std::string(64 << 10, 's')) + "q\x01";
+  for (int i = 0; i < 1023; ++i) pkl += "h\x01";
+  pkl += "eu.";
+  CHECK_THROWS_WITH(ReadFile(TorchSaveFile(pkl)),
+                    Contains("expand it to more than") && Contains("bytes of strings"));
+}
+
+TEST_CASE("torch.save file: an expanded tensor or storages viewed too often are refused",
+          "[torch_dcp][hostile]") {
+  const std::string one(4, '\x01');
+  // A stride-0 view of one float as 2^20 elements: 4 MiB written from a 4-byte storage.
+  CHECK_THROWS_WITH(
+      ReadFile(TorchSaveFile(DictPickle({{"w", TensorBody({1 << 20}, {0}, one)}}), one)),
+      Contains("'crafted.pt': tensor 'w' views 4194304 bytes of a storage of 4") &&
+          Contains("an expanded tensor"));
+  // Overlapping strides: 3 x 4 elements over 6.
+  const std::string six(24, '\x02');
+  CHECK_THROWS_WITH(
+      ReadFile(TorchSaveFile(DictPickle({{"o", TensorBody({3, 4}, {1, 1}, six)}}), six)),
+      Contains("tensor 'o' views 48 bytes of a storage of 24"));
+  // A view of at most its storage reads (a slice, a transposed view, a tied weight).
+  CHECK(ReadFile(TorchSaveFile(DictPickle({{"t", TensorBody({3, 2}, {1, 3}, six)},
+                                           {"s", TensorBody({2}, {2}, six)},
+                                           {"tied", TensorBody({6}, {1}, six)}}),
+                               six))
+            .size() == 3);
+  // 32 tensors each viewing one 64 KiB storage: 2 MiB from a 70 KiB file.
+  const std::string big(64 << 10, '\x03');
+  std::vector<std::pair<std::string, std::string>> many;
+  for (int i = 0; i < 32; ++i) {
+    many.emplace_back("t" + std::to_string(i), TensorBody({16 << 10}, {1}, big));
+  }
+  CHECK_THROWS_WITH(ReadFile(TorchSaveFile(DictPickle(many), big)),
+                    Contains("'crafted.pt': its tensors view more than") &&
+                        Contains("8 times the file's") && Contains("(reached at tensor 't"));
+}
+
+TEST_CASE("torch.save file: a storage failing its zip CRC-32 is refused, checked once",
+          "[torch_dcp][hostile]") {
+  std::string storage(4096, '\0');
+  for (size_t i = 0; i < storage.size(); ++i) storage[i] = static_cast<char>(i * 7 + 1);
+  std::vector<std::pair<std::string, std::string>> tensors;
+  for (int i = 0; i < 4; ++i) {
+    tensors.emplace_back("w" + std::to_string(i), TensorBody({1024}, {1}, storage));
+  }
+  const std::string file = TorchSaveFile(DictPickle(tensors), storage);
+  {  // Honest: read whole once, however many tensors view it.
+    CountingBytes in(file);
+    CHECK(ReadTorchSaveFile(in, file.size(), "'ok.pt'").size() == 4);
+  }
+  std::string damaged = file;
+  const size_t at = damaged.find(storage);
+  REQUIRE(at != std::string::npos);
+  damaged[at + 100] ^= 0x10;
+  CHECK_THROWS_WITH(ReadFile(damaged),
+                    Contains("'crafted.pt' entry archive/data/0 fails its CRC-32 (the zip records "
+                             "0x") &&
+                        Contains("its 4096 bytes have 0x"));
+}
+
+TEST_CASE("torch.save file: names too long or of too many dotted parts are refused",
+          "[torch_dcp][hostile]") {
+  // Each dot nests the name one level deeper where the checkpoint is written.
+  std::string dots;
+  for (int i = 0; i < 30000; ++i) dots += "a.";
+  CHECK_THROWS_WITH(ReadFile(TorchSaveFile(DictPickle({{dots + "w", "K\x01"}}))),
+                    Contains("'crafted.pt': the name 'a.a.a.") &&
+                        Contains("...' has 60001 bytes in 30001 dotted parts (limits: 65536 "
+                                 "bytes, 256 parts)"));
+  CHECK_THROWS_WITH(ReadFile(TorchSaveFile(DictPickle({{std::string(70000, 'n'), "K\x01"}}))),
+                    Contains("has 70000 bytes in 1 dotted parts"));
+  // Nested dicts count too.
+  std::string nested = "\x80\x02";
+  for (int i = 0; i < 60; ++i) nested += "}(" + PickleStr(std::string(1200, 'k'));
+  nested += "K\x01";
+  for (int i = 0; i < 60; ++i) nested += "u";
+  CHECK_THROWS_WITH(ReadFile(TorchSaveFile(nested + ".")), Contains("bytes in 55 dotted parts"));
+  // Real names read.
+  CHECK(ReadFile(TorchSaveFile(DictPickle({{"model.layers.0.self_attn.q_proj.bias", "K\x01"}})))
+            .size() == 1);
+}
+
+TEST_CASE("torch.save file: a long key above many entries is bounded by the names it makes",
+          "[torch_dcp][hostile]") {
+  // A 60 KiB key over a dict of 1000 entries: 60 MB of names from a 70 KB pickle.
+  std::string pkl = "\x80\x02}(" + PickleStr(std::string(60000, 'k')) + "}(";
+  for (int i = 0; i < 1000; ++i) pkl += PickleStr("e" + std::to_string(i)) + "K\x01";
+  pkl += "uu.";
+  CHECK_THROWS_WITH(
+      ReadFile(TorchSaveFile(pkl)),
+      Contains("'crafted.pt': its keys make names of more than") && Contains("bytes in all"));
+}
