@@ -1,11 +1,13 @@
 // `dcp verify`: read every stored item of a checkpoint and check it as a load would.
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <tuple>
 
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
@@ -208,9 +210,23 @@ class Verifier {
         ItemName(*it.index) + " in '" + file + "' at offset " + std::to_string(info.offset);
     const bool tensor = !it.index->offset.empty() ||
                         std::holds_alternative<TensorMetadata>(md_.entries.at(it.index->fqn));
-    TorchTensorRecord rec;  // resolved from the same read of the record's directory
-    CheckTorchArchiveCrcs(obj, info.offset, info.length, what, tensor ? &rec : nullptr);
-    bytes_read_ += info.length;
+    // Items may share one record (crafted metadata can point thousands at one): each record is
+    // read and checked once, its outcome reused (a failure is reported for every item in it).
+    const RecordKey key{file, info.offset, info.length, tensor};
+    auto known = records_.find(key);
+    if (known == records_.end()) {
+      CheckedRecord checked;
+      try {
+        // rec is resolved from the same read of the record's directory
+        CheckTorchArchiveCrcs(obj, info.offset, info.length, what, tensor ? &checked.rec : nullptr);
+      } catch (const Error&) {
+        checked.error = std::current_exception();
+      }
+      bytes_read_ += info.length;
+      known = records_.emplace(key, std::move(checked)).first;
+    }
+    if (known->second.error) std::rethrow_exception(known->second.error);
+    const TorchTensorRecord& rec = known->second.rec;
     if (!tensor) return;
     const auto& tm = std::get<TensorMetadata>(md_.entries.at(it.index->fqn));
     Shape sizes;
@@ -367,6 +383,12 @@ class Verifier {
   size_t unchecked_ = 0, checked_ = 0, strays_ = 0;
   uint64_t bytes_read_ = 0;
   std::vector<char> buf_;
+  using RecordKey = std::tuple<std::string, uint64_t, uint64_t, bool>;  // file, offset, length
+  struct CheckedRecord {
+    TorchTensorRecord rec;
+    std::exception_ptr error;
+  };
+  std::map<RecordKey, CheckedRecord> records_;  // torch records checked so far
 };
 
 }  // namespace
