@@ -1522,7 +1522,20 @@ class StateDictWalker {
         prefix_(zip.Prefix()),
         file_bytes_(file_bytes),
         name_budget_(16 * static_cast<uint64_t>(pkl_bytes) + (uint64_t{16} << 20)),
+        leaf_budget_(pkl_bytes / 8 + 65536),
         tensor_budget_(kTensorBytesPerFileByte * file_bytes) {}
+
+  // Each leaf becomes an entry of the checkpoint (a plain value its own torch.save record, about
+  // 800 bytes), so their number is bounded before any is made: one per 8 bytes of pickle + 65536
+  // (an honest entry takes more: a key and a value; shared dicts multiply them).
+  void CheckLeafCount(const Value& root) const {
+    uint64_t leaves = 0;
+    CountLeaves(root, leaves);
+    if (leaves > leaf_budget_) {
+      throw UnsupportedError(what_ + " holds more than " + std::to_string(leaf_budget_) +
+                             " entries (one per 8 bytes of its pickle, plus 65536)");
+    }
+  }
 
   void Walk(const Value& dict, const std::string& path, std::vector<TorchSaveLeaf>& out) {
     for (size_t i = 0; i + 1 < dict.items.size(); i += 2) {
@@ -1570,6 +1583,18 @@ class StateDictWalker {
 
  private:
   static std::string Shown(const std::string& path) { return path.empty() ? "<root>" : path; }
+
+  // The leaves Walk would make (the tree is bounded by DocumentLimits; stops past the budget).
+  void CountLeaves(const Value& dict, uint64_t& leaves) const {
+    for (size_t i = 0; i + 1 < dict.items.size() && leaves <= leaf_budget_; i += 2) {
+      const Value& v = *Untagged(dict.items[i + 1]);
+      if (IsDictValue(v)) {
+        CountLeaves(v, leaves);
+      } else {
+        ++leaves;
+      }
+    }
+  }
 
   // A name becomes a path of nested dicts at its dots, which what writes the checkpoint walks
   // level by level with the prefix so far: bounded in bytes and in parts (real names have a few
@@ -1650,6 +1675,7 @@ class StateDictWalker {
   std::string prefix_;
   uint64_t file_bytes_;
   uint64_t name_budget_, name_bytes_ = 0;
+  uint64_t leaf_budget_;
   uint64_t tensor_budget_, tensor_bytes_ = 0;
   std::map<std::string, uint64_t> storage_begin_;  // tensors may share a storage
 };
@@ -1672,7 +1698,9 @@ std::vector<TorchSaveLeaf> ReadTorchSaveFile(ReadableObject& in, uint64_t length
                            "writes, are converted)");
   }
   std::vector<TorchSaveLeaf> leaves;
-  StateDictWalker(zip, what, length, pkl.size()).Walk(*root, "", leaves);
+  StateDictWalker walker(zip, what, length, pkl.size());
+  walker.CheckLeafCount(*root);
+  walker.Walk(*root, "", leaves);
   return leaves;
 }
 

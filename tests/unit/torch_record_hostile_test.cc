@@ -4,6 +4,7 @@
 // protocol-2 pickle in a stored zip, as torch.save writes it.
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <cstdio>
 #include <cstring>
 #include <map>
 
@@ -538,4 +539,28 @@ TEST_CASE("torch.save file: a long key above many entries is bounded by the name
   CHECK_THROWS_WITH(
       ReadFile(TorchSaveFile(pkl)),
       Contains("'crafted.pt': its keys make names of more than") && Contains("bytes in all"));
+}
+
+TEST_CASE("torch.save file: the number of entries is bounded by the pickle before any is made",
+          "[torch_dcp][hostile]") {
+  // d = {"a": None, "b": None, "c": None, "d": None}, referenced under 25000 keys: 100000
+  // entries (each a torch.save record of its own once converted) from a 175 KB pickle.
+  std::string pkl = std::string("\x80\x02}q") + '\0' + "(";
+  for (char k : std::string("abcd")) pkl += std::string("\x8c\x01") + k + "N";
+  pkl += "u0}(";
+  for (int i = 0; i < 25000; ++i) {
+    char key[8];
+    std::snprintf(key, sizeof(key), "%05d", i);
+    pkl += std::string("\x8c\x05") + key + "h" + '\0';
+  }
+  pkl += "u.";
+  CHECK_THROWS_WITH(ReadFile(TorchSaveFile(pkl)),
+                    Contains("'crafted.pt' holds more than") &&
+                        Contains("entries (one per 8 bytes of its pickle, plus 65536)"));
+  // The same shared dict under 1000 keys reads.
+  pkl = pkl.substr(0, pkl.find("u0}(") + 4);
+  for (int i = 0; i < 1000; ++i)
+    pkl += std::string("\x8c\x05") + "k" + std::to_string(10000 + i).substr(1) + "h" + '\0';
+  pkl += "u.";
+  CHECK(ReadFile(TorchSaveFile(pkl)).size() == 4000);
 }
