@@ -1373,6 +1373,93 @@ void ValidateFileTable(const Metadata& md, const std::string& src) {
   }
 }
 
+// Version 2: the items each rank's indexes list are the items the metadata attributes to it
+// (chunk k of a rule by rank k, an explicit chunk or a byte entry by its writer); the commit
+// checks this per rank. Checked from the counts alone (O(entries + files), no rule expanded), so
+// that neither an index (whose length is read and allocated) nor a load plan (one read item per
+// chunk) can claim more than the other side holds: a 189-byte document claiming 2^31 chunks
+// needs 2^31 rows of data files here, and a file's index_length is bounded by its writer's items.
+void ValidateItemCounts(const Metadata& md, const std::string& src) {
+  std::unordered_map<int32_t, uint64_t> stored;  // rank -> items its files' indexes hold
+  std::unordered_map<int32_t, std::vector<const DataFile*>> file_of;
+  stored.reserve(md.files.size());
+  for (const DataFile& f : md.files) {
+    const uint64_t n = (f.index_length - kFileIndexHeaderBytes) / kFileIndexItemBytes;
+    if (n == 0) {
+      // A writer creates a file for items only; a row that holds none is referenced by nothing
+      // (and would cost a size query per row).
+      FailValidation(src, "data file '" + f.name + "' holds no item (its index is empty)");
+    }
+    stored[f.writer] += n;
+    file_of[f.writer].push_back(&f);
+  }
+  std::unordered_map<int32_t, std::pair<uint64_t, const std::string*>> listed;  // explicit
+  std::vector<std::pair<size_t, const std::string*>> rules;  // chunk count, tensor
+  for (const auto& [fqn, entry] : md.entries) {
+    if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
+      if (t->regular) {
+        rules.emplace_back(ChunkCount(*t), &fqn);
+      } else {
+        for (int32_t w : t->chunk_writers) {
+          auto& a = listed.try_emplace(w, 0, &fqn).first->second;
+          ++a.first;
+        }
+      }
+    } else {
+      auto& a = listed.try_emplace(std::get<BytesMetadata>(entry).writer, 0, &fqn).first->second;
+      ++a.first;
+    }
+  }
+  std::sort(rules.begin(), rules.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  const size_t max_chunks = rules.empty() ? 0 : rules.back().first;
+  // Chunk k of a rule is rank k's: every rank below the longest rule's chunk count needs files.
+  if (max_chunks > stored.size()) {
+    FailValidation(src, "tensor " + ClippedName(*rules.back().second) + " claims " +
+                            std::to_string(max_chunks) + " stored chunks (one per rank) but only " +
+                            std::to_string(stored.size()) +
+                            " ranks have data files: its chunks exceed what is stored");
+  }
+  std::vector<int32_t> ranks;
+  ranks.reserve(stored.size() + listed.size() + max_chunks);
+  for (const auto& [r, n] : stored) ranks.push_back(r);
+  for (const auto& [r, a] : listed) ranks.push_back(r);
+  for (size_t r = 0; r < max_chunks; ++r) ranks.push_back(static_cast<int32_t>(r));
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  std::vector<size_t> counts(rules.size());
+  for (size_t i = 0; i < rules.size(); ++i) counts[i] = rules[i].first;
+  for (int32_t r : ranks) {
+    // Rules with more than r chunks each have one item of rank r.
+    const auto longer = static_cast<uint64_t>(
+        counts.end() - std::upper_bound(counts.begin(), counts.end(), static_cast<size_t>(r)));
+    auto l = listed.find(r);
+    const uint64_t expected = longer + (l == listed.end() ? 0 : l->second.first);
+    auto s = stored.find(r);
+    const uint64_t held = s == stored.end() ? 0 : s->second;
+    if (held == expected) continue;
+    const std::string* example =
+        l != listed.end() ? l->second.second : (longer > 0 ? rules.back().second : nullptr);
+    std::string names;
+    auto f = file_of.find(r);
+    if (f == file_of.end()) {
+      names = "it has none";
+    } else {
+      constexpr size_t kNamed = 4;
+      for (size_t i = 0; i < f->second.size() && i < kNamed; ++i) {
+        names += (i ? ", '" : "'") + f->second[i]->name + "'";
+      }
+      if (f->second.size() > kNamed) {
+        names += " and " + std::to_string(f->second.size() - kNamed) + " more";
+      }
+    }
+    FailValidation(src, "the indexes of rank " + std::to_string(r) + "'s data files (" + names +
+                            ") claim " + std::to_string(held) + " items, the metadata attributes " +
+                            std::to_string(expected) + " to it" +
+                            (example ? " (e.g. of " + ClippedName(*example) + ")" : std::string()));
+  }
+}
+
 uint64_t FqnHash(std::string_view fqn) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (char c : fqn) {
@@ -1494,6 +1581,7 @@ void ValidateMetadata(const Metadata& md, std::string_view source) {
   }
   if (v2) {
     ValidateFileTable(md, src);
+    ValidateItemCounts(md, src);
     // Indexes key items by FqnHash: two entries with one hash could not be told apart.
     std::unordered_map<uint64_t, const std::string*> hashes;
     hashes.reserve(md.entries.size());

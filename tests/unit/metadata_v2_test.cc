@@ -407,8 +407,54 @@ TEST_CASE("metadata v2: hostile file tables, indexes and rules are refused, nami
     md.files[0].size = f0.index_offset + empty.size();
     rewrite(data0.substr(0, f0.index_offset) + empty);
     Publish("v2-hostile", md);
+    CHECK_THAT(LoadError("v2-hostile"), Contains("holds no item") && Contains(f0.name));
+    // One item short of what the metadata attributes to rank 0: refused from the counts,
+    // before any index is read.
+    auto items =
+        DecodeFileIndex(data0.substr(f0.index_offset, f0.index_length), f0.index_offset, "x");
+    items.pop_back();
+    const std::string shorter = EncodeFileIndex(items);
+    md.files[0].index_length = shorter.size();
+    md.files[0].index_crc32c = Crc32c(0, shorter.data(), shorter.size());
+    md.files[0].size = f0.index_offset + shorter.size();
+    rewrite(data0.substr(0, f0.index_offset) + shorter);
+    Publish("v2-hostile", md);
     CHECK_THAT(LoadError("v2-hostile"),
-               Contains("in no index") && Contains(f0.name) && Contains("rank 0"));
+               Contains("rank 0") && Contains(f0.name) && Contains("attributes"));
+  }
+  SECTION("an index may claim no more items than the metadata attributes to its writer") {
+    // A sparse file with a 1 GiB "index": refused from the counts, before it is read (or its
+    // length allocated), by every tool.
+    Metadata md = bare;
+    const uint64_t items = (uint64_t{1} << 30) / kFileIndexItemBytes;
+    md.files[0].index_length = kFileIndexHeaderBytes + items * kFileIndexItemBytes;
+    md.files[0].size = md.files[0].index_offset + md.files[0].index_length;
+    REQUIRE_THROWS_WITH(ValidateMetadata(md, "test"),
+                        Contains(f0.name) && Contains(std::to_string(items) + " items") &&
+                            Contains("rank 0") && Contains("attributes"));
+    Publish("v2-hostile", md);
+    CHECK_THAT(LoadError("v2-hostile"), Contains(f0.name) && Contains("attributes"));
+  }
+  SECTION("a rule's chunks may not exceed the data files stored (no span expanded first)") {
+    // 189 bytes of metadata once claimed 2^31 chunks; a full load made a read item per chunk
+    // before checking any. Every chunk k of a rule is rank k's, so it needs rank k's files.
+    // Zero bytes of elements: the stored bytes bound nothing here.
+    Metadata md = good;
+    md.world_size = int32_t{1} << 30;
+    for (auto& [fqn, e] : md.entries) {
+      auto* t = std::get_if<TensorMetadata>(&e);
+      if (t != nullptr && t->regular) t->regular->world = md.world_size;
+    }
+    std::get<TensorMetadata>(md.entries.at("layer3.w")).shape = {int64_t{1} << 30, 0};
+    const auto start = std::chrono::steady_clock::now();
+    REQUIRE_THROWS_WITH(ValidateMetadata(md, "test"),
+                        Contains("layer3.w") &&
+                            Contains(std::to_string(1 << 30) + " stored chunks") &&
+                            Contains("exceed what is stored"));
+    Publish("v2-hostile", md);
+    CHECK_THAT(LoadError("v2-hostile"), Contains("layer3.w") && Contains("exceed what is stored"));
+    CHECK_THROWS_WITH(ReadMetadata("mem://v2-hostile"), Contains("exceed what is stored"));
+    CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 2.0);
   }
   SECTION("an index whose items run into the index or overlap is refused") {
     auto items =
@@ -638,8 +684,8 @@ TEST_CASE(
   auto store = MakeFileStore(dir.path());
   Metadata md = DecodeMetadataFile(store->ReadAll(kMetadataName, UINT64_MAX), "test");
   REQUIRE(md.format_version >= 2);
-  // A row for a file that holds nothing any item needs (its writer's items are all in the
-  // other file), and that is not there.
+  // A row for a file that is not there, whose index claims an item more than the metadata
+  // attributes to its writer: refused from the counts alone, naming it, by both.
   DataFile extra = md.files.at(0);
   extra.name = "data-00000000000000aa-r0-b9.data";
   extra.index_copy.clear();
@@ -656,6 +702,6 @@ TEST_CASE(
   out << std::ifstream(log).rdbuf();
   INFO(out.str());
   CHECK(WEXITSTATUS(status) != 0);  // before: 0, "OK"
-  CHECK_THAT(out.str(), Contains("missing file '" + extra.name + "'"));
+  CHECK_THAT(out.str(), Contains("'" + extra.name + "'") && Contains("attributes 1"));
 }
 #endif
