@@ -163,7 +163,8 @@ case "$mode" in
     fuzz_out=$(mktemp -d)
     fuzz_pids=()
     fuzz_targets=(dcp_metadata_fuzz:corpus dcp_torch_metadata_fuzz:torch_corpus
-      dcp_safetensors_fuzz:safetensors_corpus dcp_safetensors_index_fuzz:safetensors_index_corpus)
+      dcp_safetensors_fuzz:safetensors_corpus dcp_safetensors_index_fuzz:safetensors_index_corpus
+      dcp_metadata_v2_fuzz:metadata_v2_corpus)
     log "fuzzing with ${fuzz_targets[*]%%:*} for ${DCP_FUZZ_SECONDS:-40} s, side by side"
     for target in "${fuzz_targets[@]}"; do
       mkdir "$fuzz_out/${target%%:*}"
