@@ -556,11 +556,16 @@ void ReadWithSharing(const LoadPlan& plan, const Metadata& md,
     for (size_t i = 0; i < plan.items.size(); ++i) {
       if (keep(i)) p.items.push_back(plan.items[i]);
     }
-    return ExpandChunkSpans(std::move(p), md);  // batches name plain items only
+    return p;
+  };
+  // Batches name plain items only; spans are expanded a bounded part at a time.
+  auto read = [&](const LoadPlan& p) {
+    ForEachExpandedPart(p, md, kMaxExpandedItems,
+                        [&](const LoadPlan& part) { reader.ReadData(part, capture).get(); });
   };
   std::exception_ptr error;
   try {
-    reader.ReadData(subplan([&](size_t i) { return skip[i] == 0; }), capture).get();
+    read(subplan([&](size_t i) { return skip[i] == 0; }));
   } catch (...) {
     error = std::current_exception();
   }
@@ -576,7 +581,7 @@ void ReadWithSharing(const LoadPlan& plan, const Metadata& md,
             mine[batch.send_items[k]] = 1;
             capture.Expect(plan.items[batch.send_items[k]], b, k);
           }
-          reader.ReadData(subplan([&](size_t i) { return mine[i] != 0; }), capture).get();
+          read(subplan([&](size_t i) { return mine[i] != 0; }));
         }
         msg = capture.Pack(b, batch.send_items.size());
         stats.bytes_sent += msg.size() - 1 - 8 * batch.send_items.size();
@@ -1220,9 +1225,11 @@ class LoadOperation {
         [&] {
           const LoadPlan plan = planner_.FinishPlan(std::move(central_));
           if (batches_.empty()) {
-            // Readers see plain items only: spans become one item per stored chunk here.
-            const LoadPlan pieces = ExpandChunkSpans(plan, md_);
-            reader_.ReadData(pieces, planner_).get();
+            // Readers see plain items only: spans become one item per stored chunk here, a
+            // bounded part at a time (each part's indexes are read before the next expands).
+            ForEachExpandedPart(plan, md_, kMaxExpandedItems, [&](const LoadPlan& pieces) {
+              reader_.ReadData(pieces, planner_).get();
+            });
           } else {
             ReadWithSharing(plan, md_, batches_, reader_, planner_, comm_,
                             options_.storage.memory_budget_bytes, stats_);

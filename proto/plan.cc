@@ -185,6 +185,33 @@ void AppendSpanPieces(const ReadItem& item, const TensorMetadata& saved,
   }
 }
 
+namespace {
+
+// The tensor a span reads, found once per run of items of one tensor.
+class SpanTensors {
+ public:
+  explicit SpanTensors(const Metadata& md) : md_(md) {}
+  const TensorMetadata& Of(const ReadItem& item) {
+    if (last_fqn_ == nullptr || *last_fqn_ != item.storage_index.fqn) {
+      auto it = md_.entries.find(item.storage_index.fqn);
+      saved_ = it == md_.entries.end() ? nullptr : std::get_if<TensorMetadata>(&it->second);
+      if (saved_ == nullptr) {
+        throw InvalidArgumentError("read of " + ClippedName(item.storage_index.fqn) +
+                                   " across stored chunks: the checkpoint has no such tensor");
+      }
+      last_fqn_ = &item.storage_index.fqn;
+    }
+    return *saved_;
+  }
+
+ private:
+  const Metadata& md_;
+  const std::string* last_fqn_ = nullptr;  // a tensor's items are usually adjacent
+  const TensorMetadata* saved_ = nullptr;
+};
+
+}  // namespace
+
 LoadPlan ExpandChunkSpans(LoadPlan plan, const Metadata& md) {
   if (std::none_of(plan.items.begin(), plan.items.end(),
                    [](const ReadItem& item) { return item.chunk_span > 1; })) {
@@ -199,26 +226,40 @@ LoadPlan ExpandChunkSpans(LoadPlan plan, const Metadata& md) {
     bound += std::clamp<size_t>(item.chunk_span, 1, max_span);
   }
   items.reserve(bound);
-  const std::string* last_fqn = nullptr;  // a tensor's items are usually adjacent
-  const TensorMetadata* saved = nullptr;
+  SpanTensors tensors(md);
   for (ReadItem& item : plan.items) {
     if (item.chunk_span <= 1) {
       items.push_back(std::move(item));
-      continue;
+    } else {
+      AppendSpanPieces(item, tensors.Of(item), items);
     }
-    if (last_fqn == nullptr || *last_fqn != item.storage_index.fqn) {
-      auto it = md.entries.find(item.storage_index.fqn);
-      saved = it == md.entries.end() ? nullptr : std::get_if<TensorMetadata>(&it->second);
-      if (saved == nullptr) {
-        throw InvalidArgumentError("read of " + ClippedName(item.storage_index.fqn) +
-                                   " across stored chunks: the checkpoint has no such tensor");
-      }
-      last_fqn = &item.storage_index.fqn;
-    }
-    AppendSpanPieces(item, *saved, items);
   }
   plan.items = std::move(items);
   return plan;
+}
+
+void ForEachExpandedPart(const LoadPlan& plan, const Metadata& md, size_t max_items,
+                         const std::function<void(const LoadPlan&)>& read) {
+  max_items = std::max<size_t>(max_items, 1);
+  LoadPlan part;
+  part.storage_data = plan.storage_data;
+  part.planner_data = plan.planner_data;
+  part.items.reserve(std::min(plan.items.size(), max_items));
+  SpanTensors tensors(md);
+  bool any = false;
+  for (const ReadItem& item : plan.items) {
+    if (item.chunk_span <= 1) {
+      part.items.push_back(item);
+    } else {
+      AppendSpanPieces(item, tensors.Of(item), part.items);
+    }
+    if (part.items.size() >= max_items) {
+      read(part);
+      part.items.clear();
+      any = true;
+    }
+  }
+  if (!part.items.empty() || !any) read(part);
 }
 
 void FillStorage(Metadata& md, const std::vector<std::vector<WriteResult>>& results) {

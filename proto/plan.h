@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -255,6 +256,16 @@ void AppendSpanPieces(const ReadItem& item, const TensorMetadata& saved,
 /// order; returned as is when it has no span. InvalidArgumentError as AppendSpanPieces, and for
 /// a span of an entry `md` does not hold as a tensor.
 LoadPlan ExpandChunkSpans(LoadPlan plan, const Metadata& md);
+/// ExpandChunkSpans a part at a time, as a load reads: `read` gets consecutive parts of `plan`
+/// (its items in order, spans expanded; storage_data and planner_data copied), each ending at
+/// the first item that brings it to `max_items` plain items or more (one span adds at most its
+/// tensor's chunk count), and at least one part. What a load holds expanded at once is then
+/// bounded by `max_items` and the document, whatever its spans reach. Errors as ExpandChunkSpans,
+/// thrown before the part that holds the bad span is read.
+void ForEachExpandedPart(const LoadPlan& plan, const Metadata& md, size_t max_items,
+                         const std::function<void(const LoadPlan&)>& read);
+/// The plain items a load expands at most at once (ForEachExpandedPart).
+inline constexpr size_t kMaxExpandedItems = size_t{1} << 18;
 
 /// Replace md.storage with the stored items of every rank's write results. The results are
 /// sorted first and appended in order (a tree walk per item is the slow part at millions of

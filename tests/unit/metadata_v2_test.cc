@@ -641,6 +641,37 @@ TEST_CASE("metadata v2: a box across every rank's chunk plans as one span and ex
   }
   CHECK(rows == 300007);
 
+  // A load expands a bounded part at a time: the parts, in order, are the expansion.
+  LoadPlan three = plan;
+  three.items.push_back(plan.items[0]);
+  three.items.push_back(plan.items[0]);
+  three.planner_data = "p";
+  for (size_t max_items : {size_t{1}, size_t{1000}, size_t{75002}, kMaxExpandedItems}) {
+    INFO("parts of " << max_items);
+    std::vector<size_t> sizes;
+    size_t at = 0;
+    const LoadPlan all = ExpandChunkSpans(three, md);
+    ForEachExpandedPart(three, md, max_items, [&](const LoadPlan& part) {
+      CHECK(part.planner_data == "p");
+      sizes.push_back(part.items.size());
+      for (const ReadItem& p : part.items) {
+        REQUIRE(at < all.items.size());
+        REQUIRE(p.storage_index == all.items[at].storage_index);
+        REQUIRE(p.dest_offsets == all.items[at++].dest_offsets);
+      }
+    });
+    CHECK(at == all.items.size());
+    // One span adds at most its chunks past the bound.
+    for (size_t n : sizes) CHECK(n < std::max<size_t>(max_items, 1) + chunks);
+    CHECK(sizes.size() == (max_items >= 3 * chunks ? 1 : 3));
+  }
+  size_t calls = 0;
+  ForEachExpandedPart(LoadPlan{}, md, 10, [&](const LoadPlan& part) {
+    CHECK(part.items.empty());
+    ++calls;
+  });
+  CHECK(calls == 1);  // a load with nothing to read still reads once
+
   // Spans that do not fit what the metadata stores are refused, naming the tensor.
   auto expand = [&](ReadItem item) {
     LoadPlan p;
