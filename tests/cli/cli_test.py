@@ -622,6 +622,15 @@ def test_hostile(good):
         for cmd in ("inspect", "verify"):
             contains(bounded(cmd, d, expect=code), needle, name)
         contains(convert(d, code), needle)
+    # Version 2: a rule claiming 2^30 chunks (of no bytes) over 2 ranks' files, and a sparse
+    # 1 GiB index: corrupt metadata (5) from the counts, before a read item per chunk is made or
+    # the index is read.
+    for kind, needles in (("v2-chunks", ("exceed what is stored",)),
+                          ("v2-index-1g", ("rank 0", "attributes"))):
+        d = hostile(kind)
+        for out in (bounded("inspect", d, expect=5), bounded("verify", d, expect=5),
+                    convert(d, 5)):
+            contains(out, *needles)
     # A blob the data backs (a sparse 2 GiB file) but memory cannot: a resource error naming the
     # entry, the file and the size (7), not a bare std::bad_alloc.
     d = hostile("alloc-2g")

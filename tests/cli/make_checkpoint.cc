@@ -10,7 +10,9 @@
 //     alloc-2g (the blob claims 2 GiB, backed by a sparse data file), rot13, zstd-zstd,
 //     no-crc (every checksum stripped), key-path (model.w's key path disagrees with it),
 //     nested (an entry under the blob), slash (a relative_path with a '/'), tmp (a leftover
-//     metadata.dcp.tmp.* file)
+//     metadata.dcp.tmp.* file); saved with metadata version 2: v2-chunks (a rule claiming 2^30
+//     chunks of no bytes over 2 ranks' files), v2-index-1g (rank 0's file made a sparse 1 GiB
+//     with its table row claiming a 1 GiB index)
 #include <unistd.h>
 
 #include <cstring>
@@ -95,8 +97,34 @@ StateDict RankState(Globals& g, int rank) {
 bool MakeHostile(const std::string& dir, const std::string& kind) {
   auto store = OpenStore(dir);
   Metadata md = DecodeMetadataFile(store->ReadAll(kMetadataName, UINT64_MAX), dir);
-  StorageInfo& rng = md.storage.at(MetadataIndex{"rng", {}, {}});
   constexpr uint64_t kGiB = uint64_t{1} << 30;
+  if (kind == "v2-chunks") {
+    TensorMetadata* rule = nullptr;
+    for (auto& [fqn, e] : md.entries) {
+      auto* t = std::get_if<TensorMetadata>(&e);
+      if (t != nullptr && t->regular) {
+        t->regular->world = int32_t{1} << 30;
+        rule = t;
+      }
+    }
+    if (rule == nullptr) return false;
+    md.world_size = int32_t{1} << 30;
+    rule->shape.assign(rule->shape.size(), 0);
+    rule->shape[static_cast<size_t>(rule->regular->dim)] = int64_t{1} << 30;
+    store->PublishAtomically(kMetadataName, EncodeMetadataFile(md));
+    return true;
+  }
+  if (kind == "v2-index-1g") {
+    DataFile& f = md.files.at(0);
+    f.index_copy.clear();
+    f.index_length = kFileIndexHeaderBytes + (kGiB / kFileIndexItemBytes) * kFileIndexItemBytes;
+    f.size = f.index_offset + f.index_length;
+    const std::string file = dir + "/" + f.name;
+    if (::truncate(file.c_str(), static_cast<off_t>(f.size)) != 0) return false;
+    store->PublishAtomically(kMetadataName, EncodeMetadataFile(md));
+    return true;
+  }
+  StorageInfo& rng = md.storage.at(MetadataIndex{"rng", {}, {}});
   if (kind == "blob-8g") {
     rng.length = rng.raw_length = 8 * kGiB;
   } else if (kind == "zstd-8g") {
@@ -156,7 +184,8 @@ int main(int argc, char** argv) {
       so.storage.compression_max_ratio = 1;
     } else if (std::strcmp(argv[i], "--hostile") == 0 && i + 1 < argc) {
       hostile = argv[++i];
-      so.storage.metadata_version = 1;  // the attacks edit the items version 1 lists
+      // Most attacks edit the items version 1 lists; the v2- ones the file table and rules.
+      so.storage.metadata_version = hostile.rfind("v2-", 0) == 0 ? 2 : 1;
     } else {
       std::cerr << "unknown option " << argv[i] << "\n";
       return 2;
