@@ -246,9 +246,9 @@ class Store {
   /// naming it, before anything more is read; the rest is read in pieces into a buffer that grows
   /// with what arrives, so memory follows the bytes delivered, not the size claimed. NotFoundError
   /// when absent. Thread-safe as ReadPrefix is.
-  std::string ReadAll(const std::string& name, uint64_t max_bytes,
-                      const std::function<void(std::string_view head, uint64_t size)>&
-                          check_head = nullptr);
+  std::string ReadAll(
+      const std::string& name, uint64_t max_bytes,
+      const std::function<void(std::string_view head, uint64_t size)>& check_head = nullptr);
 };
 
 }  // namespace dcp

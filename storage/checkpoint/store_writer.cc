@@ -335,7 +335,7 @@ class StoreWriter : public StorageWriter {
     try {
       if (store_->Size(metadata_name_) != encoded.size()) return Outcome::kFailed;
       return store_->ReadAll(metadata_name_, encoded.size()) == encoded ? Outcome::kCommitted
-                                                                         : Outcome::kFailed;
+                                                                        : Outcome::kFailed;
     } catch (...) {
       return Outcome::kUnknown;
     }

@@ -504,7 +504,9 @@ TEST_CASE("compression: frames of the wrong raw length, unknown transforms", "[c
         ReadStoredItems(other.uri, md);
         info = Item(md, "model.w", {0, 0});
         REQUIRE(IsZstdItem(info));
-        return OpenStore(other.uri)->ReadAll(info.relative_path, UINT64_MAX).substr(info.offset, info.length);
+        return OpenStore(other.uri)
+            ->ReadAll(info.relative_path, UINT64_MAX)
+            .substr(info.offset, info.length);
       };
       StorageInfo short_info, long_info;
       const std::string short_frame = frame_of(63, short_info);

@@ -330,7 +330,7 @@ TEST_CASE("forwarding store: a subclass overriding one method changes only that"
   OffByOne off(mem);
   CHECK(off.Size("a") == 4u);
   CHECK_FALSE(off.Size("missing"));
-  CHECK(mem->Size("a") == 3u);       // the target is untouched
+  CHECK(mem->Size("a") == 3u);                   // the target is untouched
   CHECK(off.ReadAll("a", UINT64_MAX) == "abc");  // ReadAll reads through Open, not Size
   CHECK(off.Open("a")->size() == 3);
   CHECK(off.uri() == mem->uri());

@@ -128,8 +128,8 @@ std::set<int64_t> TrulyComplete(CheckpointManager& m, const std::vector<int64_t>
   std::set<int64_t> out;
   for (int64_t s : candidates) {
     try {
-      Metadata md =
-          DecodeMetadataFile(Underlying(m.PathFor(s))->ReadAll(kMetadataName, UINT64_MAX), m.PathFor(s));
+      Metadata md = DecodeMetadataFile(Underlying(m.PathFor(s))->ReadAll(kMetadataName, UINT64_MAX),
+                                       m.PathFor(s));
       (void)md;
       out.insert(s);
     } catch (const Error&) {
@@ -316,7 +316,8 @@ TEST_CASE(
       }
     }
     // "latest" never names a step that is not complete.
-    auto latest = Underlying(root)->Size("latest") ? Underlying(root)->ReadAll("latest", UINT64_MAX) : "";
+    auto latest =
+        Underlying(root)->Size("latest") ? Underlying(root)->ReadAll("latest", UINT64_MAX) : "";
     if (!latest.empty()) {
       const int64_t l = std::stoll(latest);
       if (!now.count(l)) FAIL("iteration " << i << ": latest names step " << l);

@@ -198,7 +198,8 @@ TEST_CASE(
   REQUIRE(md.files.size() == 4);
   for (const DataFile& f : md.files) {
     INFO(f.name);
-    CHECK(f.index_copy == store->ReadAll(f.name, UINT64_MAX).substr(f.index_offset, f.index_length));
+    CHECK(f.index_copy ==
+          store->ReadAll(f.name, UINT64_MAX).substr(f.index_offset, f.index_length));
   }
   // Every file's own index damaged: a load takes the metadata's copies and reads none (before,
   // it read each one and failed its checksum); every value still checks out.
