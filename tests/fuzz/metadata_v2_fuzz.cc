@@ -28,12 +28,12 @@
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "fuzz_files.h"
 #include "tools/cli/cli_common.h"
 #include "tools/cli/commands.h"
 
 namespace {
 
-constexpr std::string_view kSeparator = "\n==> ";
 constexpr char kStoreName[] = "metadata-v2-fuzz";
 // The entries' bytes a load may be asked to allocate: an accepted input's claims are backed by
 // its stored bytes (at most kMaxZstdExpansion x for zstd items), and inputs are kept small.
@@ -60,25 +60,9 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view in(reinterpret_cast<const char*>(data), size);
-  size_t at = in.find(kSeparator);
-  const std::string_view metadata = in.substr(0, at);
-  std::map<std::string, std::string_view> files;
-  while (at != std::string_view::npos) {
-    const size_t name_begin = at + kSeparator.size();
-    const size_t eol = in.find('\n', name_begin);
-    if (eol == std::string_view::npos) break;
-    at = in.find(kSeparator, eol + 1);
-    const std::string_view body =
-        in.substr(eol + 1, at == std::string_view::npos ? at : at - eol - 1);
-    // Names the store itself refuses are not what this target is about.
-    const std::string name(in.substr(name_begin, eol - name_begin));
-    if (name.empty() || name.size() > 200 || name.find('/') != std::string::npos ||
-        name.find('\0') != std::string::npos || name == "." || name == ".." ||
-        name == dcp::kMetadataName) {
-      continue;
-    }
-    files[name] = body;
-  }
+  std::string_view metadata;
+  std::map<std::string, std::string_view> files = dcp::fuzz::SplitFiles(in, &metadata);
+  files.erase(dcp::kMetadataName);  // the document is the metadata
 
   dcp::ClearMemStore(kStoreName);
   const std::shared_ptr<dcp::Store> store = dcp::MakeMemStore(kStoreName);

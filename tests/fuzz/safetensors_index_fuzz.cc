@@ -27,10 +27,10 @@
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/format/safetensors.h"
+#include "fuzz_files.h"
 
 namespace {
 
-constexpr std::string_view kSeparator = "\n==> ";
 constexpr char kStoreName[] = "safetensors-index-fuzz";
 
 void Put(dcp::Store& store, const std::string& name, std::string_view bytes) {
@@ -49,25 +49,8 @@ void Put(dcp::Store& store, const std::string& name, std::string_view bytes) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view in(reinterpret_cast<const char*>(data), size);
-  // The index, then (name, bytes) per file; a name is the rest of its separator's line.
-  size_t at = in.find(kSeparator);
-  const std::string_view index = in.substr(0, at);
-  std::map<std::string, std::string_view> files;
-  while (at != std::string_view::npos) {
-    const size_t name_begin = at + kSeparator.size();
-    const size_t eol = in.find('\n', name_begin);
-    if (eol == std::string_view::npos) break;
-    at = in.find(kSeparator, eol + 1);
-    const std::string_view body =
-        in.substr(eol + 1, at == std::string_view::npos ? at : at - eol - 1);
-    // Store names the store itself would refuse are not what this target is about.
-    const std::string name(in.substr(name_begin, eol - name_begin));
-    if (name.empty() || name.size() > 200 || name.find('/') != std::string::npos ||
-        name.find('\0') != std::string::npos || name == "." || name == "..") {
-      continue;
-    }
-    files[name] = body;
-  }
+  std::string_view index;
+  std::map<std::string, std::string_view> files = dcp::fuzz::SplitFiles(in, &index);
 
   dcp::ClearMemStore(kStoreName);
   const std::shared_ptr<dcp::Store> store = dcp::MakeMemStore(kStoreName);
