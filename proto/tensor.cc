@@ -1,5 +1,7 @@
 #include "dcp/proto/tensor.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <array>
 #include <cstdlib>
@@ -125,6 +127,18 @@ TensorView TensorView::Allocate(DType dtype, Shape shape) {
   v.dtype = dtype;
   v.shape = std::move(shape);
   const size_t bytes = v.nbytes();
+  // Large tensors come from the kernel's zero pages, which cost memory only as they are
+  // written: a load allocates every tensor the metadata declares before reading, and a shape
+  // that its stored bytes cannot fill (a damaged zstd frame that claims 32,768x its size) must
+  // not cost the memory it claims. mmap's pages are 4 KiB-aligned, more than the 64 promised.
+  constexpr size_t kMapped = size_t{1} << 20;
+  if (bytes >= kMapped) {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    v.owner = std::shared_ptr<void>(p, [bytes](void* q) { ::munmap(q, bytes); });
+    v.data = p;
+    return v;
+  }
   // Round up so aligned_alloc's size requirement holds; never allocate 0 bytes.
   const size_t rounded = std::max<size_t>(64, (bytes + 63) / 64 * 64);
   void* p = std::aligned_alloc(64, rounded);

@@ -107,7 +107,9 @@ struct TensorView {
 
   /// Wrap contiguous memory.
   static TensorView FromContiguous(void* data, DType dtype, Shape shape, Device device = {});
-  /// Allocate zero-initialised, 64-byte aligned host memory that the view owns.
+  /// Allocate zero-initialised, 64-byte aligned host memory that the view owns. From 1 MiB up
+  /// the memory is the kernel's zero pages: it costs resident memory only where it is written.
+  /// std::bad_alloc when the memory cannot be had.
   static TensorView Allocate(DType dtype, Shape shape);
 
   int64_t numel() const { return NumElements(shape); }

@@ -1,9 +1,12 @@
 // The tensor vocabulary: dtypes, shapes, strides, views, boxes and strided copies.
 #include "dcp/proto/tensor.h"
 
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
@@ -435,4 +438,26 @@ TEST_CASE("tensor: a zero dimension makes an empty tensor whatever the others", 
   CHECK(NumElements({int64_t{1} << 40, int64_t{1} << 40, 0}) == 0);
   CHECK_THROWS_AS(NumElements({int64_t{1} << 40, int64_t{1} << 40}), InvalidArgumentError);
   CHECK_THROWS_AS(NumElements({0, -1}), InvalidArgumentError);
+}
+
+TEST_CASE("tensor: a large allocation costs memory only where it is written", "[tensor]") {
+  // A load allocates what the metadata declares before reading (issue 44: a damaged zstd item
+  // claiming 32,768x its stored size made a load zero-fill 4 GiB); the pages must stay untouched
+  // until data lands in them.
+  auto resident_mib = [] {
+    std::ifstream statm("/proc/self/statm");
+    uint64_t size = 0, resident = 0;
+    statm >> size >> resident;
+    return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)) >> 20;
+  };
+  const uint64_t before = resident_mib();
+  TensorView t = TensorView::Allocate(DType::kFloat32, {int64_t{1} << 28});  // 1 GiB
+  CHECK(resident_mib() < before + 64);
+  auto* f = static_cast<float*>(t.data);
+  CHECK(f[0] == 0.0f);
+  CHECK(f[(int64_t{1} << 28) - 1] == 0.0f);
+  CHECK(reinterpret_cast<uintptr_t>(t.data) % 64 == 0);
+  f[12345] = 1.5f;
+  CHECK(f[12345] == 1.5f);
+  CHECK(resident_mib() < before + 64);
 }
