@@ -373,7 +373,7 @@ TEST_CASE("hostile: unknown transforms and undefined chains are refused by load"
   ClearMemStore(name);
 }
 
-TEST_CASE("hostile: validation is O(n log n) in the chunks of a tensor", "[hostile][codec]") {
+TEST_CASE("hostile: validation is O(n log n) in the chunks of a tensor", "[hostile][codec][scale]") {
   auto tiled = [](const Shape& grid) {
     // A float32 tensor of shape `grid` split into 1-element chunks (the worst case per byte).
     Metadata md;
@@ -432,7 +432,7 @@ Metadata ChunkLayout(const Shape& shape, const std::vector<std::pair<Shape, Shap
   return md;
 }
 
-TEST_CASE("hostile: irregular 3-D layouts validate in bounded time", "[hostile][codec]") {
+TEST_CASE("hostile: irregular 3-D layouts validate in bounded time", "[hostile][codec][scale]") {
   // Slab i (thickness 1 along dim 0) cut at i + 1 along dims 1 and 2: 100k chunks whose
   // boundaries form a grid of ~10^13 cells, and a sweep along dim 1 or 2 (the most distinct
   // starts) keeps ~n chunks alive: 174 s before; along dim 0 at most 4 are.

@@ -601,7 +601,7 @@ TEST_CASE("metadata v2: a rule plans the same reads as its listed chunks", "[met
 }
 
 TEST_CASE("metadata v2: a box across every rank's chunk plans as one span and expands exactly",
-          "[metadata-v2]") {
+          "[metadata-v2][scale]") {
   // An all-to-all reshard: a column slice of a tensor row-sharded over 100,000 ranks reaches
   // every chunk. It plans as one item; the read expands it into one item per chunk.
   constexpr int kWorld = 100000;

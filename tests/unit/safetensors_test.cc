@@ -459,7 +459,8 @@ TEST_CASE("safetensors: headers padded as the format allows are read", "[safeten
 // which read headers before, rescanned the root's members each time a tensor's object ended:
 // 12,500 tensors took 8 s, 50,000 took 161 s, so these would take about 40 minutes, far past
 // CTest's 300 s for this test. (Not a timing: a quadratic parser cannot finish in time.)
-TEST_CASE("safetensors: a header of 200,000 tensors is read in one pass", "[safetensors]") {
+TEST_CASE("safetensors: a header of 200,000 tensors is read in one pass",
+          "[safetensors][scale]") {
   constexpr int kTensors = 200000;
   std::string header = "{";
   for (int i = 0; i < kTensors; ++i) {

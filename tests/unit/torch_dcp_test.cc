@@ -187,7 +187,8 @@ std::string SharedValueMetadata(const std::string& fqn, int64_t n, int path_keys
   return Dump(*dataclass(meta, "Metadata", Dict(std::move(fields))));
 }
 
-TEST_CASE("torch DCP metadata: shared values cannot make the reader copy gigabytes", "[torchdcp]") {
+TEST_CASE("torch DCP metadata: shared values cannot make the reader copy gigabytes",
+          "[torchdcp][scale]") {
   // Well-formed, small: decodes.
   const Metadata ok = DecodeTorchDcpMetadata(SharedValueMetadata("w", 3), "small");
   REQUIRE(ok.entries.count("w") == 1);
