@@ -20,7 +20,7 @@
 #include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/file_index.h"
-#include "dcp/storage/format/torch_dcp.h"
+#include "dcp/storage/format/layout.h"
 #include "dcp/storage/registry.h"
 #include "dcp_version.h"
 #include "schema/dcp.pb.h"  // generated from proto/schema/dcp.proto
@@ -1407,8 +1407,8 @@ void ReadStoredItems(const std::string& uri, Metadata& md, const StorageOptions&
   FileIndexResolver::ResolveAll(*OpenStoreForReading(uri, options.backend), md);
 }
 
-pickle::ValuePtr PythonValue(const Blob& blob, const std::string& what) {
-  return TorchSaveObject(blob.bytes, what);
+PyValuePtr PythonValue(const Blob& blob, const std::string& what) {
+  return ReadPythonValue(blob.bytes, what);
 }
 
 }  // namespace dcp

@@ -29,7 +29,6 @@
 #include "dcp/planner/planner.h"
 #include "dcp/proto/plan.h"
 #include "dcp/proto/state_dict.h"
-#include "dcp/storage/format/pickle.h"
 #include "dcp/storage/storage.h"
 
 namespace dcp {
@@ -153,15 +152,15 @@ StateDict LoadAll(const std::string& uri, const LoadOptions& options = {});
 /// The Python object a byte entry holds, as dcp's restricted unpickler reads it (no code runs):
 /// what torch.distributed.checkpoint wrote for a non-tensor value (an int, a float, a bool, a
 /// str, None, or a list/tuple/dict of those: an optimizer's param_groups.<i>.lr, .betas,
-/// .params, ...), loaded into `blob` by Load or LoadAll. Read it with the value's AsFloat(),
-/// AsInt(), AsBool(), AsStr(), IsNone(), or its kind and items (a tuple's or list's elements;
-/// a dict's keys and values alternating). Accepts a torch.save archive (what torch writes) or a
-/// bare pickle. A byte entry that was a Python bytes object is loaded as those bytes, not as a
-/// pickle: it fails here unless they happen to be a pickle. Throws InvalidArgumentError when
-/// the bytes are neither an archive nor a pickle, CorruptionError when they are malformed,
-/// UnsupportedError for an object of a class (any pickled global beyond those of a bytes value);
-/// `what` names the entry in the message.
-pickle::ValuePtr PythonValue(const Blob& blob, const std::string& what = "blob");
+/// .params, ...), loaded into `blob` by Load or LoadAll. Read the PyValue (proto/state_dict.h)
+/// with AsFloat(), AsInt(), AsBool(), AsStr(), IsNone(), or its kind and items (a tuple's or
+/// list's elements; a dict's keys and values alternating). Accepts a torch.save archive (what
+/// torch writes) or a bare pickle. A byte entry that was a Python bytes object is loaded as
+/// those bytes, not as a pickle: it fails here unless they happen to be a pickle. Throws
+/// InvalidArgumentError when the bytes are neither an archive nor a pickle, CorruptionError
+/// when they are malformed, UnsupportedError for an object of a class (any pickled global
+/// beyond those of a bytes value); `what` names the entry in the message.
+PyValuePtr PythonValue(const Blob& blob, const std::string& what = "blob");
 
 /// Read and validate a checkpoint's metadata (no collectives), with every stored item: for a
 /// version-2 checkpoint that reads every data file's index too (ReadStoredItems). Throws

@@ -150,4 +150,33 @@ void FinishBoundLoad(StateDict& original, const StateDict& resolved) {
   }
 }
 
+std::optional<double> PyValue::AsFloat() const {
+  if (kind == Kind::kFloat) return real;
+  if (kind == Kind::kInt) return static_cast<double>(integer);
+  return std::nullopt;
+}
+
+std::optional<int64_t> PyValue::AsInt() const {
+  if (kind == Kind::kInt) return integer;
+  return std::nullopt;
+}
+
+std::optional<bool> PyValue::AsBool() const {
+  if (kind == Kind::kBool) return boolean;
+  return std::nullopt;
+}
+
+std::optional<std::string> PyValue::AsStr() const {
+  if (kind == Kind::kStr) return str;
+  return std::nullopt;
+}
+
+const PyValue* PyValue::Get(std::string_view key) const {
+  if (kind != Kind::kDict) return nullptr;
+  for (size_t i = 0; i + 1 < items.size(); i += 2) {
+    if (items[i]->kind == Kind::kStr && items[i]->str == key) return items[i + 1].get();
+  }
+  return nullptr;
+}
+
 }  // namespace dcp

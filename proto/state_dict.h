@@ -8,7 +8,9 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -53,6 +55,34 @@ class BlobBinding {
   /// Exceptions propagate out of Load. The default does nothing.
   virtual void Loaded(const std::string& bytes) const;
 };
+
+/// A plain Python value (what PyTorch DCP stores for a non-tensor entry: None, bool, int, float,
+/// str, bytes, and tuples, lists and dicts of those), as dcp::PythonValue reads it from a blob.
+/// Immutable once made; sub-values may be shared (a pickle's memo), never cyclic.
+struct PyValue {
+  enum class Kind : uint8_t { kNone, kBool, kInt, kFloat, kStr, kBytes, kTuple, kList, kDict };
+  Kind kind = Kind::kNone;
+  bool boolean = false;
+  int64_t integer = 0;
+  double real = 0;
+  std::string str;  // kStr (UTF-8), kBytes
+  /// kTuple, kList: the elements; kDict: key, value, key, value...
+  std::vector<std::shared_ptr<const PyValue>> items;
+
+  // Typed reads as Python would convert: nullopt when the kind does not fit (never throws).
+  /// kFloat, kInt (as float(x)); not kBool.
+  std::optional<double> AsFloat() const;
+  /// kInt; not kBool.
+  std::optional<int64_t> AsInt() const;
+  /// kBool only.
+  std::optional<bool> AsBool() const;
+  /// kStr.
+  std::optional<std::string> AsStr() const;
+  bool IsNone() const { return kind == Kind::kNone; }
+  /// For kDict: the value under the string key `key`, or null.
+  const PyValue* Get(std::string_view key) const;
+};
+using PyValuePtr = std::shared_ptr<const PyValue>;
 
 class StateDict;
 using StateValue = std::variant<TensorView, ShardedTensor, Blob, std::shared_ptr<StateDict>>;

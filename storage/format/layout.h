@@ -68,6 +68,11 @@ const CheckpointLayout* DetectLayout(Store& store);
 /// True when some layout's writer would create `name` for data.
 bool IsAnyDataFile(const std::string& name);
 
+/// The plain Python value held in `bytes`, a torch.save archive or a bare pickle (PyTorch DCP's
+/// non-tensor entries), read by the restricted unpickler (dcp::PythonValue's contract; `what`
+/// names the entry in errors).
+PyValuePtr ReadPythonValue(std::string_view bytes, const std::string& what);
+
 /// A tensor must still have the dtype and shape it was planned with (InvalidArgumentError).
 void CheckUnchanged(const WriteItem& item, const ResolvedData& data);
 

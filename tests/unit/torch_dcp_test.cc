@@ -707,15 +707,15 @@ namespace {
 
 // Python's repr() of a plain value, as far as the fixtures' byte entries need it (floats in the
 // shortest round-trip form, as Python prints them).
-std::string PyRepr(const pk::Value& v) {
+std::string PyRepr(const PyValue& v) {
   switch (v.kind) {
-    case pk::Kind::kNone:
+    case PyValue::Kind::kNone:
       return "None";
-    case pk::Kind::kBool:
+    case PyValue::Kind::kBool:
       return v.boolean ? "True" : "False";
-    case pk::Kind::kInt:
+    case PyValue::Kind::kInt:
       return std::to_string(v.integer);
-    case pk::Kind::kFloat: {
+    case PyValue::Kind::kFloat: {
       char buf[64];
       auto r = std::to_chars(buf, buf + sizeof(buf), v.real, std::chars_format::scientific);
       const std::string sci(buf, r.ptr);  // d[.ddd]e±XX
@@ -742,26 +742,27 @@ std::string PyRepr(const pk::Value& v) {
       }
       return (negative ? "-" : "") + out;
     }
-    case pk::Kind::kStr:
+    case PyValue::Kind::kStr:
       return "'" + v.str + "'";
-    case pk::Kind::kTuple:
-    case pk::Kind::kList: {
-      const bool tuple = v.kind == pk::Kind::kTuple;
+    case PyValue::Kind::kTuple:
+    case PyValue::Kind::kList: {
+      const bool tuple = v.kind == PyValue::Kind::kTuple;
       std::string out = tuple ? "(" : "[";
       for (size_t i = 0; i < v.items.size(); ++i) out += (i ? ", " : "") + PyRepr(*v.items[i]);
       if (tuple && v.items.size() == 1) out += ",";
       return out + (tuple ? ")" : "]");
     }
-    case pk::Kind::kDict: {
+    case PyValue::Kind::kDict: {
       std::string out = "{";
       for (size_t i = 0; i + 1 < v.items.size(); i += 2) {
         out += (i ? ", " : "") + PyRepr(*v.items[i]) + ": " + PyRepr(*v.items[i + 1]);
       }
       return out + "}";
     }
-    default:
-      return "<" + v.Describe() + ">";
+    case PyValue::Kind::kBytes:
+      return "b<" + std::to_string(v.str.size()) + " bytes>";
   }
+  return "<unknown kind>";
 }
 
 TEST_CASE("PythonValue: the byte entries torch 2.11 wrote read as their Python values",
@@ -800,7 +801,7 @@ TEST_CASE("PythonValue: the byte entries torch 2.11 wrote read as their Python v
   CHECK_FALSE(value("lr")->AsInt().has_value());
   CHECK_FALSE(value("lr")->AsBool().has_value());
   const auto betas = value("betas");
-  REQUIRE(betas->kind == pk::Kind::kTuple);
+  REQUIRE(betas->kind == PyValue::Kind::kTuple);
   REQUIRE(betas->items.size() == 2);
   CHECK(betas->items[0]->AsFloat() == 0.9);
   CHECK(betas->items[1]->AsFloat() == 0.999);
@@ -810,7 +811,7 @@ TEST_CASE("PythonValue: the byte entries torch 2.11 wrote read as their Python v
   CHECK(value("foreach")->IsNone());
   CHECK(value("fused")->IsNone());
   const auto params = value("params");
-  REQUIRE(params->kind == pk::Kind::kList);
+  REQUIRE(params->kind == PyValue::Kind::kList);
   REQUIRE(params->items.size() == 7);
   CHECK(params->items[0]->AsStr() == "0.weight");
   CHECK(params->items[6]->AsStr() == "4.bias");
@@ -837,7 +838,7 @@ TEST_CASE("PythonValue: what is not a plain pickled value fails with its categor
   CHECK_THROWS_AS(PythonValue(Blob{archive}, "x"), CorruptionError);
   // Python bytes (protocol 2's _codecs.encode form) come back as kBytes.
   const auto bytes = PythonValue(Blob{TorchSaveOfBytes("ab\xff"s)}, "x");
-  CHECK(bytes->kind == pk::Kind::kBytes);
+  CHECK(bytes->kind == PyValue::Kind::kBytes);
   CHECK(bytes->str == "ab\xff"s);
 }
 
