@@ -62,3 +62,49 @@ if(COMPONENTS)
     message(FATAL_ERROR "building the consumer with COMPONENTS ${COMPONENTS} failed: ${rc}")
   endif()
 endif()
+# README.md's code as a reader pastes it (tests/readme/readme_build.py): its whole program with its
+# CMakeLists.txt, configured against the installed package, built and run at 2 ranks; every
+# fragment compiled into a function of its own. Needs the MPI component (the program is an MPI
+# job) and a Python to cut the README; without them this part is skipped, saying so.
+if(NOT PYTHON OR NOT "MPI" IN_LIST COMPONENTS OR NOT MPIEXEC)
+  message(STATUS "README.md's code not built: needs python3 and the MPI component")
+  return()
+endif()
+set(readme_dir ${WORK_DIR}/readme)
+execute_process(COMMAND ${PYTHON} ${SOURCE_DIR}/tests/readme/readme_build.py extract ${SOURCE_DIR}
+  ${readme_dir} "${COMPONENTS}" RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "cutting README.md's code failed: ${rc}")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${readme_dir}/app -B ${readme_dir}/app/out
+  -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "README.md's CMakeLists.txt does not configure against the package: ${rc}")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${readme_dir}/app/out RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "README.md's program does not build as pasted: ${rc}")
+endif()
+# Twice: the program must also run where its checkpoint already exists.
+foreach(run 1 2)
+  execute_process(COMMAND ${MPIEXEC} --oversubscribe -np 2 ${readme_dir}/app/out/app
+    WORKING_DIRECTORY ${readme_dir} RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "README.md's program failed (run ${run}): ${rc}")
+  endif()
+endforeach()
+if(NOT EXISTS ${readme_dir}/ckpt/step-1/metadata.dcp)
+  message(FATAL_ERROR "README.md's program committed no checkpoint in ${readme_dir}/ckpt/step-1")
+endif()
+if(EXISTS ${readme_dir}/fragments/CMakeLists.txt)
+  execute_process(COMMAND ${CMAKE_COMMAND} -S ${readme_dir}/fragments
+    -B ${readme_dir}/fragments/out -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "configuring README.md's fragments failed: ${rc}")
+  endif()
+  execute_process(COMMAND ${CMAKE_COMMAND} --build ${readme_dir}/fragments/out RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "a README.md fragment does not compile as pasted (see the files in "
+                        "${readme_dir}/fragments: each names its README line): ${rc}")
+  endif()
+endif()
