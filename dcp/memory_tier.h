@@ -210,7 +210,7 @@ class MemoryTier {
   std::string cannot_save_;  // why saves are refused (too few nodes for the replicas), if so
   TierStats stats_;
   std::shared_ptr<AsyncSave> in_flight_;
-  // This rank's mappings of the tier's files, kept across saves (memory_tier.cc).
+  // This rank's mappings of the tier's files, kept across saves (dcp/tier/file_mapping.h).
   std::unique_ptr<tier_detail::MappingPool> pool_;
   // Last: destroyed first, so a save still running ends before the members it uses go.
   std::unique_ptr<AsyncCheckpointer> saver_;

@@ -1,0 +1,226 @@
+// MemoryTier::Drain: a committed step copied from the tier to a durable dcp location, committed
+// there as a save commits.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "dcp/memory_tier.h"
+#include "dcp/proto/error.h"
+#include "dcp/proto/schema/codec.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/registry.h"
+#include "dcp/tier/file_mapping.h"
+#include "dcp/tier/step_store.h"
+#include "dcp/tier/tier_internal.h"
+
+namespace dcp {
+
+using namespace tier_detail;
+
+namespace {
+
+// The drain's destination. Rank 0 holds its writer lock from the existence check to the commit
+// and the clean-up, as a save does: a replaced checkpoint (StorageOptions::overwrite) stays
+// loadable until the new metadata is in place, and its files go only after that.
+struct DrainTarget {
+  std::shared_ptr<Store> dest;
+  std::unique_ptr<StoreLock> lock;
+  bool replacing = false;
+  std::string replaced_version;  // what the commit may replace (s3://: its ETag)
+  std::set<std::string> replaced_files;
+};
+
+// Rank 0: opens `uri`, takes its lock and looks for a checkpoint there. Returns the failure as
+// ErrorText, or "".
+std::string OpenDestination(DrainTarget& target, int64_t step, const std::string& uri,
+                            const StorageOptions& options) {
+  try {
+    target.dest = OpenStore(uri, options.backend);
+    target.dest->CreateRoot();
+    char host[256] = {};
+    if (gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "unknown-host");
+    target.lock =
+        target.dest->TryLock(std::string("host=") + host + " pid=" + std::to_string(::getpid()) +
+                             " memory-tier-drain step=" + std::to_string(step));
+    if (target.dest->SizeAndVersion(kMetadataName, &target.replaced_version)) {
+      if (!options.overwrite) {
+        throw AlreadyExistsError("memory tier: " + uri +
+                                 " already holds a checkpoint; set StorageOptions::overwrite "
+                                 "(CheckpointManager: allow_replacing_steps) to replace it");
+      }
+      target.replacing = true;
+      try {
+        target.replaced_files = ReadMetadata(uri, options).DataFileNames();
+      } catch (const Error&) {
+        // A damaged checkpoint being replaced: its files stay (dcp verify lists them).
+      }
+    }
+  } catch (const std::exception& e) {
+    return ErrorText(e);
+  }
+  return {};
+}
+
+// Copies this rank's files `names` of the step in `dir` to `dest`, naming each in `copied`
+// before it is created there (so that a failed drain removes it again). Returns the failure as
+// ErrorText, or "".
+std::string CopyOwnFiles(std::shared_ptr<Store>& dest, const std::string& uri,
+                         const StorageOptions& options, const std::string& dir,
+                         const std::vector<std::string>& names, std::vector<std::string>& copied,
+                         TierStats& stats) {
+  try {
+    if (!dest) dest = OpenStore(uri, options.backend);
+    constexpr size_t kPiece = 16 << 20;  // what a store is handed at once
+    std::vector<char> buffer(kPiece);
+    for (const auto& name : names) {
+      const std::string path = dir + "/" + name;
+      int fd = OpenTierFile(path, O_RDONLY);
+      try {
+        struct stat st {};
+        if (::fstat(fd, &st) != 0) throw TierIoError("memory tier: cannot stat " + path);
+        copied.push_back(name);
+        auto out = dest->Create(name);
+        const uint64_t size = static_cast<uint64_t>(st.st_size);
+        for (uint64_t at = 0; at < size; at += kPiece) {
+          const size_t n = static_cast<size_t>(std::min<uint64_t>(kPiece, size - at));
+          ReadAt(fd, buffer.data(), n, at, path);
+          out->Append(buffer.data(), n);
+        }
+        if (options.sync) out->Sync();
+        out->Close();
+        stats.bytes_sent += size;
+      } catch (...) {
+        ::close(fd);
+        throw;
+      }
+      ::close(fd);
+    }
+  } catch (const std::exception& e) {
+    return ErrorText(e);
+  }
+  return {};
+}
+
+// What a failed drain leaves: the files this rank copied go again.
+void RemoveCopies(Store* dest, const std::vector<std::string>& copied) noexcept {
+  for (const auto& name : copied) {
+    try {
+      dest->Remove(name);
+    } catch (...) {
+      // Unreferenced: dcp verify lists it, and the next save there removes it.
+    }
+  }
+}
+
+// Rank 0, after every copy succeeded: publishes the metadata `encoded`, only over the checkpoint
+// found (a writer that took the location over meanwhile, a lease that ran out, keeps its
+// commit). Returns the failure as ErrorText, or "".
+std::string PublishMetadata(DrainTarget& target, const std::string& encoded) {
+  try {
+    if (target.lock) target.lock->CheckHeld();
+    if (target.replacing) {
+      target.dest->PublishReplacing(kMetadataName, encoded, target.replaced_version);
+    } else {
+      target.dest->PublishNew(kMetadataName, encoded);
+    }
+  } catch (const std::exception& e) {
+    // Committed all the same when the metadata in place is ours (a failure after the rename).
+    bool ours = false;
+    try {
+      ours = target.dest->Size(kMetadataName) == encoded.size() &&
+             target.dest->ReadAll(kMetadataName, encoded.size()) == encoded;
+    } catch (...) {
+    }
+    if (!ours) return ErrorText(e);
+  }
+  return {};
+}
+
+// The replaced checkpoint's files that the new one does not name are dead now: removed, or
+// reported on stderr (dcp verify lists them).
+void RemoveReplacedFiles(DrainTarget& target, const std::string& encoded, int64_t step,
+                         const std::string& uri) {
+  std::vector<std::string> dead;
+  try {
+    const Metadata md = DecodeMetadataFile(encoded, uri);
+    const auto live = md.DataFileNames();
+    for (const auto& name : target.replaced_files) {
+      if (!live.count(name)) dead.push_back(name);
+    }
+    if (target.lock) target.lock->CheckHeld();
+    target.dest->RemoveMany(dead);
+  } catch (const std::exception& e) {
+    std::cerr << "dcp: memory tier: step " << step << " replaced the checkpoint at " << uri
+              << "; removing the replaced files failed (" << e.what()
+              << "): dcp verify lists them\n";
+  }
+}
+
+}  // namespace
+
+bool MemoryTier::DrainCopies(const StorageOptions& options) {
+  return options.format == CheckpointFormat::kDcp && options.compression == Compression::kNone;
+}
+
+void MemoryTier::Drain(int64_t step, const std::string& uri, const StorageOptions& options) {
+  Wait();
+  DrainOn(comm_, step, uri, options);
+}
+
+void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& uri,
+                         const StorageOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto files = written_.find(step);
+  if (files == written_.end()) {
+    throw InvalidArgumentError("memory tier: step " + std::to_string(step) +
+                               " was not saved by this tier (or is no longer kept): cannot drain "
+                               "it to " +
+                               uri);
+  }
+  if (!DrainCopies(options)) {
+    throw InvalidArgumentError(
+        "memory tier: Drain copies the tier's files (the dcp format, uncompressed) and cannot "
+        "write another format or compress; save the state to " +
+        uri + " with dcp::Save (CheckpointManager does so for such durable steps)");
+  }
+  DrainTarget target;
+  std::string error;
+  if (rank_ == 0) error = OpenDestination(target, step, uri, options);
+  Vote(comm, error, "tier/drain-open");
+  // Each rank copies the files it wrote; what it copied goes again if the drain fails.
+  std::vector<std::string> copied;
+  error =
+      CopyOwnFiles(target.dest, uri, options, StepDirectory(step), files->second, copied, stats_);
+  try {
+    Vote(comm, error, "tier/drain");
+  } catch (...) {
+    RemoveCopies(target.dest.get(), copied);
+    throw;
+  }
+  error.clear();
+  if (rank_ == 0) {
+    const std::string& encoded = metadata_.at(step);
+    error = PublishMetadata(target, encoded);
+    if (error.empty() && !target.replaced_files.empty()) {
+      RemoveReplacedFiles(target, encoded, step, uri);
+    }
+  }
+  try {
+    Vote(comm, error, "tier/drain-commit");
+  } catch (...) {
+    RemoveCopies(target.dest.get(), copied);
+    throw;
+  }
+  stats_.drain_s = SecondsSince(t0);
+}
+
+}  // namespace dcp

@@ -1,0 +1,257 @@
+// MemoryTier::Restore and CompleteSteps: finding the newest step that survives complete across
+// the nodes, fetching what this node's ranks read of it, and loading it.
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <set>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "dcp/memory_tier.h"
+#include "dcp/planner/default_planner.h"
+#include "dcp/proto/error.h"
+#include "dcp/proto/schema/codec.h"
+#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/tier/file_mapping.h"
+#include "dcp/tier/step_store.h"
+#include "dcp/tier/tier_internal.h"
+
+namespace dcp {
+
+using namespace tier_detail;
+
+namespace {
+
+// The newest step complete across the surviving copies, or null.
+const Candidate* Newest(const std::vector<Candidate>& candidates) {
+  for (const auto& c : candidates) {
+    if (c.complete()) return &c;
+  }
+  return nullptr;
+}
+
+// The metadata of the step in `dir`, read on rank `md_root` (one of a node that committed it)
+// and broadcast.
+std::string FetchMetadata(Communicator& comm, int md_root, const std::string& dir) {
+  std::string encoded;
+  std::string error;
+  if (comm.rank() == md_root) {
+    try {
+      encoded = ReadTierFile(dir + "/" + kMetadataName, kMaxTierMetadataBytes);
+    } catch (const std::exception& e) {
+      error = ErrorText(e);
+    }
+  }
+  Vote(comm, error, "tier/recover-metadata");
+  return comm.Broadcast(std::move(encoded), md_root, "tier/recover-metadata");
+}
+
+// The files (of `names`, sorted) this rank's load reads: its plan's, from the metadata and its
+// own request (a custom planner's reads are not known in advance: every file).
+std::vector<bool> FilesToRead(StateDict& state, const Metadata& md,
+                              const std::vector<std::string>& names, const LoadOptions& options,
+                              int rank, int world) {
+  std::vector<bool> need(names.size(), options.planner != nullptr);
+  if (options.planner != nullptr) return need;
+  try {
+    LoadPlannerOptions po;
+    po.allow_partial_load = options.allow_partial_load;
+    po.cast_dtypes = options.cast_dtypes;
+    DefaultLoadPlanner planner(po);
+    planner.SetUp(state, md, PlannerContext{rank, world, rank == 0});
+    auto mark = [&](const std::string& file) {
+      auto pos = std::lower_bound(names.begin(), names.end(), file);
+      if (pos != names.end() && *pos == file) need[pos - names.begin()] = true;
+    };
+    std::set<int32_t> writers;  // version 2: the ranks whose files hold the planned items
+    for (const auto& item : planner.CreateLocalPlan().items) {
+      if (md.format_version >= 2) {
+        auto e = md.entries.find(item.storage_index.fqn);
+        if (e == md.entries.end()) continue;
+        if (const auto* t = std::get_if<TensorMetadata>(&e->second)) {
+          if (auto k = ChunkOrdinal(*t, item.storage_index.offset, item.storage_index.index)) {
+            for (size_t c = *k; c < *k + item.chunk_span; ++c) writers.insert(ChunkWriter(*t, c));
+          }
+        } else {
+          writers.insert(std::get<BytesMetadata>(e->second).writer);
+        }
+        continue;
+      }
+      auto it = md.storage.find(item.storage_index);
+      if (it != md.storage.end()) mark(it->second.relative_path);
+    }
+    for (const DataFile& f : md.files) {
+      if (writers.count(f.writer)) mark(f.name);
+    }
+  } catch (const Error&) {
+    // The load fails the same way, on every rank, with the planner's message.
+  }
+  return need;
+}
+
+// Who moves which file of the step to whom; every rank computes the same plan, so both sides
+// of each transfer know it.
+struct FetchPlan {
+  std::vector<Transfer> outgoing;  // the files this rank sends
+  int expected = 0;                // how many this rank receives
+  std::set<int> receivers, senders;
+};
+
+// What each node lacks of what its ranks need (`all_wanted`: every rank's indexes into `names`),
+// and who moves it: the least loaded node holding the file sends it, its ranks taking turns, and
+// the lacking node's ranks take turns receiving, so that a node's loss spreads its recovery over
+// every rank of the survivors and of the new node.
+FetchPlan PlanFetches(const std::vector<std::string>& all_wanted,
+                      const std::vector<std::string>& names,
+                      const std::map<std::string, uint64_t>& referenced, const Candidate& chosen,
+                      const std::map<int, const StepReport*>& report_of,
+                      const std::vector<std::vector<int>>& nodes, int rank) {
+  const int node_count = static_cast<int>(nodes.size());
+  std::vector<uint64_t> sent_by_node(node_count, 0);
+  std::vector<size_t> turns_of_node(node_count, 0);
+  FetchPlan plan;
+  for (int n = 0; n < node_count; ++n) {
+    std::set<size_t> lacking;
+    for (int r : nodes[n]) {
+      MessageReader in(all_wanted[r], "rank " + std::to_string(r));
+      while (!in.done()) {
+        const uint64_t i = in.U64();
+        if (i >= names.size()) {
+          throw CorruptionError("memory tier: rank " + std::to_string(r) + " needs file " +
+                                std::to_string(i) + " of " + std::to_string(names.size()));
+        }
+        auto rep = report_of.find(n);
+        if (rep == report_of.end() || !rep->second->present.count(names[i])) lacking.insert(i);
+      }
+    }
+    size_t k = 0;
+    for (size_t i : lacking) {
+      const auto& holders = chosen.holders.at(names[i]);
+      int best = holders.front();
+      for (int h : holders) {
+        if (sent_by_node[h] < sent_by_node[best]) best = h;
+      }
+      sent_by_node[best] += referenced.at(names[i]);
+      const int sender = nodes[best][turns_of_node[best]++ % nodes[best].size()];
+      const int receiver = nodes[n][k++ % nodes[n].size()];
+      if (sender == rank) {
+        plan.outgoing.push_back({receiver, names[i]});
+        plan.receivers.insert(receiver);
+      }
+      if (receiver == rank) {
+        ++plan.expected;
+        plan.senders.insert(sender);
+      }
+    }
+  }
+  return plan;
+}
+
+// Every file is in: a node that did not hold the step commits its copy (its first rank).
+void CommitLocalCopy(Communicator& comm, bool commit, const std::string& dir,
+                     const std::string& encoded) {
+  std::string error;
+  if (commit) {
+    try {
+      WriteWholeFile(dir + "/" + kMetadataName, encoded);
+    } catch (const std::exception& e) {
+      error = ErrorText(e);
+    }
+  }
+  Vote(comm, error, "tier/recover-commit");
+}
+
+// Loads the step from this node's directory `dir`, as an ordinary dcp location (`uri`) whose
+// files that only other nodes hold (`report_of`) count as present.
+void LoadLocal(StateDict& state, const LoadOptions& options, Communicator& comm, MappingPool& pool,
+               const std::string& dir, const std::string& recycle, const std::string& uri,
+               const std::map<int, const StepReport*>& report_of) {
+  std::map<std::string, uint64_t> elsewhere;
+  for (const auto& [node, rep] : report_of) {
+    for (const auto& [name, size] : rep->present) elsewhere.emplace(name, size);
+  }
+  auto store = std::make_shared<TierStepStore>(StepStore(dir), pool, dir, recycle, uri,
+                                               std::move(elsewhere));
+  auto reader = MakeStoreReader(store, options.storage);
+  dcp::Load(state, *reader, comm, options);
+}
+
+}  // namespace
+
+std::vector<int64_t> MemoryTier::CompleteSteps() {
+  Wait();
+  std::set<int64_t> steps;
+  for (const auto& c : Candidates(GatherReports(comm_))) {
+    if (c.complete()) steps.insert(c.step);
+  }
+  return {steps.begin(), steps.end()};
+}
+
+std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& options) {
+  if (closed_) throw InvalidArgumentError("memory tier: Restore after Close");
+  Wait();
+  stats_ = {};
+  const uint64_t mapped_before = pool_->bytes_mapped();
+  auto t0 = std::chrono::steady_clock::now();
+  // Agree on the step: every rank sees every node's report.
+  const auto reports = GatherReports(comm_);
+  const auto candidates = Candidates(reports);
+  const Candidate* chosen = Newest(candidates);
+  if (chosen == nullptr) return std::nullopt;
+  const int64_t step = chosen->step;
+  const std::string dir = StepDirectory(step);
+  const bool committed_here =
+      std::find(chosen->nodes.begin(), chosen->nodes.end(), node_) != chosen->nodes.end();
+
+  // The metadata, from the first node that committed the step.
+  const std::string encoded = FetchMetadata(comm_, nodes_[chosen->nodes.front()].front(), dir);
+  const Metadata md = DecodeMetadataFile(encoded, "tier://" + options_.name + "/" + StepName(step));
+  const auto referenced = ReferencedFiles(md);
+  std::vector<std::string> names;
+  for (const auto& [name, extent] : referenced) names.push_back(name);
+
+  const auto need = FilesToRead(state, md, names, options, rank_, comm_.size());
+  std::string wanted;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (need[i]) PutU64(wanted, i);
+  }
+  auto all_wanted = comm_.AllGather(std::move(wanted), "tier/recover-needs");
+  std::map<int, const StepReport*> report_of;
+  for (const auto& rep : reports) {
+    if (rep.step == step && rep.metadata_hash == chosen->hash) report_of[rep.node] = &rep;
+  }
+  const FetchPlan plan =
+      PlanFetches(all_wanted, names, referenced, *chosen, report_of, nodes_, rank_);
+
+  // Whatever this node holds of the step is not committed here: start it afresh.
+  std::string error;
+  if (leader() && !committed_here) {
+    error = FreshStepDirectory(dir, JobDirectory(options_), options_.owner, root_);
+  }
+  Vote(comm_, error, "tier/recover-prepare");
+  std::vector<std::string> received;
+  const Pairs pairs{{plan.receivers.begin(), plan.receivers.end()},
+                    {plan.senders.begin(), plan.senders.end()}};
+  TransferFiles(comm_, step, plan.outgoing, "tier/recover", &received, &pairs);
+  stats_.files_fetched = static_cast<int>(received.size());
+  stats_.bytes_mapped += pool_->bytes_mapped() - mapped_before;
+  error.clear();
+  if (static_cast<int>(received.size()) != plan.expected) {
+    error = IoText("memory tier: rank " + std::to_string(rank_) + " received " +
+                   std::to_string(received.size()) + " of the " + std::to_string(plan.expected) +
+                   " files it fetches for node " + std::to_string(node_));
+  }
+  Vote(comm_, error, "tier/recover-received");
+  CommitLocalCopy(comm_, leader() && !committed_here, dir, encoded);
+  stats_.recover_s = SecondsSince(t0);
+
+  auto t1 = std::chrono::steady_clock::now();
+  LoadLocal(state, options, comm_, *pool_, dir, root_ + "/" + kRecycleDir,
+            "tier://" + options_.name + "/" + StepName(step), report_of);
+  stats_.load_s = SecondsSince(t1);
+  next_step_ = std::max(next_step_, step + 1);
+  return step;
+}
+
+}  // namespace dcp
