@@ -1,40 +1,17 @@
 // The checkpoint lifecycle: a CheckpointManager for step-numbered checkpoints under one root
 // (Lightning-style CheckpointIO is in dcp/lightning.h).
 //
-// CheckpointManager layout (root is any Store location: a directory, file:// or a plain path,
-// mem://name, or a registered scheme such as the example kv://DIR):
-//   <root>/step-0000000100/   one checkpoint per step (metadata.dcp + data files), itself a
-//                             location of the same backend ("mem://name/step-0000000100")
-//   <root>/step-0000000100.step  the step's index entry in the root store, written before the
-//                             save starts: how the manager finds steps on backends that cannot
-//                             list sub-locations (file:// roots also count step directories,
-//                             so roots written before the index entries existed still work)
-//   <root>/latest             the newest *complete* step, as text; written atomically, and only
-//                             after that step's metadata is committed. A convenience for tools:
-//                             the manager itself trusts only the metadata it finds.
-// A step's state, as rank 0 finds it in the store:
-//   complete    its metadata exists and validates;
-//   absent      its metadata provably does not exist (the store answered "no such object"):
-//               a save that never committed, or one still running;
-//   unreadable  anything else: the metadata could not be read (an I/O error), is damaged, or
-//               was written by a newer dcp (a newer format version).
-// Retention keeps the newest `keep_last` complete steps and every step divisible by
-// `keep_every`. It removes only what is provably not a checkpoint and not in flight: an *absent*
-// step older than the newest complete one, not being written by this manager, and whose
-// writer lock (Store::TryLock) it can take; the metadata's absence is checked again under that
-// lock. An unreadable step is never removed: it is kept and reported (retention_failures(),
-// last_retention_error(), unreadable_steps(), stderr), so a transient read error or a rollback
-// to an older dcp cannot delete a committed checkpoint.
-//
-// Retention is bookkeeping: when it fails (a file that cannot be removed, "latest" that cannot be
-// written, a step that cannot be read) the failure is counted, logged on stderr and kept for
-// retention_failures() and last_retention_error(); it never fails, replaces or skips a save, and
-// the next retention retries.
-//
-// Steps increase across restarts too: Save(step) refuses (on every rank) a step older than a
-// complete or unreadable step found in the store, and refuses to replace a complete or
-// unreadable step of the same number unless ManagerOptions::allow_replacing_steps. A step whose
-// earlier attempt left no metadata (a crash) is simply written again.
+// Under the root (any Store location): <root>/step-0000000100/ holds a step's checkpoint,
+// <root>/step-0000000100.step indexes it (for backends that cannot list sub-locations), and
+// <root>/latest names the newest complete step, for tools; the manager itself trusts only the
+// metadata it finds. Retention keeps the newest `keep_last` complete steps and every step
+// divisible by `keep_every`, and removes only what is provably not a checkpoint and not in
+// flight: a step whose metadata cannot be read is kept and reported (unreadable_steps()), so a
+// transient error or an older dcp never deletes a committed checkpoint. Retention failures are
+// counted and logged (retention_failures(), last_retention_error()); they never fail a save.
+// Save(step) refuses, on every rank, a step older than one found in the store, and replacing a
+// step unless ManagerOptions::allow_replacing_steps. The step states and the full rules:
+// docs/PROTOCOL.md, "CheckpointManager: what retention may remove".
 //
 // All ranks construct the manager and call its methods in the same order (SPMD); decisions
 // (which step is latest) are made by rank 0 and broadcast; files are removed by rank 0 only.

@@ -8,44 +8,11 @@
 // process: tests and single-node tools), MpiCommunicator (dcp/mpi_communicator.h) on a private
 // duplicate of the job's MPI communicator, so dcp traffic never mixes with the application's.
 //
-// Operations and poisoning: dcp::Save and dcp::Load run as *operations*. Rank 0 opens each with
-// an id (OpenOperation) that every message of the operation carries together with its phase
-// name; a rank that receives a message of another operation or phase (a rank that skipped a
-// save, a save paired with a load) fails at once with an error naming both, and the
-// communicator is *poisoned*. A timeout poisons it too. A poisoned communicator fails every
-// collective in which this rank must receive, at once, with an error naming the original failure
-// (sends of a rank that coordinates still go out, so that it can tell its peers the verdict of
-// the operation that failed): no stale message can ever be paired with a later operation. The
-// remedy is a new communicator (e.g. a new MpiCommunicator; collective over the job).
-//
-// Poison notices (PointToPointCommunicator): a rank whose OpenOperation fails while it is
-// poisoned (from before, or by this failure: another operation, another target) tells the ranks
-// that would otherwise wait for it: rank 0 (the coordinator of every dcp operation) and its
-// children in the opening's broadcast tree. The notice travels on its own tag, outside the data
-// stream, and holds whatever the sequence numbers are (a poisoned rank never takes part again). A
-// rank waiting to receive from a rank that sent one fails at once with a CollectiveError naming the
-// poisoned rank and its original reason (and is poisoned in turn), instead of waiting for its
-// deadline. So a save that follows a poisoned rank's failure (or that not every rank joins in the
-// same way) fails on every rank at once, with the real cause. A stopped communicator sends no
-// notice. A collective outside an operation whose failure poisons a rank (the CheckpointManager's
-// "manager/begin step=N" on a rank that is on another step) sends the same notice
-// (NotifyPeersOfPoison), so the save its peers start next without it fails at once too.
-//
-// Broadcast (PointToPointCommunicator) fans out along a binomial tree rooted at `root`: the root
-// sends ceil(log2 N) frames, every other rank receives one from its parent and forwards that same
-// frame (one shared buffer) to its children, so no rank sends a large message (the metadata)
-// more than ceil(log2 N) times. A forwarding rank that cannot get the message (a timeout naming
-// its parent, a mismatch, a failure notice from its parent, or its own poison) sends its
-// children a *failure frame* carrying its failure list before it throws; a rank receiving one
-// throws a CollectiveError with that same list (naming the rank that really failed: the stalled
-// or dead rank, the poisoned one, not merely its parent), is poisoned, and passes it on. So the
-// subtree below a failed rank fails with one error, at once; ranks outside that subtree are not
-// affected and return root's message. Per-level deadlines make the notice win the race against
-// a descendant's own timeout: a rank at depth d >= 1 (root's children: 1) waits timeout() +
-// (d - 1) * TreeMargin(timeout()), margin min(timeout / 10, 1 s), for its parent. A stalled rank
-// therefore fails its subtree after about timeout() plus its own depth's margins (at most
-// log2 N of them); a poisoned one fails it at once. A poisoned root still sends (see above); a
-// stopped rank sends nothing, not even failure frames, so its children fail at their deadline.
+// Poisoning: a message of another operation or phase (OpenOperation), or a timeout, poisons the
+// communicator: every later collective in which this rank must receive fails at once, naming the
+// original failure, so no stale message is ever paired with a later operation. The remedy is a
+// new communicator. Operations, the broadcast tree and its failure frames, per-level deadlines
+// and poison notices: docs/PROTOCOL.md ("Operations", "Broadcast", "Poison notices").
 //
 // Thread safety: one thread at a time per Communicator object, except Poison(), Stop() and
 // poisoned(), which any thread may call (e.g. a shutdown stopping a background saver). Different

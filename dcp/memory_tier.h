@@ -36,8 +36,8 @@
 // Durable copies: Drain(step, uri) copies a committed step from the tier to any dcp location
 // (file://, s3://, ...), each rank the files it wrote, rank 0 the metadata last after every
 // rank's copy succeeded: the durable checkpoint obeys the usual commit rule, and no second
-// snapshot of the training state is taken. CheckpointManager::SaveFromTier drives it for a
-// managed root (dcp/checkpoint_manager.h).
+// snapshot of the training state is taken. CheckpointManager drives it for a managed root
+// (ManagerOptions::durable_every, dcp/checkpoint_manager.h).
 //
 // All ranks call every method in the same order (SPMD) over `comm`. Failures are
 // CollectiveErrors, alike on every rank; a failed Save leaves no committed step (its files are

@@ -2,9 +2,9 @@
 //
 // In an FSDP/TP-like state every rank holds one slice of each sharded tensor, cut the same way
 // on every rank: along one dimension, the rank's share of an even split of the world. The items
-// of such "regular" shards differ between ranks only by the rank, so a first save at thousands
-// of ranks used to gather, merge and scatter millions of items that carry no information beyond
-// the first rank's. Here each rank splits its local plan into
+// of such "regular" shards differ between ranks only by the rank: gathering, merging and
+// scattering them at thousands of ranks would move millions of items that carry no information
+// beyond the first rank's. Here each rank splits its local plan into
 //   - its regular shards: described by a hash of (fqn, dtype, global shape, dimension, key path)
 //     over all of them, plus one byte per shard saying which splitting rules its slice matches;
 //   - the residual: every other item (replicated tensors, blobs, irregular shards) in full.
@@ -13,7 +13,7 @@
 // plans; each rank rebuilds its global plan from its local plan and the residual reply. The
 // metadata is the same, byte for byte, as with full plans. Any difference between ranks
 // (another hash, a slice no rule explains on some rank) makes the coordinator answer "plan in
-// full", and the save plans as before.
+// full", and the save plans with every rank's full plan.
 //
 // Splitting rules (along the dimension d of extent n, world w, rank r):
 //   kBalanced: the first n % w ranks get n / w + 1, the others n / w (numpy.array_split);

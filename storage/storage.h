@@ -169,11 +169,11 @@ class StorageWriter {
   ///
   /// When FinishTakesFilledStorage() is true, the protocol may instead pass `results` with no
   /// item at all and `metadata.storage` already filled with every rank's results
-  /// (FillStorageFromEncoded): at thousands of ranks, holding the results decoded beside the
-  /// metadata they fill was most of the coordinator's memory.
+  /// (FillStorageFromEncoded): at thousands of ranks, the results held decoded beside the
+  /// metadata they fill would be most of the coordinator's memory.
   virtual void Finish(Metadata& metadata, const std::vector<std::vector<WriteResult>>& results) = 0;
   /// Whether Finish accepts `metadata.storage` filled and `results` empty (see Finish). Default
-  /// false: a writer that needs each rank's results gets them decoded, as before.
+  /// false: Finish gets every rank's results decoded.
   virtual bool FinishTakesFilledStorage() const { return false; }
   /// Coordinator only, after a successful Finish and after every rank was sent the verdict
   /// (the committed metadata): housekeeping that must not delay the verdict, e.g. removing the
@@ -221,8 +221,8 @@ class StorageReader {
   /// The wire encoding (EncodeMetadata) of the metadata ReadMetadata last returned, moved out,
   /// when the reader holds it as read (StoreReader on the dcp format: the metadata file's
   /// payload); empty otherwise. dcp::Load broadcasts it instead of encoding the metadata again:
-  /// at thousands of ranks that encoding was seconds of the coordinator's time every rank waited
-  /// for. Declared last, like GlobalPlanChangesNothing.
+  /// at thousands of ranks, encoding it again takes seconds of the coordinator's time that every
+  /// rank waits for. Declared last, like GlobalPlanChangesNothing.
   virtual std::string TakeEncodedMetadata() { return {}; }
 };
 

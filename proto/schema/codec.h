@@ -32,7 +32,8 @@ std::vector<WriteResult> DecodeWriteResults(std::string_view bytes);
 /// Replace md.storage with the stored items of every rank's encoded write results
 /// (encoded_results[r]: rank r's EncodeWriteResults), consuming them: each payload is parsed one
 /// result at a time and freed once read, so the results are never held decoded beside the map
-/// they fill (at thousands of ranks that was most of the coordinator's write-phase memory).
+/// they fill (at thousands of ranks, decoded results would be most of the coordinator's
+/// write-phase memory).
 /// Results listed in stored-item order on each rank (as StoreWriter writes them) merge in
 /// O(n log ranks); any order is accepted. CorruptionError naming the rank whose payload does not
 /// parse; InternalError naming the item when one was written twice. On a throw, md.storage and

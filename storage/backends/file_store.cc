@@ -261,9 +261,9 @@ class FileReadable : public ReadableObject {
   ~FileReadable() override { ::close(fd_); }
   // The hint widens the kernel's readahead window for this open file (POSIX_FADV_SEQUENTIAL
   // doubles it) instead of forcing the range in with POSIX_FADV_WILLNEED: WILLNEED fills the page
-  // cache with 4 KiB folios, and a later warm load of those bytes pays per folio (measured here,
-  // kernel 6.18, ext4: the warm load after a WILLNEED cold load ran ~20% slower than after a
-  // plain sequential one, at equal cold speed). Normal readahead builds large folios. It costs
+  // cache with 4 KiB folios, and a later warm load of those bytes pays per folio (on ext4, a
+  // warm load after a WILLNEED cold load is about 20% slower than after a plain sequential one,
+  // at equal cold speed). Normal readahead builds large folios. It costs
   // only a flag on the open file; a failure only loses the hint.
   void Prefetch(uint64_t offset, uint64_t n) noexcept override {
     (void)::posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(n),

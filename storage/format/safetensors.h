@@ -19,8 +19,8 @@
 // JSON parsed by nlohmann-json, dtype names, shapes (overflow), offsets (inside the file, sized
 // numel x itemsize, no overlap) and weight_map file names (plain names: no '/', no "..") checked.
 // Failures are CorruptionError (UnsupportedError for a dtype dcp lacks, NotFoundError for a file
-// the index names that is missing) naming the file and the tensor. dcp reads this format; it does
-// not write it yet (issue 24): a save in it is refused.
+// the index names that is missing) naming the file and the tensor. dcp writes the format too
+// (storage/format/safetensors_writer.cc, `?format=safetensors`).
 #pragma once
 
 #include <cstdint>

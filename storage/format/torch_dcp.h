@@ -140,7 +140,9 @@ std::vector<TorchSaveLeaf> ReadTorchSaveFile(ReadableObject& in, uint64_t length
 
 /// Append one torch.save archive of `view` (host or device, any strides; stored row-major) to
 /// `out`, computing the data's CRC-32 as it streams (a zip data descriptor carries it). Returns
-/// the record's length. `archive_name` is the zip's top folder ("archive", as torch writes).
+/// the record's length. `torch2`: a record as torch 2.x writes it (any dtype, with
+/// .format_version, .storage_alignment, byteorder and .data/serialization_id); otherwise one
+/// torch 1.13 reads (UnsupportedError for a dtype 1.13 lacks). The zip's top folder is "archive".
 uint64_t AppendTorchTensorRecord(WritableObject& out, const TensorView& view, bool torch2);
 
 /// True for record file names the torchdcp writer creates ("__<rank>_<n>....distcp").

@@ -10,7 +10,7 @@
 //  * Reads: a large verified read is ReadAtStreaming: part_size ranged GETs straight into the
 //    destination, read_ahead_parts in flight, each piece handed to the caller's CRC as it lands
 //    (no bounce buffer, no copy, no zero-fill: on a host that also runs the server, or that is
-//    short of memory bandwidth, each extra pass over the bytes was a measurable share of the
+//    short of memory bandwidth, each extra pass over the bytes is a measurable share of the
 //    load). Small reads (the items of a file run, a resharding load's boxes) come after a
 //    PrefetchRanges hint: the ranges are coalesced (gaps up to kS3CoalesceGapBytes read through)
 //    into part_size GETs of a sliding window of read_ahead_parts, and ReadAt serves from them,

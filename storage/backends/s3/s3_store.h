@@ -1,73 +1,20 @@
 // s3://bucket/prefix: checkpoints in an S3-compatible object store (AWS S3, Ceph RADOS Gateway,
 // MinIO, ...), over libcurl with AWS SigV4 signing (storage/backends/s3/s3_sigv4.h). Built when
 // libcurl, OpenSSL's libcrypto and tinyxml2 are found (DCP_HAVE_S3); otherwise the scheme is not
-// registered.
+// registered. S3 has no append and no rename, so files are multipart uploads that appear whole at
+// Close, and commits and the writer lock are conditional PUTs. How each Store call maps onto S3
+// requests, the sizing, the lease lock and the retries: docs/STORAGE_BACKENDS.md section 7.
 //
-// Configuration, from the usual environment variables unless S3Options says otherwise:
-//   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY   credentials (required)
-//   AWS_SESSION_TOKEN                          temporary credentials' token (optional)
-//   AWS_REGION or AWS_DEFAULT_REGION           signing region (default us-east-1)
-//   AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL    e.g. http://127.0.0.1:7480 for an S3-compatible
-//                                              server (default https://s3.<region>.amazonaws.com)
-//   DCP_S3_TARGET_GBPS (10), DCP_S3_MAX_CONNECTIONS (from the target: 10 / 2.5 = 4),
-//   DCP_S3_PART_SIZE_MIB (8), DCP_S3_PARTS_IN_FLIGHT and DCP_S3_READ_AHEAD_PARTS (both
-//   max_connections), DCP_S3_MAX_RETRIES (4), DCP_S3_LOCK_LEASE_S (60), DCP_S3_SIGN_PAYLOAD (0),
-//   DCP_S3_REQUEST_TIMEOUT_S (60)
-//   The same keys (target_gbps, max_connections, part_size_mib, ...) in a URI's query
-//   (s3://bucket/ckpt?target_gbps=25) override the environment (storage/registry.h).
-// Sizing (as the AWS CRT client): the throughput target gives the connections, max_connections
-// = ceil(target_gbps / kS3ConnectionGbps); every store bounds its data requests (part uploads,
-// ranged GETs) in flight to that many, whichever objects they belong to, and each writer or
-// reader may use all of them.
-// Requests use path-style addressing (endpoint/bucket/key), which every S3-compatible server
-// accepts.
-//
-// How the Store maps onto S3 (the files of storage/backends/s3/ say why):
-//   Create   a multipart upload: parts of part_size bytes, up to parts_in_flight uploading while
-//            the next one fills, so one writer holds at most part_size x (parts_in_flight + 1)
-//            bytes (40 MiB by default). An object smaller than one part is a single PUT at Close.
-//            Close completes the upload (only then is the object visible); destroying the writer
-//            without Close aborts it (AbortMultipartUpload: nothing partial remains, no parts left
-//            billed).
-//   ListIncomplete  ListMultipartUploads under the prefix (a killed writer's uploads, whose
-//            parts stay billed); DiscardIncomplete aborts a key's uploads. The next locked save
-//            at the location calls them after its commit (storage/store.h).
-//   Open     HEAD for the size (SizeAndVersion: the same HEAD, its ETag the version); ReadAt is a
-//   ranged GET (a large one split into parallel
-//            ranges); Prefetch starts up to read_ahead_parts ranged GETs of part_size ahead.
-//            ReadAtStreaming: ranged GETs of part_size straight into the destination, up to
-//            read_ahead_parts in flight, each piece reported as it lands. PrefetchRanges: the
-//            ranges are coalesced (S3CoalesceRanges: gaps up to kS3CoalesceGapBytes are read
-//            through) into GETs of at most part_size, read_ahead_parts in flight.
-//   PublishAtomically  a single PUT (atomic in S3). PublishNew: PUT with If-None-Match: *
-//            (the commit of a new checkpoint: two jobs cannot both commit). PublishReplacing:
-//            PUT with If-Match: <ETag> (the commit of an overwrite, on the ETag of the metadata
-//            the save's existence HEAD saw under its lock): a writer paused past its lease
-//            between its CheckHeld and this PUT gets 412 (AlreadyExistsError, nothing written)
-//            once the job that took over has committed, instead of replacing that commit.
-//   List     ListObjectsV2 under the prefix ("/"-delimited: only the prefix's own objects).
-//   TryLock  the lock object .dcp.lock created with If-None-Match: *, holding a lease
-//            (lock_lease_seconds, 60 s by default); an expired lease is taken over with
-//            If-Match: <its ETag> (docs/STORAGE_BACKENDS.md). While held, a background thread
-//            per lock renews the lease every lease/3 by rewriting the object If-Match: <the ETag
-//            of our last write>, so a live holder keeps it however long a save takes, and a
-//            crashed holder's lock is free one lease after its last renewal.
-//            StoreLock::CheckHeld (called by the checkpoint writer right before it publishes
-//            metadata and before it removes dead files) renews once more, synchronously:
-//            LeaseLostError when the object is no longer ours (412: taken over after our lease
-//            ran out unrenewed, e.g. a frozen or partitioned process), or when it cannot be
-//            renewed and less than a quarter of the lease is left. The save then fails on every
-//            rank and the other job's checkpoint stays as it is. Release stops the thread and
-//            deletes the object only if it still holds our record (GET, compare, DELETE with
-//            If-Match; RGW ignores If-Match on DELETE, AWS S3 honours it). Contenders compare
-//            the expiry with their own clock: hosts' clocks must agree to well within a quarter
-//            of the lease. A lock is used from any thread; Release and CheckHeld may race the
-//            renewal thread (they are serialised with it).
+// Configuration: S3Options, from the AWS_* and DCP_S3_* environment variables, overridden by the
+// same keys in a URI's query (s3://bucket/ckpt?target_gbps=25; storage/registry.h).
 // Errors: HTTP 404 is NotFoundError; 403 an IoError naming the bucket and key and the
-// credentials' variables; other 4xx non-retryable IoErrors; 5xx, 429 and connection failures
-// retryable IoErrors, retried here (bounded exponential backoff) before they are thrown.
+// credentials' variables; 412 on a conditional PUT AlreadyExistsError; other 4xx non-retryable
+// IoErrors; 5xx, 429 and connection failures retryable IoErrors, thrown after bounded retries.
+// A lock that was taken over, or cannot be renewed in time, is a LeaseLostError at CheckHeld.
 //
-// Thread safety: as every Store (storage/store.h). Connections are pooled per store.
+// Thread safety: as every Store (storage/store.h). A lock may be used from any thread; Release
+// and CheckHeld are serialised with its renewal thread. Idle connections go to one process-wide
+// pool per endpoint (s3_http.h), so they outlive the store.
 #pragma once
 
 #include <cstdint>
