@@ -15,6 +15,12 @@
 #pragma once
 // clang-format on
 
+// This release (CMake reads these lines: the package's version is this one).
+#define DCP_VERSION_MAJOR 0
+#define DCP_VERSION_MINOR 1
+#define DCP_VERSION_PATCH 0
+#define DCP_VERSION_STRING "0.1.0"
+
 #include "dcp/async_checkpointer.h"
 #include "dcp/checkpoint.h"
 #include "dcp/checkpoint_manager.h"
