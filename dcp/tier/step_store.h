@@ -24,6 +24,7 @@
 
 #include "dcp/proto/plan.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/forwarding_store.h"
 #include "dcp/tier/file_mapping.h"
 #include "dcp/tier/tier_internal.h"

@@ -20,6 +20,7 @@
 #include "dcp/memory_tier.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/tier/file_mapping.h"
 #include "dcp/tier/step_store.h"
 #include "dcp/tier/tier_internal.h"

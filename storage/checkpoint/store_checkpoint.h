@@ -1,11 +1,9 @@
-// The checkpoint protocol over any Store: layout, checksums, atomic commit, overwrite.
+// The checkpoint protocol over any Store: atomic commit, overwrite, clean-up.
 //
-// Layout of a checkpoint root (docs/FORMAT.md has the details):
-//   metadata.dcp                          the commit marker: checksummed protobuf Metadata
-//   data-<save_id>-r<rank>-b<bucket>.data raw item bytes, concatenated; located by the metadata
-// Data files carry the save id, so a new save never touches the files of the checkpoint it
-// replaces: the old checkpoint stays loadable until the new metadata is renamed over it, and its
-// files are removed only afterwards.
+// How a checkpoint's files are named and encoded is its layout's (storage/format/layout.h; dcp's
+// own: format/dcp_layout.h, docs/FORMAT.md). Data files carry the save id, so a new save never
+// touches the files of the checkpoint it replaces: the old checkpoint stays loadable until the new
+// metadata is renamed over it, and its files are removed only afterwards.
 #pragma once
 
 #include <memory>
@@ -15,7 +13,6 @@
 
 namespace dcp {
 
-inline constexpr char kMetadataName[] = "metadata.dcp";
 /// Independent store requests a checkpoint operation makes at once (the metadata check's size
 /// queries, the clean-up's removals): each is a round trip on an object store.
 inline constexpr size_t kStoreRequestsInFlight = 16;
@@ -30,9 +27,5 @@ std::unique_ptr<StorageWriter> MakeStoreWriter(std::shared_ptr<Store> store,
 /// The reader of every layout: it detects the format from the metadata file it finds.
 std::unique_ptr<StorageReader> MakeStoreReader(std::shared_ptr<Store> store,
                                                const StorageOptions& options);
-
-/// True for names the dcp layout's writer creates for data (so tools and clean-up never touch
-/// user files).
-bool IsDataObjectName(const std::string& name);
 
 }  // namespace dcp

@@ -1,6 +1,8 @@
 // dcp's own layout (docs/FORMAT.md): metadata.dcp, a checksummed protobuf envelope, and data
 // files "data-<save>-r<rank>-b<bucket>.data" of items stored raw or zstd-compressed, each with
 // its CRC32C.
+#include "dcp/storage/format/dcp_layout.h"
+
 #include <algorithm>
 
 #include "dcp/proto/checksum.h"
@@ -8,7 +10,6 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/zstd_transform.h"
 

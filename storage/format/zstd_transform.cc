@@ -11,7 +11,7 @@
 
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
-#include "dcp/storage/checkpoint/slab_copy.h"
+#include "dcp/proto/slab_copy.h"
 
 namespace dcp {
 

@@ -21,7 +21,7 @@
 
 #include "dcp/dcp.h"
 #include "dcp/proto/schema/codec.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/registry.h"
 
 using namespace dcp;

@@ -27,7 +27,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/mem_store.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "fuzz_files.h"
 #include "tools/cli/cli_common.h"
 #include "tools/cli/commands.h"

@@ -10,7 +10,7 @@
 #include "dcp/dcp.h"
 #include "dcp/storage/backends/fault_store.h"
 #include "dcp/storage/backends/file_store.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "mpi/mpi_support.h"
 #include "support/test_support.h"
 

@@ -7,7 +7,7 @@
 #include <cstdlib>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/registry.h"
 #include "mpi/mpi_support.h"
 #include "support/s3_test_support.h"

@@ -18,7 +18,7 @@
 #include "dcp/storage/backends/fault_store.h"
 #include "dcp/storage/backends/file_store.h"
 #include "dcp/storage/backends/mem_store.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "support/test_support.h"
 
 using namespace dcp;

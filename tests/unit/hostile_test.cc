@@ -11,7 +11,7 @@
 
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/mem_store.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/forwarding_store.h"
 #include "dcp/storage/registry.h"
 #include "support/test_support.h"
@@ -373,7 +373,8 @@ TEST_CASE("hostile: unknown transforms and undefined chains are refused by load"
   ClearMemStore(name);
 }
 
-TEST_CASE("hostile: validation is O(n log n) in the chunks of a tensor", "[hostile][codec][scale]") {
+TEST_CASE("hostile: validation is O(n log n) in the chunks of a tensor",
+          "[hostile][codec][scale]") {
   auto tiled = [](const Shape& grid) {
     // A float32 tensor of shape `grid` split into 1-element chunks (the worst case per byte).
     Metadata md;

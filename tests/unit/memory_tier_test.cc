@@ -15,7 +15,7 @@
 #include <thread>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -16,7 +16,7 @@
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/file_store.h"
 #include "dcp/storage/backends/mem_store.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "support/test_support.h"
 
 using namespace dcp;

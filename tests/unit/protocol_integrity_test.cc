@@ -13,8 +13,8 @@
 #include "dcp/checkpoint.h"
 #include "dcp/storage/backends/fault_store.h"
 #include "dcp/storage/backends/mem_store.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/registry.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -16,7 +16,7 @@
 
 #include "dcp/dcp.h"
 #include "dcp/proto/executor.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/registry.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"

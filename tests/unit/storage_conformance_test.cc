@@ -12,7 +12,7 @@
 
 #include "dcp/storage/backends/file_store.h"
 #include "dcp/storage/backends/mem_store.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/format/layout.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"

@@ -6,7 +6,7 @@
 #include <filesystem>
 
 #include "dcp/dcp.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/safetensors.h"
 #include "dcp/storage/registry.h"

@@ -16,7 +16,7 @@
 #include "dcp/proto/schema/codec.h"
 #include "dcp/proto/staging.h"
 #include "dcp/storage/checkpoint/file_index.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/torch_dcp.h"
 #include "dcp/storage/format/zstd_transform.h"

@@ -19,7 +19,7 @@
 
 #include "dcp/checkpoint.h"
 #include "dcp/proto/error.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/format/safetensors.h"
 #include "dcp/storage/format/torch_dcp.h"
 #include "dcp/storage/registry.h"

@@ -11,7 +11,7 @@
 
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
-#include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/format/torch_dcp.h"
 #include "tools/cli/cli_common.h"
 #include "tools/cli/commands.h"

@@ -1,5 +1,6 @@
 // Internal (not installed): placing a slab of a stored chunk into a box destination, shared by
-// the raw reader (store_reader.cc) and the zstd reader (zstd_transform.cc).
+// the raw reader (storage/checkpoint/store_reader.cc) and the zstd reader
+// (storage/format/zstd_transform.cc).
 #pragma once
 
 #include "dcp/proto/tensor.h"
