@@ -8,7 +8,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/protocol/load.h"
 #include "dcp/protocol/save.h"
-#include "dcp/storage/checkpoint/file_index.h"
+#include "dcp/storage/format/dcp_index.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/registry.h"
 #include "dcp_version.h"

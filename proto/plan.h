@@ -232,7 +232,7 @@ struct Metadata {
   std::string library_version;
   std::map<std::string, EntryMetadata> entries;  // by fqn
   /// By stored item. Version 1: every item, as decoded. Version 2: empty as decoded; readers
-  /// fill what they need from the data files' indexes (storage/checkpoint/file_index.h).
+  /// fill what they need from the data files' indexes (storage/format/dcp_index.h).
   std::map<MetadataIndex, StorageInfo> storage;
   /// Version 2: every data file, by name (empty in version 1).
   std::vector<DataFile> files;

@@ -19,7 +19,7 @@
 #endif
 #include "dcp/storage/backend_options.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
-#include "dcp/storage/format/safetensors.h"
+#include "dcp/storage/format/layout.h"
 
 namespace dcp {
 
@@ -151,27 +151,14 @@ void RegisterInto(Registry& reg, StorageBackend backend, bool replace) {
   reg.backends[backend.scheme] = std::move(backend);
 }
 
-// The store a reader of `location` reads: a location naming one existing `*.safetensors`
-// object is a read-only view of its parent holding only that object (a Hugging Face file loads
-// by its own name); anything else is the store at `location`.
+// The store a reader of `location` reads: a location naming one object that is a checkpoint by
+// itself is a read-only view of its parent holding only that object (the layout decides:
+// CheckpointLayout::OpenSingleObject); anything else is the store at `location`.
 std::shared_ptr<Store> OpenForReading(const StoreOpener& open, const std::string& scheme,
                                       const std::string& location,
                                       const BackendOptionMap& options) {
-  const size_t slash = location.rfind('/');
-  if (IsSafetensorsName(location) && (slash != std::string::npos || scheme == "file")) {
-    const std::string name = slash == std::string::npos ? location : location.substr(slash + 1);
-    const std::string parent = slash == std::string::npos ? std::string(".")
-                               : slash == 0               ? std::string("/")
-                                                          : location.substr(0, slash);
-    std::shared_ptr<Store> dir;
-    try {
-      dir = open(parent, options);
-      if (!IsSafetensorsName(name) || !dir->Size(name)) dir.reset();
-    } catch (const Error&) {
-      dir.reset();  // e.g. a directory named *.safetensors: opened as one below
-    }
-    if (dir) return SafetensorsFileView(std::move(dir), name);
-  }
+  auto open_at = [&](const std::string& where) { return open(where, options); };
+  if (auto view = OpenSingleObjectCheckpoint(open_at, scheme, location)) return view;
   return open(location, options);
 }
 

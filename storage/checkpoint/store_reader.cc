@@ -19,7 +19,7 @@
 #include "dcp/proto/schema/codec.h"
 #include "dcp/proto/slab_copy.h"
 #include "dcp/proto/staging.h"
-#include "dcp/storage/checkpoint/file_index.h"
+#include "dcp/storage/format/dcp_index.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/format/layout.h"

@@ -24,20 +24,18 @@
 #include <exception>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 #include <unordered_set>
 #include <utility>
 
-#include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
 #include "dcp/proto/random_name.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
-#include "dcp/storage/format/safetensors.h"
-#include "dcp/storage/format/zstd_transform.h"
 
 namespace dcp {
 
@@ -53,8 +51,7 @@ class StoreWriter : public StorageWriter {
     if (options_.files_per_rank < 1) {
       throw InvalidArgumentError("files_per_rank must be at least 1");
     }
-    ValidateCompressionOptions(options_);
-    layout_.CheckWriteOptions(options_, store_->uri());
+    layout_.ValidateWriteOptions(options_, store_->uri());
   }
 
   std::string uri() const override { return store_->uri(); }
@@ -193,9 +190,7 @@ class StoreWriter : public StorageWriter {
         .ToFuture();
   }
 
-  bool WritesFileIndexes() const override {
-    return layout_.format() == CheckpointFormat::kDcp && options_.metadata_version >= 2;
-  }
+  bool WritesFileIndexes() const override { return layout_.WritesFileIndexes(options_); }
 
   std::vector<DataFile> TakeDataFiles() override {
     std::lock_guard<std::mutex> lock(files_mutex_);
@@ -481,6 +476,10 @@ class StoreWriter : public StorageWriter {
     auto out = store_->Create(name);
     out->LimitBuffers(share / 2);
     const auto encoder = layout_.NewItemEncoder(options_);
+    if (!encoder) {
+      throw InternalError("the " + std::string(layout_.display_name()) +
+                          " layout has no per-rank data files");
+    }
     std::vector<WriteResult> results;
     results.reserve(items.size());
     for (size_t i : items) {
@@ -494,52 +493,14 @@ class StoreWriter : public StorageWriter {
       r.size_in_bytes = r.storage.length;
       results.push_back(std::move(r));
     }
-    if (WritesFileIndexes()) AppendFileIndex(*out, name, results);
+    if (std::optional<DataFile> file =
+            layout_.FinishDataFile(*out, name, results, options_, ctx_.rank)) {
+      std::lock_guard<std::mutex> lock(files_mutex_);
+      files_.push_back(std::move(*file));
+    }
     if (options_.sync) out->Sync();
     out->Close();
     return results;
-  }
-
-  // Version 2: the file's index after its last item, so that it is in the file when the file
-  // appears (docs/FORMAT.md). Every item needs its chunk ordinal, which the coordinator's plan
-  // gives (MetadataIndex::index).
-  void AppendFileIndex(WritableObject& out, const std::string& name,
-                       const std::vector<WriteResult>& results) {
-    std::vector<FileIndexItem> index;
-    index.reserve(results.size());
-    for (const WriteResult& r : results) {
-      if (!r.index.index || *r.index.index < 0) {
-        throw InvalidArgumentError(
-            "save plan item " + r.index.ToString() +
-            " has no chunk ordinal, which version-2 metadata needs (a planner's FinishPlan "
-            "dropped the coordinator's index hints?); save with metadata_version 1");
-      }
-      FileIndexItem it;
-      it.fqn_hash = FqnHash(r.index.fqn);
-      it.chunk = static_cast<uint32_t>(*r.index.index);
-      it.offset = r.storage.offset;
-      it.length = r.storage.length;
-      it.raw_length = r.storage.raw_length;
-      it.crc32c = r.storage.crc32c;
-      if (r.storage.transforms.size() > 1 ||
-          (r.storage.transforms.size() == 1 && r.storage.transforms[0] != kZstdTransform)) {
-        throw InternalError("item " + r.index.ToString() + ": a transform an index cannot record");
-      }
-      it.zstd = !r.storage.transforms.empty();
-      index.push_back(it);
-    }
-    const std::string bytes = EncodeFileIndex(std::move(index));
-    DataFile f;
-    f.name = name;
-    f.writer = ctx_.rank;
-    f.index_offset = out.size();
-    f.index_length = bytes.size();
-    f.index_crc32c = Crc32c(0, bytes.data(), bytes.size());
-    out.Append(bytes.data(), bytes.size());
-    f.size = out.size();
-    f.index_copy = bytes;  // kept for the metadata if small (TakeDataFiles)
-    std::lock_guard<std::mutex> lock(files_mutex_);
-    files_.push_back(std::move(f));
   }
 
   std::shared_ptr<Store> store_;
@@ -560,7 +521,7 @@ class StoreWriter : public StorageWriter {
   std::string metadata_version_;    // its version then (Store::SizeAndVersion), "" if none
   std::set<std::string> replaced_;  // unlocked overwrite: files of the replaced checkpoint
   std::mutex files_mutex_;          // guards files_ (files are written in parallel)
-  std::vector<DataFile> files_;     // version 2: this rank's files of the current save
+  std::vector<DataFile> files_;     // this rank's files of the current save (FinishDataFile)
 };
 
 }  // namespace
@@ -568,11 +529,7 @@ class StoreWriter : public StorageWriter {
 std::unique_ptr<StorageWriter> MakeStoreWriter(std::shared_ptr<Store> store,
                                                const StorageOptions& options) {
   auto writer = std::make_unique<StoreWriter>(store, options);
-  // safetensors files hold whole tensors: its writer wraps this protocol with its own data path.
-  if (options.format == CheckpointFormat::kSafetensors) {
-    return MakeSafetensorsWriter(std::move(writer), std::move(store), options);
-  }
-  return writer;
+  return LayoutFor(options.format).WrapWriter(std::move(writer), std::move(store), options);
 }
 
 }  // namespace dcp

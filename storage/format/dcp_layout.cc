@@ -10,6 +10,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
+#include "dcp/storage/format/dcp_index.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/zstd_transform.h"
 
@@ -116,6 +117,18 @@ class DcpLayoutImpl : public CheckpointLayout {
   }
   std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions& options) const override {
     return std::make_unique<DcpItemEncoder>(options);
+  }
+  bool WritesFileIndexes(const StorageOptions& options) const override {
+    return options.metadata_version >= 2;
+  }
+  // Version 2: the index goes after the file's last item, so that it is in the file when the
+  // file appears (docs/FORMAT.md).
+  std::optional<DataFile> FinishDataFile(WritableObject& out, const std::string& name,
+                                         const std::vector<WriteResult>& results,
+                                         const StorageOptions& options,
+                                         int32_t rank) const override {
+    if (!WritesFileIndexes(options)) return std::nullopt;
+    return AppendFileIndex(out, name, results, rank);
   }
 
  private:

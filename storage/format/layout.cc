@@ -1,6 +1,7 @@
 #include "dcp/storage/format/layout.h"
 
 #include "dcp/proto/error.h"
+#include "dcp/storage/format/zstd_transform.h"
 
 namespace dcp {
 
@@ -34,6 +35,35 @@ CheckpointFormat ParseCheckpointFormat(std::string_view name) {
 }
 
 void CheckpointLayout::CheckWriteOptions(const StorageOptions&, const std::string&) const {}
+
+void CheckpointLayout::ValidateWriteOptions(const StorageOptions& options,
+                                            const std::string& uri) const {
+  ValidateCompressionOptions(options);
+  CheckWriteOptions(options, uri);
+}
+
+std::unique_ptr<ItemEncoder> CheckpointLayout::NewItemEncoder(const StorageOptions&) const {
+  return nullptr;
+}
+
+std::unique_ptr<StorageWriter> CheckpointLayout::WrapWriter(std::unique_ptr<StorageWriter> protocol,
+                                                            std::shared_ptr<Store>,
+                                                            const StorageOptions&) const {
+  return protocol;
+}
+
+std::shared_ptr<Store> CheckpointLayout::OpenSingleObject(const StoreOpenFn&, const std::string&,
+                                                          const std::string&) const {
+  return nullptr;
+}
+
+bool CheckpointLayout::WritesFileIndexes(const StorageOptions&) const { return false; }
+
+std::optional<DataFile> CheckpointLayout::FinishDataFile(WritableObject&, const std::string&,
+                                                         const std::vector<WriteResult>&,
+                                                         const StorageOptions&, int32_t) const {
+  return std::nullopt;
+}
 
 bool CheckpointLayout::Detect(Store& store) const {
   return store.Size(metadata_name()).has_value();
@@ -75,6 +105,15 @@ bool IsAnyDataFile(const std::string& name) {
     if (layout->IsDataFile(name)) return true;
   }
   return false;
+}
+
+std::shared_ptr<Store> OpenSingleObjectCheckpoint(const StoreOpenFn& open,
+                                                  const std::string& scheme,
+                                                  const std::string& location) {
+  for (const CheckpointLayout* layout : AllLayouts()) {
+    if (auto store = layout->OpenSingleObject(open, scheme, location)) return store;
+  }
+  return nullptr;
 }
 
 void CheckUnchanged(const WriteItem& item, const ResolvedData& data) {

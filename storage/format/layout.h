@@ -3,13 +3,16 @@
 // (storage/checkpoint/store_writer.cc: lock, overwrite, commit, clean-up) is the same for every
 // layout and runs over any Store, so every format can be written to every store. (safetensors,
 // whose files hold whole tensors assembled across ranks, keeps the protocol and replaces only its
-// per-rank data path: format/safetensors_writer.cc.) Internal: not installed.
+// per-rank data path: WrapWriter, format/safetensors_writer.cc.) Internal: not installed.
 //
 // Layouts are stateless and shared; they are thread-safe. An ItemEncoder serves one data file
 // on one thread.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -19,6 +22,9 @@
 #include "dcp/storage/store.h"
 
 namespace dcp {
+
+/// Opens the store at a location of one scheme (the registry's opener, its options bound).
+using StoreOpenFn = std::function<std::shared_ptr<Store>(const std::string& location)>;
 
 /// Appends items to one data file, each at the file's current end.
 class ItemEncoder {
@@ -56,7 +62,38 @@ class CheckpointLayout {
   /// holds it as read (the dcp format: its payload), and is cleared otherwise.
   virtual Metadata ReadMetadata(Store& store, std::string* encoded) const = 0;
   Metadata ReadMetadata(Store& store) const { return ReadMetadata(store, nullptr); }
-  virtual std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions& options) const = 0;
+  /// The encoder of one data file of the protocol's per-rank data path. Default: nullptr, for a
+  /// layout whose WrapWriter replaces that path (the protocol then never asks).
+  virtual std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions& options) const;
+  /// The writer a save in this layout uses: `protocol` (the checkpoint protocol over `store`,
+  /// writing this layout: storage/checkpoint/store_checkpoint.h) or a writer that keeps it for
+  /// the lock, the commit and the clean-up and replaces its data path (safetensors: whole
+  /// tensors assembled across ranks, format/safetensors_writer.cc). Default: `protocol`.
+  virtual std::unique_ptr<StorageWriter> WrapWriter(std::unique_ptr<StorageWriter> protocol,
+                                                    std::shared_ptr<Store> store,
+                                                    const StorageOptions& options) const;
+  /// The store a reader of `location` (of scheme `scheme`) reads when `location` names one
+  /// object that is a checkpoint of this layout by itself (a `*.safetensors` file): a read-only
+  /// view of its parent, opened with `open`, holding only that object. Default: nullptr (not
+  /// such an object; the reader opens the store at `location`). Never throws for a location
+  /// `open` cannot open as a parent (nullptr).
+  virtual std::shared_ptr<Store> OpenSingleObject(const StoreOpenFn& open,
+                                                  const std::string& scheme,
+                                                  const std::string& location) const;
+  /// The checks every writer of this layout makes before it writes anything: the compression
+  /// options (format/zstd_transform.h), then CheckWriteOptions. InvalidArgumentError.
+  void ValidateWriteOptions(const StorageOptions& options, const std::string& uri) const;
+  /// True when a save with `options` ends each data file with an index and records the files in
+  /// the metadata's file table (StorageWriter::WritesFileIndexes; dcp's version 2:
+  /// format/dcp_index.h). Default: false.
+  virtual bool WritesFileIndexes(const StorageOptions& options) const;
+  /// After the last item of data file `name` (open in `out`; `results` describe its items in
+  /// file order), written by rank `rank`: with WritesFileIndexes, append the file's index and
+  /// return the file's entry for the file table; otherwise append nothing and return nullopt
+  /// (the default). Errors as AppendFileIndex's (format/dcp_index.h).
+  virtual std::optional<DataFile> FinishDataFile(WritableObject& out, const std::string& name,
+                                                 const std::vector<WriteResult>& results,
+                                                 const StorageOptions& options, int32_t rank) const;
 };
 
 /// The layout a writer of `format` writes (static lifetime).
@@ -67,6 +104,10 @@ const std::vector<const CheckpointLayout*>& AllLayouts();
 const CheckpointLayout* DetectLayout(Store& store);
 /// True when some layout's writer would create `name` for data.
 bool IsAnyDataFile(const std::string& name);
+/// The first layout's OpenSingleObject(open, scheme, location) that is not nullptr, else nullptr.
+std::shared_ptr<Store> OpenSingleObjectCheckpoint(const StoreOpenFn& open,
+                                                  const std::string& scheme,
+                                                  const std::string& location);
 
 /// The plain Python value held in `bytes`, a torch.save archive or a bare pickle (PyTorch DCP's
 /// non-tensor entries), read by the restricted unpickler (dcp::PythonValue's contract; `what`

@@ -678,8 +678,8 @@ class SafetensorsLayoutImpl : public CheckpointLayout {
                                  uri + " (the format stores raw tensors only)");
     }
   }
-  // The data path is safetensors_writer.cc's (whole tensors assembled across ranks): the
-  // protocol's per-rank files and item encoders are never used for this layout.
+  // The data path is safetensors_writer.cc's (WrapWriter): the protocol's per-rank files are
+  // never used for this layout.
   std::string FilePrefix(const std::string&, size_t) const override { Unreachable(); }
   std::string DataFileName(const std::string&, size_t) const override { Unreachable(); }
   // Only names a dcp save creates (they carry its save id): a Hub download's
@@ -701,8 +701,33 @@ class SafetensorsLayoutImpl : public CheckpointLayout {
     if (encoded) encoded->clear();
     return ReadSafetensorsMetadata(store);
   }
-  std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions&) const override {
-    Unreachable();
+  // Whole tensors assembled across ranks: the protocol keeps the lock, the commit of the index
+  // and the clean-up.
+  std::unique_ptr<StorageWriter> WrapWriter(std::unique_ptr<StorageWriter> protocol,
+                                            std::shared_ptr<Store> store,
+                                            const StorageOptions& options) const override {
+    return MakeSafetensorsWriter(std::move(protocol), std::move(store), options);
+  }
+  // A location naming one existing `*.safetensors` object (a Hugging Face file loads by its own
+  // name). A bare name is a file of the current directory only for file://.
+  std::shared_ptr<Store> OpenSingleObject(const StoreOpenFn& open, const std::string& scheme,
+                                          const std::string& location) const override {
+    const size_t slash = location.rfind('/');
+    if (!IsSafetensorsName(location) || (slash == std::string::npos && scheme != "file")) {
+      return nullptr;
+    }
+    const std::string name = slash == std::string::npos ? location : location.substr(slash + 1);
+    const std::string parent = slash == std::string::npos ? std::string(".")
+                               : slash == 0               ? std::string("/")
+                                                          : location.substr(0, slash);
+    std::shared_ptr<Store> dir;
+    try {
+      dir = open(parent);
+      if (!IsSafetensorsName(name) || !dir->Size(name)) dir.reset();
+    } catch (const Error&) {
+      dir.reset();  // e.g. a directory named *.safetensors: opened as one by the reader
+    }
+    return dir ? SafetensorsFileView(std::move(dir), name) : nullptr;
   }
 
  private:

@@ -15,7 +15,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/proto/staging.h"
-#include "dcp/storage/checkpoint/file_index.h"
+#include "dcp/storage/format/dcp_index.h"
 #include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/torch_dcp.h"

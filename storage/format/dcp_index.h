@@ -1,9 +1,10 @@
-// Version-2 checkpoints (docs/FORMAT.md) keep where each stored item lies in an index at the end
-// of each data file, written by the rank that wrote the file; the metadata holds the file table
-// and, per chunk, the rank that wrote it. A reader resolves the items it needs from the indexes
-// of those ranks' files only. Internal (not installed).
+// Version-2 checkpoints of the dcp layout (docs/FORMAT.md) keep where each stored item lies in an
+// index at the end of each data file, written by the rank that wrote the file; the metadata holds
+// the file table and, per chunk, the rank that wrote it. A reader resolves the items it needs
+// from the indexes of those ranks' files only. Internal (not installed).
 //
-// A resolver serves one load on one thread; it reads each index at most once.
+// A resolver serves one load on one thread; it reads each index at most once. AppendFileIndex
+// serves one data file on one thread.
 #pragma once
 
 #include <map>
@@ -14,6 +15,7 @@
 
 #include "dcp/proto/plan.h"
 #include "dcp/proto/schema/codec.h"
+#include "dcp/storage/storage.h"
 #include "dcp/storage/store.h"
 
 namespace dcp {
@@ -71,5 +73,14 @@ class FileIndexResolver {
 
 /// Version 2: read and decode the index of data file `f` in `store`, checking its CRC32C.
 std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f);
+
+/// Version 2: append the index of data file `name` to `out`, after the file's last item, so that
+/// it is in the file when the file appears; `results` describe the file's items (each needs its
+/// chunk ordinal, MetadataIndex::index, which the coordinator's plan gives). Returns the file's
+/// entry for the metadata's file table: written by `rank`, its size, where its index lies, and the
+/// index bytes as index_copy. InvalidArgumentError for an item without a chunk ordinal;
+/// InternalError for a transform an index cannot record (anything but one zstd).
+DataFile AppendFileIndex(WritableObject& out, const std::string& name,
+                         const std::vector<WriteResult>& results, int32_t rank);
 
 }  // namespace dcp

@@ -1,4 +1,4 @@
-#include "dcp/storage/checkpoint/file_index.h"
+#include "dcp/storage/format/dcp_index.h"
 
 #include <algorithm>
 #include <mutex>
@@ -253,6 +253,46 @@ void FileIndexResolver::Resolve(Store& store, Metadata& md, bool tolerate_lost_f
                           std::to_string(wanted));
   }
   md.storage = std::move(storage);
+}
+
+// The chunk ordinal is the index's key beside the fqn hash: without it no reader could tell a
+// tensor's chunks apart.
+DataFile AppendFileIndex(WritableObject& out, const std::string& name,
+                         const std::vector<WriteResult>& results, int32_t rank) {
+  std::vector<FileIndexItem> index;
+  index.reserve(results.size());
+  for (const WriteResult& r : results) {
+    if (!r.index.index || *r.index.index < 0) {
+      throw InvalidArgumentError(
+          "save plan item " + r.index.ToString() +
+          " has no chunk ordinal, which version-2 metadata needs (a planner's FinishPlan "
+          "dropped the coordinator's index hints?); save with metadata_version 1");
+    }
+    FileIndexItem it;
+    it.fqn_hash = FqnHash(r.index.fqn);
+    it.chunk = static_cast<uint32_t>(*r.index.index);
+    it.offset = r.storage.offset;
+    it.length = r.storage.length;
+    it.raw_length = r.storage.raw_length;
+    it.crc32c = r.storage.crc32c;
+    if (r.storage.transforms.size() > 1 ||
+        (r.storage.transforms.size() == 1 && r.storage.transforms[0] != kZstdTransform)) {
+      throw InternalError("item " + r.index.ToString() + ": a transform an index cannot record");
+    }
+    it.zstd = !r.storage.transforms.empty();
+    index.push_back(it);
+  }
+  const std::string bytes = EncodeFileIndex(std::move(index));
+  DataFile f;
+  f.name = name;
+  f.writer = rank;
+  f.index_offset = out.size();
+  f.index_length = bytes.size();
+  f.index_crc32c = Crc32c(0, bytes.data(), bytes.size());
+  out.Append(bytes.data(), bytes.size());
+  f.size = out.size();
+  f.index_copy = bytes;  // kept for the metadata if small (StorageWriter::TakeDataFiles)
+  return f;
 }
 
 }  // namespace dcp
