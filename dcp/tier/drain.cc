@@ -17,7 +17,6 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
-#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/registry.h"
 #include "dcp/tier/file_mapping.h"
 #include "dcp/tier/step_store.h"
@@ -52,7 +51,7 @@ std::string OpenDestination(DrainTarget& target, int64_t step, const std::string
     target.lock =
         target.dest->TryLock(std::string("host=") + host + " pid=" + std::to_string(::getpid()) +
                              " memory-tier-drain step=" + std::to_string(step));
-    if (target.dest->SizeAndVersion(kMetadataName, &target.replaced_version)) {
+    if (target.dest->SizeAndVersion(TierMetadataName(), &target.replaced_version)) {
       if (!options.overwrite) {
         throw AlreadyExistsError("memory tier: " + uri +
                                  " already holds a checkpoint; set StorageOptions::overwrite "
@@ -129,16 +128,16 @@ std::string PublishMetadata(DrainTarget& target, const std::string& encoded) {
   try {
     if (target.lock) target.lock->CheckHeld();
     if (target.replacing) {
-      target.dest->PublishReplacing(kMetadataName, encoded, target.replaced_version);
+      target.dest->PublishReplacing(TierMetadataName(), encoded, target.replaced_version);
     } else {
-      target.dest->PublishNew(kMetadataName, encoded);
+      target.dest->PublishNew(TierMetadataName(), encoded);
     }
   } catch (const std::exception& e) {
     // Committed all the same when the metadata in place is ours (a failure after the rename).
     bool ours = false;
     try {
-      ours = target.dest->Size(kMetadataName) == encoded.size() &&
-             target.dest->ReadAll(kMetadataName, encoded.size()) == encoded;
+      ours = target.dest->Size(TierMetadataName()) == encoded.size() &&
+             target.dest->ReadAll(TierMetadataName(), encoded.size()) == encoded;
     } catch (...) {
     }
     if (!ours) return ErrorText(e);

@@ -13,7 +13,6 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
-#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/tier/file_mapping.h"
 #include "dcp/tier/step_store.h"
 #include "dcp/tier/tier_internal.h"
@@ -39,7 +38,7 @@ std::string FetchMetadata(Communicator& comm, int md_root, const std::string& di
   std::string error;
   if (comm.rank() == md_root) {
     try {
-      encoded = ReadTierFile(dir + "/" + kMetadataName, kMaxTierMetadataBytes);
+      encoded = ReadTierFile(dir + "/" + TierMetadataName(), kMaxTierMetadataBytes);
     } catch (const std::exception& e) {
       error = ErrorText(e);
     }
@@ -155,7 +154,7 @@ void CommitLocalCopy(Communicator& comm, bool commit, const std::string& dir,
   std::string error;
   if (commit) {
     try {
-      WriteWholeFile(dir + "/" + kMetadataName, encoded);
+      WriteWholeFile(dir + "/" + TierMetadataName(), encoded);
     } catch (const std::exception& e) {
       error = ErrorText(e);
     }

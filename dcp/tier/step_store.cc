@@ -242,7 +242,7 @@ std::string EncodeStepReports(const std::string& node_dir) {
                 << ": not a directory of the tier (a link is never followed)\n";
       continue;
     }
-    const std::string md_path = (e.path() / kMetadataName).string();
+    const std::string md_path = (e.path() / TierMetadataName()).string();
     std::string bytes;
     Metadata md;
     try {
@@ -339,7 +339,7 @@ void MemoryTier::Retain(int64_t newest) {
         fs::remove(e.path(), ec);  // a link in the tier's place: removed itself, never followed
         continue;
       }
-      const bool has_md = IsRealFile(e.path() / kMetadataName);
+      const bool has_md = IsRealFile(e.path() / TierMetadataName());
       if (has_md && *step <= newest) {
         committed.push_back(*step);
       } else if (!has_md && *step != newest) {
@@ -356,8 +356,8 @@ void MemoryTier::Retain(int64_t newest) {
     bool recycled = false;
     for (int64_t s : other) {
       const fs::path dir = StepDirectory(s);
-      if (!recycled && IsRealFile(dir / kMetadataName)) {
-        fs::remove(dir / kMetadataName, ec);
+      if (!recycled && IsRealFile(dir / TierMetadataName())) {
+        fs::remove(dir / TierMetadataName(), ec);
         if (!ec) {
           fs::remove_all(recycle, ec);
           try {
@@ -366,7 +366,7 @@ void MemoryTier::Retain(int64_t newest) {
             std::cerr << "dcp: memory tier: " << e.what() << "\n";
           }
           for (const auto& e : fs::directory_iterator(dir, ec)) {
-            if (IsDataObjectName(e.path().filename().string()) && IsRealFile(e.path())) {
+            if (IsTierDataFile(e.path().filename().string()) && IsRealFile(e.path())) {
               fs::rename(e.path(), recycle / e.path().filename(), ec);
             }
           }

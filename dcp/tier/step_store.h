@@ -24,12 +24,21 @@
 
 #include "dcp/proto/plan.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
-#include "dcp/storage/format/dcp_layout.h"
+#include "dcp/storage/format/layout.h"
 #include "dcp/storage/forwarding_store.h"
 #include "dcp/tier/file_mapping.h"
 #include "dcp/tier/tier_internal.h"
 
 namespace dcp::tier_detail {
+
+// A tier step is a checkpoint in dcp's own layout: its commit marker and its data files are the
+// layout's (storage/format/layout.h).
+inline const std::string& TierMetadataName() {
+  return LayoutFor(CheckpointFormat::kDcp).metadata_name();
+}
+inline bool IsTierDataFile(const std::string& name) {
+  return LayoutFor(CheckpointFormat::kDcp).IsDataFile(name);
+}
 
 // The most a tier's metadata.dcp or job record may hold.
 inline constexpr uint64_t kMaxTierMetadataBytes = uint64_t{1} << 30;
@@ -137,7 +146,7 @@ class TierStepStore : public ForwardingStore {
 
  private:
   bool Hold(const std::string& name, std::string_view bytes) {
-    if (name != kMetadataName) return false;
+    if (name != TierMetadataName()) return false;
     std::lock_guard<std::mutex> lock(mu_);
     metadata_.assign(bytes);
     return true;

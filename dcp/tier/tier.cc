@@ -20,7 +20,6 @@
 #include "dcp/memory_tier.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
-#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/tier/file_mapping.h"
 #include "dcp/tier/step_store.h"
 #include "dcp/tier/tier_internal.h"
@@ -191,7 +190,7 @@ std::vector<RankFailure> CommitStep(Communicator& comm, bool leader, const std::
   std::string error;
   if (leader) {
     try {
-      WriteWholeFile(dir + "/" + kMetadataName, encoded);
+      WriteWholeFile(dir + "/" + TierMetadataName(), encoded);
     } catch (const std::exception& e) {
       error = ErrorText(e);
     }

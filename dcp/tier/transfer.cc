@@ -15,7 +15,6 @@
 #include "dcp/memory_tier.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
-#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/tier/file_mapping.h"
 #include "dcp/tier/step_store.h"
 #include "dcp/tier/tier_internal.h"
@@ -126,7 +125,7 @@ class FileTransfer {
           PairFile f;
           f.name = in.String();
           f.size = in.U64();
-          if (!IsPlainName(f.name) || f.name == kMetadataName) {
+          if (!IsPlainName(f.name) || f.name == TierMetadataName()) {
             throw CorruptionError("memory tier: rank " + std::to_string(source) +
                                   " sends a file named '" + ClippedName(f.name) + "'");
           }
