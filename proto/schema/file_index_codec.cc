@@ -1,0 +1,127 @@
+// Version 2's file index (the byte layout at the end of each data file): encode, and decode
+// with every check an untrusted index needs.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dcp/proto/error.h"
+#include "dcp/proto/schema/codec.h"
+
+namespace dcp {
+
+namespace {
+
+void PutLe64(std::string& out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t GetLe64(const char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(p[i]);
+  return v;
+}
+constexpr char kIndexMagic[8] = {'D', 'C', 'P', 'I', 'D', 'X', '0', '1'};
+
+}  // namespace
+
+uint64_t FqnHash(std::string_view fqn) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (char c : fqn) {
+    h ^= static_cast<uint8_t>(c);
+    h *= 0x100000001b3ull;
+  }
+  h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ull;
+  h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
+  return h ^ (h >> 31);
+}
+
+std::string EncodeFileIndex(std::vector<FileIndexItem> items) {
+  std::sort(items.begin(), items.end(), [](const FileIndexItem& a, const FileIndexItem& b) {
+    return a.fqn_hash != b.fqn_hash ? a.fqn_hash < b.fqn_hash : a.chunk < b.chunk;
+  });
+  std::string out(kIndexMagic, sizeof(kIndexMagic));
+  PutLe64(out, items.size(), 4);
+  PutLe64(out, 0, 4);
+  out.reserve(kFileIndexHeaderBytes + items.size() * kFileIndexItemBytes);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const FileIndexItem& it = items[i];
+    if (i > 0 && it.fqn_hash == items[i - 1].fqn_hash && it.chunk == items[i - 1].chunk) {
+      throw InternalError("file index: two items with key " + std::to_string(it.fqn_hash) + "/" +
+                          std::to_string(it.chunk));
+    }
+    PutLe64(out, it.fqn_hash, 8);
+    PutLe64(out, it.chunk, 4);
+    PutLe64(out, it.offset, 8);
+    PutLe64(out, it.length, 8);
+    PutLe64(out, it.raw_length, 8);
+    PutLe64(out, it.crc32c.value_or(0), 4);
+    PutLe64(out, (it.crc32c ? 1u : 0u) | (it.zstd ? 2u : 0u), 1);
+  }
+  return out;
+}
+
+std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t index_offset,
+                                           const std::string& file) {
+  auto fail = [&](const std::string& what) -> CorruptionError {
+    return CorruptionError("index of data file '" + file + "': " + what);
+  };
+  if (bytes.size() < kFileIndexHeaderBytes ||
+      std::memcmp(bytes.data(), kIndexMagic, sizeof(kIndexMagic)) != 0) {
+    throw fail("bad magic or too short (" + std::to_string(bytes.size()) + " bytes)");
+  }
+  const uint64_t count = GetLe64(bytes.data() + 8, 4);
+  if (GetLe64(bytes.data() + 12, 4) != 0) throw fail("reserved bytes are not zero");
+  if (bytes.size() != kFileIndexHeaderBytes + count * kFileIndexItemBytes) {
+    throw fail(std::to_string(count) + " items in " + std::to_string(bytes.size()) + " bytes");
+  }
+  std::vector<FileIndexItem> items(static_cast<size_t>(count));
+  const char* p = bytes.data() + kFileIndexHeaderBytes;
+  for (size_t i = 0; i < items.size(); ++i, p += kFileIndexItemBytes) {
+    FileIndexItem& it = items[i];
+    it.fqn_hash = GetLe64(p, 8);
+    it.chunk = static_cast<uint32_t>(GetLe64(p + 8, 4));
+    it.offset = GetLe64(p + 12, 8);
+    it.length = GetLe64(p + 20, 8);
+    it.raw_length = GetLe64(p + 28, 8);
+    const uint32_t crc = static_cast<uint32_t>(GetLe64(p + 36, 4));
+    const uint8_t flags = static_cast<uint8_t>(p[40]);
+    if (flags & ~3u) throw fail("item " + std::to_string(i) + " has unknown flags");
+    if (flags & 1u) it.crc32c = crc;
+    it.zstd = (flags & 2u) != 0;
+    if (i > 0) {
+      const FileIndexItem& prev = items[i - 1];
+      if (prev.fqn_hash > it.fqn_hash || (prev.fqn_hash == it.fqn_hash && prev.chunk >= it.chunk)) {
+        throw fail("items are not sorted by key, or repeat one (item " + std::to_string(i) + ")");
+      }
+    }
+    if (it.offset > index_offset || it.length > index_offset - it.offset) {
+      throw fail("item " + std::to_string(i) + " [" + std::to_string(it.offset) + ", +" +
+                 std::to_string(it.length) + ") runs past the data (" +
+                 std::to_string(index_offset) + " bytes)");
+    }
+    if (!it.zstd && it.raw_length != it.length) {
+      throw fail("item " + std::to_string(i) + " is raw but records " +
+                 std::to_string(it.raw_length) + " raw bytes for " + std::to_string(it.length));
+    }
+    if (it.zstd && it.raw_length / kMaxZstdExpansion > it.length) {
+      throw fail("item " + std::to_string(i) + " claims " + std::to_string(it.raw_length) +
+                 " raw bytes from a " + std::to_string(it.length) + "-byte zstd frame");
+    }
+  }
+  // No two items share bytes (a lying index could make two chunks read one range).
+  std::vector<std::pair<uint64_t, uint64_t>> spans;
+  spans.reserve(items.size());
+  for (const auto& it : items) {
+    if (it.length > 0) spans.emplace_back(it.offset, it.length);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i - 1].first + spans[i - 1].second > spans[i].first) {
+      throw fail("two items overlap at byte " + std::to_string(spans[i].first));
+    }
+  }
+  return items;
+}
+
+}  // namespace dcp
