@@ -11,6 +11,7 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "dcp/proto/chunks.h"
 #include "dcp/proto/device/device.h"
 #include "dcp/proto/dtype_cast.h"
 #include "dcp/proto/error.h"
@@ -80,39 +81,15 @@ void ValidateChunks(const std::string& fqn, const Shape& shape,
     }
     covered += c.numel();
   }
-  // Overlap check: sweep along the dimension with the most distinct chunk starts.
-  std::vector<size_t> order;
-  order.reserve(chunks.size());
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    if (chunks[i].numel() > 0) order.push_back(i);
+  std::optional<std::pair<size_t, size_t>> overlap;
+  try {
+    overlap = FindOverlap(chunks, shape);
+  } catch (const InvalidArgumentError& e) {
+    throw InvalidArgumentError("tensor '" + fqn + "': " + e.what());
   }
-  if (order.size() > 1) {
-    size_t sweep_dim = 0;
-    if (!shape.empty()) {
-      size_t best = 0;
-      std::vector<int64_t> starts(order.size());
-      for (size_t d = 0; d < shape.size(); ++d) {
-        for (size_t k = 0; k < order.size(); ++k) starts[k] = chunks[order[k]].offsets[d];
-        std::sort(starts.begin(), starts.end());
-        const size_t distinct =
-            static_cast<size_t>(std::unique(starts.begin(), starts.end()) - starts.begin());
-        if (distinct > best) best = distinct, sweep_dim = d;
-      }
-    }
-    auto start = [&](size_t i) { return shape.empty() ? 0 : chunks[i].offsets[sweep_dim]; };
-    auto end = [&](size_t i) { return shape.empty() ? 1 : start(i) + chunks[i].sizes[sweep_dim]; };
-    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return start(a) < start(b); });
-    std::vector<size_t> active;
-    for (size_t i : order) {
-      std::erase_if(active, [&](size_t a) { return end(a) <= start(i); });
-      for (size_t a : active) {
-        if (Intersect(chunks[a], chunks[i])) {
-          throw InvalidArgumentError("tensor '" + fqn + "': chunks " + where(a) + " and " +
-                                     where(i) + " overlap");
-        }
-      }
-      active.push_back(i);
-    }
+  if (overlap) {
+    throw InvalidArgumentError("tensor '" + fqn + "': chunks " + where(overlap->first) + " and " +
+                               where(overlap->second) + " overlap");
   }
   if (covered != volume) {
     throw InvalidArgumentError("tensor '" + fqn + "' of shape " + ShapeToString(shape) +

@@ -31,8 +31,9 @@ struct PlacedChunk {
 };
 
 /// Throw InvalidArgumentError unless `chunks` tile `shape` exactly (in bounds, pairwise
-/// disjoint, covering every element). Runs a sort-and-sweep along the most discriminating
-/// dimension, so row- or column-sharded tensors validate in O(n log n).
+/// disjoint, covering every element). Overlaps are found by FindOverlap (proto/chunks.h), so
+/// tensors split along at most two dimensions validate in O(n log n); a layout irregular along
+/// three or more whose check would be quadratic beyond its bound is refused too.
 void ValidateChunks(const std::string& fqn, const Shape& shape,
                     const std::vector<PlacedChunk>& chunks);
 /// The same for chunks[i] held by ranks[i] (`ranks` may be empty: no rank is named).
