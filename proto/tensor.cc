@@ -8,7 +8,6 @@
 #include <cstring>
 #include <sstream>
 
-#include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/tensor_layout.h"
 
@@ -250,16 +249,9 @@ void CopyElements(char* d, const char* s, int64_t n, int64_t dstep, int64_t sste
 
 }  // namespace
 
-void CopyTensor(const TensorView& dst, const TensorView& src) {
-  if (dst.shape != src.shape || dst.dtype != src.dtype) {
-    throw InvalidArgumentError("copy from " + src.ToString() + " into " + dst.ToString() +
-                               ": shape or dtype differs");
-  }
-  if (src.numel() == 0) return;
-  if (!dst.device.is_cpu() || !src.device.is_cpu()) {
-    CopyTensorThroughDevice(dst, src);
-    return;
-  }
+namespace internal {
+
+void CopyHostTensor(const TensorView& dst, const TensorView& src) {
   const int64_t es = static_cast<int64_t>(ElementSize(src.dtype));
   Layout l = Coalesce(src.shape, dst.effective_strides(), src.effective_strides());
   if (l.sizes.empty()) {  // a single element
@@ -313,6 +305,8 @@ void CopyTensor(const TensorView& dst, const TensorView& src) {
     if (nd == 1) return;
   }
 }
+
+}  // namespace internal
 
 bool IsDense(const TensorView& view) {
   if (view.numel() <= 1) return true;

@@ -1,4 +1,5 @@
-// Internal (not installed): the strided-copy layout shared by CopyTensor and the device copies.
+// Internal (not installed): the strided-copy layout shared by CopyTensor and the device copies,
+// and CopyTensor's host-to-host copy.
 #pragma once
 
 #include <cstdint>
@@ -16,5 +17,9 @@ struct Layout {
 };
 
 Layout Coalesce(const Shape& shape, const Shape& dst, const Shape& src);
+
+/// CopyTensor between two host views, after its checks: same shape and dtype, at least one
+/// element, both on the CPU. Runs of contiguous elements are copied with memcpy.
+void CopyHostTensor(const TensorView& dst, const TensorView& src);
 
 }  // namespace dcp::internal

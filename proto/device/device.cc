@@ -208,6 +208,21 @@ void CopyTensorThroughDevice(const TensorView& dst, const TensorView& src) {
   stream->Synchronize();
 }
 
+// CopyTensor (proto/tensor.h) is defined here, beside the device copies it dispatches to, so that
+// proto/tensor.cc needs nothing from proto/device/.
+void CopyTensor(const TensorView& dst, const TensorView& src) {
+  if (dst.shape != src.shape || dst.dtype != src.dtype) {
+    throw InvalidArgumentError("copy from " + src.ToString() + " into " + dst.ToString() +
+                               ": shape or dtype differs");
+  }
+  if (src.numel() == 0) return;
+  if (!dst.device.is_cpu() || !src.device.is_cpu()) {
+    CopyTensorThroughDevice(dst, src);
+    return;
+  }
+  internal::CopyHostTensor(dst, src);
+}
+
 // ---- splitting -------------------------------------------------------------------------------
 
 namespace {
