@@ -231,7 +231,7 @@ void ValidateStoredItems(const Metadata& md, const std::string& src) {
 }
 
 // Version 2: the file table. A row's index lies inside its file and its length is what its item
-// count takes (storage/checkpoint/file_index.h), so an index claims no more items than its bytes
+// count takes (storage/format/dcp_index.h), so an index claims no more items than its bytes
 // hold; names are plain and distinct; writers are ranks of the save.
 void ValidateFileTable(const Metadata& md, const std::string& src) {
   std::unordered_set<std::string_view> names;
