@@ -26,7 +26,7 @@
 #include <sstream>
 
 #include "dcp/planner/default_planner.h"
-#include "dcp/planner/flatten.h"
+#include "dcp/planner/planner.h"
 #include "dcp/proto/device/device.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"

@@ -1,5 +1,5 @@
 // The checkpoint lifecycle: a CheckpointManager for step-numbered checkpoints under one root
-// (Lightning-style CheckpointIO is in dcp/lightning.h).
+// (Lightning-style CheckpointIO is in dcp/async_checkpointer.h).
 //
 // Under the root (any Store location): <root>/step-0000000100/ holds a step's checkpoint,
 // <root>/step-0000000100.step indexes it (for backends that cannot list sub-locations), and

@@ -10,7 +10,7 @@
 //
 // Options: dcp/options.h. Saves in the background: dcp/async_checkpointer.h. Step-numbered
 // checkpoints with retention and restore: dcp/checkpoint_manager.h. Lightning-style I/O:
-// dcp/lightning.h. Custom planners: dcp/planner/. Storage backends: dcp/storage/registry.h.
+// dcp/async_checkpointer.h. Custom planners: dcp/planner/. Storage backends: dcp/storage/registry.h.
 // clang-format off
 #pragma once
 // clang-format on
@@ -25,11 +25,9 @@
 #include "dcp/checkpoint.h"
 #include "dcp/checkpoint_manager.h"
 #include "dcp/communicator.h"
-#include "dcp/lightning.h"
 #include "dcp/memory_tier.h"
 #include "dcp/options.h"
 #include "dcp/planner/default_planner.h"
-#include "dcp/planner/flatten.h"
 #include "dcp/planner/planner.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/plan.h"

@@ -1,4 +1,4 @@
-#include "dcp/lightning.h"
+#include "dcp/async_checkpointer.h"
 
 #include "dcp/checkpoint_files.h"
 #include "dcp/proto/error.h"

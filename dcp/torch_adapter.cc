@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <unordered_map>
 
-#include "dcp/planner/flatten.h"
+#include "dcp/planner/planner.h"
 #include "dcp/proto/error.h"
 #include "dcp/storage/format/pickle.h"
 #include "dcp/storage/format/torch_dcp.h"

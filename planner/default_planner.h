@@ -19,7 +19,6 @@
 #include <string_view>
 #include <vector>
 
-#include "dcp/planner/flatten.h"
 #include "dcp/planner/planner.h"
 
 namespace dcp {

@@ -1,4 +1,4 @@
-#include "dcp/planner/flatten.h"
+#include "dcp/planner/planner.h"
 
 #include "dcp/proto/error.h"
 

@@ -1,4 +1,4 @@
-#include "dcp/storage/backend_options.h"
+#include "dcp/storage/registry.h"
 
 #include <charconv>
 

@@ -1,4 +1,4 @@
-#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/store.h"
 
 #include <utility>
 

@@ -17,7 +17,6 @@
 #ifdef DCP_HAVE_S3
 #include "dcp/storage/backends/s3/s3_store.h"
 #endif
-#include "dcp/storage/backend_options.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
 

@@ -25,7 +25,7 @@
 #include "dcp/proto/plan.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
-#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/store.h"
 #include "dcp/tier/file_mapping.h"
 #include "dcp/tier/tier_internal.h"
 

@@ -23,7 +23,7 @@
 #include <mutex>
 #include <string>
 
-#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/store.h"
 
 namespace dcp {
 

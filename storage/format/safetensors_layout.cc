@@ -17,7 +17,7 @@
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/format/safetensors.h"
-#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/store.h"
 
 namespace dcp {
 namespace {

@@ -1,7 +1,7 @@
 // A downstream program built against the installed package: saves and loads through mem://.
 #include <dcp/dcp.h>
 #include <dcp/proto/device/device.h>  // every public header lives under the dcp/ prefix; these two are
-#include <dcp/storage/forwarding_store.h>  // the installed ones dcp.h does not include
+#include <dcp/storage/store.h>  // the installed ones dcp.h does not include
 
 #include <cstdio>
 #include <vector>

@@ -2,7 +2,7 @@
 // target, the optional ones (TryLock, PublishNew, SizeAndVersion, PublishReplacing, Prefetch)
 // included, a subclass changes only what it overrides, and the checkpoint protocol runs through
 // one unchanged.
-#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/store.h"
 
 #include <algorithm>
 #include <catch2/catch.hpp>

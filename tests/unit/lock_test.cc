@@ -23,7 +23,7 @@
 #include "dcp/storage/backends/file_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/dcp_layout.h"
-#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/store.h"
 #include "support/test_support.h"
 
 using namespace dcp;

@@ -13,7 +13,7 @@
 #include "dcp/storage/backends/file_store.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/format/dcp_layout.h"
-#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/store.h"
 #include "dcp/storage/registry.h"
 #include "support/test_support.h"
 

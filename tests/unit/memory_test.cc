@@ -10,7 +10,7 @@
 #include "dcp/proto/staging.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
-#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/store.h"
 #include "support/fake_device.h"
 #include "support/test_support.h"
 

@@ -29,7 +29,7 @@
 #include "dcp/dcp.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/format/dcp_layout.h"
-#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/store.h"
 #include "support/test_support.h"
 
 using namespace dcp;

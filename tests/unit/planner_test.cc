@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "dcp/planner/default_planner.h"
-#include "dcp/planner/flatten.h"
+#include "dcp/planner/planner.h"
 #include "dcp/proto/error.h"
 #include "support/test_support.h"
 

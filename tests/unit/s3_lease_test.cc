@@ -29,7 +29,7 @@
 #include "dcp/dcp.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/dcp_layout.h"
-#include "dcp/storage/forwarding_store.h"
+#include "dcp/storage/store.h"
 #include "dcp/storage/registry.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"

@@ -14,7 +14,7 @@
 #include <sstream>
 
 #include "dcp/checkpoint.h"
-#include "dcp/planner/flatten.h"
+#include "dcp/planner/planner.h"
 #include "dcp/proto/dtype_cast.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
