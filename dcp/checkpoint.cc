@@ -8,7 +8,6 @@
 #include "dcp/proto/error.h"
 #include "dcp/protocol/load.h"
 #include "dcp/protocol/save.h"
-#include "dcp/storage/format/dcp_index.h"
 #include "dcp/storage/format/layout.h"
 #include "dcp/storage/registry.h"
 #include "dcp_version.h"
@@ -190,7 +189,7 @@ Metadata ReadMetadata(const std::string& uri, const StorageOptions& options) {
 
 void ReadStoredItems(const std::string& uri, Metadata& md, const StorageOptions& options) {
   if (md.format_version < 2) return;
-  FileIndexResolver::ResolveAll(*OpenStoreForReading(uri, options.backend), md);
+  ReadAllStoredItems(*OpenStoreForReading(uri, options.backend), md);
 }
 
 PyValuePtr PythonValue(const Blob& blob, const std::string& what) {

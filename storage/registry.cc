@@ -12,115 +12,10 @@
 
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
-#include "dcp/storage/backends/file_store.h"
-#include "dcp/storage/backends/mem_store.h"
-#ifdef DCP_HAVE_S3
-#include "dcp/storage/backends/s3/s3_store.h"
-#endif
-#include "dcp/storage/checkpoint/store_checkpoint.h"
-#include "dcp/storage/format/layout.h"
+#include "dcp/storage/builtin.h"
 
 namespace dcp {
 
-std::string Store::ReadAll(
-    const std::string& name, uint64_t max_bytes,
-    const std::function<void(std::string_view head, uint64_t size)>& check_head) {
-  constexpr uint64_t kHead = uint64_t{1} << 20;
-  uint64_t size = 0;
-  std::string bytes = ReadPrefix(name, std::min(kHead, max_bytes), &size);
-  if (check_head) check_head(bytes, size);
-  if (size > max_bytes) {
-    throw CorruptionError("'" + uri() + "/" + name + "' has " + std::to_string(size) +
-                          " bytes, over the limit of " + std::to_string(max_bytes) +
-                          " for what it holds; it was not read");
-  }
-  if (bytes.size() >= size) return bytes;
-  auto in = OpenKnownSize(name, size);
-  constexpr uint64_t kPiece = uint64_t{64} << 20;
-  for (uint64_t at = bytes.size(); at < size;) {
-    const uint64_t n = std::min(kPiece, size - at);
-    bytes.resize(at + n);
-    in->ReadAt(at, bytes.data() + at, n);
-    at += n;
-  }
-  return bytes;
-}
-
-// ReadAt in steps, after the hint that the whole range is coming (store.h).
-void ReadableObject::ReadAtStreaming(uint64_t offset, void* dst, size_t n, size_t step,
-                                     const std::function<void(size_t, size_t)>& landed) {
-  step = std::max<size_t>(step, 1);
-  if (n > step) Prefetch(offset, n);
-  char* p = static_cast<char*>(dst);
-  for (size_t pos = 0; pos < n; pos += step) {
-    const size_t k = std::min(step, n - pos);
-    ReadAt(offset + pos, p + pos, k);
-    landed(pos, k);
-  }
-}
-
-void ReadableObject::ReadManyStreaming(const std::vector<ReadTarget>& targets, size_t step,
-                                       const std::function<void(size_t, size_t, size_t)>& landed) {
-  for (size_t t = 0; t < targets.size(); ++t) {
-    ReadAtStreaming(targets[t].offset, targets[t].dst, targets[t].n, step,
-                    [&](size_t pos, size_t len) { landed(t, pos, len); });
-  }
-}
-
-std::unique_ptr<ReadableObject> Store::OpenKnownSize(const std::string& name, uint64_t) {
-  return Open(name);
-}
-
-std::string Store::ReadPrefix(const std::string& name, uint64_t max_bytes, uint64_t* size) {
-  auto obj = Open(name);
-  *size = obj->size();
-  std::string out(static_cast<size_t>(std::min(*size, max_bytes)), '\0');
-  obj->ReadAt(0, out.data(), out.size());
-  return out;
-}
-
-std::optional<std::vector<std::pair<std::string, uint64_t>>> Store::ListSizes(size_t) {
-  return std::nullopt;
-}
-
-void Store::RemoveMany(const std::vector<std::string>& names) {
-  std::vector<std::exception_ptr> errors(names.size());
-  ParallelFor(
-      names.size(),
-      [&](size_t i) {
-        try {
-          Remove(names[i]);
-        } catch (...) {
-          errors[i] = std::current_exception();
-        }
-      },
-      std::min<size_t>(std::max<size_t>(names.size(), 1), 16));
-  for (const auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-}
-
-// No conditional create by default: the writer lock is the exclusion (store.h).
-void Store::PublishNew(const std::string& name, std::string_view bytes) {
-  PublishAtomically(name, bytes);
-}
-
-// No versions by default: the writer lock is the exclusion (store.h).
-std::optional<uint64_t> Store::SizeAndVersion(const std::string& name, std::string* version) {
-  if (version != nullptr) version->clear();
-  return Size(name);
-}
-
-void Store::PublishReplacing(const std::string& name, std::string_view bytes, const std::string&) {
-  PublishAtomically(name, bytes);
-}
-
-// No primitive by default: the writer then runs without exclusion (documented in store.h).
-std::unique_ptr<StoreLock> Store::TryLock(const std::string&) { return nullptr; }
-
-// No write of these backends outlives its process unseen (store.h).
-std::vector<std::string> Store::ListIncomplete() { return {}; }
-void Store::DiscardIncomplete(const std::string&) {}
 
 namespace {
 
@@ -174,62 +69,18 @@ void RegisterStoreInto(Registry& reg, const std::string& scheme, StoreOpener ope
   reg.stores[scheme] = std::move(open);
 }
 
-std::shared_ptr<Store> OpenFile(const std::string& location, const BackendOptionMap& options) {
-  BackendOptionReader reader("file://", options);
-  const auto direct_io = reader.Bool("direct_io");
-  reader.Done();
-  if (!direct_io) return MakeFileStore(location);  // DCP_DIRECT_IO decides
-  FileStoreOptions o;
-  o.direct_io = *direct_io;
-  return MakeFileStore(location, o);
-}
-
-#ifdef DCP_HAVE_S3
-// Credentials stay in the environment (AWS_*): a URI ends up in logs and error messages.
-std::shared_ptr<Store> OpenS3(const std::string& location, const BackendOptionMap& options) {
-  BackendOptionReader reader("s3://", options);
-  S3Options o;
-  if (auto v = reader.String("endpoint")) o.endpoint = *v;
-  if (auto v = reader.String("region")) o.region = *v;
-  if (auto v = reader.Int("target_gbps", 1, 100000)) o.target_gbps = double(*v);
-  if (auto v = reader.Int("max_connections", 1, 1024)) o.max_connections = int(*v);
-  if (auto v = reader.Int("part_size_mib", 5, 5 << 10)) o.part_size = uint64_t(*v) << 20;
-  if (auto v = reader.Int("parts_in_flight", 1, 1024)) o.parts_in_flight = int(*v);
-  if (auto v = reader.Int("read_ahead_parts", 1, 1024)) o.read_ahead_parts = int(*v);
-  if (auto v = reader.Int("max_retries", 0, 100)) o.max_retries = int(*v);
-  if (auto v = reader.Int("lock_lease_s", 1, 86400)) o.lock_lease_seconds = *v;
-  if (auto v = reader.Bool("sign_payload")) o.sign_payload = *v;
-  if (auto v = reader.Int("request_timeout_s", 1, 86400)) o.request_timeout_seconds = *v;
-  for (const char* secret : {"access_key_id", "secret_access_key", "session_token"}) {
-    if (options.count(secret)) {
-      throw InvalidArgumentError(std::string("s3:// takes credentials from the environment "
-                                             "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-                                             "AWS_SESSION_TOKEN), not as the option ") +
-                                 secret);
-    }
-  }
-  reader.Done();
-  return MakeS3Store(location, o);
-}
-#endif
 
 // Built-ins are registered on first use rather than by static initialisers, so they exist
 // whatever the link order and however the library is loaded.
 Registry& GetRegistry() {
   static Registry* reg = [] {
     auto* r = new Registry();
-    RegisterStoreInto(*r, "file", OpenFile, false);
-    RegisterStoreInto(
-        *r, "mem",
-        [](const std::string& loc, const BackendOptionMap& options) {
-          BackendOptionReader("mem://", options).Done();
-          return MakeMemStore(loc);
-        },
-        false);
+    RegisterStoreInto(*r, "file", OpenFileBackend, false);
+    RegisterStoreInto(*r, "mem", OpenMemBackend, false);
 #ifdef DCP_HAVE_S3
     // s3://bucket/prefix (storage/backends/s3/s3_store.h); configured from the AWS_* environment
     // and the URI's options.
-    RegisterStoreInto(*r, "s3", OpenS3, false);
+    RegisterStoreInto(*r, "s3", OpenS3Backend, false);
 #endif
     r->aliases["torchdcp"] = {"file", CheckpointFormat::kTorchDcp};
     r->aliases["torchdcp113"] = {"file", CheckpointFormat::kTorchDcp113};

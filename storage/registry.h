@@ -44,6 +44,9 @@
 
 namespace dcp {
 
+/// A backend's settings as key -> value strings (BackendOptionReader reads them).
+using BackendOptionMap = std::map<std::string, std::string>;
+
 struct StorageBackend {
   std::string scheme;  // "s3", "mem", ... (lowercase, no "://")
   std::function<std::unique_ptr<StorageWriter>(const std::string& location,
@@ -114,8 +117,6 @@ void LoadStoragePlugin(const std::string& library_path);
 // it did not read: a misspelt option fails instead of being ignored.
 //
 // Not thread-safe; used while a backend is opened.
-
-using BackendOptionMap = std::map<std::string, std::string>;
 
 class BackendOptionReader {
  public:

@@ -15,7 +15,6 @@
 #include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/protocol/phase.h"
-#include "dcp/storage/format/dcp_index.h"
 #include "dcp_version.h"
 
 namespace dcp::protocol {

@@ -20,6 +20,7 @@
 #include "dcp/proto/executor.h"
 #include "dcp/proto/random_name.h"
 #include "dcp/proto/staging.h"
+#include "dcp/storage/builtin.h"
 
 namespace dcp {
 
@@ -539,5 +540,16 @@ std::shared_ptr<Store> MakeFileStore(const std::string& directory) {
 std::shared_ptr<Store> MakeFileStore(const std::string& directory, FileStoreOptions options) {
   return std::make_shared<FileStore>(directory, options);
 }
+
+std::shared_ptr<Store> OpenFileBackend(const std::string& location, const BackendOptionMap& options) {
+  BackendOptionReader reader("file://", options);
+  const auto direct_io = reader.Bool("direct_io");
+  reader.Done();
+  if (!direct_io) return MakeFileStore(location);  // DCP_DIRECT_IO decides
+  FileStoreOptions o;
+  o.direct_io = *direct_io;
+  return MakeFileStore(location, o);
+}
+
 
 }  // namespace dcp

@@ -21,6 +21,7 @@
 #include <mutex>
 
 #include "dcp/proto/error.h"
+#include "dcp/storage/builtin.h"
 
 namespace dcp {
 
@@ -162,6 +163,12 @@ std::shared_ptr<Store> MakeMemStore(const std::string& name) {
 void ClearMemStore(const std::string& name) {
   std::lock_guard<std::mutex> lock(g_buckets_mu);
   Buckets().erase(name);
+}
+
+std::shared_ptr<Store> OpenMemBackend(const std::string& location,
+                                      const BackendOptionMap& options) {
+  BackendOptionReader("mem://", options).Done();
+  return MakeMemStore(location);
 }
 
 }  // namespace dcp

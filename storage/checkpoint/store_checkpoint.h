@@ -1,4 +1,5 @@
-// The checkpoint protocol over any Store: atomic commit, overwrite, clean-up.
+// The checkpoint protocol over any Store: atomic commit, overwrite, clean-up. Its entry points,
+// MakeStoreWriter and MakeStoreReader, are declared in storage/builtin.h for the registry.
 //
 // How a checkpoint's files are named and encoded is its layout's (storage/format/layout.h; dcp's
 // own: format/dcp_layout.h, docs/FORMAT.md). Data files carry the save id, so a new save never
@@ -8,6 +9,7 @@
 
 #include <memory>
 
+#include "dcp/storage/builtin.h"
 #include "dcp/storage/storage.h"
 #include "dcp/storage/store.h"
 
@@ -16,16 +18,5 @@ namespace dcp {
 /// Independent store requests a checkpoint operation makes at once (the metadata check's size
 /// queries, the clean-up's removals): each is a round trip on an object store.
 inline constexpr size_t kStoreRequestsInFlight = 16;
-
-/// The checkpoint protocol over `store`, writing the layout `options.format` names
-/// (storage/format/layout.h). A PyTorch DCP writer keeps the protocol (lock, atomic commit of
-/// `.metadata` last, clean-up) and writes torch's layout: `__<rank>_<n>.<save>.distcp` files of
-/// torch.save records; it refuses compression (torch cannot read it). Every writer refuses a
-/// location that holds a checkpoint of another format (AlreadyExistsError).
-std::unique_ptr<StorageWriter> MakeStoreWriter(std::shared_ptr<Store> store,
-                                               const StorageOptions& options);
-/// The reader of every layout: it detects the format from the metadata file it finds.
-std::unique_ptr<StorageReader> MakeStoreReader(std::shared_ptr<Store> store,
-                                               const StorageOptions& options);
 
 }  // namespace dcp

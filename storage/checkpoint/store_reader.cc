@@ -19,7 +19,6 @@
 #include "dcp/proto/schema/codec.h"
 #include "dcp/proto/slab_copy.h"
 #include "dcp/proto/staging.h"
-#include "dcp/storage/format/dcp_index.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/format/layout.h"
@@ -339,7 +338,7 @@ class StoreReader : public StorageReader {
     index_resolver_.reset();
     file_sizes_.clear();
     if (metadata.format_version >= 2) {
-      index_resolver_ = std::make_unique<FileIndexResolver>(*store_, metadata);
+      index_resolver_ = NewItemLocator(*store_, metadata);
       for (const DataFile& f : metadata.files) file_sizes_[f.name] = f.size;
     }
   }
@@ -1116,7 +1115,7 @@ class StoreReader : public StorageReader {
   std::shared_ptr<Store> store_;
   StorageOptions options_;
   const Metadata* metadata_ = nullptr;
-  std::unique_ptr<FileIndexResolver> index_resolver_;  // version 2
+  std::unique_ptr<ItemLocator> index_resolver_;  // version 2
   std::string encoded_;  // the last ReadMetadata's wire encoding, when its file held it
   StorageContext ctx_;
   std::unordered_map<std::string, uint64_t> file_sizes_;  // version 2: the file table's

@@ -295,4 +295,14 @@ DataFile AppendFileIndex(WritableObject& out, const std::string& name,
   return f;
 }
 
+std::unique_ptr<ItemLocator> NewItemLocator(Store& store, const Metadata& md) {
+  if (md.format_version < 2) return nullptr;
+  return std::make_unique<FileIndexResolver>(store, md);
+}
+
+void ReadAllStoredItems(Store& store, Metadata& md) {
+  if (md.format_version < 2) return;
+  FileIndexResolver::ResolveAll(store, md);
+}
+
 }  // namespace dcp

@@ -15,12 +15,13 @@
 
 #include "dcp/proto/plan.h"
 #include "dcp/proto/schema/codec.h"
+#include "dcp/storage/format/layout.h"
 #include "dcp/storage/storage.h"
 #include "dcp/storage/store.h"
 
 namespace dcp {
 
-class FileIndexResolver {
+class FileIndexResolver : public ItemLocator {
  public:
   /// `md` (a validated version-2 metadata) and `store` must outlive the resolver.
   FileIndexResolver(Store& store, const Metadata& md);
@@ -32,7 +33,8 @@ class FileIndexResolver {
   /// CorruptionError naming the entry, the chunk and the files searched when no index holds
   /// an item, or when an index is damaged or records the wrong size for it; NotFoundError for
   /// a missing file; UnsupportedError... never (the flags are checked when decoding).
-  void Resolve(const std::vector<MetadataIndex>& wanted, std::map<MetadataIndex, StorageInfo>& out);
+  void Resolve(const std::vector<MetadataIndex>& wanted,
+               std::map<MetadataIndex, StorageInfo>& out) override;
 
   /// Every item of `md`, into md.storage (dcp verify, inspect, diff, convert): every index is
   /// read from its file, even where the metadata has a copy, so that a damaged one is found, and

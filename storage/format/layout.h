@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,13 +19,12 @@
 #include <vector>
 
 #include "dcp/planner/planner.h"
+#include "dcp/storage/builtin.h"
 #include "dcp/storage/storage.h"
 #include "dcp/storage/store.h"
 
 namespace dcp {
 
-/// Opens the store at a location of one scheme (the registry's opener, its options bound).
-using StoreOpenFn = std::function<std::shared_ptr<Store>(const std::string& location)>;
 
 /// Appends items to one data file, each at the file's current end.
 class ItemEncoder {
@@ -104,10 +104,25 @@ const std::vector<const CheckpointLayout*>& AllLayouts();
 const CheckpointLayout* DetectLayout(Store& store);
 /// True when some layout's writer would create `name` for data.
 bool IsAnyDataFile(const std::string& name);
-/// The first layout's OpenSingleObject(open, scheme, location) that is not nullptr, else nullptr.
-std::shared_ptr<Store> OpenSingleObjectCheckpoint(const StoreOpenFn& open,
-                                                  const std::string& scheme,
-                                                  const std::string& location);
+
+/// Finds where a load's stored items lie when the metadata does not list them (dcp's version-2
+/// per-file indexes), reading what it needs the first time it is needed. Not thread-safe.
+class ItemLocator {
+ public:
+  virtual ~ItemLocator() = default;
+  /// Add to `out` where each of `wanted` lies, skipping those already there. CorruptionError
+  /// naming the entry and chunk when no index holds one or an index is damaged; NotFoundError
+  /// for a missing data file.
+  virtual void Resolve(const std::vector<MetadataIndex>& wanted,
+                       std::map<MetadataIndex, StorageInfo>& out) = 0;
+};
+/// The locator of `md`'s stored items in `store` (both must outlive it), or nullptr when `md`
+/// lists them itself.
+std::unique_ptr<ItemLocator> NewItemLocator(Store& store, const Metadata& md);
+/// Every stored item of `md` into md.storage, with every data file's index read and checked (a
+/// copy in the metadata that differs from its file's is a CorruptionError): what verify,
+/// inspect, diff and convert read. Nothing to do when `md` lists its items.
+void ReadAllStoredItems(Store& store, Metadata& md);
 
 /// The plain Python value held in `bytes`, a torch.save archive or a bare pickle (PyTorch DCP's
 /// non-tensor entries), read by the restricted unpickler (dcp::PythonValue's contract; `what`

@@ -29,6 +29,7 @@
 #include "dcp/storage/backends/s3/s3_object.h"
 #include "dcp/storage/backends/s3/s3_sigv4.h"
 #include "dcp/storage/backends/s3/s3_xml.h"
+#include "dcp/storage/builtin.h"
 
 namespace dcp {
 
@@ -538,6 +539,33 @@ std::shared_ptr<Store> MakeS3Store(const std::string& location, S3Options option
   auto client =
       std::make_shared<s3::Client>(S3Options::FromEnvironment(std::move(options)), bucket);
   return std::make_shared<s3::S3Store>(std::move(client), prefix);
+}
+
+// Credentials stay in the environment (AWS_*): a URI ends up in logs and error messages.
+std::shared_ptr<Store> OpenS3Backend(const std::string& location, const BackendOptionMap& options) {
+  BackendOptionReader reader("s3://", options);
+  S3Options o;
+  if (auto v = reader.String("endpoint")) o.endpoint = *v;
+  if (auto v = reader.String("region")) o.region = *v;
+  if (auto v = reader.Int("target_gbps", 1, 100000)) o.target_gbps = double(*v);
+  if (auto v = reader.Int("max_connections", 1, 1024)) o.max_connections = int(*v);
+  if (auto v = reader.Int("part_size_mib", 5, 5 << 10)) o.part_size = uint64_t(*v) << 20;
+  if (auto v = reader.Int("parts_in_flight", 1, 1024)) o.parts_in_flight = int(*v);
+  if (auto v = reader.Int("read_ahead_parts", 1, 1024)) o.read_ahead_parts = int(*v);
+  if (auto v = reader.Int("max_retries", 0, 100)) o.max_retries = int(*v);
+  if (auto v = reader.Int("lock_lease_s", 1, 86400)) o.lock_lease_seconds = *v;
+  if (auto v = reader.Bool("sign_payload")) o.sign_payload = *v;
+  if (auto v = reader.Int("request_timeout_s", 1, 86400)) o.request_timeout_seconds = *v;
+  for (const char* secret : {"access_key_id", "secret_access_key", "session_token"}) {
+    if (options.count(secret)) {
+      throw InvalidArgumentError(std::string("s3:// takes credentials from the environment "
+                                             "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                                             "AWS_SESSION_TOKEN), not as the option ") +
+                                 secret);
+    }
+  }
+  reader.Done();
+  return MakeS3Store(location, o);
 }
 
 }  // namespace dcp
