@@ -11,13 +11,18 @@
 // (torch.distributed._shard.checkpoint.*) through a restricted unpickler (storage/format/pickle.h)
 // with an explicit allow-list of the classes DCP metadata uses, and maps it onto dcp's Metadata:
 // tensor records get the transform "torch.save" (resolved into plain byte ranges when a load
-// reads them, storage/checkpoint/store_reader.cc), byte entries are raw blobs holding the
-// torch.save bytes unchanged. Any Store-based backend (file://, mem://, plugins) loads such a
-// directory, detected by its `.metadata`; `torchdcp://` writes one (see MakeStoreWriter's format).
+// reads them, the layout's ItemDecoder: storage/format/torch_dcp_layout.cc), byte entries are
+// raw blobs holding the torch.save bytes unchanged. Any Store-based backend (file://, mem://,
+// plugins) loads such a directory, detected by its `.metadata`; `torchdcp://` writes one (see
+// MakeStoreWriter's format).
 //
 // Everything read is untrusted: bounded pickles, archives located inside their record's range,
 // sizes checked against the record before anything is allocated; failures are CorruptionError
 // or UnsupportedError naming the source (file and offset, or entry).
+//
+// Implemented in torch_metadata.cc (the `.metadata` pickle), torch_record.cc (records),
+// torch_save_file.cc (whole torch.save files) and torch_zip.{h,cc} (the zip archives), which
+// share torch_internal.h.
 #pragma once
 
 #include <cstdint>

@@ -101,6 +101,11 @@ class TorchDcpLayoutImpl : public CheckpointLayout {
 
 }  // namespace
 
+bool IsTorchDcpDataName(const std::string& name) {
+  return name.size() > 9 && name.rfind("__", 0) == 0 &&
+         name.compare(name.size() - 7, 7, ".distcp") == 0;
+}
+
 const CheckpointLayout& TorchDcpLayout() {
   static const TorchDcpLayoutImpl layout(TorchDcpFlavor::kTorch2);
   return layout;
