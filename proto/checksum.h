@@ -22,4 +22,17 @@ uint32_t Crc32(uint32_t crc, const void* data, size_t len);
 /// CRC-32 of A followed by B, as Crc32cCombine.
 uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
+/// Which of the two an item's stored checksum is.
+enum class ChecksumKind : uint8_t { kCrc32c, kCrc32 };
+
+/// Crc32c or Crc32, by `kind`.
+inline uint32_t ChecksumExtend(ChecksumKind kind, uint32_t crc, const void* data, size_t len) {
+  return kind == ChecksumKind::kCrc32 ? Crc32(crc, data, len) : Crc32c(crc, data, len);
+}
+/// Crc32cCombine or Crc32Combine, by `kind`.
+inline uint32_t ChecksumCombine(ChecksumKind kind, uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  return kind == ChecksumKind::kCrc32 ? Crc32Combine(crc_a, crc_b, len_b)
+                                      : Crc32cCombine(crc_a, crc_b, len_b);
+}
+
 }  // namespace dcp

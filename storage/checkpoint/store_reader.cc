@@ -2,7 +2,8 @@
 // it, storage/format/layout.h), then each rank's items, file by file, with every item's checksum
 // verified as its bytes land: large whole items split into pieces that all read threads share,
 // device destinations through pinned pieces, resharding reads through bounded scratch, and
-// PyTorch DCP records resolved to the byte ranges of their storages.
+// transformed items (zstd, torch.save records) read by their layout's ItemDecoder
+// (storage/format/layout.h).
 #include <algorithm>
 #include <atomic>
 #include <future>
@@ -22,8 +23,6 @@
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/format/layout.h"
-#include "dcp/storage/format/torch_dcp.h"
-#include "dcp/storage/format/zstd_transform.h"
 
 namespace dcp {
 
@@ -49,16 +48,16 @@ constexpr uint64_t kCoalesceBelowBytes = uint64_t{8} << 20;
 // size queries (16 at a time) would take far longer.
 constexpr size_t kMaxListedObjects = 5000;
 
-// The running checksum of one item as it is read: CRC32C for dcp's own items, CRC-32 for the
-// storage of a torch.save record (its zip entry's CRC), so that every load path checks both.
+// The running checksum of one item as it is read, of the kind the item stores (StoredCrcKind),
+// so that every load path checks each kind.
 struct RunningCrc {
-  bool zip = false;
+  ChecksumKind kind = ChecksumKind::kCrc32c;
   uint32_t value = 0;
-  void Add(const void* p, size_t n) { value = zip ? Crc32(value, p, n) : Crc32c(value, p, n); }
+  void Add(const void* p, size_t n) { value = ChecksumExtend(kind, value, p, n); }
 };
 
 bool HasCrc(const StorageInfo& info) { return StoredCrc(info).has_value(); }
-RunningCrc NewCrc(const StorageInfo& info) { return {info.zip_crc32.has_value(), 0}; }
+RunningCrc NewCrc(const StorageInfo& info) { return {StoredCrcKind(info), 0}; }
 
 // Read n bytes at `offset` of `in` into dst; with `crc`, fold each step into *crc as it lands.
 void ReadHot(ReadableObject& in, uint64_t offset, void* dst, size_t n, RunningCrc* crc) {
@@ -334,7 +333,7 @@ class StoreReader : public StorageReader {
     metadata_ = &metadata;
     ctx_ = ctx;
     resolved_.clear();
-    strided_.clear();
+    decoders_ = NewItemDecoders(LoadContext{*store_, metadata, options_});
     index_resolver_.reset();
     file_sizes_.clear();
     if (metadata.format_version >= 2) {
@@ -356,7 +355,7 @@ class StoreReader : public StorageReader {
       for (const ReadItem& item : plan.items) wanted.push_back(item.storage_index);
       index_resolver_->Resolve(wanted, resolved_);
     }
-    ResolveTorchRecords(plan);
+    for (auto& decoder : decoders_) decoder->Prepare(plan, resolved_);
     FileItems files = ItemsByFile(plan);
     return Spawn([this, &plan, &planner, files = std::move(files)] {
              ReadWork work = PlanReadWork(plan, planner, files, HostPieceBytes(plan));
@@ -525,89 +524,10 @@ class StoreReader : public StorageReader {
     uint32_t crc = sp.crcs[0].value;
     for (size_t k = 1; k < sp.crcs.size(); ++k) {
       const uint64_t n = std::min<uint64_t>(sp.piece_bytes, info.length - k * sp.piece_bytes);
-      crc = sp.crcs[k].zip ? Crc32Combine(crc, sp.crcs[k].value, n)
-                           : Crc32cCombine(crc, sp.crcs[k].value, n);
+      crc = ChecksumCombine(sp.crcs[k].kind, crc, sp.crcs[k].value, n);
     }
     VerifyCrc(item, info, crc);
     planner.CommitTensor(item, sp.dst);
-  }
-
-  // A PyTorch DCP tensor record is a torch.save archive: find where its values lie (libzip
-  // reads the archive's directories and its small pickle), once per record, before any read.
-  // Row-major values become a plain stored item, read like dcp's own; other layouts (a
-  // transposed tensor is saved with its strides) are copied by ReadTorchStrided.
-  void ResolveTorchRecords(const LoadPlan& plan) {
-    std::vector<const ReadItem*> todo;  // one item per record to resolve
-    std::set<MetadataIndex> seen;
-    for (const ReadItem& item : plan.items) {
-      if (item.type != ReadItemType::kTensor || resolved_.count(item.storage_index) ||
-          strided_.count(item.storage_index)) {
-        continue;
-      }
-      const StorageInfo& info = Info(item);
-      if (info.transforms.size() != 1 || info.transforms[0] != kTorchSaveTransform) continue;
-      if (seen.insert(item.storage_index).second) todo.push_back(&item);
-    }
-    if (todo.empty()) return;
-    // Each record costs a few small reads (directories, pickle): spread them over the read
-    // threads, each with its own open files, so a cold directory is not read one seek at a time.
-    struct Result {
-      std::optional<TorchTensorRecord> rec;
-      std::exception_ptr error;
-    };
-    std::vector<Result> results(todo.size());
-    std::atomic<size_t> next{0};
-    auto worker = [&] {
-      std::map<std::string, std::unique_ptr<ReadableObject>> open;
-      for (size_t i; (i = next.fetch_add(1)) < todo.size();) {
-        try {
-          const ReadItem& item = *todo[i];
-          const StorageInfo& info = Info(item);
-          auto& in = open[info.relative_path];
-          if (!in) in = store_->Open(info.relative_path);
-          const std::string what = "record of " + item.storage_index.ToString() + " at offset " +
-                                   std::to_string(info.offset) + " of '" + store_->uri() + "/" +
-                                   info.relative_path + "'";
-          TorchTensorRecord rec = ResolveTorchTensorRecord(*in, info.offset, info.length, what);
-          const auto& entry = Entry(item);
-          const ChunkMeta& chunk = StoredChunk(item);
-          if (rec.dtype != entry.dtype || rec.sizes != chunk.sizes) {
-            throw CorruptionError(what + " holds " + std::string(DTypeName(rec.dtype)) +
-                                  ShapeToString(rec.sizes) + " but the metadata says " +
-                                  std::string(DTypeName(entry.dtype)) + ShapeToString(chunk.sizes));
-          }
-          results[i].rec = std::move(rec);
-        } catch (...) {
-          results[i].error = std::current_exception();
-          next = todo.size();
-        }
-      }
-    };
-    const size_t nthreads = std::clamp<size_t>(std::max(options_.read_threads, 4), 1, todo.size());
-    {
-      std::vector<Task<void>> helpers;  // their destructors wait, also on a throw
-      for (size_t t = 1; t < nthreads; ++t) helpers.push_back(Spawn(worker));
-      worker();
-    }
-    for (size_t i = 0; i < todo.size(); ++i) {
-      if (results[i].error) std::rethrow_exception(results[i].error);
-      if (!results[i].rec) continue;  // not reached after an error elsewhere
-      const ReadItem& item = *todo[i];
-      TorchTensorRecord& rec = *results[i].rec;
-      if (!rec.covers_storage()) {
-        strided_.emplace(item.storage_index, std::move(rec));
-        continue;
-      }
-      // The values are the whole storage: read as a plain item, checked against the zip
-      // entry's CRC-32 on every path a plain item takes (whole, split, device, partial).
-      StorageInfo plain;
-      plain.relative_path = Info(item).relative_path;
-      plain.offset = rec.values_begin();
-      plain.length = static_cast<uint64_t>(StoredChunk(item).numel()) * ElementSize(rec.dtype);
-      plain.raw_length = plain.length;
-      plain.zip_crc32 = rec.zip_crc32;
-      resolved_.emplace(item.storage_index, std::move(plain));
-    }
   }
 
   const StorageInfo& Info(const ReadItem& item) const {
@@ -736,12 +656,7 @@ class StoreReader : public StorageReader {
   }
 
   ChunkMeta StoredChunk(const ReadItem& item) const {
-    const auto& t = Entry(item);
-    if (auto k = ChunkOrdinal(t, item.storage_index.offset, item.storage_index.index)) {
-      return ChunkAt(t, *k);
-    }
-    throw CorruptionError(store_->uri() + ": metadata has no chunk " +
-                          item.storage_index.ToString());
+    return dcp::StoredChunk(*metadata_, item, store_->uri());
   }
 
   void Verify(const ReadItem& item, const StorageInfo& info, const void* data, size_t n) const {
@@ -751,22 +666,9 @@ class StoreReader : public StorageReader {
     VerifyCrc(item, info, crc.value);
   }
 
-  const TensorMetadata& Entry(const ReadItem& item) const {
-    return std::get<TensorMetadata>(metadata_->entries.at(item.storage_index.fqn));
-  }
+  const TensorMetadata& Entry(const ReadItem& item) const { return StoredEntry(*metadata_, item); }
 
-  // The planner's destination for a tensor item, checked against the stored entry.
-  TensorView Destination(LoadPlanner& planner, const ReadItem& item,
-                         const TensorMetadata& entry) const {
-    TensorView dst = planner.ResolveTensor(item);
-    if (dst.dtype != entry.dtype || dst.shape != item.lengths) {
-      throw InternalError("destination for " + item.dest_index.ToString() + " is " +
-                          dst.ToString() + ", expected " + ShapeToString(item.lengths));
-    }
-    return dst;
-  }
-
-  size_t ScratchLimit() const { return std::max<size_t>(options_.max_scratch_bytes, 64); }
+  size_t ScratchLimit() const { return dcp::ScratchLimit(options_); }
 
   void EnsureScratch(HostBuffer& scratch, size_t n) const {
     if (n > ScratchLimit()) throw InternalError("scratch request over the limit");
@@ -779,7 +681,7 @@ class StoreReader : public StorageReader {
     throw CorruptionError("checksum mismatch for " + item.storage_index.ToString() + " in '" +
                           store_->uri() + "/" + info.relative_path + "' at offset " +
                           std::to_string(info.offset) + " (" + std::to_string(info.length) +
-                          " bytes): stored " + (info.zip_crc32 ? "zip CRC-32 " : "crc32c ") +
+                          " bytes): stored " + std::string(StoredCrcName(info)) + " " +
                           std::to_string(*stored) + ", computed " + std::to_string(actual));
   }
 
@@ -871,7 +773,10 @@ class StoreReader : public StorageReader {
     for (size_t i : items) {
       const ReadItem& item = plan.items[i];
       const StorageInfo& info = Info(item);
-      if (!info.transforms.empty() && !IsZstdItem(info)) continue;  // torch records: their own
+      if (!info.transforms.empty()) {  // read by a decoder: as one range, or in its own way
+        const ItemDecoder* decoder = DecoderOf(info);
+        if (!decoder || !decoder->ReadsStoredRange()) continue;
+      }
       ByteRange r{info.offset, info.length};
       if (item.type == ReadItemType::kTensor && info.transforms.empty()) {
         const ChunkMeta& chunk = StoredChunk(item);
@@ -894,6 +799,16 @@ class StoreReader : public StorageReader {
     return ranges;
   }
 
+  // Whole items that land straight in dense host destinations are read as one stream
+  // (ReadManyStreaming), so that a remote store keeps its requests going from one item into
+  // the next; each is verified and committed when its last byte has landed.
+  struct Landing {
+    size_t item;
+    TensorView dst;
+    RunningCrc crc;
+    bool check;
+  };
+
   void ReadFile(const LoadPlan& plan, LoadPlanner& planner, const std::string& name,
                 ReadableObject& in, const std::vector<size_t>& items, HostBuffer& scratch) {
     std::set<MetadataIndex> verified;  // stored items whose CRC a partial read already checked
@@ -903,213 +818,162 @@ class StoreReader : public StorageReader {
       const std::vector<ByteRange> ranges = RangesOf(plan, items);
       if (ranges.size() > 1) in.PrefetchRanges(ranges);
     }
-    // Whole items that land straight in dense host destinations are read as one stream
-    // (ReadManyStreaming), so that a remote store keeps its requests going from one item into
-    // the next; each is verified and committed when its last byte has landed.
-    struct Landing {
-      size_t item;
-      TensorView dst;
-      RunningCrc crc;
-      bool check;
-    };
     std::vector<Landing> stream;
-    auto read_stream = [&] {
-      if (stream.size() == 1) {  // one item: as ReadHot reads it (one ReadAt when unchecked)
-        Landing& l = stream[0];
-        const ReadItem& item = plan.items[l.item];
-        const StorageInfo& info = Info(item);
-        ReadHot(in, info.offset, l.dst.data, info.length, l.check ? &l.crc : nullptr);
-        if (l.check) VerifyCrc(item, info, l.crc.value);
-        planner.CommitTensor(item, l.dst);
-        stream.clear();
-      }
-      if (stream.empty()) return;
-      std::vector<ReadTarget> targets;
-      targets.reserve(stream.size());
-      for (const Landing& l : stream) {
-        targets.push_back({Info(plan.items[l.item]).offset, l.dst.data, l.dst.nbytes()});
-      }
-      in.ReadManyStreaming(targets, kHotReadBytes, [&](size_t t, size_t pos, size_t len) {
-        Landing& l = stream[t];
-        const ReadItem& item = plan.items[l.item];
-        const StorageInfo& info = Info(item);
-        if (l.check) l.crc.Add(static_cast<const char*>(l.dst.data) + pos, len);
-        if (pos + len < info.length) return;
-        if (l.check) VerifyCrc(item, info, l.crc.value);
-        planner.CommitTensor(item, l.dst);
-      });
-      stream.clear();
-    };
     for (size_t i : items) {
       const ReadItem& item = plan.items[i];
       const StorageInfo& info = Info(item);
       if (!info.transforms.empty()) {
-        read_stream();
+        ReadLandings(plan, planner, in, stream);
         ReadTransformed(planner, item, info, in, name, scratch, verified);
         continue;
       }
       if (item.type == ReadItemType::kBytes) {
-        read_stream();
-        std::string bytes = AllocateOrThrow(
-            [&] { return std::string(info.length, '\0'); },
-            item.storage_index.ToString() + " from '" + store_->uri() + "/" + name + "'",
-            info.length);
-        in.ReadAt(info.offset, bytes.data(), bytes.size());
-        Verify(item, info, bytes.data(), bytes.size());
-        planner.LoadBytes(item, std::move(bytes));
+        ReadLandings(plan, planner, in, stream);
+        ReadBytesItem(planner, item, info, in, name);
         continue;
       }
       const ChunkMeta& chunk = StoredChunk(item);
       const auto& entry = Entry(item);
-      TensorView dst = Destination(planner, item, entry);
-      const size_t esize = ElementSize(entry.dtype);
-      const bool whole = item.lengths == chunk.sizes;
-      if (whole && dst.is_contiguous() && dst.device.is_cpu() && info.length == dst.nbytes() &&
-          info.length > 0) {
+      TensorView dst = CheckedDestination(planner, item, entry);
+      if (item.lengths == chunk.sizes && dst.is_contiguous() && dst.device.is_cpu() &&
+          info.length == dst.nbytes() && info.length > 0) {
         // The common case: the stored chunk lands directly in its destination.
         stream.push_back({i, dst, NewCrc(info), options_.verify_checksums && HasCrc(info)});
         continue;
       }
-      read_stream();
-      if (whole && dst.is_contiguous() && dst.device.is_cpu() && info.length == dst.nbytes()) {
-        // Empty: nothing to read.
-      } else if (whole && !dst.device.is_cpu() && info.length == dst.nbytes()) {
-        // A device destination: read piece by piece into pinned buffers, each piece's
-        // host-to-device copy overlapping the next read (proto/device/device.h).
-        RunningCrc crc = NewCrc(info);
-        uint64_t pos = info.offset;
-        StreamFromHost(dst, kDevicePieceBytes, [&](void* buf, size_t n) {
-          ReadHot(in, pos, buf, n, &crc);
-          pos += n;
-        });
-        VerifyCrc(item, info, crc.value);
-      } else {
-        if (info.length != static_cast<uint64_t>(chunk.numel()) * esize) {
-          throw CorruptionError("stored item " + item.storage_index.ToString() + " in '" + name +
-                                "' has " + std::to_string(info.length) + " bytes, expected " +
-                                std::to_string(chunk.numel() * esize));
-        }
-        RunningCrc crc = NewCrc(info);
-        const bool verify_partial = !whole && options_.verify_partial_reads &&
-                                    options_.verify_checksums && HasCrc(info) &&
-                                    !verified.count(item.storage_index);
-        // A box over every index of the first dimension (a column block of a row-major chunk)
-        // is read through scratch as the whole chunk, front to back: its CRC comes with it, and
-        // the verify pass below would read the same bytes a second time.
-        const bool streams_whole =
-            verify_partial &&
-            ReadsWholeChunk(chunk.sizes, item.storage_offsets, item.lengths, esize, dst);
-        ReadBox(in, info.offset, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst,
-                scratch, whole || streams_whole ? &crc : nullptr);
-        if (whole) {
-          VerifyCrc(item, info, crc.value);
-        } else if (streams_whole) {
-          verified.insert(item.storage_index);
-          VerifyCrc(item, info, crc.value);
-        } else if (verify_partial) {
-          verified.insert(item.storage_index);
-          // Stream the whole stored item through the scratch buffer to check its CRC.
-          RunningCrc c = NewCrc(info);
-          for (uint64_t pos = 0; pos < info.length;) {
-            const size_t n =
-                static_cast<size_t>(std::min<uint64_t>(ScratchLimit(), info.length - pos));
-            EnsureScratch(scratch, n);
-            in.ReadAt(info.offset + pos, scratch.data(), n);
-            c.Add(scratch.data(), n);
-            pos += n;
-          }
-          VerifyCrc(item, info, c.value);
-        }
-      }
+      ReadLandings(plan, planner, in, stream);
+      ReadTensorItem(item, info, chunk, entry, dst, in, name, scratch, verified);
       planner.CommitTensor(item, dst);
     }
-    read_stream();
+    ReadLandings(plan, planner, in, stream);
   }
 
-  // An item stored compressed (storage/format/zstd_transform.h), decompressed on the way in:
-  // straight into a dense destination when the read covers the whole item, else piece by piece
-  // through the scratch buffer, from the start of the item to the end of the box (to the end of the
-  // item when it is verified, once per rank as for raw partial reads).
+  // Read the items of `stream` (Landing), verify and commit each; leaves `stream` empty.
+  void ReadLandings(const LoadPlan& plan, LoadPlanner& planner, ReadableObject& in,
+                    std::vector<Landing>& stream) const {
+    if (stream.size() == 1) {  // one item: as ReadHot reads it (one ReadAt when unchecked)
+      Landing& l = stream[0];
+      const ReadItem& item = plan.items[l.item];
+      const StorageInfo& info = Info(item);
+      ReadHot(in, info.offset, l.dst.data, info.length, l.check ? &l.crc : nullptr);
+      if (l.check) VerifyCrc(item, info, l.crc.value);
+      planner.CommitTensor(item, l.dst);
+      stream.clear();
+    }
+    if (stream.empty()) return;
+    std::vector<ReadTarget> targets;
+    targets.reserve(stream.size());
+    for (const Landing& l : stream) {
+      targets.push_back({Info(plan.items[l.item]).offset, l.dst.data, l.dst.nbytes()});
+    }
+    in.ReadManyStreaming(targets, kHotReadBytes, [&](size_t t, size_t pos, size_t len) {
+      Landing& l = stream[t];
+      const ReadItem& item = plan.items[l.item];
+      const StorageInfo& info = Info(item);
+      if (l.check) l.crc.Add(static_cast<const char*>(l.dst.data) + pos, len);
+      if (pos + len < info.length) return;
+      if (l.check) VerifyCrc(item, info, l.crc.value);
+      planner.CommitTensor(item, l.dst);
+    });
+    stream.clear();
+  }
+
+  // A raw blob, read whole and verified.
+  void ReadBytesItem(LoadPlanner& planner, const ReadItem& item, const StorageInfo& info,
+                     ReadableObject& in, const std::string& name) const {
+    std::string bytes = AllocateOrThrow(
+        [&] { return std::string(info.length, '\0'); },
+        item.storage_index.ToString() + " from '" + store_->uri() + "/" + name + "'", info.length);
+    in.ReadAt(info.offset, bytes.data(), bytes.size());
+    Verify(item, info, bytes.data(), bytes.size());
+    planner.LoadBytes(item, std::move(bytes));
+  }
+
+  // A raw tensor item that does not land as one range in dense host memory: an empty one, a
+  // whole one bound for a device, or a box of the stored chunk (a resharding read), read into
+  // `dst` and verified as far as its options ask.
+  void ReadTensorItem(const ReadItem& item, const StorageInfo& info, const ChunkMeta& chunk,
+                      const TensorMetadata& entry, const TensorView& dst, ReadableObject& in,
+                      const std::string& name, HostBuffer& scratch,
+                      std::set<MetadataIndex>& verified) const {
+    const size_t esize = ElementSize(entry.dtype);
+    const bool whole = item.lengths == chunk.sizes;
+    if (whole && dst.is_contiguous() && dst.device.is_cpu() && info.length == dst.nbytes()) {
+      return;  // empty: nothing to read
+    }
+    if (whole && !dst.device.is_cpu() && info.length == dst.nbytes()) {
+      // A device destination: read piece by piece into pinned buffers, each piece's
+      // host-to-device copy overlapping the next read (proto/device/device.h).
+      RunningCrc crc = NewCrc(info);
+      uint64_t pos = info.offset;
+      StreamFromHost(dst, kDevicePieceBytes, [&](void* buf, size_t n) {
+        ReadHot(in, pos, buf, n, &crc);
+        pos += n;
+      });
+      VerifyCrc(item, info, crc.value);
+      return;
+    }
+    if (info.length != static_cast<uint64_t>(chunk.numel()) * esize) {
+      throw CorruptionError("stored item " + item.storage_index.ToString() + " in '" + name +
+                            "' has " + std::to_string(info.length) + " bytes, expected " +
+                            std::to_string(chunk.numel() * esize));
+    }
+    RunningCrc crc = NewCrc(info);
+    const bool verify_partial = !whole && options_.verify_partial_reads &&
+                                options_.verify_checksums && HasCrc(info) &&
+                                !verified.count(item.storage_index);
+    // A box over every index of the first dimension (a column block of a row-major chunk)
+    // is read through scratch as the whole chunk, front to back: its CRC comes with it, and
+    // the verify pass below would read the same bytes a second time.
+    const bool streams_whole = verify_partial && ReadsWholeChunk(chunk.sizes, item.storage_offsets,
+                                                                 item.lengths, esize, dst);
+    ReadBox(in, info.offset, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst,
+            scratch, whole || streams_whole ? &crc : nullptr);
+    if (whole) {
+      VerifyCrc(item, info, crc.value);
+    } else if (streams_whole) {
+      verified.insert(item.storage_index);
+      VerifyCrc(item, info, crc.value);
+    } else if (verify_partial) {
+      verified.insert(item.storage_index);
+      VerifyStreamed(item, info, in, scratch);
+    }
+  }
+
+  // Stream the whole stored item through the scratch buffer to check its CRC.
+  void VerifyStreamed(const ReadItem& item, const StorageInfo& info, ReadableObject& in,
+                      HostBuffer& scratch) const {
+    RunningCrc c = NewCrc(info);
+    for (uint64_t pos = 0; pos < info.length;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(ScratchLimit(), info.length - pos));
+      EnsureScratch(scratch, n);
+      in.ReadAt(info.offset + pos, scratch.data(), n);
+      c.Add(scratch.data(), n);
+      pos += n;
+    }
+    VerifyCrc(item, info, c.value);
+  }
+
+  // The decoder of a transformed item (nullptr: none reads it).
+  ItemDecoder* DecoderOf(const StorageInfo& info) const {
+    for (const auto& decoder : decoders_) {
+      if (decoder->Decodes(info)) return decoder.get();
+    }
+    return nullptr;
+  }
+
+  // An item stored transformed: read by its layout's decoder.
   void ReadTransformed(LoadPlanner& planner, const ReadItem& item, const StorageInfo& info,
                        ReadableObject& in, const std::string& name, HostBuffer& scratch,
                        std::set<MetadataIndex>& verified) {
-    if (info.transforms.size() == 1 && info.transforms[0] == kTorchSaveTransform) {
-      ReadTorchRecord(planner, item, info, in, name);
-      return;
-    }
-    if (!IsZstdItem(info)) {
+    ItemDecoder* decoder = DecoderOf(info);
+    if (!decoder) {
       std::string t;
       for (const auto& x : info.transforms) t += (t.empty() ? "" : "+") + x;
       throw UnsupportedError("item " + item.storage_index.ToString() + " in '" + name +
                              "' uses transform '" + t + "', which this build cannot read");
     }
-    ZstdItemReader z(in, info, options_.verify_checksums, ScratchLimit(),
-                     item.storage_index.ToString() + " in '" + store_->uri() + "/" + name + "'");
-    if (item.type == ReadItemType::kBytes) {
-      z.CheckFrameHeader();  // before raw_length sizes the blob (a tensor's destination exists)
-      std::string bytes = AllocateOrThrow(
-          [&] { return std::string(info.raw_length, '\0'); },
-          item.storage_index.ToString() + " from '" + store_->uri() + "/" + name + "'",
-          info.raw_length);
-      z.ReadAll(bytes.data());
-      planner.LoadBytes(item, std::move(bytes));
-      return;
-    }
-    const ChunkMeta& chunk = StoredChunk(item);
-    const auto& entry = Entry(item);
-    TensorView dst = Destination(planner, item, entry);
-    const bool whole = item.lengths == chunk.sizes;
-    // A device destination takes the scratch path: each decompressed piece is copied host to
-    // device by CopyTensor (proto/device/device.h).
-    if (whole && IsDense(dst) && dst.device.is_cpu()) {
-      // The lowest address of a dense view is its data pointer (see ReadBox).
-      z.ReadAll(dst.data);
-    } else {
-      const bool to_end = whole || (options_.verify_partial_reads && options_.verify_checksums &&
-                                    verified.insert(item.storage_index).second);
-      ReadZstdBox(z, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst, scratch,
-                  ScratchLimit(), to_end);
-    }
-    planner.CommitTensor(item, dst);
-  }
-
-  // A PyTorch DCP byte entry (the record is torch.save bytes: a pickled Python bytes object
-  // is unwrapped to its payload, anything else is the blob) or a tensor record whose values
-  // are not its whole storage, row-major: the storage is read into memory (at most the
-  // record's length, which CheckDataFiles bounded by the file), checked against its zip CRC-32
-  // and copied through the record's strides. Either way every zip CRC is checked.
-  void ReadTorchRecord(LoadPlanner& planner, const ReadItem& item, const StorageInfo& info,
-                       ReadableObject& in, const std::string& name) {
-    const std::string what =
-        item.storage_index.ToString() + " from '" + store_->uri() + "/" + name + "'";
-    if (item.type == ReadItemType::kBytes) {
-      std::string bytes =
-          AllocateOrThrow([&] { return std::string(info.length, '\0'); }, what, info.length);
-      in.ReadAt(info.offset, bytes.data(), bytes.size());
-      if (options_.verify_checksums && IsTorchSaveArchive(bytes)) {
-        CheckTorchArchiveCrcs(bytes, what);
-      }
-      std::string payload;
-      if (TorchSaveBytesPayload(bytes, &payload)) bytes = std::move(payload);
-      planner.LoadBytes(item, std::move(bytes));
-      return;
-    }
-    auto it = strided_.find(item.storage_index);
-    if (it == strided_.end()) throw InternalError("unresolved torch record " + what);
-    const TorchTensorRecord& rec = it->second;
-    const auto& entry = Entry(item);
-    TensorView dst = Destination(planner, item, entry);
-    const std::vector<char> storage =
-        ReadTorchRecordStorage(in, rec, what, options_.verify_checksums);
-    if (rec.span_bytes > 0) {  // checked by ResolveTorchTensorRecord to lie in the storage
-      TensorView src;
-      src.data = const_cast<char*>(storage.data()) + (rec.values_begin() - rec.storage_begin);
-      src.dtype = rec.dtype;
-      src.shape = rec.sizes;
-      src.strides = rec.strides;
-      CopyTensor(dst, src.Narrow(item.storage_offsets, item.lengths));
-    }
-    planner.CommitTensor(item, dst);
+    decoder->Read({planner, item, info, in, name, scratch, verified});
   }
 
   std::shared_ptr<Store> store_;
@@ -1119,8 +983,8 @@ class StoreReader : public StorageReader {
   std::string encoded_;  // the last ReadMetadata's wire encoding, when its file held it
   StorageContext ctx_;
   std::unordered_map<std::string, uint64_t> file_sizes_;  // version 2: the file table's
-  std::map<MetadataIndex, StorageInfo> resolved_;         // torch records read as plain items
-  std::map<MetadataIndex, TorchTensorRecord> strided_;    // torch records read by ReadTorchRecord
+  std::map<MetadataIndex, StorageInfo> resolved_;         // transformed items read as plain items
+  std::vector<std::unique_ptr<ItemDecoder>> decoders_;    // this load's (SetUp)
 };
 
 }  // namespace

@@ -130,6 +130,9 @@ class DcpLayoutImpl : public CheckpointLayout {
     if (!WritesFileIndexes(options)) return std::nullopt;
     return AppendFileIndex(out, name, results, rank);
   }
+  std::unique_ptr<ItemDecoder> NewItemDecoder(const LoadContext& ctx) const override {
+    return NewZstdItemDecoder(ctx);
+  }
 
  private:
   const std::string name_ = kMetadataName;

@@ -1,5 +1,7 @@
 #include "dcp/storage/format/layout.h"
 
+#include <algorithm>
+
 #include "dcp/proto/error.h"
 #include "dcp/storage/format/zstd_transform.h"
 
@@ -65,6 +67,12 @@ std::optional<DataFile> CheckpointLayout::FinishDataFile(WritableObject&, const 
   return std::nullopt;
 }
 
+void ItemDecoder::Prepare(const LoadPlan&, std::map<MetadataIndex, StorageInfo>&) {}
+
+std::unique_ptr<ItemDecoder> CheckpointLayout::NewItemDecoder(const LoadContext&) const {
+  return nullptr;
+}
+
 bool CheckpointLayout::Detect(Store& store) const {
   return store.Size(metadata_name()).has_value();
 }
@@ -114,6 +122,48 @@ std::shared_ptr<Store> OpenSingleObjectCheckpoint(const StoreOpenFn& open,
     if (auto store = layout->OpenSingleObject(open, scheme, location)) return store;
   }
   return nullptr;
+}
+
+std::vector<std::unique_ptr<ItemDecoder>> NewItemDecoders(const LoadContext& ctx) {
+  std::vector<std::unique_ptr<ItemDecoder>> decoders;
+  for (const CheckpointLayout* layout : AllLayouts()) {
+    if (auto d = layout->NewItemDecoder(ctx)) decoders.push_back(std::move(d));
+  }
+  return decoders;
+}
+
+ChecksumKind StoredCrcKind(const StorageInfo& info) {
+  return info.zip_crc32 ? ChecksumKind::kCrc32 : ChecksumKind::kCrc32c;
+}
+
+std::string_view StoredCrcName(const StorageInfo& info) {
+  return info.zip_crc32 ? "zip CRC-32" : "crc32c";
+}
+
+const TensorMetadata& StoredEntry(const Metadata& md, const ReadItem& item) {
+  return std::get<TensorMetadata>(md.entries.at(item.storage_index.fqn));
+}
+
+ChunkMeta StoredChunk(const Metadata& md, const ReadItem& item, const std::string& uri) {
+  const auto& t = StoredEntry(md, item);
+  if (auto k = ChunkOrdinal(t, item.storage_index.offset, item.storage_index.index)) {
+    return ChunkAt(t, *k);
+  }
+  throw CorruptionError(uri + ": metadata has no chunk " + item.storage_index.ToString());
+}
+
+TensorView CheckedDestination(LoadPlanner& planner, const ReadItem& item,
+                              const TensorMetadata& entry) {
+  TensorView dst = planner.ResolveTensor(item);
+  if (dst.dtype != entry.dtype || dst.shape != item.lengths) {
+    throw InternalError("destination for " + item.dest_index.ToString() + " is " + dst.ToString() +
+                        ", expected " + ShapeToString(item.lengths));
+  }
+  return dst;
+}
+
+size_t ScratchLimit(const StorageOptions& options) {
+  return std::max<size_t>(options.max_scratch_bytes, 64);
 }
 
 void CheckUnchanged(const WriteItem& item, const ResolvedData& data) {

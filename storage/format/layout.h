@@ -5,8 +5,12 @@
 // whose files hold whole tensors assembled across ranks, keeps the protocol and replaces only its
 // per-rank data path: WrapWriter, format/safetensors_writer.cc.) Internal: not installed.
 //
+// The read side: most items are raw bytes, which the reader (storage/checkpoint/store_reader.cc)
+// reads itself; an item a layout stores transformed (StorageInfo::transforms: zstd, torch.save)
+// is read by that layout's ItemDecoder.
+//
 // Layouts are stateless and shared; they are thread-safe. An ItemEncoder serves one data file
-// on one thread.
+// on one thread. An ItemDecoder serves one load: Prepare on one thread, then Read on any.
 #pragma once
 
 #include <cstdint>
@@ -14,11 +18,14 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "dcp/planner/planner.h"
+#include "dcp/proto/checksum.h"
+#include "dcp/proto/staging.h"
 #include "dcp/storage/builtin.h"
 #include "dcp/storage/storage.h"
 #include "dcp/storage/store.h"
@@ -34,6 +41,45 @@ class ItemEncoder {
   /// transforms and checksum. The caller sets info.relative_path and info.offset.
   virtual void Append(WritableObject& out, const WriteItem& item, const ResolvedData& data,
                       StorageInfo& info) = 0;
+};
+
+/// What a load reads with, fixed from SetUp to the end of its reads.
+struct LoadContext {
+  Store& store;
+  const Metadata& metadata;
+  const StorageOptions& options;
+};
+
+/// One transformed item to read, and what a read thread reads it with.
+struct ItemRead {
+  LoadPlanner& planner;
+  const ReadItem& item;
+  const StorageInfo& info;  // as the metadata states it
+  ReadableObject& in;       // its data file, open
+  const std::string& file;  // that file's name
+  HostBuffer& scratch;      // the thread's; at most ScratchLimit(options) bytes
+  /// Stored items whose checksum a partial read on this thread has checked (checked once).
+  std::set<MetadataIndex>& verified;
+};
+
+/// Reads the items a layout stores transformed, each into its destination
+/// (planner.CommitTensor, planner.LoadBytes), every checksum they carry checked when
+/// options.verify_checksums. Errors: CorruptionError naming the item and its file.
+class ItemDecoder {
+ public:
+  virtual ~ItemDecoder() = default;
+  /// True when this decoder reads items stored as `info` says (by its transforms).
+  virtual bool Decodes(const StorageInfo& info) const = 0;
+  /// True when a read of the item streams [offset, offset + length) front to back, so that a
+  /// store may fetch it with its neighbours (ReadableObject::PrefetchRanges).
+  virtual bool ReadsStoredRange() const { return true; }
+  /// Before a load's reads: what the items of `plan` that this decoder reads need first. An
+  /// item whose values turn out to be one plain byte range goes into `plain` (its index -> that
+  /// range, with the checksum it carries, StoredCrcKind): the reader reads it as a raw item and
+  /// never hands it to Read. Items already in `plain` are skipped.
+  virtual void Prepare(const LoadPlan& plan, std::map<MetadataIndex, StorageInfo>& plain);
+  /// Read one item (Decodes(r.info)) into its destination.
+  virtual void Read(const ItemRead& r) = 0;
 };
 
 class CheckpointLayout {
@@ -94,6 +140,10 @@ class CheckpointLayout {
   virtual std::optional<DataFile> FinishDataFile(WritableObject& out, const std::string& name,
                                                  const std::vector<WriteResult>& results,
                                                  const StorageOptions& options, int32_t rank) const;
+  virtual std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions& options) const = 0;
+  /// The decoder of the transformed items this layout stores, for one load of `ctx` (which
+  /// outlives it); nullptr when it stores none (default).
+  virtual std::unique_ptr<ItemDecoder> NewItemDecoder(const LoadContext& ctx) const;
 };
 
 /// The layout a writer of `format` writes (static lifetime).
@@ -128,6 +178,26 @@ void ReadAllStoredItems(Store& store, Metadata& md);
 /// non-tensor entries), read by the restricted unpickler (dcp::PythonValue's contract; `what`
 /// names the entry in errors).
 PyValuePtr ReadPythonValue(std::string_view bytes, const std::string& what);
+/// The decoders of every layout a reader recognises (AllLayouts), for one load of `ctx`. An
+/// item is read by the first that Decodes it.
+std::vector<std::unique_ptr<ItemDecoder>> NewItemDecoders(const LoadContext& ctx);
+
+/// The kind of checksum `info` stores (StoredCrc): CRC-32 for the storage of a torch.save record
+/// read as a plain item (a decoder's Prepare), else CRC32C.
+ChecksumKind StoredCrcKind(const StorageInfo& info);
+/// How messages name the checksum `info` stores: "zip CRC-32" or "crc32c".
+std::string_view StoredCrcName(const StorageInfo& info);
+
+/// The tensor entry a read item belongs to.
+const TensorMetadata& StoredEntry(const Metadata& md, const ReadItem& item);
+/// The stored chunk a read item reads from (CorruptionError naming `uri` when there is none).
+ChunkMeta StoredChunk(const Metadata& md, const ReadItem& item, const std::string& uri);
+/// The planner's destination for a tensor item, checked against its stored entry
+/// (InternalError otherwise).
+TensorView CheckedDestination(LoadPlanner& planner, const ReadItem& item,
+                              const TensorMetadata& entry);
+/// The most scratch memory one read thread uses (StorageOptions::max_scratch_bytes, at least 64).
+size_t ScratchLimit(const StorageOptions& options);
 
 /// A tensor must still have the dtype and shape it was planned with (InvalidArgumentError).
 void CheckUnchanged(const WriteItem& item, const ResolvedData& data);

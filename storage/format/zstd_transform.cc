@@ -12,6 +12,7 @@
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/slab_copy.h"
+#include "dcp/storage/format/layout.h"
 
 namespace dcp {
 
@@ -459,6 +460,59 @@ void ReadZstdBox(ZstdItemReader& reader, DType dtype, const Shape& sizes, const 
     w.Walk(0);
   }
   if (to_end) reader.Finish(scratch, limit);
+}
+
+namespace {
+
+class ZstdItemDecoder : public ItemDecoder {
+ public:
+  explicit ZstdItemDecoder(const LoadContext& ctx) : ctx_(ctx) {}
+
+  bool Decodes(const StorageInfo& info) const override { return IsZstdItem(info); }
+
+  void Read(const ItemRead& r) override {
+    const ReadItem& item = r.item;
+    const StorageInfo& info = r.info;
+    const std::string& uri = ctx_.store.uri();
+    const StorageOptions& options = ctx_.options;
+    const size_t limit = ScratchLimit(options);
+    ZstdItemReader z(r.in, info, options.verify_checksums, limit,
+                     item.storage_index.ToString() + " in '" + uri + "/" + r.file + "'");
+    if (item.type == ReadItemType::kBytes) {
+      z.CheckFrameHeader();  // before raw_length sizes the blob (a tensor's destination exists)
+      std::string bytes = AllocateOrThrow(
+          [&] { return std::string(info.raw_length, '\0'); },
+          item.storage_index.ToString() + " from '" + uri + "/" + r.file + "'", info.raw_length);
+      z.ReadAll(bytes.data());
+      r.planner.LoadBytes(item, std::move(bytes));
+      return;
+    }
+    const ChunkMeta chunk = StoredChunk(ctx_.metadata, item, uri);
+    const auto& entry = StoredEntry(ctx_.metadata, item);
+    TensorView dst = CheckedDestination(r.planner, item, entry);
+    const bool whole = item.lengths == chunk.sizes;
+    // A device destination takes the scratch path: each decompressed piece is copied host to
+    // device by CopyTensor (proto/device/device.h).
+    if (whole && IsDense(dst) && dst.device.is_cpu()) {
+      // The lowest address of a dense view is its data pointer.
+      z.ReadAll(dst.data);
+    } else {
+      const bool to_end = whole || (options.verify_partial_reads && options.verify_checksums &&
+                                    r.verified.insert(item.storage_index).second);
+      ReadZstdBox(z, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst, r.scratch,
+                  limit, to_end);
+    }
+    r.planner.CommitTensor(item, dst);
+  }
+
+ private:
+  LoadContext ctx_;
+};
+
+}  // namespace
+
+std::unique_ptr<ItemDecoder> NewZstdItemDecoder(const LoadContext& ctx) {
+  return std::make_unique<ZstdItemDecoder>(ctx);
 }
 
 }  // namespace dcp

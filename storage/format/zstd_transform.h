@@ -32,6 +32,14 @@ inline constexpr char kZstdTransform[] = "zstd";
 /// True when `info` is a zstd-compressed item (transforms == {"zstd"}).
 bool IsZstdItem(const StorageInfo& info);
 
+class ItemDecoder;
+struct LoadContext;
+/// The read side of the transform (storage/format/layout.h): zstd items decompressed on the way
+/// in, straight into a dense destination when the read covers the whole item, else piece by
+/// piece through the thread's scratch (ReadZstdBox), to the end of the item when it is
+/// verified (once per thread's run, as for raw partial reads).
+std::unique_ptr<ItemDecoder> NewZstdItemDecoder(const LoadContext& ctx);
+
 /// InvalidArgumentError when the compression settings of `options` are out of range.
 void ValidateCompressionOptions(const StorageOptions& options);
 
