@@ -78,225 +78,247 @@ class Machine {
       if (pos_ >= in_.size()) Corrupt("pickle ends without STOP");
       op_pos_ = pos_;
       const uint8_t op = static_cast<uint8_t>(in_[pos_++]);
-      switch (op) {
-        case 0x80: {  // PROTO
-          const uint8_t proto = U8();
-          if (proto > 5) Unsupported("pickle protocol " + std::to_string(proto));
-          break;
+      if (op == '.') {  // STOP
+        if (stack_.size() != 1 || !marks_.empty()) {
+          Corrupt("STOP with " + std::to_string(stack_.size()) + " values on the stack");
         }
-        case 0x95:
-          Take(8);
-          break;     // FRAME: a length hint only
-        case '.': {  // STOP
-          if (stack_.size() != 1 || !marks_.empty()) {
-            Corrupt("STOP with " + std::to_string(stack_.size()) + " values on the stack");
-          }
-          if (pos_ != in_.size()) Corrupt("bytes after STOP");
-          return stack_.back();
-        }
-        case '(':
-          Mark();
-          break;
-        case '0':
-          Pop();
-          break;
-        case '1':
-          PopMark();
-          break;
-        case '2':
-          Push(Top());
-          break;
-        case 'N':
-          Push(Make(Kind::kNone));
-          break;
-        case 0x88:
-          Push(BoolV(true));
-          break;
-        case 0x89:
-          Push(BoolV(false));
-          break;
-        case 'J': {
-          int32_t v;
-          std::memcpy(&v, Take(4), 4);
-          Push(IntV(v));
-          break;
-        }
-        case 'K':
-          Push(IntV(U8()));
-          break;
-        case 'M':
-          Push(IntV(ULE(2)));
-          break;
-        case 0x8a:
-          Push(IntV(Long(U8())));
-          break;  // LONG1
-        case 0x8b:
-          Push(IntV(Long(ULE(4))));
-          break;     // LONG4
-        case 'G': {  // BINFLOAT (big-endian)
-          const char* p = Take(8);
-          uint64_t bits = 0;
-          for (int i = 0; i < 8; ++i) bits = (bits << 8) | static_cast<uint8_t>(p[i]);
-          double d;
-          std::memcpy(&d, &bits, 8);
-          auto v = Make(Kind::kFloat);
-          v->real = d;
-          Push(std::move(v));
-          break;
-        }
-        case 0x8c:
-          Push(StrV(Kind::kStr, U8()));
-          break;  // SHORT_BINUNICODE
-        case 'X':
-          Push(StrV(Kind::kStr, ULE(4)));
-          break;  // BINUNICODE
-        case 0x8d:
-          Push(StrV(Kind::kStr, ULE(8)));
-          break;  // BINUNICODE8
-        case 'C':
-          Push(StrV(Kind::kBytes, U8()));
-          break;  // SHORT_BINBYTES
-        case 'B':
-          Push(StrV(Kind::kBytes, ULE(4)));
-          break;  // BINBYTES
-        case 0x8e:
-          Push(StrV(Kind::kBytes, ULE(8)));
-          break;  // BINBYTES8
-        case 'U':
-          Push(StrV(Kind::kBytes, U8()));
-          break;  // SHORT_BINSTRING (py2 str)
-        case 'T':
-          Push(StrV(Kind::kBytes, ULE(4)));
-          break;  // BINSTRING
-        case ')':
-          Push(Container(Kind::kTuple, {}));
-          break;
-        case 0x85:
-          Push(Container(Kind::kTuple, PopN(1)));
-          break;
-        case 0x86:
-          Push(Container(Kind::kTuple, PopN(2)));
-          break;
-        case 0x87:
-          Push(Container(Kind::kTuple, PopN(3)));
-          break;
-        case 't':
-          Push(Container(Kind::kTuple, PopMark()));
-          break;
-        case ']':
-          Push(Container(Kind::kList, {}));
-          break;
-        case 'l':
-          Push(Container(Kind::kList, PopMark()));
-          break;
-        case '}':
-          Push(Container(Kind::kDict, {}));
-          break;
-        case 'd': {
-          auto items = PopMark();
-          if (items.size() % 2) Corrupt("DICT with an odd number of items");
-          Push(Container(Kind::kDict, std::move(items)));
-          break;
-        }
-        case 'a': {  // APPEND
-          ValuePtr item = Pop();
-          Extend(Top(), {std::move(item)}, Kind::kList);
-          break;
-        }
-        case 'e': {  // APPENDS
-          auto items = PopMark();
-          Extend(Top(), std::move(items), Kind::kList);
-          break;
-        }
-        case 's': {  // SETITEM
-          ValuePtr value = Pop();
-          ValuePtr key = Pop();
-          Extend(Top(), {std::move(key), std::move(value)}, Kind::kDict);
-          break;
-        }
-        case 'u': {  // SETITEMS
-          auto items = PopMark();
-          if (items.size() % 2) Corrupt("SETITEMS with an odd number of items");
-          Extend(Top(), std::move(items), Kind::kDict);
-          break;
-        }
-        case 'c': {  // GLOBAL module\nname\n
-          std::string module = Line();
-          std::string name = Line();
-          Push(GlobalV(std::move(module), std::move(name)));
-          break;
-        }
-        case 0x93: {  // STACK_GLOBAL
-          ValuePtr name = Pop();
-          ValuePtr module = Pop();
-          if (module->kind != Kind::kStr || name->kind != Kind::kStr) {
-            Corrupt("STACK_GLOBAL needs two strings");
-          }
-          Push(GlobalV(module->str, name->str));
-          break;
-        }
-        case 'R':     // REDUCE
-        case 0x81: {  // NEWOBJ
-          ValuePtr args = Pop();
-          ValuePtr callable = Pop();
-          if (callable->kind != Kind::kGlobal) {
-            Corrupt(std::string(op == 'R' ? "REDUCE" : "NEWOBJ") + " on a " + callable->Describe() +
-                    ", not a global");
-          }
-          if (args->kind != Kind::kTuple) Corrupt("REDUCE/NEWOBJ arguments are not a tuple");
-          auto v = Make(Kind::kObject);
-          v->newobj = op == 0x81;
-          Adopt(*v, args);
-          Adopt(*v, callable);
-          v->callable = std::move(callable);
-          v->args = std::move(args);
-          Push(std::move(v));
-          break;
-        }
-        case 'b': {  // BUILD
-          ValuePtr state = Pop();
-          ValuePtr& obj = Top();
-          if (obj->kind != Kind::kObject) Corrupt("BUILD on a " + obj->Describe());
-          if (obj->state) Corrupt("BUILD applied twice to one object");
-          if (obj->frozen) Unsupported("BUILD on an object already nested in another");
-          if (state.get() == obj.get()) Unsupported("an object built from itself");
-          Adopt(*obj, state);
-          obj->state = std::move(state);
-          break;
-        }
-        case 'Q': {  // BINPERSID
-          ValuePtr id = Pop();
-          auto v = Make(Kind::kPersistent);
-          Adopt(*v, id);
-          v->items.push_back(std::move(id));
-          Push(std::move(v));
-          break;
-        }
-        case 'q':
-          Put(U8());
-          break;  // BINPUT
-        case 'r':
-          Put(ULE(4));
-          break;  // LONG_BINPUT
-        case 0x94:
-          Put(memo_.size());
-          break;  // MEMOIZE
-        case 'h':
-          Get(U8());
-          break;  // BINGET
-        case 'j':
-          Get(ULE(4));
-          break;  // LONG_BINGET
-        default: {
-          const char* name = OpName(op);
-          if (name) Unsupported(std::string("pickle opcode ") + name);
-          Corrupt("unknown pickle opcode 0x" + Hex(op));
-        }
+        if (pos_ != in_.size()) Corrupt("bytes after STOP");
+        return stack_.back();
       }
+      if (StackOrScalarOp(op) || ContainerOp(op) || ObjectOrMemoOp(op)) continue;
+      const char* name = OpName(op);
+      if (name) Unsupported(std::string("pickle opcode ") + name);
+      Corrupt("unknown pickle opcode 0x" + Hex(op));
     }
   }
 
  private:
+  // The opcodes of the stack, marks and scalars; false for any other.
+  bool StackOrScalarOp(uint8_t op) {
+    switch (op) {
+      case 0x80: {  // PROTO
+        const uint8_t proto = U8();
+        if (proto > 5) Unsupported("pickle protocol " + std::to_string(proto));
+        break;
+      }
+      case 0x95:
+        Take(8);
+        break;  // FRAME: a length hint only
+      case '(':
+        Mark();
+        break;
+      case '0':
+        Pop();
+        break;
+      case '1':
+        PopMark();
+        break;
+      case '2':
+        Push(Top());
+        break;
+      case 'N':
+        Push(Make(Kind::kNone));
+        break;
+      case 0x88:
+        Push(BoolV(true));
+        break;
+      case 0x89:
+        Push(BoolV(false));
+        break;
+      case 'J': {
+        int32_t v;
+        std::memcpy(&v, Take(4), 4);
+        Push(IntV(v));
+        break;
+      }
+      case 'K':
+        Push(IntV(U8()));
+        break;
+      case 'M':
+        Push(IntV(ULE(2)));
+        break;
+      case 0x8a:
+        Push(IntV(Long(U8())));
+        break;  // LONG1
+      case 0x8b:
+        Push(IntV(Long(ULE(4))));
+        break;     // LONG4
+      case 'G': {  // BINFLOAT (big-endian)
+        const char* p = Take(8);
+        uint64_t bits = 0;
+        for (int i = 0; i < 8; ++i) bits = (bits << 8) | static_cast<uint8_t>(p[i]);
+        double d;
+        std::memcpy(&d, &bits, 8);
+        auto v = Make(Kind::kFloat);
+        v->real = d;
+        Push(std::move(v));
+        break;
+      }
+      case 0x8c:
+        Push(StrV(Kind::kStr, U8()));
+        break;  // SHORT_BINUNICODE
+      case 'X':
+        Push(StrV(Kind::kStr, ULE(4)));
+        break;  // BINUNICODE
+      case 0x8d:
+        Push(StrV(Kind::kStr, ULE(8)));
+        break;  // BINUNICODE8
+      case 'C':
+        Push(StrV(Kind::kBytes, U8()));
+        break;  // SHORT_BINBYTES
+      case 'B':
+        Push(StrV(Kind::kBytes, ULE(4)));
+        break;  // BINBYTES
+      case 0x8e:
+        Push(StrV(Kind::kBytes, ULE(8)));
+        break;  // BINBYTES8
+      case 'U':
+        Push(StrV(Kind::kBytes, U8()));
+        break;  // SHORT_BINSTRING (py2 str)
+      case 'T':
+        Push(StrV(Kind::kBytes, ULE(4)));
+        break;  // BINSTRING
+      default:
+        return false;
+    }
+    return true;
+  }
+  // The opcodes that build tuples, lists and dicts; false for any other.
+  bool ContainerOp(uint8_t op) {
+    switch (op) {
+      case ')':
+        Push(Container(Kind::kTuple, {}));
+        break;
+      case 0x85:
+        Push(Container(Kind::kTuple, PopN(1)));
+        break;
+      case 0x86:
+        Push(Container(Kind::kTuple, PopN(2)));
+        break;
+      case 0x87:
+        Push(Container(Kind::kTuple, PopN(3)));
+        break;
+      case 't':
+        Push(Container(Kind::kTuple, PopMark()));
+        break;
+      case ']':
+        Push(Container(Kind::kList, {}));
+        break;
+      case 'l':
+        Push(Container(Kind::kList, PopMark()));
+        break;
+      case '}':
+        Push(Container(Kind::kDict, {}));
+        break;
+      case 'd': {
+        auto items = PopMark();
+        if (items.size() % 2) Corrupt("DICT with an odd number of items");
+        Push(Container(Kind::kDict, std::move(items)));
+        break;
+      }
+      case 'a': {  // APPEND
+        ValuePtr item = Pop();
+        Extend(Top(), {std::move(item)}, Kind::kList);
+        break;
+      }
+      case 'e': {  // APPENDS
+        auto items = PopMark();
+        Extend(Top(), std::move(items), Kind::kList);
+        break;
+      }
+      case 's': {  // SETITEM
+        ValuePtr value = Pop();
+        ValuePtr key = Pop();
+        Extend(Top(), {std::move(key), std::move(value)}, Kind::kDict);
+        break;
+      }
+      case 'u': {  // SETITEMS
+        auto items = PopMark();
+        if (items.size() % 2) Corrupt("SETITEMS with an odd number of items");
+        Extend(Top(), std::move(items), Kind::kDict);
+        break;
+      }
+      default:
+        return false;
+    }
+    return true;
+  }
+  // The opcodes of globals, objects, persistent ids and the memo; false for any other.
+  bool ObjectOrMemoOp(uint8_t op) {
+    switch (op) {
+      case 'c': {  // GLOBAL module\nname\n
+        std::string module = Line();
+        std::string name = Line();
+        Push(GlobalV(std::move(module), std::move(name)));
+        break;
+      }
+      case 0x93: {  // STACK_GLOBAL
+        ValuePtr name = Pop();
+        ValuePtr module = Pop();
+        if (module->kind != Kind::kStr || name->kind != Kind::kStr) {
+          Corrupt("STACK_GLOBAL needs two strings");
+        }
+        Push(GlobalV(module->str, name->str));
+        break;
+      }
+      case 'R':     // REDUCE
+      case 0x81: {  // NEWOBJ
+        ValuePtr args = Pop();
+        ValuePtr callable = Pop();
+        if (callable->kind != Kind::kGlobal) {
+          Corrupt(std::string(op == 'R' ? "REDUCE" : "NEWOBJ") + " on a " + callable->Describe() +
+                  ", not a global");
+        }
+        if (args->kind != Kind::kTuple) Corrupt("REDUCE/NEWOBJ arguments are not a tuple");
+        auto v = Make(Kind::kObject);
+        v->newobj = op == 0x81;
+        Adopt(*v, args);
+        Adopt(*v, callable);
+        v->callable = std::move(callable);
+        v->args = std::move(args);
+        Push(std::move(v));
+        break;
+      }
+      case 'b': {  // BUILD
+        ValuePtr state = Pop();
+        ValuePtr& obj = Top();
+        if (obj->kind != Kind::kObject) Corrupt("BUILD on a " + obj->Describe());
+        if (obj->state) Corrupt("BUILD applied twice to one object");
+        if (obj->frozen) Unsupported("BUILD on an object already nested in another");
+        if (state.get() == obj.get()) Unsupported("an object built from itself");
+        Adopt(*obj, state);
+        obj->state = std::move(state);
+        break;
+      }
+      case 'Q': {  // BINPERSID
+        ValuePtr id = Pop();
+        auto v = Make(Kind::kPersistent);
+        Adopt(*v, id);
+        v->items.push_back(std::move(id));
+        Push(std::move(v));
+        break;
+      }
+      case 'q':
+        Put(U8());
+        break;  // BINPUT
+      case 'r':
+        Put(ULE(4));
+        break;  // LONG_BINPUT
+      case 0x94:
+        Put(memo_.size());
+        break;  // MEMOIZE
+      case 'h':
+        Get(U8());
+        break;  // BINGET
+      case 'j':
+        Get(ULE(4));
+        break;  // LONG_BINGET
+      default:
+        return false;
+    }
+    return true;
+  }
+
   [[noreturn]] void Corrupt(const std::string& why) const {
     throw CorruptionError(std::string(source_) + ": invalid pickle at byte " +
                           std::to_string(op_pos_) + ": " + why);
