@@ -6,12 +6,12 @@
 // caller's allow-list and becomes a kGlobal value naming it; REDUCE and NEWOBJ become kObject
 // values recording the callable, its arguments and (after BUILD) its state; BINPERSID becomes a
 // kPersistent value around its id. Interpreting those (a torch.Size, a dtype, a dataclass) is
-// the caller's business (storage/format/torch_dcp.cc). Untrusted input is bounded: input size,
-// value count, container depth, memo size, stack depth and the tree that shared references
-// expand to all have limits, integers beyond 64 bits
-// and recursive structures are refused. Every failure is a CorruptionError (malformed or
-// over-limit input) or an UnsupportedError (a valid pickle using an opcode or a global this
-// reader does not accept), naming the source, the byte offset and, for globals, the global.
+// the caller's business (storage/format/torch_metadata.cc, torch_record.cc). Untrusted input is
+// bounded: input size, value count, container depth, memo size, stack depth and the tree that
+// shared references expand to all have limits, integers beyond 64 bits and recursive structures are
+// refused. Every failure is a CorruptionError (malformed or over-limit input) or an
+// UnsupportedError (a valid pickle using an opcode or a global this reader does not accept), naming
+// the source, the byte offset and, for globals, the global.
 //
 // Thread-safe: free functions over immutable inputs; Values are not synchronised.
 #pragma once
