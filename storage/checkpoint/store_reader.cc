@@ -21,7 +21,6 @@
 #include "dcp/proto/slab_copy.h"
 #include "dcp/proto/staging.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
-#include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/format/layout.h"
 
 namespace dcp {
@@ -321,12 +320,14 @@ class StoreReader : public StorageReader {
       return md;
     }
     const auto names = store_->List();
+    // Messages name dcp's own commit marker: the format a save writes unless told otherwise.
+    const std::string& marker = LayoutFor(CheckpointFormat::kDcp).metadata_name();
     if (std::any_of(names.begin(), names.end(), IsAnyDataFile)) {
       throw NotFoundError("incomplete checkpoint at " + store_->uri() +
-                          ": data files are present but " + kMetadataName +
+                          ": data files are present but " + marker +
                           " is missing (the save did not finish)");
     }
-    throw NotFoundError("no checkpoint at " + store_->uri() + " (" + kMetadataName + " not found)");
+    throw NotFoundError("no checkpoint at " + store_->uri() + " (" + marker + " not found)");
   }
 
   void SetUp(const Metadata& metadata, const StorageContext& ctx) override {
