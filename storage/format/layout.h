@@ -140,7 +140,6 @@ class CheckpointLayout {
   virtual std::optional<DataFile> FinishDataFile(WritableObject& out, const std::string& name,
                                                  const std::vector<WriteResult>& results,
                                                  const StorageOptions& options, int32_t rank) const;
-  virtual std::unique_ptr<ItemEncoder> NewItemEncoder(const StorageOptions& options) const = 0;
   /// The decoder of the transformed items this layout stores, for one load of `ctx` (which
   /// outlives it); nullptr when it stores none (default).
   virtual std::unique_ptr<ItemDecoder> NewItemDecoder(const LoadContext& ctx) const;

@@ -66,7 +66,8 @@ endif()
 # CMakeLists.txt, configured against the installed package, built and run at 2 ranks; every
 # fragment compiled into a function of its own. Needs the MPI component (the program is an MPI
 # job) and a Python to cut the README; without them this part is skipped, saying so.
-if(NOT PYTHON OR NOT "MPI" IN_LIST COMPONENTS OR NOT MPIEXEC)
+list(FIND COMPONENTS MPI mpi_at)
+if(NOT PYTHON OR mpi_at EQUAL -1 OR NOT MPIEXEC)
   message(STATUS "README.md's code not built: needs python3 and the MPI component")
   return()
 endif()

@@ -16,6 +16,7 @@
 #include "dcp/dcp.h"
 #include "dcp/storage/format/pickle.h"
 #include "dcp/storage/format/torch_dcp.h"
+#include "dcp/storage/format/torch_dcp.h"
 #include "dcp/torch_adapter.h"
 #include "support/test_support.h"
 
@@ -74,7 +75,8 @@ torch::optim::AdamWOptions& Group(torch::optim::Optimizer& opt) {
 }
 
 // Every entry of a checkpoint: tensors by dtype and shape, byte entries by their Python value
-// (pickle::Dump of what PythonValue reads, so equal strings mean equal Python objects).
+// (pickle::Dump of the value the restricted unpickler reads, so equal strings mean equal Python
+// objects).
 std::map<std::string, std::string> Describe(const std::string& uri) {
   std::map<std::string, std::string> out;
   const StateDict all = LoadAll(uri);
@@ -82,7 +84,7 @@ std::map<std::string, std::string> Describe(const std::string& uri) {
     if (const auto* t = std::get_if<TensorView>(entry.value)) {
       out[fqn] = std::string(DTypeName(t->dtype)) + ShapeToString(t->shape);
     } else if (const auto* b = std::get_if<Blob>(entry.value)) {
-      out[fqn] = "python " + pickle::Dump(*PythonValue(*b, fqn));
+      out[fqn] = "python " + pickle::Dump(*TorchSaveObject(b->bytes, fqn));
     }
   }
   return out;

@@ -1,4 +1,4 @@
-// ForwardingStore and the forwarding objects (storage/forwarding_store.h): every call reaches the
+// ForwardingStore and the forwarding objects (storage/store.h): every call reaches the
 // target, the optional ones (TryLock, PublishNew, SizeAndVersion, PublishReplacing, Prefetch)
 // included, a subclass changes only what it overrides, and the checkpoint protocol runs through
 // one unchanged.
