@@ -297,8 +297,10 @@ std::string EncodeReadRequestSummary(const ReadRequestSummary& summary) {
   const bool all =
       std::all_of(summary.reads.begin(), summary.reads.end(), [](bool b) { return b; });
   std::string out;
-  out.push_back(static_cast<char>((summary.can_share ? 1 : 0) | (all ? 2 : 0)));
+  const bool coop = summary.coop_waste > 0;
+  out.push_back(static_cast<char>((summary.can_share ? 1 : 0) | (all ? 2 : 0) | (coop ? 4 : 0)));
   PutU64(out, summary.plan_bytes);
+  if (coop) PutU64(out, summary.coop_waste);
   if (summary.can_share && !all) {
     std::string bits((summary.reads.size() + 7) / 8, '\0');
     for (size_t c = 0; c < summary.reads.size(); ++c) {
@@ -313,9 +315,10 @@ ReadRequestSummary DecodeReadRequestSummary(std::string_view bytes, size_t candi
   Cursor in(bytes, "the load request of rank " + std::to_string(rank));
   ReadRequestSummary s;
   const uint8_t flags = in.U8();
-  if (flags > 3) in.Fail("unknown flags");
+  if (flags > 7) in.Fail("unknown flags");
   s.can_share = (flags & 1) != 0;
   s.plan_bytes = in.U64();
+  if ((flags & 4) != 0) s.coop_waste = in.U64();
   if (s.can_share) {
     s.reads.assign(candidates, true);
     if ((flags & 2) == 0) {
@@ -394,6 +397,7 @@ std::string EncodeShareSchedule(const ShareSchedule& schedule) {
     PutU32(out, static_cast<uint32_t>(b.candidates.size()));
     for (int32_t c : b.candidates) PutU32(out, static_cast<uint32_t>(c));
   }
+  if (schedule.cooperative) out.push_back(1);  // absent: not cooperative
   return out;
 }
 
@@ -415,6 +419,11 @@ ShareSchedule DecodeShareSchedule(std::string_view bytes, size_t candidates) {
         in.Fail("names item " + std::to_string(v) + " of " + std::to_string(candidates));
       c = static_cast<int32_t>(v);
     }
+  }
+  if (in.left() > 0) {
+    const uint8_t coop = in.U8();
+    if (coop != 1) in.Fail("unknown cooperative flag");
+    s.cooperative = true;
   }
   in.End();
   return s;

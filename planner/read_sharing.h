@@ -59,6 +59,9 @@ struct ReadRequestSummary {
   bool can_share = false;   // it may read for others and receive from them
   uint64_t plan_bytes = 0;  // bytes its plan reads (all items, ReadItemBytes)
   std::vector<bool> reads;  // per candidate: its plan reads it whole
+  /// Cooperative reads (coop_reads.h): the bytes its partial reads would fetch beyond their
+  /// boxes, over the items worth a request (0: it does not take part in cooperative reads).
+  uint64_t coop_waste = 0;
 };
 /// A rank's summary: `items` from CandidateItems, the sizes from the metadata.
 ReadRequestSummary SummarizeRequest(const LoadPlan& plan, const std::vector<int32_t>& items,
@@ -78,6 +81,9 @@ struct ShareSchedule {
     uint64_t bytes = 0;
   };
   std::vector<Batch> batches;
+  /// The load reads cooperatively (coop_reads.h, ShouldCooperate): every rank runs its
+  /// collectives; otherwise none does.
+  bool cooperative = false;
 };
 /// Coordinator: share each candidate that at least two sharing ranks read (its bytes,
 /// `candidate_bytes`, non-zero and at most `max_batch_bytes`), with the same roots and batches
