@@ -100,6 +100,13 @@ struct LoadStats {
   uint64_t plan_bytes_sent = 0;
   /// Plan exchanges: 1, or 2 when the coordinator's planner or reader needed every plan.
   int plan_rounds = 0;
+  /// Cooperative reads (LoadOptions::read_once): rounds of bulk exchange this load ran (0: it
+  /// read cooperatively not at all), bytes this rank sent as an owner of stored items and
+  /// received from owners, and the read items those bytes completed here.
+  uint64_t coop_rounds = 0;
+  uint64_t coop_bytes_sent = 0;
+  uint64_t coop_bytes_received = 0;
+  uint64_t coop_items_received = 0;
 };
 
 /// What a save returns (the same metadata on every rank; stats are this rank's).

@@ -130,6 +130,11 @@ class Communicator {
   /// and receives each piece directly. (Declared last, like AllToAll.)
   virtual void ExchangeBytes(const std::vector<BulkSend>& sends,
                              const std::vector<BulkReceive>& receives, std::string_view what);
+  /// Whether AllToAll and ExchangeBytes go straight from each rank to each other (not through
+  /// size() Scatters): cooperative reads (LoadOptions::read_once) exchange bulk bytes between
+  /// ranks only then. Default false; PointToPointCommunicator (MPI, in-process) says true.
+  /// (Declared last, like AllToAll.)
+  virtual bool ExchangesDirectly() const { return false; }
 
  protected:
   /// Throw the poison error (a CollectiveError for `what`, naming this rank and the original
@@ -170,6 +175,7 @@ class PointToPointCommunicator : public Communicator {
                                     std::string_view what) override;
   uint64_t OpenOperation(std::string_view name, std::string_view target) override;
   void EndOperation() noexcept override { op_ = 0; }
+  bool ExchangesDirectly() const override { return true; }
   friend class Communicator;  // NotifyPeersOfPoison sends this class's notices
 
   /// Broadcast's extra wait per tree level for deadline `t`: min(t / 10, 1 s). A rank at depth

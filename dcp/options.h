@@ -59,6 +59,14 @@ struct LoadOptions {
   /// it). The reading rank is the least loaded of those that asked. Applies to ranks using the
   /// default planner; a rank with a custom planner reads all of its own items. Off: every rank
   /// reads everything it asked for. Either way every rank gets the same values.
+  /// It also turns on cooperative reads (read-and-scatter) where they pay: when ranks read
+  /// parts of stored items (a reshard) whose partial reads would fetch far more than their boxes
+  /// (a column block of a row-major chunk reads every row), the item's owner (a rank fixed by
+  /// the metadata, e.g. its writer) reads it once, verified, and sends each rank its rows in
+  /// rounds bounded by storage.memory_budget_bytes. Only on communicators that exchange bytes
+  /// directly (MPI, in-process; not NCCL) and readers with an item streamer (every built-in
+  /// format; zstd items are read by each rank as before). A load whose ranks read whole items
+  /// (same layout) runs no extra collective.
   bool read_once = true;
   /// Skip state dict keys the checkpoint lacks instead of failing (default planner only; a
   /// custom planner with it set is refused). PyTorch DCP's name; Lightning's `strict` is its

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <map>
 #include <string>
@@ -197,6 +198,25 @@ class StorageWriter {
   virtual std::vector<DataFile> TakeDataFiles() { return {}; }
 };
 
+/// Cooperative reads (planner/coop_reads.h): how the owner of a stored item reads it once,
+/// front to back, to scatter its parts. Used from the thread running the load, while no ReadData
+/// of the same reader is in progress.
+class ItemStreamer {
+ public:
+  virtual ~ItemStreamer() = default;
+  /// The raw bytes of tensor chunk `index` when this reader can stream it (resolving where it
+  /// lies, which may read an index), else 0 (a transformed item, an unknown one): its readers
+  /// then read it themselves. Errors as ReadData's for the indexes it reads.
+  virtual uint64_t StreamableLength(const MetadataIndex& index) = 0;
+  /// Read the item StreamableLength accepted in slabs of `slab_bytes` (the last may be shorter):
+  /// on_slab(offset in the item, bytes, n) once per slab, in order, the buffer valid only during
+  /// the call. The item's checksum (when verify_checksums and it has one) is checked before the
+  /// last slab is delivered: a mismatch throws CorruptionError naming the item and its file, and
+  /// the last slab is never delivered. Exceptions of on_slab propagate.
+  virtual void StreamItem(const MetadataIndex& index, uint64_t slab_bytes,
+                          const std::function<void(uint64_t, const char*, size_t)>& on_slab) = 0;
+};
+
 class StorageReader {
  public:
   virtual ~StorageReader() = default;
@@ -224,6 +244,10 @@ class StorageReader {
   /// at thousands of ranks, encoding it again takes seconds of the coordinator's time that every
   /// rank waits for. Declared last, like GlobalPlanChangesNothing.
   virtual std::string TakeEncodedMetadata() { return {}; }
+  /// After SetUp: this reader's item streamer for cooperative reads, owned by the reader and
+  /// valid until the next SetUp, or nullptr (the default) when it has none: its loads then read
+  /// no stored item for another rank. Declared last, like GlobalPlanChangesNothing.
+  virtual ItemStreamer* item_streamer() { return nullptr; }
 };
 
 }  // namespace dcp

@@ -4,11 +4,13 @@
 #include <optional>
 #include <string_view>
 
+#include "dcp/planner/coop_reads.h"
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/read_sharing.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
+#include "dcp/protocol/coop_read.h"
 #include "dcp/protocol/phase.h"
 #include "dcp/protocol/read_once.h"
 
@@ -95,6 +97,13 @@ class LoadOperation {
           candidates_ = ShareCandidates(md_);
           candidate_items_ = CandidateItems(local_, candidates_, md_);
           summary_ = SummarizeRequest(local_, candidate_items_, md_, can_share_);
+          // Cooperative reads pay only where partial reads fetch far more than their boxes; a
+          // rank reports how much more (enough of it to pass the bar, ShouldCooperate).
+          if (can_share_ && comm_.ExchangesDirectly() && reader_.item_streamer() != nullptr) {
+            summary_.coop_waste =
+                CoopWaste(local_, md_, CoopOwners(md_, size_), options_.storage.verify_checksums,
+                          std::max(kCoopMinWaste, summary_.plan_bytes / 16));
+          }
           return CountPlanMessage(TagString(Tag::kRequestSummary) +
                                   EncodeReadRequestSummary(summary_));
         },
@@ -108,6 +117,7 @@ class LoadOperation {
     const ShareSchedule schedule =
         DecodeShareSchedule(std::string_view(reply).substr(1), candidates_.size());
     batches_ = BatchesFor(schedule, summary_, candidate_items_, rank_);
+    cooperative_ = schedule.cooperative;
     central_ = std::move(local_);
   }
 
@@ -137,6 +147,7 @@ class LoadOperation {
     if (std::count_if(got.begin(), got.end(), [](const auto& g) { return g.can_share; }) > 1) {
       schedule = ScheduleCandidates(got, CandidateBytes(candidates_, md_),
                                     options_.storage.memory_budget_bytes);
+      schedule.cooperative = ShouldCooperate(got);
     }
     return {TagString(Tag::kShareSchedule) + EncodeShareSchedule(schedule)};
   }
@@ -184,16 +195,34 @@ class LoadOperation {
         comm_, "load/read",
         [&] {
           const LoadPlan plan = planner_.FinishPlan(std::move(central_));
+          // Cooperative reads first: what owners serve, this rank does not read itself. Its
+          // error waits until this rank has joined the collectives below.
+          CoopReadResult coop;
+          if (cooperative_) {
+            coop = ReadCooperatively(plan, md_, reader_, planner_, comm_, options_.storage, stats_);
+          }
+          std::function<bool(const ReadItem&)> skip;
+          if (!coop.served.empty()) {
+            skip = [&](const ReadItem& item) { return coop.served.count(CoopItemKey(item)) > 0; };
+          }
           if (batches_.empty()) {
             // Readers see plain items only: spans become one item per stored chunk here, a
             // bounded part at a time (each part's indexes are read before the next expands).
             ForEachExpandedPart(plan, md_, kMaxExpandedItems, [&](const LoadPlan& pieces) {
-              reader_.ReadData(pieces, planner_).get();
+              if (!skip) return reader_.ReadData(pieces, planner_).get();
+              LoadPlan rest;
+              rest.storage_data = pieces.storage_data;
+              rest.planner_data = pieces.planner_data;
+              for (const ReadItem& item : pieces.items) {
+                if (!skip(item)) rest.items.push_back(item);
+              }
+              if (!rest.items.empty()) reader_.ReadData(rest, planner_).get();
             });
           } else {
             ReadWithSharing(plan, md_, batches_, reader_, planner_, comm_,
-                            options_.storage.memory_budget_bytes, stats_);
+                            options_.storage.memory_budget_bytes, stats_, skip);
           }
+          if (coop.error) std::rethrow_exception(coop.error);
           return std::string();
         },
         [&](std::vector<std::string>) { return std::vector<std::string>(1); },
@@ -216,6 +245,7 @@ class LoadOperation {
   std::vector<int32_t> candidate_items_;   // which item of local_ reads each, or -1
   ReadRequestSummary summary_;
   std::vector<SharedReadBatch> batches_;
+  bool cooperative_ = false;  // the schedule says every rank reads cooperatively
   LoadStats stats_;
 };
 

@@ -171,7 +171,8 @@ void ReceiveBatch(const std::string& msg, const SharedReadBatch& batch, const Lo
 
 void ReadWithSharing(const LoadPlan& plan, const Metadata& md,
                      const std::vector<SharedReadBatch>& batches, StorageReader& reader,
-                     LoadPlanner& planner, Communicator& comm, uint64_t budget, LoadStats& stats) {
+                     LoadPlanner& planner, Communicator& comm, uint64_t budget, LoadStats& stats,
+                     const std::function<bool(const ReadItem&)>& served) {
   const int rank = comm.rank();
   std::vector<char> skip(plan.items.size(), 0);  // received, or read for others later
   std::vector<bool> early(batches.size(), false);
@@ -202,8 +203,16 @@ void ReadWithSharing(const LoadPlan& plan, const Metadata& md,
   };
   // Batches name plain items only; spans are expanded a bounded part at a time.
   auto read = [&](const LoadPlan& p) {
-    ForEachExpandedPart(p, md, kMaxExpandedItems,
-                        [&](const LoadPlan& part) { reader.ReadData(part, capture).get(); });
+    ForEachExpandedPart(p, md, kMaxExpandedItems, [&](const LoadPlan& part) {
+      if (!served) return reader.ReadData(part, capture).get();
+      LoadPlan rest;
+      rest.storage_data = part.storage_data;
+      rest.planner_data = part.planner_data;
+      for (const ReadItem& item : part.items) {
+        if (!served(item)) rest.items.push_back(item);
+      }
+      if (!rest.items.empty()) reader.ReadData(rest, capture).get();
+    });
   };
   std::exception_ptr error;
   try {

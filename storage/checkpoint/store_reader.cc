@@ -341,7 +341,10 @@ class StoreReader : public StorageReader {
       index_resolver_ = NewItemLocator(*store_, metadata);
       for (const DataFile& f : metadata.files) file_sizes_[f.name] = f.size;
     }
+    streamer_ = NewStoreItemStreamer(
+        {*store_, options_, metadata, index_resolver_.get(), resolved_, decoders_, file_sizes_});
   }
+  ItemStreamer* item_streamer() override { return streamer_.get(); }
 
   LoadPlan PrepareLocalPlan(LoadPlan plan) override { return plan; }
   std::vector<LoadPlan> PrepareGlobalPlan(std::vector<LoadPlan> plans) override { return plans; }
@@ -399,8 +402,7 @@ class StoreReader : public StorageReader {
     return files;
   }
 
-  // The load cut into tasks (see Split and ReadTask): split items piece by piece, runs of the
-  // others.
+  // The load cut into tasks (Split, ReadTask): split items piece by piece, runs of the others.
   // Pieces beyond what the readers take in parallel only cut a reader's stream: a remote store
   // keeps several requests in flight within one read (s3://: read_ahead_parts ranged GETs) and
   // drains them at every piece's end. A rank with one reader reads an item whole.
@@ -443,9 +445,8 @@ class StoreReader : public StorageReader {
     return work;
   }
 
-  // Whether an item is read in pieces: a whole raw tensor item larger than a piece, whose
-  // destination is contiguous. If so, *dst is that destination and *piece_bytes the piece size
-  // (kDevicePieceBytes for a device destination).
+  // Whether an item is read in pieces: a whole raw tensor item over a piece, its destination
+  // contiguous; then *dst is it and *piece_bytes the piece size (device: kDevicePieceBytes).
   bool IsSplit(LoadPlanner& planner, const ReadItem& item, const StorageInfo& info, TensorView* dst,
                uint64_t* piece_bytes) const {
     if (item.type == ReadItemType::kBytes || !info.transforms.empty() ||
@@ -986,6 +987,7 @@ class StoreReader : public StorageReader {
   std::unordered_map<std::string, uint64_t> file_sizes_;  // version 2: the file table's
   std::map<MetadataIndex, StorageInfo> resolved_;         // transformed items read as plain items
   std::vector<std::unique_ptr<ItemDecoder>> decoders_;    // this load's (SetUp)
+  std::unique_ptr<ItemStreamer> streamer_;                // cooperative reads (SetUp)
 };
 
 }  // namespace

@@ -321,30 +321,39 @@ TEST_CASE("reshard: strided and partial reads stay within the scratch bound",
   }));
   for (size_t scratch : {size_t{64}, size_t{4096}, size_t{100000}}) {
     for (bool verify_partial : {false, true}) {
-      DYNAMIC_SECTION("scratch " << scratch << " verify partial " << verify_partial) {
-        auto store = std::make_shared<CountingStore>(MakeMemStore(name));
-        std::vector<TensorView> dst(3);
-        RequireNoErrors(RunRanks(3, [&](int r, Communicator& comm) {
-          StorageOptions so;
-          so.max_scratch_bytes = scratch;
-          so.verify_partial_reads = verify_partial;
-          auto reader = MakeStoreReader(store, so);
-          auto [b, e] = RowRange(shape[1], r, 3);  // column shards: strided overlaps
-          dst[r] = Dest(DType::kFloat32, {shape[0], e - b}, r == 1);
-          StateDict sd;
-          sd.Set("w", ShardedTensor{DType::kFloat32, shape, {{dst[r], {0, b}}}});
-          LoadOptions lo;
-          lo.storage = so;
-          Load(sd, *reader, comm, lo);
-        }));
-        for (int r = 0; r < 3; ++r) {
-          auto [b, e] = RowRange(shape[1], r, 3);
-          CHECK(SameElements(dst[r], ref.Narrow({0, b}, {shape[0], e - b})));
+      for (bool coop : {false, true}) {
+        DYNAMIC_SECTION("scratch " << scratch << " verify partial " << verify_partial
+                                   << " cooperative " << coop) {
+          auto store = std::make_shared<CountingStore>(MakeMemStore(name));
+          std::vector<TensorView> dst(3);
+          RequireNoErrors(RunRanks(3, [&](int r, Communicator& comm) {
+            StorageOptions so;
+            so.max_scratch_bytes = scratch;
+            so.verify_partial_reads = verify_partial;
+            auto reader = MakeStoreReader(store, so);
+            auto [b, e] = RowRange(shape[1], r, 3);  // column shards: strided overlaps
+            dst[r] = Dest(DType::kFloat32, {shape[0], e - b}, r == 1);
+            StateDict sd;
+            sd.Set("w", ShardedTensor{DType::kFloat32, shape, {{dst[r], {0, b}}}});
+            LoadOptions lo;
+            lo.storage = so;
+            lo.read_once = coop;  // with it, each chunk's owner reads it once for all three
+            Load(sd, *reader, comm, lo);
+          }));
+          for (int r = 0; r < 3; ++r) {
+            auto [b, e] = RowRange(shape[1], r, 3);
+            CHECK(SameElements(dst[r], ref.Narrow({0, b}, {shape[0], e - b})));
+          }
+          // The metadata read is whole; every data read is bounded by the scratch size.
+          const size_t md_size = *MakeMemStore(name)->Size(kMetadataName);
+          CHECK(store->max_read <= std::max(scratch, md_size));
+          if (coop) {
+            // Cooperative: every stored byte once (the indexes travel in the metadata).
+            CHECK(store->total_read <= ref.nbytes() + ref.nbytes() / 20 + md_size);
+          } else if (verify_partial) {
+            CHECK(store->total_read >= 3 * ref.nbytes());
+          }
         }
-        // The metadata read is whole; every data read is bounded by the scratch size.
-        const size_t md_size = *MakeMemStore(name)->Size(kMetadataName);
-        CHECK(store->max_read <= std::max(scratch, md_size));
-        if (verify_partial) CHECK(store->total_read >= 3 * ref.nbytes());
       }
     }
   }
