@@ -234,7 +234,8 @@ class CountingCommunicator : public Communicator {
   Communicator& inner_;
 };
 
-std::shared_ptr<FaultInjectionStore> SaveRows(const std::string& bucket, uint32_t version = 2) {
+std::shared_ptr<FaultInjectionStore> SaveRows(const std::string& bucket, uint32_t version = 2,
+                                              CheckpointFormat format = CheckpointFormat::kDcp) {
   ClearMemStore(bucket);
   auto store = std::make_shared<FaultInjectionStore>(MakeMemStore(bucket));
   RegisterFaultScheme("coop", store);
@@ -250,6 +251,7 @@ std::shared_ptr<FaultInjectionStore> SaveRows(const std::string& bucket, uint32_
     }
     SaveOptions so;
     so.storage.metadata_version = version;
+    so.storage.format = format;
     Save(sd, "coop://x", comm, so);
   }));
   return store;
@@ -436,4 +438,23 @@ TEST_CASE("coop: an owner that cannot read fails every rank with the same error"
     Load(loaded[r].sd, "coop://x", comm);
   });
   CheckSameFailure(errors, "could not read the items it reads for this rank");
+}
+
+TEST_CASE("coop: PyTorch DCP and safetensors column loads read each record once",
+          "[coop][read-once][torch-dcp][safetensors]") {
+  for (CheckpointFormat format : {CheckpointFormat::kTorchDcp, CheckpointFormat::kSafetensors}) {
+    DYNAMIC_SECTION(CheckpointFormatName(format)) {
+      auto store = SaveRows("coop-format", 2, format);
+      const Run same = LoadColumns(*store, 4, LoadOptions{}, /*columns=*/false);
+      LoadOptions off;
+      off.read_once = false;
+      const Run alone = LoadColumns(*store, 4, off);
+      const Run coop = LoadColumns(*store, 4, LoadOptions{});
+      INFO("same layout " << same.bytes << ", columns alone " << alone.bytes << ", cooperative "
+                          << coop.bytes);
+      CHECK(alone.bytes >= 2 * StoredBytes());
+      CHECK(coop.bytes <= same.bytes + StoredBytes() / 20);
+      CHECK(coop.stats[0].coop_rounds > 0);
+    }
+  }
 }
