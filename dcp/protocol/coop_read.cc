@@ -1,9 +1,13 @@
 #include "dcp/protocol/coop_read.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <mutex>
 #include <optional>
+#include <thread>
 
 #include "dcp/planner/coop_reads.h"
 #include "dcp/proto/error.h"
@@ -33,6 +37,74 @@ struct PieceRef {
   bool operator<(const PieceRef& o) const {
     return std::tie(peer, request, piece) < std::tie(o.peer, o.request, o.piece);
   }
+};
+
+// A slab of scattered item number `item` at byte `offset`, read ahead.
+struct QueuedSlab {
+  size_t item = 0;
+  uint64_t offset = 0;
+  std::string bytes;
+};
+
+// The owner's read-ahead: at most kDepth slabs wait (memory: kDepth slabs of a round's bytes
+// each, within the budget's share of CoopRoundBytes), buffers recycled.
+class SlabQueue {
+ public:
+  static constexpr size_t kDepth = 2;
+  // Producer: a buffer to fill (recycled when one is free).
+  std::string Spare() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (spare_.empty()) return {};
+    std::string s = std::move(spare_.back());
+    spare_.pop_back();
+    return s;
+  }
+  // Producer: false once the consumer gave up.
+  bool Push(QueuedSlab slab) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return cancelled_ || slabs_.size() < kDepth; });
+    if (cancelled_) return false;
+    slabs_.push_back(std::move(slab));
+    cv_.notify_all();
+    return true;
+  }
+  void Finish(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    error_ = error;
+    cv_.notify_all();
+  }
+  // Consumer: the next slab, or nullopt once the producer finished.
+  std::optional<QueuedSlab> Pop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return done_ || !slabs_.empty(); });
+    if (slabs_.empty()) return std::nullopt;
+    QueuedSlab s = std::move(slabs_.front());
+    slabs_.pop_front();
+    cv_.notify_all();
+    return s;
+  }
+  void Recycle(std::string bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (spare_.size() <= kDepth) spare_.push_back(std::move(bytes));
+  }
+  void RethrowError() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_) std::rethrow_exception(error_);
+  }
+  void Cancel() {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancelled_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<QueuedSlab> slabs_;
+  std::vector<std::string> spare_;
+  bool done_ = false, cancelled_ = false;
+  std::exception_ptr error_;
 };
 
 class CoopRead {
@@ -160,9 +232,12 @@ class CoopRead {
             PartialReadCost(sizes, esize, r.box_off, r.box_len, options_.verify_checksums));
       }
       if (streamer_ == nullptr || !ShouldScatter(bytes, costs)) continue;
+      s.row_bytes = bytes / static_cast<uint64_t>(sizes[0]);
+      // A slab is whole rows: a row over a round's bytes would hold more than the budget allows,
+      // so such items are read by each rank as before.
+      if (s.row_bytes > round_bytes_) continue;
       s.index = {*s.item.fqn, s.item.chunk.offsets, static_cast<int32_t>(s.item.ordinal)};
       if (streamer_->StreamableLength(s.index) != bytes) continue;
-      s.row_bytes = bytes / static_cast<uint64_t>(sizes[0]);
       s.slabs = CutSlabs(sizes[0], s.row_bytes, round_bytes_, &round, &used);
       for (const auto& [p, i] : s.members) {
         const CoopRequest& r = theirs_[p][i];
@@ -232,71 +307,106 @@ class CoopRead {
     packed_.assign(rounds_, {});
   }
 
-  // 4. The owner streams its items; each slab's pieces are packed for their round, and a round
-  // is exchanged once the owner's stream has passed it. Rounds left over (an owner with fewer
-  // rounds, or none, or one that failed) are exchanged after.
+  // 4. The owner streams its items on a helper thread, a slab or two ahead, while this thread
+  // packs each slab's pieces for their round and exchanges a round once the stream has passed it
+  // (so the next slab is read while a round crosses the communicator). Rounds left over (an
+  // owner with fewer rounds, or none, or one that failed) are exchanged after.
   void Exchange() {
     bool failed = result_.error != nullptr;
-    for (const Scatter& s : scatters_) {
-      if (failed) break;
+    if (!failed && !scatters_.empty()) {
+      SlabQueue queue;
+      std::thread ahead([&] { ReadAhead(queue); });
+      std::vector<std::vector<size_t>> cursors(scatters_.size());
+      for (size_t k = 0; k < scatters_.size(); ++k)
+        cursors[k].assign(scatters_[k].members.size(), 0);
       try {
-        Stream(s);
+        while (std::optional<QueuedSlab> slab = queue.Pop()) {
+          Place(scatters_[slab->item], slab->offset, slab->bytes, cursors[slab->item]);
+          queue.Recycle(std::move(slab->bytes));
+        }
+        queue.RethrowError();
       } catch (...) {
         Fail();
         failed = true;
+        queue.Cancel();
       }
+      ahead.join();
     }
     owner_failed_ = owner_failed_ || failed;
     while (next_round_ < rounds_) RunRound();
   }
 
-  void Stream(const Scatter& s) {
+  static uint64_t SlabBytes(const Scatter& s) {
+    return static_cast<uint64_t>(s.slabs[0].row_end - s.slabs[0].row_begin) * s.row_bytes;
+  }
+
+  // The helper thread: every scattered item, slab by slab, into `queue`. The streamer checks an
+  // item's checksum before its last slab, so a bad item's last slab never reaches the queue.
+  void ReadAhead(SlabQueue& queue) {
+    struct Cancelled {};
+    try {
+      for (size_t k = 0; k < scatters_.size(); ++k) {
+        streamer_->StreamItem(scatters_[k].index, SlabBytes(scatters_[k]),
+                              [&](uint64_t offset, const char* data, size_t n) {
+                                std::string bytes = queue.Spare();
+                                bytes.assign(data, n);
+                                if (!queue.Push({k, offset, std::move(bytes)})) throw Cancelled{};
+                              });
+      }
+      queue.Finish(nullptr);
+    } catch (const Cancelled&) {
+      queue.Finish(nullptr);
+    } catch (...) {
+      queue.Finish(std::current_exception());
+    }
+  }
+
+  // One slab of `s` at byte `offset` of the item: its rows of every granted box, packed for
+  // their round (or, for this rank's own boxes, placed), rounds before it exchanged first.
+  void Place(const Scatter& s, uint64_t offset, const std::string& bytes,
+             std::vector<size_t>& cursor) {
     const Shape& sizes = s.item.chunk.sizes;
     const DType dtype = s.item.tensor->dtype;
-    const int64_t slab_rows = s.slabs[0].row_end - s.slabs[0].row_begin;
-    const uint64_t slab_bytes = static_cast<uint64_t>(slab_rows) * s.row_bytes;
-    std::vector<size_t> cursor(s.members.size(), 0);
-    streamer_->StreamItem(s.index, slab_bytes, [&](uint64_t offset, const char* data, size_t n) {
-      const size_t j = static_cast<size_t>(offset / slab_bytes);
-      if (j >= s.slabs.size() || offset % slab_bytes != 0) {
-        throw InternalError("cooperative read: a slab out of place");
+    const uint64_t slab_bytes = SlabBytes(s);
+    const size_t j = static_cast<size_t>(offset / slab_bytes);
+    if (j >= s.slabs.size() || offset % slab_bytes != 0) {
+      throw InternalError("cooperative read: a slab out of place");
+    }
+    const CoopPiece& slab = s.slabs[j];
+    const int64_t rows = slab.row_end - slab.row_begin;
+    if (bytes.size() != static_cast<uint64_t>(rows) * s.row_bytes) {
+      throw InternalError("cooperative read: a slab of another size");
+    }
+    while (next_round_ < slab.round) RunRound();
+    Shape slab_shape = sizes;
+    slab_shape[0] = rows;
+    const TensorView src =
+        TensorView::FromContiguous(const_cast<char*>(bytes.data()), dtype, slab_shape);
+    for (size_t m = 0; m < s.members.size(); ++m) {
+      const auto [p, i] = s.members[m];
+      const CoopGrant& g = grants_out_[p][i];
+      if (cursor[m] >= g.pieces.size() || g.pieces[cursor[m]].row_begin >= slab.row_end) continue;
+      const CoopPiece& piece = g.pieces[cursor[m]];
+      const CoopRequest& r = theirs_[p][i];
+      Shape off = r.box_off, len = r.box_len;
+      off[0] = piece.row_begin - slab.row_begin;
+      len[0] = piece.row_end - piece.row_begin;
+      const TensorView part = src.Narrow(off, len);
+      if (p == rank_) {
+        CopyTensor(Destination(i).Narrow(RowOffsets(len, piece.row_begin - r.box_off[0]), len),
+                   part);
+      } else {
+        std::string& buf = packed_[piece.round][PieceRef{p, i, cursor[m]}];
+        buf.resize(CoopPieceBytes(r.box_len, ElementSize(dtype), len[0]));
+        CopyTensor(TensorView::FromContiguous(buf.data(), dtype, len), part);
       }
-      const CoopPiece& slab = s.slabs[j];
-      const int64_t rows = slab.row_end - slab.row_begin;
-      if (n != static_cast<uint64_t>(rows) * s.row_bytes) {
-        throw InternalError("cooperative read: a slab of another size");
+      ++cursor[m];
+    }
+    if (j + 1 == s.slabs.size()) {  // verified: the owner's own boxes are complete
+      for (const auto& [p, i] : s.members) {
+        if (p == rank_) planner_.CommitTensor(asks_[asks_by_owner_[rank_][i]].item, Destination(i));
       }
-      while (next_round_ < slab.round) RunRound();
-      Shape slab_shape = sizes;
-      slab_shape[0] = rows;
-      const TensorView src = TensorView::FromContiguous(const_cast<char*>(data), dtype, slab_shape);
-      for (size_t m = 0; m < s.members.size(); ++m) {
-        const auto [p, i] = s.members[m];
-        const CoopGrant& g = grants_out_[p][i];
-        if (cursor[m] >= g.pieces.size() || g.pieces[cursor[m]].row_begin >= slab.row_end) continue;
-        const CoopPiece& piece = g.pieces[cursor[m]];
-        const CoopRequest& r = theirs_[p][i];
-        Shape off = r.box_off, len = r.box_len;
-        off[0] = piece.row_begin - slab.row_begin;
-        len[0] = piece.row_end - piece.row_begin;
-        const TensorView part = src.Narrow(off, len);
-        if (p == rank_) {
-          CopyTensor(Destination(i).Narrow(RowOffsets(len, piece.row_begin - r.box_off[0]), len),
-                     part);
-        } else {
-          std::string& buf = packed_[piece.round][PieceRef{p, i, cursor[m]}];
-          buf.resize(CoopPieceBytes(r.box_len, ElementSize(dtype), len[0]));
-          CopyTensor(TensorView::FromContiguous(buf.data(), dtype, len), part);
-        }
-        ++cursor[m];
-      }
-      if (j + 1 == s.slabs.size()) {  // verified: the owner's own boxes are complete
-        for (const auto& [p, i] : s.members) {
-          if (p == rank_)
-            planner_.CommitTensor(asks_[asks_by_owner_[rank_][i]].item, Destination(i));
-        }
-      }
-    });
+    }
   }
 
   static Shape RowOffsets(const Shape& len, int64_t row) {
