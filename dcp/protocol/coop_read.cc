@@ -123,10 +123,16 @@ class CoopRead {
         round_bytes_(CoopRoundBytes(options.memory_budget_bytes)) {}
 
   CoopReadResult Run() {
-    Ask();
-    Grant();
-    AgreeOnRounds();
-    Exchange();
+    try {
+      Ask();
+      Grant();
+      AgreeOnRounds();
+      Exchange();
+    } catch (...) {
+      // A collective failed: the communicator is poisoned, so every rank fails this load; what
+      // was granted stays unread here, and nothing of it was committed.
+      Fail();
+    }
     return std::move(result_);
   }
 
