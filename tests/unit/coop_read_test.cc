@@ -226,8 +226,9 @@ class CountingCommunicator : public Communicator {
     Count(w);
     inner_.ExchangeBytes(s, r, w);
   }
-  bool ExchangesDirectly() const override { return inner_.ExchangesDirectly(); }
+  bool ExchangesDirectly() const override { return direct && inner_.ExchangesDirectly(); }
   int coop = 0;
+  bool direct = true;  // false: as NcclCommunicator, no direct AllToAll or ExchangeBytes
 
  private:
   void Count(std::string_view w) { coop += w.substr(0, 10) == "load/coop-"; }
@@ -290,7 +291,8 @@ struct Run {
   std::vector<LoadStats> stats;
   std::vector<int> coop_collectives;
 };
-Run LoadColumns(FaultInjectionStore& store, int world, LoadOptions lo, bool columns = true) {
+Run LoadColumns(FaultInjectionStore& store, int world, LoadOptions lo, bool columns = true,
+                bool direct = true) {
   store.Reset();
   Run run;
   run.stats.resize(world);
@@ -299,6 +301,7 @@ Run LoadColumns(FaultInjectionStore& store, int world, LoadOptions lo, bool colu
   RequireNoErrors(RunRanks(world, [&](int r, Communicator& comm) {
     loaded[r] = ColumnState(r, world, columns);
     CountingCommunicator counting(comm);
+    counting.direct = direct;
     run.stats[r] = Load(loaded[r].sd, "coop://x", counting, lo).stats;
     run.coop_collectives[r] = counting.coop;
   }));
@@ -359,6 +362,11 @@ TEST_CASE("coop: a 4-rank rows-to-columns reshard reads each stored byte once",
     const Run small = LoadColumns(*store, 4, tiny);
     CHECK(small.stats[0].coop_rounds > 4 * coop.stats[0].coop_rounds);
     CHECK(small.bytes == coop.bytes);
+  }
+  SECTION("a communicator without a direct exchange (NCCL) reads as before") {
+    const Run nccl = LoadColumns(*store, 4, LoadOptions{}, true, /*direct=*/false);
+    for (int n : nccl.coop_collectives) CHECK(n == 0);
+    CHECK(nccl.bytes == alone.bytes);
   }
   SECTION("checksums off: the same single read") {
     LoadOptions unchecked;
