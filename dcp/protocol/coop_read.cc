@@ -11,6 +11,7 @@
 
 #include "dcp/planner/coop_reads.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/staging.h"
 
 namespace dcp::protocol {
 
@@ -310,7 +311,6 @@ class CoopRead {
     }
     for (auto& r : out_) std::sort(r.begin(), r.end());
     for (auto& r : in_) std::sort(r.begin(), r.end());
-    packed_.assign(rounds_, {});
   }
 
   // 4. The owner streams its items on a helper thread, a slab or two ahead, while this thread
@@ -402,9 +402,8 @@ class CoopRead {
         CopyTensor(Destination(i).Narrow(RowOffsets(len, piece.row_begin - r.box_off[0]), len),
                    part);
       } else {
-        std::string& buf = packed_[piece.round][PieceRef{p, i, cursor[m]}];
-        buf.resize(CoopPieceBytes(r.box_len, ElementSize(dtype), len[0]));
-        CopyTensor(TensorView::FromContiguous(buf.data(), dtype, len), part);
+        CopyTensor(TensorView::FromContiguous(OutPiece(piece.round, {p, i, cursor[m]}), dtype, len),
+                   part);
       }
       ++cursor[m];
     }
@@ -438,37 +437,37 @@ class CoopRead {
     const uint64_t status = owner_failed_ ? 1 : 0;
     char status_bytes[kStatusBytes];
     std::memcpy(status_bytes, &status, kStatusBytes);
-    auto& packed = packed_[t];
+    LayOut(t);
     size_t at = 0;
     for (int p = 0; p < world_; ++p) {
       if (!out_status_[t][p]) continue;
       sends.push_back({p, status_bytes, kStatusBytes});
+      // A failed owner still sends every piece (as its buffer holds it) so that sizes agree.
       for (; at < out_[t].size() && out_[t][at].peer == p; ++at) {
-        const PieceRef& ref = out_[t][at];
-        const CoopRequest& r = theirs_[p][ref.request];
-        // A failed owner still sends every piece (zeros) so that the sizes agree.
-        const CoopPiece& piece = grants_out_[p][ref.request].pieces[ref.piece];
-        std::string& buf = packed[ref];
-        buf.resize(
-            CoopPieceBytes(r.box_len, esize_out_[p][ref.request], piece.row_end - piece.row_begin));
-        sends.push_back({p, buf.data(), buf.size()});
-        if (!owner_failed_) stats_.coop_bytes_sent += buf.size();
+        const size_t n = out_at_[at + 1] - out_at_[at];
+        sends.push_back({p, out_arena_.data() + out_at_[at], n});
+        if (!owner_failed_) stats_.coop_bytes_sent += n;
       }
     }
-    std::vector<std::string> staged(in_[t].size());
+    // What this rank receives lands in one pooled buffer, carved in the order of in_[t].
+    std::vector<uint64_t> in_at(in_[t].size() + 1, 0);
+    for (size_t k = 0; k < in_[t].size(); ++k) {
+      const PieceRef& ref = in_[t][k];
+      const ReadItem& item = asks_[asks_by_owner_[ref.peer][ref.request]].item;
+      const CoopPiece& piece = grants_in_[ref.peer][ref.request].pieces[ref.piece];
+      const size_t esize =
+          ElementSize(std::get<TensorMetadata>(md_.entries.at(item.storage_index.fqn)).dtype);
+      in_at[k + 1] =
+          in_at[k] + CoopPieceBytes(item.lengths, esize, piece.row_end - piece.row_begin);
+    }
+    in_arena_.Reserve(static_cast<size_t>(in_at.back()));
     std::vector<uint64_t> got_status(world_, 0);
     at = 0;
     for (int o = 0; o < world_; ++o) {
       if (!in_status_[t][o]) continue;
       receives.push_back({o, reinterpret_cast<char*>(&got_status[o]), kStatusBytes});
       for (; at < in_[t].size() && in_[t][at].peer == o; ++at) {
-        const PieceRef& ref = in_[t][at];
-        const ReadItem& item = asks_[asks_by_owner_[o][ref.request]].item;
-        const CoopPiece& piece = grants_in_[o][ref.request].pieces[ref.piece];
-        const size_t esize =
-            ElementSize(std::get<TensorMetadata>(md_.entries.at(item.storage_index.fqn)).dtype);
-        staged[at].resize(CoopPieceBytes(item.lengths, esize, piece.row_end - piece.row_begin));
-        receives.push_back({o, staged[at].data(), staged[at].size()});
+        receives.push_back({o, in_arena_.data() + in_at[at], in_at[at + 1] - in_at[at]});
       }
     }
     if (comm_broken_) return;
@@ -479,12 +478,35 @@ class CoopRead {
       comm_broken_ = true;
       return;
     }
-    packed_[t].clear();
-    Land(t, staged, got_status);
+    Land(t, in_at, got_status);
+  }
+
+  // Round t's outgoing pieces in one pooled buffer, carved in the order of out_[t] (the order
+  // they are sent in): out_at_[k] is where piece k starts. Only one round is filled at a time.
+  void LayOut(uint32_t t) {
+    if (laid_out_ == t) return;
+    laid_out_ = t;
+    out_at_.assign(out_[t].size() + 1, 0);
+    for (size_t k = 0; k < out_[t].size(); ++k) {
+      const PieceRef& ref = out_[t][k];
+      const CoopPiece& piece = grants_out_[ref.peer][ref.request].pieces[ref.piece];
+      out_at_[k + 1] = out_at_[k] + CoopPieceBytes(theirs_[ref.peer][ref.request].box_len,
+                                                   esize_out_[ref.peer][ref.request],
+                                                   piece.row_end - piece.row_begin);
+    }
+    out_arena_.Reserve(static_cast<size_t>(out_at_.back()));
+  }
+
+  char* OutPiece(uint32_t t, const PieceRef& ref) {
+    LayOut(t);
+    const auto it = std::lower_bound(out_[t].begin(), out_[t].end(), ref);
+    if (it == out_[t].end() || ref < *it)
+      throw InternalError("cooperative read: an ungranted piece");
+    return out_arena_.data() + out_at_[static_cast<size_t>(it - out_[t].begin())];
   }
 
   // Place what round t brought; commit each box whose item's last slab came with a good status.
-  void Land(uint32_t t, std::vector<std::string>& staged, const std::vector<uint64_t>& status) {
+  void Land(uint32_t t, const std::vector<uint64_t>& in_at, const std::vector<uint64_t>& status) {
     for (int o = 0; o < world_; ++o) {
       if (in_status_[t][o] && status[o] != 0 && !owner_reported_[o]) {
         owner_reported_[o] = true;
@@ -507,14 +529,14 @@ class CoopRead {
         Shape len = item.lengths;
         len[0] = piece.row_end - piece.row_begin;
         const TensorView dst = Destination(ref.request, ref.peer);
-        const TensorView src = TensorView::FromContiguous(staged[at].data(), dst.dtype, len);
+        const TensorView src =
+            TensorView::FromContiguous(in_arena_.data() + in_at[at], dst.dtype, len);
         CopyTensor(dst.Narrow(RowOffsets(len, piece.row_begin - item.storage_offsets[0]), len),
                    src);
-        stats_.coop_bytes_received += staged[at].size();
+        stats_.coop_bytes_received += in_at[at + 1] - in_at[at];
       } catch (...) {
         Fail();
       }
-      std::string().swap(staged[at]);
     }
     for (int o = 0; o < world_; ++o) {
       if (o == rank_ || !in_status_[t][o] || status[o] != 0) continue;
@@ -562,8 +584,10 @@ class CoopRead {
   uint32_t own_rounds_ = 0, rounds_ = 0, next_round_ = 0;
   std::vector<std::vector<PieceRef>> out_, in_;            // per round, sorted
   std::vector<std::vector<char>> out_status_, in_status_;  // per round, per peer
-  std::vector<std::map<PieceRef, std::string>> packed_;    // per round: pieces ready to send
-  std::map<size_t, TensorView> landed_;                    // ask -> its destination
+  HostBuffer out_arena_, in_arena_;                        // pooled: a round's pieces out, and in
+  std::vector<uint64_t> out_at_;  // where each piece of out_[laid_out_] starts, and the end
+  uint32_t laid_out_ = UINT32_MAX;
+  std::map<size_t, TensorView> landed_;  // ask -> its destination
   std::map<int, bool> owner_reported_;
   bool owner_failed_ = false;
   bool comm_broken_ = false;
