@@ -112,11 +112,17 @@ std::vector<std::string> Communicator::AllToAll(std::vector<std::string> message
 void Communicator::ExchangeBytes(const std::vector<BulkSend>& sends,
                                  const std::vector<BulkReceive>& receives, std::string_view what) {
   std::vector<std::string> messages(size());
+  std::vector<size_t> total(size(), 0);
   for (const auto& s : sends) {
     if (s.peer < 0 || s.peer >= size()) {
       throw InvalidArgumentError("bulk exchange '" + std::string(what) + "': no rank " +
                                  std::to_string(s.peer));
     }
+    total[s.peer] += s.size;
+  }
+  // Each message is sized once: growing it piece by piece would copy (and fault in) it again.
+  for (int peer = 0; peer < size(); ++peer) messages[peer].reserve(total[peer]);
+  for (const auto& s : sends) {
     if (s.size > 0) messages[s.peer].append(s.data, s.size);  // an empty piece may have no data
   }
   auto got = AllToAll(std::move(messages), what);
