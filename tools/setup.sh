@@ -210,7 +210,7 @@ case "$mode" in
         -DDCP_WITH_TORCH=OFF -DDCP_WITH_MPI=OFF -DDCP_WITH_CUDA=OFF -DDCP_BUILD_TOOLS=OFF
     fi
     log "building $tsan"
-    cmake --build "$tsan" -j "$jobs" --target dcp_unit_tests
+    cmake --build "$tsan" -j "$jobs" --target dcp_unit_tests dcp_tier_user_check
     cd "$tsan"
     log "without s3://: the s3 tests report skipped"
     ctest --output-on-failure -j "$jobs" -L unit -R 's3|sigv4|xml'
