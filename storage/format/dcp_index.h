@@ -73,16 +73,24 @@ class FileIndexResolver : public ItemLocator {
   std::vector<Located> items_;
 };
 
+/// Version 2: where the items of data file `f` end: its block table's start (or its index's,
+/// without a table). Its index lists no item past it (DecodeFileIndex checks this).
+uint64_t DataEnd(const DataFile& f);
+
 /// Version 2: read and decode the index of data file `f` in `store`, checking its CRC32C.
 std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f);
 
 /// Version 2: append the index of data file `name` to `out`, after the file's last item, so that
 /// it is in the file when the file appears; `results` describe the file's items (each needs its
-/// chunk ordinal, MetadataIndex::index, which the coordinator's plan gives). Returns the file's
-/// entry for the metadata's file table: written by `rank`, its size, where its index lies, and the
-/// index bytes as index_copy. InvalidArgumentError for an item without a chunk ordinal;
-/// InternalError for a transform an index cannot record (anything but one zstd).
+/// chunk ordinal, MetadataIndex::index, which the coordinator's plan gives). With `block_bytes`
+/// (a power of two, StorageOptions::checksum_block_bytes) the file's block table goes first,
+/// from the items' StorageInfo::block_crc32c. Returns the file's entry for the metadata's file
+/// table: written by `rank`, its size, where its block table and index lie, and the index bytes
+/// as index_copy. InvalidArgumentError for an item without a chunk ordinal; InternalError for a
+/// transform an index cannot record (anything but one zstd) or an item whose block CRCs do not
+/// fit its length.
 DataFile AppendFileIndex(WritableObject& out, const std::string& name,
-                         const std::vector<WriteResult>& results, int32_t rank);
+                         const std::vector<WriteResult>& results, int32_t rank,
+                         uint64_t block_bytes);
 
 }  // namespace dcp
