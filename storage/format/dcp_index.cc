@@ -237,6 +237,7 @@ void FileIndexResolver::Resolve(Store& store, Metadata& md, bool tolerate_lost_f
   std::vector<int32_t> writers;
   for (const auto& [w, files] : resolver.files_by_writer_) writers.push_back(w);
   resolver.LoadWriters(writers, tolerate_lost_files);
+  resolver.CheckBlockTables();
   std::map<MetadataIndex, StorageInfo> storage;
   size_t wanted = 0;
   for (const auto& [fqn, entry] : md.entries) {
