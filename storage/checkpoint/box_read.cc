@@ -157,7 +157,7 @@ void BlockVerifier::Feed(const char* p, size_t n) {
 void BlockVerifier::Slack(uint64_t from, uint64_t to) {
   if (from >= to) return;
   const size_t step = static_cast<size_t>(std::min<uint64_t>(slack_step_, block_));
-  if (!slack_) slack_ = std::make_unique<char[]>(step);
+  if (!slack_) slack_.reset(new char[step]);  // not zeroed: every byte is read into first
   while (from < to) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(step, to - from));
     in_.ReadAt(info_.offset + from, slack_.get(), n);
