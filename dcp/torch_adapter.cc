@@ -575,7 +575,7 @@ void AddAdamGroupTorch2(torch::optim::Optimizer& opt, size_t g, Torch2Group& t, 
   const bool built_amsgrad = get()->amsgrad();
   t.Add(
       "amsgrad", [get] { return pickle::Bool(get()->amsgrad()); },
-      [get, built_amsgrad](const pickle::Value& v, const std::string& k) {
+      [built_amsgrad](const pickle::Value& v, const std::string& k) {
         const bool a = BoolOf(v, k);
         if (a != built_amsgrad) {
           throw InvalidArgumentError(

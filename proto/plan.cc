@@ -14,7 +14,7 @@ std::string MetadataIndex::ToString() const {
 uint64_t Metadata::TotalStoredBytes() const {
   uint64_t total = 0;
   if (!files.empty()) {
-    for (const auto& f : files) total += f.index_offset;
+    for (const auto& f : files) total += f.index_offset - f.block_table_length;
     return total;
   }
   for (const auto& [index, info] : storage) total += info.length;

@@ -110,6 +110,19 @@ struct StorageInfo {
   /// Instead of crc32c, for a torch.save record's storage read as a plain item: the CRC-32 its
   /// zip entry stores (set by the reader, never encoded).
   std::optional<uint32_t> zip_crc32;
+  /// Version 2, read side: the CRC32C of each block of 2^log2 bytes of a raw item (the last
+  /// one may be shorter), from its data file's block table (set by the reader, never encoded).
+  /// `crcs` points into the reader's storage, valid while its load lasts. log2 == 0: the item
+  /// has no block CRCs; count == 0 with log2 set: the item is at most one block long and its
+  /// crc32c is that block's.
+  struct Blocks {
+    const uint32_t* crcs = nullptr;
+    uint32_t count = 0;
+    uint8_t log2 = 0;
+  } blocks;
+  /// Write side: the CRC32C of each block of a raw item longer than one block, as the encoder
+  /// computed them (never encoded; the data file's block table records them).
+  std::vector<uint32_t> block_crc32c;
 };
 
 /// The checksum `info` stores for its bytes: the zip CRC-32 of a torch.save record's storage, else
@@ -218,6 +231,11 @@ struct DataFile {
   /// The index's bytes when the metadata carries a copy (small checkpoints: a load then reads no
   /// index); empty: the index is read from the file. Validated against the two fields above.
   std::string index_copy;
+  /// The block table (docs/FORMAT.md): [block_table_offset, +block_table_length), just before
+  /// the index, with its CRC32C; length 0: the file has none (its items verify whole only).
+  uint64_t block_table_offset = 0;
+  uint64_t block_table_length = 0;
+  uint32_t block_table_crc32c = 0;
   bool operator==(const DataFile&) const = default;
 };
 
@@ -239,7 +257,8 @@ struct Metadata {
   std::map<std::string, KeyPath> key_paths;  // fqn -> nesting
   std::map<std::string, std::string> planner_data;
 
-  /// Total stored bytes over all items (version 2: the data files' bytes before their indexes).
+  /// Total stored bytes over all items (version 2: the data files' bytes before their block
+  /// tables and indexes).
   uint64_t TotalStoredBytes() const;
   /// The names of the data files the checkpoint references.
   std::set<std::string> DataFileNames() const;

@@ -68,10 +68,18 @@ struct StorageOptions {
   /// whole-tensor or whole-checkpoint buffer.
   size_t max_scratch_bytes = 32 << 20;
   /// A read that covers only part of a stored item cannot check the item's CRC32C from the
-  /// bytes it needs. With this set (and verify_checksums), the reader also streams the whole
-  /// stored item through the scratch buffer once per rank to verify it (extra I/O, bounded
-  /// memory); without it, partial reads are not verified. Whole-item reads are always verified.
+  /// bytes it needs. With this set (and verify_checksums), a partial read of an item with block
+  /// CRCs (checksum_block_bytes) verifies the blocks it touches, reading at most a block more at
+  /// each end of each contiguous run; one of an item without them streams the whole stored item
+  /// through the scratch buffer once per rank to verify it (extra I/O, bounded memory). Without
+  /// it, partial reads are not verified. Whole-item reads are always verified.
   bool verify_partial_reads = true;
+  /// Writers of the dcp format, metadata version 2: the block size of the per-block CRC32Cs each
+  /// data file records for its raw items longer than one block (its block table,
+  /// docs/FORMAT.md), computed in the same pass as the item's CRC32C. A power of two from 4 KiB
+  /// to 1 GiB (InvalidArgumentError otherwise); 0 writes no table, and partial reads of the
+  /// checkpoint then verify whole items (verify_partial_reads). Readers ignore it.
+  uint64_t checksum_block_bytes = uint64_t{1} << 20;
   /// Peak extra host memory one rank's save or load may use for staging (bytes). Each
   /// concurrent writer (one per data file) costs up to kWriterStagingBytes: a store's write
   /// buffers (file://: 2 x 16 MiB), a 16 MiB gather buffer for strided tensors and 2 x 16 MiB

@@ -92,6 +92,21 @@ uint64_t StatusKiB(const char* key) {
 uint64_t RssBytes() { return StatusKiB("VmRSS:") << 10; }
 uint64_t PeakRssBytes() { return StatusKiB("VmHWM:") << 10; }
 
+uint64_t ReadCallBytes() {
+  std::FILE* f = std::fopen("/proc/self/io", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  uint64_t bytes = 0;
+  while (std::fgets(line, sizeof line, f)) {
+    if (std::strncmp(line, "rchar:", 6) == 0) {
+      bytes = std::strtoull(line + 6, nullptr, 10);
+      break;
+    }
+  }
+  std::fclose(f);
+  return bytes;
+}
+
 void Die(const std::string& what) {
   std::fprintf(stderr, "%s: %s\n", what.c_str(), std::strerror(errno));
   std::exit(1);

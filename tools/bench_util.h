@@ -37,6 +37,9 @@ std::vector<std::string> FilesUnder(const std::string& dir);
 bool ResetPeakRss();
 uint64_t RssBytes();
 uint64_t PeakRssBytes();
+/// Bytes this process has asked read(2)/pread(2) for so far, page cache or not (/proc/self/io
+/// rchar: every thread's, an InProcessGroup's ranks included); 0 where unavailable.
+uint64_t ReadCallBytes();
 
 /// Print "<tool>: <what>: strerror(errno)" and exit(1).
 [[noreturn]] void Die(const std::string& what);

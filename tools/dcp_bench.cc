@@ -6,12 +6,15 @@
 //     raw cold (page cache dropped) and warm reads into preallocated memory; dcp save (fsync) and
 //     cold/warm load through file:// at 1 rank (the state in one process) and at 4 ranks (an
 //     InProcessGroup: 4 threads, every tensor row-sharded so each rank saves and loads its
-//     quarter); LibTorch torch::save (+fsync) and cold/warm torch::load, run by the peer program
-//     EXE (default: dcp-bench-torch-peer next to this executable, built with LibTorch); and, when
-//     PY (default /usr/bin/python3) imports torch, PyTorch DCP (single_file_per_rank, no_dist) and
-//     Python torch.save/torch.load. All on the same bytes in the same directory; a peer that is
-//     absent has null keys. Medians over R runs (a ratio to
-//     raw: the median of the per-run ratios); with --json the last line is one JSON object.
+//     quarter); that 4-rank checkpoint loaded column-sharded (2-D tensors split along their
+//     second dimension) at 4 and at 2 ranks, cold, against the raw cold read, with the bytes the
+//     load read over the checkpoint's (reshard_read_bytes_ratio); LibTorch torch::save (+fsync) and
+//     cold/warm torch::load, run by the peer program EXE (default: dcp-bench-torch-peer next to
+//     this executable, built with LibTorch); and, when PY (default /usr/bin/python3) imports torch,
+//     PyTorch DCP (single_file_per_rank, no_dist) and Python torch.save/torch.load. All on the same
+//     bytes in the same directory; a peer that is absent has null keys. Medians over R runs (a
+//     ratio to raw: the median of the per-run ratios); with --json the last line is one JSON
+//     object.
 //
 //   dcp-bench --safetensors [--ranks 2,4] [--size-mib N] [--repeats R] [--dir DIR] [--json]
 //     For each rank count N (an InProcessGroup: N threads, every tensor of the disk mode's mixed
@@ -272,7 +275,32 @@ std::vector<StateDict> ShardedStates(const std::vector<TensorView>& ts, int rank
   return out;
 }
 
-constexpr int kMultiRanks = 4;  // the second dcp configuration: 4 ranks as threads
+// The same tensors column-sharded over `ranks` ranks (a tensor parallelism change on resume): every
+// 2-D tensor split along its second dimension into near-equal column ranges, 1-D ones into row
+// ranges. Each shard is a strided view of its columns.
+std::vector<StateDict> ColumnStates(const std::vector<TensorView>& ts, int ranks) {
+  std::vector<StateDict> out(static_cast<size_t>(ranks));
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const TensorView& t = ts[i];
+    const size_t dim = t.shape.size() >= 2 ? 1 : 0;
+    const int64_t n = t.shape[dim];
+    for (int r = 0; r < ranks; ++r) {
+      ShardedTensor st{t.dtype, t.shape, {}};
+      const int64_t b = n * r / ranks, e = n * (r + 1) / ranks;
+      if (e > b) {
+        Shape off(t.shape.size(), 0), len = t.shape;
+        off[dim] = b;
+        len[dim] = e - b;
+        st.local_shards.push_back({t.Narrow(off, len), off});
+      }
+      out[static_cast<size_t>(r)].Set("t" + std::to_string(i), std::move(st));
+    }
+  }
+  return out;
+}
+
+constexpr int kMultiRanks = 4;    // the second dcp configuration: 4 ranks as threads
+constexpr int kReshardSmall = 2;  // the reshard case also loads column-sharded at 2 ranks
 
 int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_rank,
             const std::string& python, const std::string& torch_peer, bool json) {
@@ -289,14 +317,19 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
   // The same tensors row-sharded over kMultiRanks ranks (views of the same memory).
   std::vector<StateDict> states_n = ShardedStates(src, kMultiRanks),
                          backs_n = ShardedStates(dst, kMultiRanks);
-  InProcessGroup group(kMultiRanks);
+  InProcessGroup group(kMultiRanks), group_small(kReshardSmall);
+  // The 4-rank row-sharded checkpoint loaded column-sharded at 4 and at 2 ranks, cold.
+  std::vector<StateDict> columns_n = ColumnStates(dst, kMultiRanks),
+                         columns_small = ColumnStates(dst, kReshardSmall);
   const std::string raw = dir + "/raw.bin", ckpt = dir + "/dcp", ckpt_n = dir + "/dcp-4ranks",
                     ckpt_t = dir + "/torchdcp";
   SaveOptions so;
   so.storage.overwrite = true;
   so.storage.files_per_rank = files_per_rank;
   std::vector<double> raw_w, raw_cold, raw_warm, save, load_cold, load_warm, save_n, load_cold_n,
-      load_warm_n, save_t, load_cold_t, load_warm_t;
+      load_warm_n, save_t, load_cold_t, load_warm_t, reshard_n, reshard_small, reshard_n_read,
+      reshard_small_read;
+  uint64_t stored_bytes = 0;
   std::string drop_method;
   uint64_t save_peak_extra = 0, load_peak_extra = 0;
   bool ok = true;
@@ -362,6 +395,24 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
     load_cold_n.push_back(TimeRanks(group, load_n));
     ok = ok && SameBytes(src, dst);
     load_warm_n.push_back(TimeRanks(group, load_n));
+
+    // Reshard: the row-sharded checkpoint into column shards, cold; the bytes the load asked the
+    // file system for, over the checkpoint's stored bytes.
+    if (r == 0) stored_bytes = ReadMetadata(ckpt_n).TotalStoredBytes();
+    auto reshard = [&](InProcessGroup& g, std::vector<StateDict>& columns,
+                       std::vector<double>& seconds, std::vector<double>& read_ratio) {
+      clear_dst();
+      DropCaches(FilesUnder(ckpt_n));
+      const uint64_t read_before = ReadCallBytes();
+      seconds.push_back(TimeRanks(g, [&](int rank, Communicator& comm) {
+        Load(columns[static_cast<size_t>(rank)], ckpt_n, comm);
+      }));
+      read_ratio.push_back(static_cast<double>(ReadCallBytes() - read_before) /
+                           static_cast<double>(std::max<uint64_t>(stored_bytes, 1)));
+      ok = ok && SameBytes(src, dst);
+    };
+    reshard(group, columns_n, reshard_n, reshard_n_read);
+    reshard(group_small, columns_small, reshard_small, reshard_small_read);
   }
   if (!ok) {
     std::fprintf(stderr, "dcp-bench: loaded bytes differ from the saved ones\n");
@@ -389,7 +440,11 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
                load_warm_vs_raw = paired(raw_warm, load_warm),
                save_n_vs_raw = paired(raw_w, save_n),
                load_cold_n_vs_raw = paired(raw_cold, load_cold_n),
-               load_warm_n_vs_raw = paired(raw_warm, load_warm_n);
+               load_warm_n_vs_raw = paired(raw_warm, load_warm_n),
+               reshard_n_vs_raw = paired(raw_cold, reshard_n),
+               reshard_small_vs_raw = paired(raw_cold, reshard_small);
+  const double reshard_n_read_ratio = Median(reshard_n_read),
+               reshard_small_read_ratio = Median(reshard_small_read);
   const double raw_w_g = gbps(Median(raw_w)), raw_cold_g = gbps(Median(raw_cold)),
                raw_warm_g = gbps(Median(raw_warm)), save_g = gbps(Median(save)),
                load_cold_g = gbps(Median(load_cold)), load_warm_g = gbps(Median(load_warm)),
@@ -430,6 +485,12 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
       load_cold_n_vs_raw);
   row("dcp load, warm (4 ranks)", Median(load_warm_n), load_warm_n_g, "raw warm read",
       load_warm_n_vs_raw);
+  row("reshard rows->columns, 4 ranks, cold", Median(reshard_n), gbps(Median(reshard_n)),
+      "raw cold read", reshard_n_vs_raw);
+  row("reshard rows->columns, 2 ranks, cold", Median(reshard_small), gbps(Median(reshard_small)),
+      "raw cold read", reshard_small_vs_raw);
+  std::printf("  %-34s %.2f x the checkpoint's bytes at 4 ranks, %.2f x at 2 (read calls)\n",
+              "reshard bytes read", reshard_n_read_ratio, reshard_small_read_ratio);
   nlohmann::json null_j;
   auto peer_g = [&](const std::optional<nlohmann::json>& p, const char* key) -> nlohmann::json {
     if (!p || !p->contains(key) || !(*p)[key].is_number()) return null_j;
@@ -504,6 +565,11 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
                         {"save_4rank_vs_raw", save_n_vs_raw},
                         {"load_cold_4rank_vs_raw", load_cold_n_vs_raw},
                         {"load_warm_4rank_vs_raw", load_warm_n_vs_raw},
+                        {"reshard_cold_gbps", gbps(Median(reshard_n))},
+                        {"reshard_cold_vs_raw", reshard_n_vs_raw},
+                        {"reshard_read_bytes_ratio", reshard_n_read_ratio},
+                        {"reshard_2rank_cold_vs_raw", reshard_small_vs_raw},
+                        {"reshard_2rank_read_bytes_ratio", reshard_small_read_ratio},
                         {"torch_save_gbps", lt_save},
                         {"torch_load_gbps", lt_load},
                         {"torch_load_warm_gbps", lt_load_warm},

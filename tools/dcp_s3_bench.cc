@@ -17,12 +17,13 @@
 //   4 ranks  (an InProcessGroup: 4 threads, each its own store, as 4 processes would have) every
 //            tensor row-sharded over the ranks, files_per_rank = --files / 4 (at least 1); raw:
 //            4 threads with a store each, --files objects of the same total.
-//   reshard  the 4-rank checkpoint loaded column-sharded by 4 ranks: every rank reads a column
-//            block of every stored row block (strided boxes: each rank reads every stored byte,
-//            4x the state), compared with the 4-rank raw GET; and loaded by 1 rank (4 files of
-//            row blocks into whole tensors), compared with the 1-rank raw GET.
+//   reshard  the 4-rank checkpoint loaded column-sharded by 4 ranks (every rank needs a column
+//            block of every stored row block), compared with the 4-rank raw GET; and loaded by 1
+//            rank (4 files of row blocks into whole tensors), compared with the 1-rank raw GET.
 // Every load is cold for the store (new objects opened, nothing cached client-side). Requests
-// are counted over the load, everything included (HEADs, metadata), per GiB of state.
+// are counted over the load, everything included (HEADs, metadata), per GiB of state, and so
+// are the response bytes received, over the state's bytes ("bytes read": 1.00 x reads each
+// stored byte once).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -106,9 +107,10 @@ struct Phase {
   const char* name;
   std::vector<double> seconds;
   uint64_t requests = 0;
+  uint64_t bytes_received = 0;  // response bodies, summed over the repeats
   template <typename Fn>
   void Run(Fn fn) {
-    const uint64_t r0 = S3RequestCountForTesting();
+    const uint64_t r0 = S3RequestCountForTesting(), b0 = S3BytesReceivedForTesting();
     const auto t0 = Clock::now();
     if (g_trace) {
       std::lock_guard<std::mutex> lock(g_trace_mu);
@@ -122,6 +124,7 @@ struct Phase {
       std::fprintf(stderr, "%8.1f end of %s\n", seconds.back() * 1e3, name);
     }
     requests += S3RequestCountForTesting() - r0;
+    bytes_received += S3BytesReceivedForTesting() - b0;
   }
 };
 
@@ -313,6 +316,8 @@ int main(int argc, char** argv) {
                    *std::max_element(r.begin(), r.end())};
     };
     auto per_gib = [&](const Phase& p) { return double(p.requests) / repeats / gib; };
+    // Bytes a phase received over the state's bytes (a load: how often it read the checkpoint).
+    auto read_ratio = [&](const Phase& p) { return double(p.bytes_received) / repeats / total; };
     struct Row {
       const char* name;
       const Phase& dcp;
@@ -331,9 +336,10 @@ int main(int argc, char** argv) {
         const Ratio q = ratio(r.dcp, r.raw);
         std::printf(
             ",\"%s\":{\"gbps\":%.4f,\"raw_gbps\":%.4f,\"ratio\":%.3f,\"ratio_low\":%.3f,"
-            "\"ratio_high\":%.3f,\"requests_per_gib\":%.1f,\"raw_requests_per_gib\":%.1f}",
+            "\"ratio_high\":%.3f,\"requests_per_gib\":%.1f,\"raw_requests_per_gib\":%.1f,"
+            "\"read_bytes_ratio\":%.3f}",
             r.name, gbps(r.dcp), gbps(r.raw), q.median, q.low, q.high, per_gib(r.dcp),
-            per_gib(r.raw));
+            per_gib(r.raw), read_ratio(r.dcp));
       }
       std::printf("}\n");
     } else {
@@ -344,9 +350,9 @@ int main(int argc, char** argv) {
         const Ratio q = ratio(r.dcp, r.raw);
         std::printf(
             "  %-20s %.3f GB/s  raw %s %.3f GB/s  ratio %.2f (%.2f-%.2f)  requests/GiB %.1f (raw "
-            "%.1f)\n",
+            "%.1f)  bytes read %.2f x\n",
             r.name, gbps(r.dcp), r.raw_name, gbps(r.raw), q.median, q.low, q.high, per_gib(r.dcp),
-            per_gib(r.raw));
+            per_gib(r.raw), read_ratio(r.dcp));
       }
     }
   } catch (const std::exception& e) {

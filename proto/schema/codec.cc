@@ -73,11 +73,20 @@ void ToPb(const DataFile& f, pb::DataFile* out) {
   out->set_index_length(f.index_length);
   out->set_index_crc32c(f.index_crc32c);
   if (!f.index_copy.empty()) out->set_index(f.index_copy);
+  if (f.block_table_length != 0) {
+    out->set_block_table_offset(f.block_table_offset);
+    out->set_block_table_length(f.block_table_length);
+    out->set_block_table_crc32c(f.block_table_crc32c);
+  }
 }
 
 DataFile FromPb(const pb::DataFile& f) {
-  return {f.name(),         f.writer(),       f.size(), f.index_offset(),
-          f.index_length(), f.index_crc32c(), f.index()};
+  DataFile out{f.name(),         f.writer(),       f.size(), f.index_offset(),
+               f.index_length(), f.index_crc32c(), f.index()};
+  out.block_table_offset = f.block_table_offset();
+  out.block_table_length = f.block_table_length();
+  out.block_table_crc32c = f.block_table_crc32c();
+  return out;
 }
 
 }  // namespace internal

@@ -102,6 +102,8 @@ struct FileIndexItem {
   uint64_t raw_length = 0;
   std::optional<uint32_t> crc32c;
   bool zstd = false;
+  /// Where the item's CRCs start in its file's block table (set from the table, not the index).
+  uint32_t first_block = 0;
 };
 
 /// Encode `items` (sorted here) as a file index. InternalError for a repeated (hash, chunk):
@@ -112,6 +114,30 @@ std::string EncodeFileIndex(std::vector<FileIndexItem> items);
 /// zstd ones at most kMaxZstdExpansion x length, no unknown flag. CorruptionError naming `file`.
 std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t index_offset,
                                            const std::string& file);
+
+/// Version 2: the block table of a data file (docs/FORMAT.md), just before its index. 16 header
+/// bytes (magic "DCPBLK01", u32 log2 of the block size, u32 block count), then a u32 CRC32C per
+/// block, little-endian: for each item in index order (FileIndexItem key order) that is raw, has
+/// a crc32c and is longer than one block, the CRCs of its blocks [j B, min((j + 1) B, length))
+/// relative to the item's start. Block sizes are 2^kMinBlockLog2 to 2^kMaxBlockLog2 bytes.
+inline constexpr uint64_t kBlockTableHeaderBytes = 16;
+inline constexpr uint32_t kMinBlockLog2 = 12;
+inline constexpr uint32_t kMaxBlockLog2 = 30;
+
+struct BlockTable {
+  uint32_t log2 = 0;
+  std::vector<uint32_t> crcs;
+};
+
+/// The blocks of 2^log2 bytes the block table lists for `item`: ceil(length / 2^log2) for a raw
+/// item with a crc32c longer than one block, else 0 (its crc32c is its one block).
+uint64_t TableBlocksOf(const FileIndexItem& item, uint32_t log2);
+/// Encode a block table (crcs in the order above).
+std::string EncodeBlockTable(uint32_t log2, const std::vector<uint32_t>& crcs);
+/// Decode a block table read from `file` (untrusted): magic, log2 in range, length matching the
+/// count. Whether the count fits the file's index is the caller's to check (TableBlocksOf).
+/// CorruptionError naming `file`.
+BlockTable DecodeBlockTable(std::string_view bytes, const std::string& file);
 
 /// Check a decoded Metadata for internal consistency: paths are plain names in the root (the
 /// format is flat), offsets and lengths do not overflow, chunks lie inside their tensors and do

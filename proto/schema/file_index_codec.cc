@@ -22,6 +22,7 @@ uint64_t GetLe64(const char* p, int bytes) {
   return v;
 }
 constexpr char kIndexMagic[8] = {'D', 'C', 'P', 'I', 'D', 'X', '0', '1'};
+constexpr char kBlockMagic[8] = {'D', 'C', 'P', 'B', 'L', 'K', '0', '1'};
 
 }  // namespace
 
@@ -122,6 +123,46 @@ std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t inde
     }
   }
   return items;
+}
+
+uint64_t TableBlocksOf(const FileIndexItem& item, uint32_t log2) {
+  const uint64_t block = uint64_t{1} << log2;
+  if (item.zstd || !item.crc32c || item.length <= block) return 0;
+  return (item.length + block - 1) >> log2;
+}
+
+std::string EncodeBlockTable(uint32_t log2, const std::vector<uint32_t>& crcs) {
+  std::string out(kBlockMagic, sizeof(kBlockMagic));
+  out.reserve(kBlockTableHeaderBytes + 4 * crcs.size());
+  PutLe64(out, log2, 4);
+  PutLe64(out, crcs.size(), 4);
+  for (uint32_t c : crcs) PutLe64(out, c, 4);
+  return out;
+}
+
+BlockTable DecodeBlockTable(std::string_view bytes, const std::string& file) {
+  auto fail = [&](const std::string& what) -> CorruptionError {
+    return CorruptionError("block table of data file '" + file + "': " + what);
+  };
+  if (bytes.size() < kBlockTableHeaderBytes ||
+      std::memcmp(bytes.data(), kBlockMagic, sizeof(kBlockMagic)) != 0) {
+    throw fail("bad magic or too short (" + std::to_string(bytes.size()) + " bytes)");
+  }
+  BlockTable t;
+  const uint64_t log2 = GetLe64(bytes.data() + 8, 4);
+  if (log2 < kMinBlockLog2 || log2 > kMaxBlockLog2) {
+    throw fail("block size 2^" + std::to_string(log2) + " is out of range");
+  }
+  t.log2 = static_cast<uint32_t>(log2);
+  const uint64_t count = GetLe64(bytes.data() + 12, 4);
+  if (bytes.size() != kBlockTableHeaderBytes + 4 * count) {
+    throw fail(std::to_string(count) + " blocks in " + std::to_string(bytes.size()) + " bytes");
+  }
+  t.crcs.resize(static_cast<size_t>(count));
+  for (size_t i = 0; i < t.crcs.size(); ++i) {
+    t.crcs[i] = static_cast<uint32_t>(GetLe64(bytes.data() + kBlockTableHeaderBytes + 4 * i, 4));
+  }
+  return t;
 }
 
 }  // namespace dcp

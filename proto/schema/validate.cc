@@ -266,6 +266,23 @@ void ValidateFileTable(const Metadata& md, const std::string& src) {
                               "': the metadata's copy of its index does not match the index's "
                               "recorded length and checksum");
     }
+    // The block table lies just before the index, so it is outside every item, which
+    // DecodeFileIndex keeps below the table's start.
+    if (f.block_table_length == 0) {
+      if (f.block_table_offset != 0 || f.block_table_crc32c != 0) {
+        FailValidation(src,
+                       "data file '" + p + "': an empty block table with an offset or checksum");
+      }
+    } else if (f.block_table_length > f.index_offset ||
+               f.block_table_offset != f.index_offset - f.block_table_length ||
+               f.block_table_length < kBlockTableHeaderBytes ||
+               (f.block_table_length - kBlockTableHeaderBytes) % 4 != 0) {
+      FailValidation(src, "data file '" + p + "': its block table [" +
+                              std::to_string(f.block_table_offset) + ", +" +
+                              std::to_string(f.block_table_length) +
+                              ") is not a whole table ending where its index starts (" +
+                              std::to_string(f.index_offset) + ")");
+    }
   }
 }
 

@@ -20,6 +20,7 @@
 #include "dcp/proto/schema/codec.h"
 #include "dcp/proto/slab_copy.h"
 #include "dcp/proto/staging.h"
+#include "dcp/storage/checkpoint/box_read.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/layout.h"
 
@@ -53,6 +54,19 @@ struct RunningCrc {
   ChecksumKind kind = ChecksumKind::kCrc32c;
   uint32_t value = 0;
   void Add(const void* p, size_t n) { value = ChecksumExtend(kind, value, p, n); }
+};
+
+// The bytes of an item at `base` of `in`, read as asked; with `crc`, CRC'd in order of reading.
+struct PlainItemBytes : ItemBytes {
+  PlainItemBytes(ReadableObject& in, uint64_t base, RunningCrc* crc)
+      : in(in), base(base), crc(crc) {}
+  void Read(uint64_t at, void* dst, size_t n) override {
+    in.ReadAt(base + at, dst, n);
+    if (crc) crc->Add(dst, n);
+  }
+  ReadableObject& in;
+  uint64_t base;
+  RunningCrc* crc;
 };
 
 bool HasCrc(const StorageInfo& info) { return StoredCrc(info).has_value(); }
@@ -358,6 +372,12 @@ class StoreReader : public StorageReader {
       wanted.reserve(plan.items.size());
       for (const ReadItem& item : plan.items) wanted.push_back(item.storage_index);
       index_resolver_->Resolve(wanted, resolved_);
+      // The block CRCs of items read in part: only their files' block tables are read.
+      std::vector<MetadataIndex> partial;
+      for (const ReadItem& item : plan.items) {
+        if (VerifiesPartial() && ReadsPart(item)) partial.push_back(item.storage_index);
+      }
+      if (!partial.empty()) index_resolver_->ResolveBlocks(partial, resolved_);
     }
     for (auto& decoder : decoders_) decoder->Prepare(plan, resolved_);
     FileItems files = ItemsByFile(plan);
@@ -402,7 +422,8 @@ class StoreReader : public StorageReader {
     return files;
   }
 
-  // The load cut into tasks (Split, ReadTask): split items piece by piece, runs of the others.
+  // The load cut into tasks (see Split and ReadTask): split items piece by piece, runs of the
+  // others.
   // Pieces beyond what the readers take in parallel only cut a reader's stream: a remote store
   // keeps several requests in flight within one read (s3://: read_ahead_parts ranged GETs) and
   // drains them at every piece's end. A rank with one reader reads an item whole.
@@ -445,8 +466,9 @@ class StoreReader : public StorageReader {
     return work;
   }
 
-  // Whether an item is read in pieces: a whole raw tensor item over a piece, its destination
-  // contiguous; then *dst is it and *piece_bytes the piece size (device: kDevicePieceBytes).
+  // Whether an item is read in pieces: a whole raw tensor item larger than a piece, whose
+  // destination is contiguous. If so, *dst is that destination and *piece_bytes the piece size
+  // (kDevicePieceBytes for a device destination).
   bool IsSplit(LoadPlanner& planner, const ReadItem& item, const StorageInfo& info, TensorView* dst,
                uint64_t* piece_bytes) const {
     if (item.type == ReadItemType::kBytes || !info.transforms.empty() ||
@@ -530,6 +552,13 @@ class StoreReader : public StorageReader {
     }
     VerifyCrc(item, info, crc);
     planner.CommitTensor(item, sp.dst);
+  }
+
+  // Whether a tensor item reads less than its stored item (by its raw bytes: no chunk copied).
+  bool ReadsPart(const ReadItem& item) const {
+    return item.type == ReadItemType::kTensor &&
+           static_cast<uint64_t>(NumElements(item.lengths)) * ElementSize(Entry(item).dtype) <
+               Info(item).raw_length;
   }
 
   const StorageInfo& Info(const ReadItem& item) const {
@@ -671,6 +700,9 @@ class StoreReader : public StorageReader {
   const TensorMetadata& Entry(const ReadItem& item) const { return StoredEntry(*metadata_, item); }
 
   size_t ScratchLimit() const { return dcp::ScratchLimit(options_); }
+  bool VerifiesPartial() const {
+    return options_.verify_partial_reads && options_.verify_checksums;
+  }
 
   void EnsureScratch(HostBuffer& scratch, size_t n) const {
     if (n > ScratchLimit()) throw InternalError("scratch request over the limit");
@@ -687,88 +719,10 @@ class StoreReader : public StorageReader {
                           std::to_string(*stored) + ", computed " + std::to_string(actual));
   }
 
-  // Whether ReadBox of this box reads every byte of the chunk, in order: the box spans the
-  // whole first dimension, a row of it fits the scratch buffer (ReadBoxDim then reads slabs of
-  // whole rows) and it is not the single-range read straight into a dense destination.
-  bool ReadsWholeChunk(const Shape& sizes, const Shape& box_off, const Shape& box_len, size_t esize,
-                       const TensorView& dst) const {
-    const size_t rank = sizes.size();
-    if (rank == 0 || box_off[0] != 0 || box_len[0] != sizes[0]) return false;
-    size_t k = 0;
-    while (k < rank && box_len[k] == 1) ++k;
-    bool one_range = true;
-    for (size_t d = k + 1; d < rank; ++d) one_range &= box_len[d] == sizes[d];
-    if (one_range && IsDense(dst) && dst.device.is_cpu()) return false;
-    return static_cast<uint64_t>(ContiguousStrides(sizes)[0]) * esize <= ScratchLimit();
-  }
-
-  // Copy the box [box_off, +box_len) of a stored C-contiguous chunk of shape `sizes` (starting
-  // at byte `base` of `in`) into `dst` (shape box_len), using at most ScratchLimit() bytes of
-  // scratch. When the box is one byte range and dst is dense, reads straight into dst. When
-  // `crc` is set the box must be the whole chunk, or one ReadsWholeChunk accepts; the CRC of the
-  // bytes read, in order, is accumulated into *crc.
-  void ReadBox(ReadableObject& in, uint64_t base, DType dtype, const Shape& sizes,
-               const Shape& box_off, const Shape& box_len, const TensorView& dst,
-               HostBuffer& scratch, RunningCrc* crc) const {
-    const size_t esize = ElementSize(dtype);
-    const size_t rank = sizes.size();
-    // One byte range: leading dims of length 1, then one partial dim, then full dims.
-    size_t k = 0;
-    while (k < rank && box_len[k] == 1) ++k;
-    bool one_range = true;
-    for (size_t d = k + 1; d < rank; ++d) one_range &= box_len[d] == sizes[d];
-    if (one_range && IsDense(dst) && dst.device.is_cpu()) {
-      const Shape strides = ContiguousStrides(sizes);
-      uint64_t first = 0;
-      for (size_t d = 0; d < rank; ++d) first += static_cast<uint64_t>(box_off[d]) * strides[d];
-      const size_t n = dst.nbytes();
-      if (n > 0) {
-        // The lowest address of a dense view is its data pointer: strides are non-negative
-        // (IsDense) and the view starts at its first element.
-        in.ReadAt(base + first * esize, dst.data, n);
-        if (crc) crc->Add(dst.data, n);
-      }
-      return;
-    }
-    Shape prefix;  // fixed indices (relative to the box) of the dims before the current one
-    ReadBoxDim(in, base, dtype, esize, sizes, box_off, box_len, dst, scratch, crc, prefix);
-  }
-
-  void ReadBoxDim(ReadableObject& in, uint64_t base, DType dtype, size_t esize, const Shape& sizes,
-                  const Shape& box_off, const Shape& box_len, const TensorView& dst,
-                  HostBuffer& scratch, RunningCrc* crc, Shape& prefix) const {
-    const size_t d = prefix.size();
-    // Byte offset of the sub-block selected by `prefix`, and bytes per index along dim d.
-    const Shape strides = ContiguousStrides(sizes);
-    uint64_t off = 0;
-    for (size_t j = 0; j < d; ++j)
-      off += static_cast<uint64_t>(box_off[j] + prefix[j]) * strides[j];
-    const uint64_t row_bytes = static_cast<uint64_t>(strides[d]) * esize;
-    if (row_bytes <= ScratchLimit()) {
-      const int64_t rows_per_slab =
-          std::max<int64_t>(1, ScratchLimit() / std::max<uint64_t>(row_bytes, 1));
-      for (int64_t i = 0; i < box_len[d]; i += rows_per_slab) {
-        const int64_t n = std::min(rows_per_slab, box_len[d] - i);
-        const size_t bytes = static_cast<size_t>(n * row_bytes);
-        EnsureScratch(scratch, bytes);
-        in.ReadAt(base + (off + static_cast<uint64_t>(box_off[d] + i) * strides[d]) * esize,
-                  scratch.data(), bytes);
-        if (crc) crc->Add(scratch.data(), bytes);
-        CopySlabIntoBox(dst, scratch.data(), dtype, sizes, box_off, box_len, prefix, d, i, n);
-      }
-      return;
-    }
-    // One index along d is larger than the scratch buffer: descend a dimension.
-    for (int64_t i = 0; i < box_len[d]; ++i) {
-      prefix.push_back(i);
-      ReadBoxDim(in, base, dtype, esize, sizes, box_off, box_len, dst, scratch, crc, prefix);
-      prefix.pop_back();
-    }
-  }
-
   // The byte ranges of `in` that reading `items` (in order) starts with, of the items under
-  // kCoalesceBelowBytes: a whole item's bytes, the rows a partial item's box touches (a verified
-  // partial read may then stream the whole item again, a large read of its own). Larger items
+  // kCoalesceBelowBytes: a whole item's bytes, the rows a partial item's box touches (widened to
+  // the blocks they touch when it has block CRCs; without them a verified partial read may then
+  // stream the whole item again, a large read of its own). Larger items
   // are left out: they are large requests already, and a streamed read lands them in place.
   std::vector<ByteRange> RangesOf(const LoadPlan& plan, const std::vector<size_t>& items) const {
     std::vector<ByteRange> ranges;
@@ -792,8 +746,15 @@ class StoreReader : public StorageReader {
           if (std::find(item.lengths.begin(), item.lengths.end(), 0) != item.lengths.end()) {
             continue;
           }
-          r = {info.offset + static_cast<uint64_t>(item.storage_offsets[0]) * row,
-               static_cast<uint64_t>(item.lengths[0]) * row};
+          uint64_t lo = static_cast<uint64_t>(item.storage_offsets[0]) * row;
+          uint64_t hi = lo + static_cast<uint64_t>(item.lengths[0]) * row;
+          if (info.blocks.log2 != 0 && VerifiesPartial()) {  // and the blocks they touch
+            const uint64_t b = info.blocks.count ? uint64_t{1} << info.blocks.log2
+                                                 : std::max<uint64_t>(info.length, 1);
+            lo -= lo % b;
+            hi = std::min(info.length, (hi + b - 1) / b * b);
+          }
+          r = {info.offset + lo, hi - lo};
         }
       }
       if (r.length < kCoalesceBelowBytes) ranges.push_back(r);
@@ -920,17 +881,26 @@ class StoreReader : public StorageReader {
                             "' has " + std::to_string(info.length) + " bytes, expected " +
                             std::to_string(chunk.numel() * esize));
     }
+    if (!whole && info.blocks.log2 != 0 && VerifiesPartial()) {
+      // Block CRCs: every read of a box checks the blocks it touches (box_read.h).
+      BlockVerifier v(in, info, item.storage_index.ToString(),
+                      store_->uri() + "/" + info.relative_path, ScratchLimit());
+      ReadBox(v, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst, scratch,
+              ScratchLimit());
+      return v.Finish();
+    }
     RunningCrc crc = NewCrc(info);
-    const bool verify_partial = !whole && options_.verify_partial_reads &&
-                                options_.verify_checksums && HasCrc(info) &&
-                                !verified.count(item.storage_index);
+    const bool verify_partial =
+        !whole && VerifiesPartial() && HasCrc(info) && !verified.count(item.storage_index);
     // A box over every index of the first dimension (a column block of a row-major chunk)
     // is read through scratch as the whole chunk, front to back: its CRC comes with it, and
     // the verify pass below would read the same bytes a second time.
-    const bool streams_whole = verify_partial && ReadsWholeChunk(chunk.sizes, item.storage_offsets,
-                                                                 item.lengths, esize, dst);
-    ReadBox(in, info.offset, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst,
-            scratch, whole || streams_whole ? &crc : nullptr);
+    const bool streams_whole =
+        verify_partial && ReadsWholeChunk(chunk.sizes, item.storage_offsets, item.lengths, esize,
+                                          dst, ScratchLimit());
+    PlainItemBytes src(in, info.offset, whole || streams_whole ? &crc : nullptr);
+    ReadBox(src, entry.dtype, chunk.sizes, item.storage_offsets, item.lengths, dst, scratch,
+            ScratchLimit());
     if (whole) {
       VerifyCrc(item, info, crc.value);
     } else if (streams_whole) {

@@ -498,6 +498,8 @@ class StoreWriter : public StorageWriter {
       std::lock_guard<std::mutex> lock(files_mutex_);
       files_.push_back(std::move(*file));
     }
+    // The block CRCs are in the file's block table now; results go on to the metadata.
+    for (WriteResult& r : results) std::vector<uint32_t>().swap(r.storage.block_crc32c);
     if (options_.sync) out->Sync();
     out->Close();
     return results;

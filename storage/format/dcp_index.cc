@@ -1,6 +1,7 @@
 #include "dcp/storage/format/dcp_index.h"
 
 #include <algorithm>
+#include <bit>
 #include <mutex>
 
 #include "dcp/proto/checksum.h"
@@ -14,6 +15,10 @@ namespace {
 // Index reads in flight: on an object store each is a round trip.
 constexpr size_t kIndexReadsInFlight = 16;
 }  // namespace
+
+uint64_t DataEnd(const DataFile& f) {
+  return f.block_table_length <= f.index_offset ? f.index_offset - f.block_table_length : 0;
+}
 
 namespace {
 
@@ -42,7 +47,7 @@ std::string ReadFileIndexBytes(Store& store, const DataFile& f) {
 }  // namespace
 
 std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f) {
-  return DecodeFileIndex(ReadFileIndexBytes(store, f), f.index_offset, store.uri() + "/" + f.name);
+  return DecodeFileIndex(ReadFileIndexBytes(store, f), DataEnd(f), store.uri() + "/" + f.name);
 }
 
 FileIndexResolver::FileIndexResolver(Store& store, const Metadata& md)
@@ -82,7 +87,7 @@ void FileIndexResolver::LoadWriters(const std::vector<int32_t>& writers, bool to
             throw CorruptionError("the metadata's copy of the index of data file '" + where +
                                   "' does not match its checksum");
           }
-          indexes[i] = DecodeFileIndex(f.index_copy, f.index_offset, where);
+          indexes[i] = DecodeFileIndex(f.index_copy, DataEnd(f), where);
           return;
         }
         const std::string bytes = ReadFileIndexBytes(store_, f);
@@ -96,7 +101,7 @@ void FileIndexResolver::LoadWriters(const std::vector<int32_t>& writers, bool to
                                 "' differs from the file's own index (a load would read what "
                                 "the copy says): the metadata is damaged or forged");
         }
-        indexes[i] = DecodeFileIndex(bytes, f.index_offset, store_.uri() + "/" + f.name);
+        indexes[i] = DecodeFileIndex(bytes, DataEnd(f), store_.uri() + "/" + f.name);
       },
       std::min<size_t>(std::max<size_t>(todo.size(), 1), kIndexReadsInFlight));
   for (size_t i = 0; i < todo.size(); ++i) {
@@ -232,6 +237,7 @@ void FileIndexResolver::Resolve(Store& store, Metadata& md, bool tolerate_lost_f
   std::vector<int32_t> writers;
   for (const auto& [w, files] : resolver.files_by_writer_) writers.push_back(w);
   resolver.LoadWriters(writers, tolerate_lost_files);
+  resolver.CheckBlockTables();
   std::map<MetadataIndex, StorageInfo> storage;
   size_t wanted = 0;
   for (const auto& [fqn, entry] : md.entries) {
@@ -258,8 +264,9 @@ void FileIndexResolver::Resolve(Store& store, Metadata& md, bool tolerate_lost_f
 // The chunk ordinal is the index's key beside the fqn hash: without it no reader could tell a
 // tensor's chunks apart.
 DataFile AppendFileIndex(WritableObject& out, const std::string& name,
-                         const std::vector<WriteResult>& results, int32_t rank) {
-  std::vector<FileIndexItem> index;
+                         const std::vector<WriteResult>& results, int32_t rank,
+                         uint64_t block_bytes) {
+  std::vector<std::pair<FileIndexItem, const std::vector<uint32_t>*>> index;
   index.reserve(results.size());
   for (const WriteResult& r : results) {
     if (!r.index.index || *r.index.index < 0) {
@@ -280,12 +287,39 @@ DataFile AppendFileIndex(WritableObject& out, const std::string& name,
       throw InternalError("item " + r.index.ToString() + ": a transform an index cannot record");
     }
     it.zstd = !r.storage.transforms.empty();
-    index.push_back(it);
+    index.emplace_back(it, &r.storage.block_crc32c);
   }
-  const std::string bytes = EncodeFileIndex(std::move(index));
+  // The block table lists the items' blocks in index order (EncodeFileIndex's).
+  std::sort(index.begin(), index.end(), [](const auto& a, const auto& b) {
+    return a.first.fqn_hash != b.first.fqn_hash ? a.first.fqn_hash < b.first.fqn_hash
+                                                : a.first.chunk < b.first.chunk;
+  });
   DataFile f;
   f.name = name;
   f.writer = rank;
+  if (block_bytes != 0) {
+    const auto log2 = static_cast<uint32_t>(std::countr_zero(block_bytes));
+    std::vector<uint32_t> crcs;
+    bool complete = true;  // every item the table lists came with its blocks
+    for (const auto& [it, blocks] : index) {
+      const uint64_t n = TableBlocksOf(it, log2);
+      complete &= blocks->size() == n;
+      crcs.insert(crcs.end(), blocks->begin(), blocks->end());
+    }
+    if (!complete) {
+      throw InternalError("data file '" + name + "': an item's block CRCs do not match the " +
+                          std::to_string(block_bytes) + "-byte blocks of its length");
+    }
+    const std::string table = EncodeBlockTable(log2, crcs);
+    f.block_table_offset = out.size();
+    f.block_table_length = table.size();
+    f.block_table_crc32c = Crc32c(0, table.data(), table.size());
+    out.Append(table.data(), table.size());
+  }
+  std::vector<FileIndexItem> items;
+  items.reserve(index.size());
+  for (const auto& entry : index) items.push_back(entry.first);
+  const std::string bytes = EncodeFileIndex(std::move(items));
   f.index_offset = out.size();
   f.index_length = bytes.size();
   f.index_crc32c = Crc32c(0, bytes.data(), bytes.size());

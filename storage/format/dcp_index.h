@@ -35,9 +35,15 @@ class FileIndexResolver : public ItemLocator {
   /// a missing file; UnsupportedError... never (the flags are checked when decoding).
   void Resolve(const std::vector<MetadataIndex>& wanted,
                std::map<MetadataIndex, StorageInfo>& out) override;
+  /// ItemLocator::ResolveBlocks: each block table is read at most once (in parallel), checked
+  /// against the file table's CRC32C, its count against the items its file's index lists, and
+  /// an item's blocks against its crc32c (the CRCs combine to it) before they are attached.
+  void ResolveBlocks(const std::vector<MetadataIndex>& partial,
+                     std::map<MetadataIndex, StorageInfo>& out) override;
 
-  /// Every item of `md`, into md.storage (dcp verify, inspect, diff, convert): every index is
-  /// read from its file, even where the metadata has a copy, so that a damaged one is found, and
+  /// Every item of `md`, into md.storage (dcp verify, inspect, diff, convert): every index (and
+  /// block table, ResolveBlocks's checks applied to every item) is read from its file, even
+  /// where the metadata has a copy, so that a damaged one is found, and
   /// a copy that differs from its file's index is a CorruptionError (loads resolve through the
   /// copy: what this accepts, a load reads alike). Also
   /// reports items an index lists that the metadata has no chunk for (CorruptionError).
@@ -71,18 +77,32 @@ class FileIndexResolver : public ItemLocator {
   const Located* Find(uint64_t hash, uint32_t chunk) const;
   // Every entry of every index read so far, sorted by (fqn hash, chunk).
   std::vector<Located> items_;
+  // The block tables read so far (dcp_blocks.cc), by file; StorageInfo::blocks point into them.
+  void LoadBlockTables(const std::vector<const DataFile*>& files);
+  // Every block table of the files not lost, each item's blocks against its crc32c (ResolveAll).
+  void CheckBlockTables();
+  std::unordered_map<const DataFile*, BlockTable> tables_;
+  std::unordered_map<std::string, const DataFile*> by_name_;
 };
+
+/// Version 2: where the items of data file `f` end: its block table's start (or its index's,
+/// without a table). Its index lists no item past it (DecodeFileIndex checks this).
+uint64_t DataEnd(const DataFile& f);
 
 /// Version 2: read and decode the index of data file `f` in `store`, checking its CRC32C.
 std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f);
 
 /// Version 2: append the index of data file `name` to `out`, after the file's last item, so that
 /// it is in the file when the file appears; `results` describe the file's items (each needs its
-/// chunk ordinal, MetadataIndex::index, which the coordinator's plan gives). Returns the file's
-/// entry for the metadata's file table: written by `rank`, its size, where its index lies, and the
-/// index bytes as index_copy. InvalidArgumentError for an item without a chunk ordinal;
-/// InternalError for a transform an index cannot record (anything but one zstd).
+/// chunk ordinal, MetadataIndex::index, which the coordinator's plan gives). With `block_bytes`
+/// (a power of two, StorageOptions::checksum_block_bytes) the file's block table goes first,
+/// from the items' StorageInfo::block_crc32c. Returns the file's entry for the metadata's file
+/// table: written by `rank`, its size, where its block table and index lie, and the index bytes
+/// as index_copy. InvalidArgumentError for an item without a chunk ordinal; InternalError for a
+/// transform an index cannot record (anything but one zstd) or an item whose block CRCs do not
+/// fit its length.
 DataFile AppendFileIndex(WritableObject& out, const std::string& name,
-                         const std::vector<WriteResult>& results, int32_t rank);
+                         const std::vector<WriteResult>& results, int32_t rank,
+                         uint64_t block_bytes);
 
 }  // namespace dcp

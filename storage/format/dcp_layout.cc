@@ -17,48 +17,97 @@
 namespace dcp {
 namespace {
 
+// The CRC32C of an item's bytes as they are appended and, with a block size, of each of its
+// blocks: each closed block's CRC is combined into the item's (Crc32cCombine), so the bytes are
+// read once for both. Blocks are kept only for an item longer than one block (the block table
+// lists no others: the item's CRC is their one block's).
+struct ItemCrcs {
+  uint64_t block = 0;  // 0: the item's CRC only
+  uint32_t item = 0;   // of the bytes before the open block
+  uint32_t open = 0;   // of the open block's bytes so far
+  uint64_t open_len = 0;
+  std::vector<uint32_t> blocks;
+
+  void Add(const void* data, size_t n) {
+    if (block == 0) {
+      item = Crc32c(item, data, n);
+      return;
+    }
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const size_t k = static_cast<size_t>(std::min<uint64_t>(n, block - open_len));
+      open = Crc32c(open, p, k);
+      open_len += k;
+      p += k;
+      n -= k;
+      if (open_len == block) Close();
+    }
+  }
+  // The item's CRC; `blocks` is left empty unless the item has more than one block.
+  uint32_t Finish() {
+    if (open_len > 0) Close();
+    if (blocks.size() <= 1) blocks.clear();
+    return item;
+  }
+  void Close() {
+    blocks.push_back(open);
+    item = Crc32cCombine(item, open, open_len);
+    open = 0;
+    open_len = 0;
+  }
+};
+
 // Stream a tensor view (host or device, any strides) into `out` in row-major order, CRC-ing
-// each piece right after it is appended. Contiguous host views go straight from tensor memory;
-// strided ones through a reused staging buffer; device views through pinned buffers whose
-// device-to-host copy of the next piece overlaps this append (proto/device/device.h).
-// A large piece's CRC runs on a helper thread while this thread appends the same bytes: both
-// only read them, and a large O_DIRECT write leaves the CPU idle while the device DMAs.
-uint32_t AppendTensor(WritableObject& out, const TensorView& view) {
+// each piece (into `crcs`) right after it is appended. Contiguous host views go straight from
+// tensor memory; strided ones through a reused staging buffer; device views through pinned
+// buffers whose device-to-host copy of the next piece overlaps this append
+// (proto/device/device.h). A large piece's CRC runs on a helper thread while this thread appends
+// the same bytes: both only read them, and a large O_DIRECT write leaves the CPU idle while the
+// device DMAs.
+void AppendTensor(WritableObject& out, const TensorView& view, ItemCrcs& crcs) {
   constexpr size_t kOverlapMinBytes = 1 << 20;  // below this a thread costs more than it saves
-  uint32_t crc = 0;
   StreamToHost(view, kDevicePieceBytes, [&](const void* data, size_t n) {
     if (n < kOverlapMinBytes) {
       out.Append(data, n);
-      crc = Crc32c(crc, data, n);
+      crcs.Add(data, n);
       return;
     }
     // The Task's destructor waits, so `data` outlives the CRC even if Append throws.
-    Task<uint32_t> pending = Spawn([seed = crc, data, n] { return Crc32c(seed, data, n); });
+    Task<ItemCrcs> pending = Spawn([c = std::move(crcs), data, n]() mutable {
+      c.Add(data, n);
+      return std::move(c);
+    });
     out.Append(data, n);
-    crc = pending.get();
+    crcs = pending.get();
   });
-  return crc;
 }
 
 class DcpItemEncoder : public ItemEncoder {
  public:
-  explicit DcpItemEncoder(const StorageOptions& options) : compressor_(options) {}
+  explicit DcpItemEncoder(const StorageOptions& options)
+      : compressor_(options),
+        block_bytes_(options.metadata_version >= 2 ? options.checksum_block_bytes : 0) {}
 
   void Append(WritableObject& out, const WriteItem& item, const ResolvedData& data,
               StorageInfo& info) override {
     const uint64_t start = out.size();
     if (item.is_tensor()) CheckUnchanged(item, data);
     // The item's raw bytes into `sink` (the data file, or the compressor feeding it).
+    ItemCrcs crcs;
     auto append = [&](WritableObject& sink) {
+      crcs = ItemCrcs{};
+      crcs.block = block_bytes_;
       if (item.is_tensor()) {
         try {
-          return AppendTensor(sink, data.tensor);
+          AppendTensor(sink, data.tensor, crcs);
         } catch (const DeviceError& e) {
           throw DeviceError("tensor '" + item.index.fqn + "': " + e.what());
         }
+      } else {
+        sink.Append(data.bytes.data(), data.bytes.size());
+        crcs.Add(data.bytes.data(), data.bytes.size());
       }
-      sink.Append(data.bytes.data(), data.bytes.size());
-      return Crc32c(0, data.bytes.data(), data.bytes.size());
+      return crcs.Finish();
     };
     const uint64_t raw = item.is_tensor() ? data.tensor.nbytes() : data.bytes.size();
     uint32_t crc;
@@ -68,6 +117,7 @@ class DcpItemEncoder : public ItemEncoder {
       info.transforms = {kZstdTransform};
     } else {
       crc = append(out);
+      info.block_crc32c = std::move(crcs.blocks);  // raw: a partial read checks its blocks
     }
     info.length = out.size() - start;
     info.raw_length = raw;
@@ -76,6 +126,7 @@ class DcpItemEncoder : public ItemEncoder {
 
  private:
   ZstdItemCompressor compressor_;  // stores items raw unless options.compression
+  uint64_t block_bytes_;           // of the block CRCs (0: none; version 1 has no table)
 };
 
 // The metadata file's bytes, its header checked first: a file that is not metadata (or a size
@@ -128,7 +179,7 @@ class DcpLayoutImpl : public CheckpointLayout {
                                          const StorageOptions& options,
                                          int32_t rank) const override {
     if (!WritesFileIndexes(options)) return std::nullopt;
-    return AppendFileIndex(out, name, results, rank);
+    return AppendFileIndex(out, name, results, rank, options.checksum_block_bytes);
   }
   std::unique_ptr<ItemDecoder> NewItemDecoder(const LoadContext& ctx) const override {
     return NewZstdItemDecoder(ctx);

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/schema/codec.h"
 #include "dcp/storage/format/zstd_transform.h"
 
 namespace dcp {
@@ -41,6 +42,12 @@ void CheckpointLayout::CheckWriteOptions(const StorageOptions&, const std::strin
 void CheckpointLayout::ValidateWriteOptions(const StorageOptions& options,
                                             const std::string& uri) const {
   ValidateCompressionOptions(options);
+  const uint64_t block = options.checksum_block_bytes;
+  if (block != 0 && ((block & (block - 1)) != 0 || block < (uint64_t{1} << kMinBlockLog2) ||
+                     block > (uint64_t{1} << kMaxBlockLog2))) {
+    throw InvalidArgumentError("StorageOptions::checksum_block_bytes = " + std::to_string(block) +
+                               ": must be 0 (no block CRCs) or a power of two from 4096 to 2^30");
+  }
   CheckWriteOptions(options, uri);
 }
 

@@ -32,7 +32,6 @@
 
 namespace dcp {
 
-
 /// Appends items to one data file, each at the file's current end.
 class ItemEncoder {
  public:
@@ -164,6 +163,12 @@ class ItemLocator {
   /// for a missing data file.
   virtual void Resolve(const std::vector<MetadataIndex>& wanted,
                        std::map<MetadataIndex, StorageInfo>& out) = 0;
+  /// Attach to each of `partial` (stored items already in `out`, to be read in part) the CRCs of
+  /// its blocks (StorageInfo::blocks) where its data file has a block table, so that the partial
+  /// read verifies only the blocks it touches. CorruptionError naming the file for a damaged
+  /// table or one whose blocks disagree with an item's crc32c. The default attaches none.
+  virtual void ResolveBlocks(const std::vector<MetadataIndex>& /*partial*/,
+                             std::map<MetadataIndex, StorageInfo>& /*out*/) {}
 };
 /// The locator of `md`'s stored items in `store` (both must outlive it), or nullptr when `md`
 /// lists them itself.

@@ -1,10 +1,10 @@
 // GPU tests: run only where a CUDA device is usable; otherwise exit 77, which CTest reports as
 // "Skipped" (SKIP_RETURN_CODE), with the reason on stdout.
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 #include <cstdio>
 
 #include "dcp/proto/device/device.h"
+#include "support/catch_runner.h"
 
 int main(int argc, char** argv) {
   auto cuda = dcp::FindDeviceBackend(dcp::Device::Type::kCUDA);
@@ -14,5 +14,5 @@ int main(int argc, char** argv) {
     return 77;
   }
   std::printf("CUDA devices: %d\n", cuda->device_count());
-  return Catch::Session().run(argc, argv);
+  return dcp::testing::RunCatchSession(argc, argv);
 }

@@ -2,7 +2,6 @@
 // every root, a save and a resharded load over NCCL, and a peer that never answers becoming a
 // CollectiveError (then an aborted communicator) instead of a hang.
 // Exits 77 (CTest: Skipped) on every rank when the node lacks one CUDA device per rank.
-#define CATCH_CONFIG_RUNNER
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -11,6 +10,7 @@
 
 #include "dcp/mpi_communicator.h"
 #include "dcp/nccl_communicator.h"
+#include "support/catch_runner.h"
 #include "support/fake_device.h"
 #include "support/test_support.h"
 
@@ -145,9 +145,7 @@ int main(int argc, char** argv) {
       NcclCommunicator nccl(MPI_COMM_WORLD);
       nccl.set_timeout(std::chrono::seconds(60));
       g_nccl = &nccl;
-      Catch::Session session;
-      if (mpi.rank() != 0) session.configData().reporterName = "compact";
-      rc = session.run(argc, argv);
+      rc = dcp::testing::RunCatchSession(argc, argv, mpi.rank() != 0);
       g_nccl = nullptr;
     }
   }

@@ -1,7 +1,6 @@
 // Runs the Catch2 session on every rank of an MPI job. Every rank runs every test case in the
 // same order; tests call dcp collectives, whose timeouts keep a diverging rank from hanging the
 // job.
-#define CATCH_CONFIG_RUNNER
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -9,6 +8,7 @@
 #include <memory>
 
 #include "mpi/mpi_support.h"
+#include "support/catch_runner.h"
 
 namespace dcp::testing {
 namespace {
@@ -52,12 +52,7 @@ int main(int argc, char** argv) {
   {
     dcp::testing::g_comm = std::make_unique<dcp::MpiCommunicator>(MPI_COMM_WORLD);
     dcp::testing::Comm().set_timeout(std::chrono::seconds(120));
-    Catch::Session session;
-    if (dcp::testing::Comm().rank() != 0) {
-      // Other ranks report failures only, so the log stays readable.
-      session.configData().reporterName = "compact";
-    }
-    rc = session.run(argc, argv);
+    rc = dcp::testing::RunCatchSession(argc, argv, dcp::testing::Comm().rank() != 0);
     dcp::testing::g_comm.reset();
   }
   return rc;

@@ -1,4 +1,4 @@
-#define CATCH_CONFIG_MAIN
 // LibTorch brings glog, whose CHECK macro would shadow Catch's: use the CATCH_ prefixed macros.
-#define CATCH_CONFIG_PREFIX_ALL
-#include <catch2/catch.hpp>
+#include "support/catch_runner.h"
+
+int main(int argc, char* argv[]) { return dcp::testing::RunCatchSession(argc, argv); }

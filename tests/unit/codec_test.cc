@@ -284,14 +284,14 @@ TEST_CASE("codec: WriteResults round trip", "[codec][plan]") {
   results[0].index = {"model.w", {2, 3}, 2};
   results[0].size_in_bytes = 24;
   results[0].storage = {"sub/__2_0.distcp", 4096, 24, 0u, {}, 24,
-                        std::nullopt};  // a CRC of 0 is a value
+                        std::nullopt,       {},   {}};  // a CRC of 0 is a value
   results[1].index = {"rng", {}, std::nullopt};
   results[1].size_in_bytes = 5;
-  results[1].storage = {"__0_0.distcp", 0, 5, std::nullopt, {}, 5, std::nullopt};
+  results[1].storage = {"__0_0.distcp", 0, 5, std::nullopt, {}, 5, std::nullopt, {}, {}};
   results[2].index = {"big", {0}, 0};
   results[2].size_in_bytes = uint64_t{3} << 33;
-  results[2].storage = {"__1_0.distcp", uint64_t{1} << 35, 1234,        0xDEADBEEFu,
-                        {"zstd"},       uint64_t{3} << 33, std::nullopt};
+  results[2].storage = {"__1_0.distcp",    uint64_t{1} << 35, 1234, 0xDEADBEEFu, {"zstd"},
+                        uint64_t{3} << 33, std::nullopt,      {},   {}};
 
   const auto back = DecodeWriteResults(EncodeWriteResults(results));
   REQUIRE(back.size() == results.size());

@@ -311,47 +311,59 @@ TEST_CASE("reshard: strided and partial reads stay within the scratch bound",
   ClearMemStore(name);
   const Shape shape{64, 3000};  // rows of 12000 bytes
   const TensorView ref = RandomTensor(DType::kFloat32, shape, 77);
-  RequireNoErrors(RunRanks(2, [&](int r, Communicator& comm) {
-    auto [b, e] = RowRange(shape[0], r, 2);
-    StateDict sd;
-    sd.Set("w",
-           ShardedTensor{
-               DType::kFloat32, shape, {{Clone(ref.Narrow({b, 0}, {e - b, shape[1]})), {b, 0}}}});
-    Save(sd, "mem://" + name, comm);
-  }));
-  for (size_t scratch : {size_t{64}, size_t{4096}, size_t{100000}}) {
-    for (bool verify_partial : {false, true}) {
-      for (bool coop : {false, true}) {
-        DYNAMIC_SECTION("scratch " << scratch << " verify partial " << verify_partial
-                                   << " cooperative " << coop) {
-          auto store = std::make_shared<CountingStore>(MakeMemStore(name));
-          std::vector<TensorView> dst(3);
-          RequireNoErrors(RunRanks(3, [&](int r, Communicator& comm) {
-            StorageOptions so;
-            so.max_scratch_bytes = scratch;
-            so.verify_partial_reads = verify_partial;
-            auto reader = MakeStoreReader(store, so);
-            auto [b, e] = RowRange(shape[1], r, 3);  // column shards: strided overlaps
-            dst[r] = Dest(DType::kFloat32, {shape[0], e - b}, r == 1);
-            StateDict sd;
-            sd.Set("w", ShardedTensor{DType::kFloat32, shape, {{dst[r], {0, b}}}});
-            LoadOptions lo;
-            lo.storage = so;
-            lo.read_once = coop;  // with it, each chunk's owner reads it once for all three
-            Load(sd, *reader, comm, lo);
-          }));
-          for (int r = 0; r < 3; ++r) {
-            auto [b, e] = RowRange(shape[1], r, 3);
-            CHECK(SameElements(dst[r], ref.Narrow({0, b}, {shape[0], e - b})));
-          }
-          // The metadata read is whole; every data read is bounded by the scratch size.
-          const size_t md_size = *MakeMemStore(name)->Size(kMetadataName);
-          CHECK(store->max_read <= std::max(scratch, md_size));
-          if (coop) {
-            // Cooperative: every stored byte once (the indexes travel in the metadata).
-            CHECK(store->total_read <= ref.nbytes() + ref.nbytes() / 20 + md_size);
-          } else if (verify_partial) {
-            CHECK(store->total_read >= 3 * ref.nbytes());
+  // Each writer's chunk (384,000 bytes) is one block of the default 1 MiB block CRCs, or has
+  // none with checksum_block_bytes = 0.
+  for (uint64_t block_bytes : {uint64_t{1} << 20, uint64_t{0}}) {
+    ClearMemStore(name);
+    RequireNoErrors(RunRanks(2, [&](int r, Communicator& comm) {
+      auto [b, e] = RowRange(shape[0], r, 2);
+      StateDict sd;
+      sd.Set("w",
+             ShardedTensor{
+                 DType::kFloat32, shape, {{Clone(ref.Narrow({b, 0}, {e - b, shape[1]})), {b, 0}}}});
+      SaveOptions save;
+      save.storage.checksum_block_bytes = block_bytes;
+      Save(sd, "mem://" + name, comm, save);
+    }));
+    for (size_t scratch : {size_t{64}, size_t{4096}, size_t{100000}}) {
+      for (bool verify_partial : {false, true}) {
+        for (bool coop : {false, true}) {
+          DYNAMIC_SECTION("blocks " << block_bytes << " scratch " << scratch << " verify partial "
+                                    << verify_partial << " cooperative " << coop) {
+            auto store = std::make_shared<CountingStore>(MakeMemStore(name));
+            std::vector<TensorView> dst(3);
+            RequireNoErrors(RunRanks(3, [&](int r, Communicator& comm) {
+              StorageOptions so;
+              so.max_scratch_bytes = scratch;
+              so.verify_partial_reads = verify_partial;
+              auto reader = MakeStoreReader(store, so);
+              auto [b, e] = RowRange(shape[1], r, 3);  // column shards: strided overlaps
+              dst[r] = Dest(DType::kFloat32, {shape[0], e - b}, r == 1);
+              StateDict sd;
+              sd.Set("w", ShardedTensor{DType::kFloat32, shape, {{dst[r], {0, b}}}});
+              LoadOptions lo;
+              lo.storage = so;
+              lo.read_once = coop;  // with it, each chunk's owner reads it once for all three
+              Load(sd, *reader, comm, lo);
+            }));
+            for (int r = 0; r < 3; ++r) {
+              auto [b, e] = RowRange(shape[1], r, 3);
+              CHECK(SameElements(dst[r], ref.Narrow({0, b}, {shape[0], e - b})));
+            }
+            // The metadata read is whole; every data read is bounded by the scratch size.
+            const size_t md_size = *MakeMemStore(name)->Size(kMetadataName);
+            CHECK(store->max_read <= std::max(scratch, md_size));
+            if (coop) {
+              // Cooperative: every stored byte once (the indexes travel in the metadata).
+              CHECK(store->total_read <= ref.nbytes() + ref.nbytes() / 20 + md_size);
+            } else if (verify_partial && block_bytes == 0) {
+              // Without block CRCs each rank streams every item it reads from a second time.
+              CHECK(store->total_read >= 3 * ref.nbytes());
+            } else if (verify_partial) {
+              // With them each rank reads each block its column touches (all of them) once: the
+              // three ranks read the data once each, plus the metadata and the block tables.
+              CHECK(store->total_read <= 3 * ref.nbytes() + 3 * (md_size + 64));
+            }
           }
         }
       }
@@ -414,8 +426,10 @@ TEST_CASE("reshard: a replicated tensor on 4 ranks is written about once", "[res
   for (const auto& n : store->List()) {
     if (IsDataObjectName(n)) per_file[n] = *store->Size(n), written += *store->Size(n);
   }
-  for (const DataFile& f : md.files) written -= f.index_length;  // version 2's indexes
-  CHECK(written == logical);                                     // 1x, not 4x
+  for (const DataFile& f : md.files) {
+    written -= f.index_length + f.block_table_length;  // version 2's indexes and block tables
+  }
+  CHECK(written == logical);  // 1x, not 4x
   CHECK(md.TotalStoredBytes() == logical);
   // Balanced: big alone on one rank, the small ones spread over the other three.
   CHECK(per_file.size() == 4);

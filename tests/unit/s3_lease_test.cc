@@ -29,8 +29,8 @@
 #include "dcp/dcp.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/storage/format/dcp_layout.h"
-#include "dcp/storage/store.h"
 #include "dcp/storage/registry.h"
+#include "dcp/storage/store.h"
 #include "support/s3_test_support.h"
 #include "support/test_support.h"
 #ifdef DCP_HAVE_S3
@@ -446,7 +446,13 @@ TEST_CASE(
   const std::string root = S3TestRoot("sigkill");
   LeaseGuard lease("1");
   TempDir dir("s3kill");
-  std::mt19937 rng(4242);
+  // A new seed each run (DCP_TEST_SEED repeats one): CI's runs add up to many more kill moments
+  // than one run's trials.
+  const char* seed_env = std::getenv("DCP_TEST_SEED");
+  const unsigned seed =
+      seed_env ? static_cast<unsigned>(std::stoul(seed_env)) : std::random_device{}();
+  WARN("s3 SIGKILL trials: seed " << seed << " (DCP_TEST_SEED=" << seed << " repeats this run)");
+  std::mt19937 rng(seed);
   const auto start = Clock::now();
   const auto now_ns = [] {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
@@ -463,8 +469,8 @@ TEST_CASE(
   int committed = 0, failed = 0, lock_refused = 0;
   int64_t ever_committed = 0;
   const auto elapsed = [&] { return Clock::now() - start; };
-  while ((trials < 50 || (elapsed() < std::chrono::seconds(60) && trials < 200)) &&
-         elapsed() < std::chrono::seconds(150)) {
+  while ((trials < 24 || (elapsed() < std::chrono::seconds(30) && trials < 200)) &&
+         elapsed() < std::chrono::seconds(120)) {
     int fds[2];
     REQUIRE(::pipe(fds) == 0);
     pid_t pids[2];
@@ -482,7 +488,7 @@ TEST_CASE(
         if (::write(fds[1], line, static_cast<size_t>(n)) != n) ::_exit(4);
       };
       try {
-        std::mt19937 jitter(static_cast<unsigned>(trials * 2 + j));
+        std::mt19937 jitter(seed + static_cast<unsigned>(trials * 2 + j));
         // One save in three stalls for longer than the lease before its first data upload (a
         // slow disk, a paused process): its lock must stay held through the stall, or the
         // other job takes over and each removes what the other wrote.
@@ -621,7 +627,7 @@ TEST_CASE(
                              << "; checkpoint found after " << found << " trials, none yet " << none
                              << "; torn " << torn << ", lost " << lost << ", failed-but-in-place "
                              << failed_but_there);
-  CHECK(trials >= 50);
+  CHECK(trials >= 24);
   CHECK(torn == 0);
   CHECK(lost == 0);
   CHECK(failed_but_there == 0);
@@ -642,7 +648,7 @@ TEST_CASE(
   const std::string root = S3TestRoot("paused");
   LeaseGuard lease("1");
   RequireNoErrors(RunRanks(1, [&](int, Communicator& comm) { SaveJob(1, root, comm); }));
-  constexpr int kTrials = 20;
+  constexpr int kTrials = 8;
   int overwritten = 0, failed_cleanly = 0;
   const auto start = Clock::now();
   for (int trial = 0; trial < kTrials; ++trial) {

@@ -48,6 +48,7 @@ namespace {
 std::mutex g_hook_mu;
 std::function<S3Fault(const S3RequestInfo&)> g_hook;
 std::atomic<uint64_t> g_requests{0};
+std::atomic<uint64_t> g_body_bytes_received{0};
 
 struct CurlGlobal {
   CurlGlobal() { curl_global_init(CURL_GLOBAL_DEFAULT); }
@@ -311,6 +312,7 @@ size_t Client::ReadBody(char* buf, size_t size, size_t nitems, void* user) {
 size_t Client::WriteBody(char* data, size_t size, size_t nmemb, void* user) {
   auto* t = static_cast<Transfer*>(user);
   const size_t n = size * nmemb;
+  g_body_bytes_received.fetch_add(n, std::memory_order_relaxed);
   if (t->status < 0) curl_easy_getinfo(t->handle, CURLINFO_RESPONSE_CODE, &t->status);
   if (t->call->dst != nullptr && t->status / 100 == 2) {
     Response& r = *t->response;
@@ -496,6 +498,7 @@ void SetS3FaultHookForTesting(std::function<S3Fault(const S3RequestInfo&)> hook)
 }
 
 uint64_t S3RequestCountForTesting() { return g_requests.load(); }
+uint64_t S3BytesReceivedForTesting() { return g_body_bytes_received.load(); }
 
 uint64_t S3ConnectionsOpenedForTesting() { return s3::g_connections_opened.load(); }
 

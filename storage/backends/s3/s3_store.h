@@ -108,6 +108,8 @@ enum class S3Fault {
 void SetS3FaultHookForTesting(std::function<S3Fault(const S3RequestInfo&)> hook);
 /// Requests sent (or faulted) by every S3 store of the process so far.
 uint64_t S3RequestCountForTesting();
+/// Response body bytes every S3 store of the process has received so far (objects, ranges, XML).
+uint64_t S3BytesReceivedForTesting();
 /// TCP connections the s3:// client has opened in this process.
 uint64_t S3ConnectionsOpenedForTesting();
 
