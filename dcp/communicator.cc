@@ -782,6 +782,10 @@ class InProcessCommunicator : public PointToPointCommunicator {
   uint64_t MailMark() override;
   void WaitForMail(uint64_t mark, int& round) override;
 
+ public:
+  void ExchangeBytes(const std::vector<BulkSend>& sends, const std::vector<BulkReceive>& receives,
+                     std::string_view what) override;
+
  private:
   std::shared_ptr<InProcessGroup::State> state_;
   int rank_;
@@ -821,6 +825,74 @@ std::optional<std::string> InProcessCommunicator::TryReceive(int source, int tag
   it->second.pop_front();
   if (it->second.empty()) state_->mail.erase(it);
   return m;
+}
+
+// Ranks that are threads of one process copy bulk bytes straight from the sender's memory: each
+// rank tells each peer where its pieces lie (an AllToAll of addresses), every receiver copies
+// them into its own buffers, and a barrier keeps the senders' buffers valid until all receivers
+// are done. One copy per byte, into memory the receiver owns and reuses; through AllToAll the
+// bytes would be copied into a message, again into a frame, and out again, each into freshly
+// allocated (page-faulting) memory.
+void InProcessCommunicator::ExchangeBytes(const std::vector<BulkSend>& sends,
+                                          const std::vector<BulkReceive>& receives,
+                                          std::string_view what) {
+  const int n = size();
+  std::vector<std::string> where(n);
+  for (const auto& s : sends) {
+    if (s.peer < 0 || s.peer >= n) {
+      throw InvalidArgumentError("bulk exchange '" + std::string(what) + "': no rank " +
+                                 std::to_string(s.peer));
+    }
+    PutU64(where[s.peer], reinterpret_cast<uintptr_t>(s.data));
+    PutU64(where[s.peer], s.size);
+  }
+  for (const auto& r : receives) {
+    if (r.peer < 0 || r.peer >= n) {
+      throw InvalidArgumentError("bulk exchange '" + std::string(what) + "': no rank " +
+                                 std::to_string(r.peer));
+    }
+  }
+  const std::vector<std::string> got = AllToAll(std::move(where), what);
+  // Each peer's pieces form one byte stream, cut into this rank's receives from that peer in
+  // order (the two sides' cuts may differ, as through AllToAll); a peer that sent more or fewer
+  // bytes than expected is named after the barrier, which every rank must still reach.
+  std::string mismatch;
+  std::vector<size_t> piece(n, 0);
+  std::vector<uint64_t> piece_used(n, 0), expected(n, 0), sent(n, 0);
+  for (int peer = 0; peer < n; ++peer) {
+    for (size_t at = 0; at + 16 <= got[peer].size(); at += 16)
+      sent[peer] += GetU64(got[peer].data() + at + 8);
+  }
+  for (const auto& r : receives) {
+    const std::string& list = got[r.peer];
+    expected[r.peer] += r.size;
+    if (expected[r.peer] > sent[r.peer]) continue;  // reported below
+    size_t copied = 0;
+    while (copied < r.size) {
+      const char* base = reinterpret_cast<const char*>(GetU64(list.data() + 16 * piece[r.peer]));
+      const uint64_t len = GetU64(list.data() + 16 * piece[r.peer] + 8);
+      const size_t take =
+          static_cast<size_t>(std::min<uint64_t>(len - piece_used[r.peer], r.size - copied));
+      if (take > 0) std::memcpy(r.data + copied, base + piece_used[r.peer], take);
+      copied += take;
+      piece_used[r.peer] += take;
+      if (piece_used[r.peer] == len) {
+        ++piece[r.peer];
+        piece_used[r.peer] = 0;
+      }
+    }
+  }
+  Barrier(what);
+  for (int peer = 0; peer < n; ++peer) {
+    if (expected[peer] != sent[peer]) {
+      throw CollectiveError(std::string(what), {{peer, ErrorCode::kInternal,
+                                                 "rank " + std::to_string(peer) + " sent " +
+                                                     std::to_string(sent[peer]) + " bytes, rank " +
+                                                     std::to_string(rank()) + " expects " +
+                                                     std::to_string(expected[peer]),
+                                                 false}});
+    }
+  }
 }
 
 InProcessGroup::InProcessGroup(int size) : state_(std::make_shared<State>(size)) {

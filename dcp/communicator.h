@@ -127,7 +127,10 @@ class Communicator {
   /// communicator lives (a transport may still touch them; the communicator is then poisoned).
   /// CollectiveError on a timeout (naming the ranks this one still waits for) or a mismatch.
   /// The default goes through AllToAll (one message per peer: copies); MpiCommunicator sends
-  /// and receives each piece directly. (Declared last, like AllToAll.)
+  /// and receives each piece directly; InProcessGroup's ranks copy each piece once, straight
+  /// from the sender's memory (an AllToAll of addresses, then a barrier). The two sides may cut
+  /// a peer's bytes into pieces differently; only the totals must agree (else the receiver
+  /// throws CollectiveError naming the sender). (Declared last, like AllToAll.)
   virtual void ExchangeBytes(const std::vector<BulkSend>& sends,
                              const std::vector<BulkReceive>& receives, std::string_view what);
   /// Whether AllToAll and ExchangeBytes go straight from each rank to each other (not through

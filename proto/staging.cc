@@ -70,7 +70,10 @@ void HostBuffer::Reserve(size_t bytes) {
       return;
     }
   }
-  const size_t n = std::max<size_t>(4096, (bytes + 4095) / 4096 * 4096);
+  // Whole pages; from 1 MiB up, whole MiB, so that buffers asked for with sizes a little apart
+  // (a load's exchange rounds, say) fit each other's leases instead of each faulting in its own.
+  const size_t unit = bytes >= (size_t{1} << 20) ? size_t{1} << 20 : 4096;
+  const size_t n = std::max<size_t>(4096, (bytes + unit - 1) / unit * unit);
   void* p = std::aligned_alloc(4096, n);
   if (p == nullptr) throw std::bad_alloc();
   std::memset(p, 0, n);  // fault the pages in now, once

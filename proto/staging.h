@@ -20,7 +20,7 @@ class HostBuffer {
  public:
   HostBuffer() = default;
   /// The smallest idle pooled buffer of at least `bytes` and at most twice that, or a new one
-  /// (std::bad_alloc when memory is exhausted).
+  /// (whole pages; from 1 MiB up, whole MiB) (std::bad_alloc when memory is exhausted).
   explicit HostBuffer(size_t bytes);
   HostBuffer(HostBuffer&& other) noexcept;
   HostBuffer& operator=(HostBuffer&& other) noexcept;

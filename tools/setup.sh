@@ -195,7 +195,10 @@ case "$mode" in
     (cd "$clang16" && ASAN_OPTIONS=detect_leaks=0 "${cmake_new%cmake}ctest" --output-on-failure \
       -L torch -R '^torch_')
     log "clang-16 ASan: MPI tests"
-    (cd "$clang16" && ASAN_OPTIONS=detect_leaks=0 "${cmake_new%cmake}ctest" --output-on-failure -L mpi)
+    # Two at a time, as in the main stage: much of an MPI test's time is waiting (deadlines,
+    # timeouts of a rank the test stalls), not computing.
+    (cd "$clang16" && ASAN_OPTIONS=detect_leaks=0 "${cmake_new%cmake}ctest" --output-on-failure \
+      -j "$jobs" -L mpi)
     # The threaded parts under ThreadSanitizer: core libraries and the unit tests of the threaded
     # parts (DCP_UNIT_TESTS=threaded, tests/CMakeLists.txt says which), all of which run. This build
     # is also the one without the s3:// backend (DCP_WITH_S3 is optional: off where libcurl,

@@ -40,11 +40,13 @@ struct PieceRef {
   }
 };
 
-// A slab of scattered item number `item` at byte `offset`, read ahead.
+// A slab of scattered item number `item` at byte `offset`, read ahead: its `size` bytes in a
+// pooled buffer.
 struct QueuedSlab {
   size_t item = 0;
   uint64_t offset = 0;
-  std::string bytes;
+  HostBuffer bytes;
+  size_t size = 0;
 };
 
 // The owner's read-ahead: at most kDepth slabs wait (memory: kDepth slabs of a round's bytes
@@ -53,10 +55,10 @@ class SlabQueue {
  public:
   static constexpr size_t kDepth = 2;
   // Producer: a buffer to fill (recycled when one is free).
-  std::string Spare() {
+  HostBuffer Spare() {
     std::lock_guard<std::mutex> lock(mu_);
     if (spare_.empty()) return {};
-    std::string s = std::move(spare_.back());
+    HostBuffer s = std::move(spare_.back());
     spare_.pop_back();
     return s;
   }
@@ -85,7 +87,7 @@ class SlabQueue {
     cv_.notify_all();
     return s;
   }
-  void Recycle(std::string bytes) {
+  void Recycle(HostBuffer bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     if (spare_.size() <= kDepth) spare_.push_back(std::move(bytes));
   }
@@ -103,7 +105,7 @@ class SlabQueue {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<QueuedSlab> slabs_;
-  std::vector<std::string> spare_;
+  std::vector<HostBuffer> spare_;
   bool done_ = false, cancelled_ = false;
   std::exception_ptr error_;
 };
@@ -327,7 +329,8 @@ class CoopRead {
         cursors[k].assign(scatters_[k].members.size(), 0);
       try {
         while (std::optional<QueuedSlab> slab = queue.Pop()) {
-          Place(scatters_[slab->item], slab->offset, slab->bytes, cursors[slab->item]);
+          Place(scatters_[slab->item], slab->offset, slab->bytes.data(), slab->size,
+                cursors[slab->item]);
           queue.Recycle(std::move(slab->bytes));
         }
         queue.RethrowError();
@@ -354,9 +357,12 @@ class CoopRead {
       for (size_t k = 0; k < scatters_.size(); ++k) {
         streamer_->StreamItem(scatters_[k].index, SlabBytes(scatters_[k]),
                               [&](uint64_t offset, const char* data, size_t n) {
-                                std::string bytes = queue.Spare();
-                                bytes.assign(data, n);
-                                if (!queue.Push({k, offset, std::move(bytes)})) throw Cancelled{};
+                                HostBuffer bytes = queue.Spare();
+                                bytes.Reserve(n);
+                                std::memcpy(bytes.data(), data, n);
+                                if (!queue.Push({k, offset, std::move(bytes), n})) {
+                                  throw Cancelled{};
+                                }
                               });
       }
       queue.Finish(nullptr);
@@ -369,7 +375,7 @@ class CoopRead {
 
   // One slab of `s` at byte `offset` of the item: its rows of every granted box, packed for
   // their round (or, for this rank's own boxes, placed), rounds before it exchanged first.
-  void Place(const Scatter& s, uint64_t offset, const std::string& bytes,
+  void Place(const Scatter& s, uint64_t offset, const char* bytes, size_t size,
              std::vector<size_t>& cursor) {
     const Shape& sizes = s.item.chunk.sizes;
     const DType dtype = s.item.tensor->dtype;
@@ -380,14 +386,13 @@ class CoopRead {
     }
     const CoopPiece& slab = s.slabs[j];
     const int64_t rows = slab.row_end - slab.row_begin;
-    if (bytes.size() != static_cast<uint64_t>(rows) * s.row_bytes) {
+    if (size != static_cast<uint64_t>(rows) * s.row_bytes) {
       throw InternalError("cooperative read: a slab of another size");
     }
     while (next_round_ < slab.round) RunRound();
     Shape slab_shape = sizes;
     slab_shape[0] = rows;
-    const TensorView src =
-        TensorView::FromContiguous(const_cast<char*>(bytes.data()), dtype, slab_shape);
+    const TensorView src = TensorView::FromContiguous(const_cast<char*>(bytes), dtype, slab_shape);
     for (size_t m = 0; m < s.members.size(); ++m) {
       const auto [p, i] = s.members[m];
       const CoopGrant& g = grants_out_[p][i];
@@ -449,16 +454,26 @@ class CoopRead {
         if (!owner_failed_) stats_.coop_bytes_sent += n;
       }
     }
-    // What this rank receives lands in one pooled buffer, carved in the order of in_[t].
+    // What this rank receives lands in place where its destination rows are contiguous host
+    // memory of the stored dtype (a box of whole rows of a contiguous tensor), else in one pooled
+    // buffer, carved in the order of in_[t], from which Land copies it.
     std::vector<uint64_t> in_at(in_[t].size() + 1, 0);
+    std::vector<char*> in_place(in_[t].size(), nullptr);
+    std::vector<uint64_t> piece_bytes(in_[t].size(), 0);
     for (size_t k = 0; k < in_[t].size(); ++k) {
       const PieceRef& ref = in_[t][k];
       const ReadItem& item = asks_[asks_by_owner_[ref.peer][ref.request]].item;
       const CoopPiece& piece = grants_in_[ref.peer][ref.request].pieces[ref.piece];
-      const size_t esize =
-          ElementSize(std::get<TensorMetadata>(md_.entries.at(item.storage_index.fqn)).dtype);
-      in_at[k + 1] =
-          in_at[k] + CoopPieceBytes(item.lengths, esize, piece.row_end - piece.row_begin);
+      const DType stored = std::get<TensorMetadata>(md_.entries.at(item.storage_index.fqn)).dtype;
+      const uint64_t bytes =
+          CoopPieceBytes(item.lengths, ElementSize(stored), piece.row_end - piece.row_begin);
+      piece_bytes[k] = bytes;
+      try {
+        in_place[k] = InPlace(ref, item, piece, stored, bytes);
+      } catch (...) {
+        Fail();  // its destination cannot be had: staged, and Land reports nothing new
+      }
+      in_at[k + 1] = in_at[k] + (in_place[k] ? 0 : bytes);
     }
     in_arena_.Reserve(static_cast<size_t>(in_at.back()));
     std::vector<uint64_t> got_status(world_, 0);
@@ -467,7 +482,8 @@ class CoopRead {
       if (!in_status_[t][o]) continue;
       receives.push_back({o, reinterpret_cast<char*>(&got_status[o]), kStatusBytes});
       for (; at < in_[t].size() && in_[t][at].peer == o; ++at) {
-        receives.push_back({o, in_arena_.data() + in_at[at], in_at[at + 1] - in_at[at]});
+        receives.push_back({o, in_place[at] ? in_place[at] : in_arena_.data() + in_at[at],
+                            static_cast<size_t>(piece_bytes[at])});
       }
     }
     if (comm_broken_) return;
@@ -478,7 +494,22 @@ class CoopRead {
       comm_broken_ = true;
       return;
     }
-    Land(t, in_at, got_status);
+    Land(t, in_at, in_place, piece_bytes, got_status);
+  }
+
+  // Where piece `ref` can be received straight into its destination: the rows it brings of a
+  // contiguous host destination of the stored dtype, or nullptr (then it is staged).
+  char* InPlace(const PieceRef& ref, const ReadItem& item, const CoopPiece& piece, DType stored,
+                uint64_t bytes) {
+    const TensorView dst = Destination(ref.request, ref.peer);
+    if (!dst.device.is_cpu() || dst.dtype != stored || !dst.is_contiguous() ||
+        dst.data == nullptr || dst.shape != item.lengths || bytes == 0) {
+      return nullptr;
+    }
+    const uint64_t row_bytes =
+        dst.nbytes() / static_cast<uint64_t>(std::max<int64_t>(dst.shape[0], 1));
+    return static_cast<char*>(dst.data) +
+           static_cast<uint64_t>(piece.row_begin - item.storage_offsets[0]) * row_bytes;
   }
 
   // Round t's outgoing pieces in one pooled buffer, carved in the order of out_[t] (the order
@@ -506,7 +537,8 @@ class CoopRead {
   }
 
   // Place what round t brought; commit each box whose item's last slab came with a good status.
-  void Land(uint32_t t, const std::vector<uint64_t>& in_at, const std::vector<uint64_t>& status) {
+  void Land(uint32_t t, const std::vector<uint64_t>& in_at, const std::vector<char*>& in_place,
+            const std::vector<uint64_t>& piece_bytes, const std::vector<uint64_t>& status) {
     for (int o = 0; o < world_; ++o) {
       if (in_status_[t][o] && status[o] != 0 && !owner_reported_[o]) {
         owner_reported_[o] = true;
@@ -529,11 +561,13 @@ class CoopRead {
         Shape len = item.lengths;
         len[0] = piece.row_end - piece.row_begin;
         const TensorView dst = Destination(ref.request, ref.peer);
-        const TensorView src =
-            TensorView::FromContiguous(in_arena_.data() + in_at[at], dst.dtype, len);
-        CopyTensor(dst.Narrow(RowOffsets(len, piece.row_begin - item.storage_offsets[0]), len),
-                   src);
-        stats_.coop_bytes_received += in_at[at + 1] - in_at[at];
+        if (in_place[at] == nullptr) {
+          const TensorView src =
+              TensorView::FromContiguous(in_arena_.data() + in_at[at], dst.dtype, len);
+          CopyTensor(dst.Narrow(RowOffsets(len, piece.row_begin - item.storage_offsets[0]), len),
+                     src);
+        }
+        stats_.coop_bytes_received += piece_bytes[at];
       } catch (...) {
         Fail();
       }

@@ -1,6 +1,7 @@
 // Cooperative reads on load (read-and-scatter, planner/coop_reads.h, dcp/protocol/coop_read.h):
 // the pure planning functions, their messages, and whole loads with N ranks as threads that
-// reshard a row-sharded checkpoint into column shards, counting the bytes read from storage.
+// reshard a row-sharded checkpoint into column shards, counting the bytes read from storage;
+// and the bulk exchange (Communicator::ExchangeBytes) the pieces travel by.
 #include <catch2/catch.hpp>
 #include <map>
 #include <set>
@@ -463,6 +464,109 @@ TEST_CASE("coop: PyTorch DCP and safetensors column loads read each record once"
       CHECK(alone.bytes >= 2 * StoredBytes());
       CHECK(coop.bytes <= same.bytes + StoredBytes() / 20);
       CHECK(coop.stats[0].coop_rounds > 0);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bulk bytes between ranks (Communicator::ExchangeBytes): ranks that are threads of one process
+// copy straight from the sender's memory; the default goes through AllToAll. Both deliver each
+// peer's pieces as one byte stream, however the two sides cut it.
+
+namespace {
+
+// What rank `from` sends rank `to`: a stream of (from, to)-seeded bytes, cut into pieces of
+// awkward sizes (empty ones included) that differ from the receiver's cut.
+std::vector<size_t> Cut(size_t total, size_t seed) {
+  std::vector<size_t> cut;
+  size_t left = total;
+  for (size_t k = 0; left > 0; ++k) {
+    const size_t n = std::min(left, (k * 7919 + seed * 104729) % 70001);
+    cut.push_back(n);
+    left -= n;
+  }
+  cut.push_back(0);
+  return cut;
+}
+
+void ExchangeStreams(int rank, Communicator& comm, bool direct) {
+  const int n = comm.size();
+  auto bytes_between = [](int from, int to) { return size_t{300000} * (from + 1) + 1000 * to; };
+  std::vector<std::string> out(n), in(n);
+  std::vector<Communicator::BulkSend> sends;
+  std::vector<Communicator::BulkReceive> receives;
+  for (int p = 0; p < n; ++p) {
+    out[p].resize(bytes_between(rank, p));
+    dcp::testing::FillRandom(out[p].data(), out[p].size(), 100 * rank + p);
+    size_t at = 0;
+    for (size_t piece : Cut(out[p].size(), 1 + p)) {
+      sends.push_back({p, out[p].data() + at, piece});
+      at += piece;
+    }
+    in[p].assign(bytes_between(p, rank), '\0');
+    at = 0;
+    for (size_t piece : Cut(in[p].size(), 2 + 3 * p)) {
+      receives.push_back({p, in[p].data() + at, piece});
+      at += piece;
+    }
+  }
+  if (direct) {
+    comm.ExchangeBytes(sends, receives, "test/bulk");
+  } else {
+    comm.Communicator::ExchangeBytes(sends, receives, "test/bulk");
+  }
+  for (int p = 0; p < n; ++p) {
+    std::string want(bytes_between(p, rank), '\0');
+    dcp::testing::FillRandom(want.data(), want.size(), 100 * p + rank);
+    dcp::testing::Expect(in[p] == want, "the bytes from rank " + std::to_string(p));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("bulk exchange: each peer's bytes arrive exact, however either side cuts them",
+          "[coop][comm]") {
+  for (bool direct : {true, false}) {
+    DYNAMIC_SECTION((direct ? "in-process, from the sender's memory" : "through AllToAll")) {
+      RequireNoErrors(RunRanks(4, [&](int rank, Communicator& comm) {
+        ExchangeStreams(rank, comm, direct);
+        ExchangeStreams(rank, comm, direct);  // and again: nothing left over from the first
+      }));
+    }
+  }
+}
+
+TEST_CASE("bulk exchange: a rank that expects other sizes names the sender and no rank hangs",
+          "[coop][comm]") {
+  for (bool direct : {true, false}) {
+    DYNAMIC_SECTION((direct ? "in-process, from the sender's memory" : "through AllToAll")) {
+      const auto errors = RunRanks(
+          3,
+          [&](int rank, Communicator& comm) {
+            std::string out(1000, 'x'), in(2000, '\0');
+            std::vector<Communicator::BulkSend> sends;
+            std::vector<Communicator::BulkReceive> receives;
+            for (int p = 0; p < 3; ++p) {
+              // Rank 1 sends rank 2 one byte fewer than rank 2 expects.
+              sends.push_back({p, out.data(), rank == 1 && p == 2 ? size_t{99} : size_t{100}});
+              receives.push_back({p, in.data() + 100 * p, 100});
+            }
+            if (direct) {
+              comm.ExchangeBytes(sends, receives, "test/bulk");
+            } else {
+              comm.Communicator::ExchangeBytes(sends, receives, "test/bulk");
+            }
+          },
+          std::chrono::seconds(20));
+      CHECK_FALSE(errors[0]);
+      CHECK_FALSE(errors[1]);
+      REQUIRE(errors[2]);
+      try {
+        std::rethrow_exception(errors[2]);
+      } catch (const CollectiveError& e) {
+        CHECK_THAT(e.what(), Contains("rank 1 sent 99 bytes"));
+        CHECK(e.failed_ranks() == std::vector<int>{1});
+      }
     }
   }
 }

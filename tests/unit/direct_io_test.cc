@@ -15,15 +15,11 @@
 using namespace dcp;
 using dcp::testing::FillRandom;
 using dcp::testing::RandomTensor;
+using dcp::testing::ReadFileBytes;
 using dcp::testing::SameElements;
 using dcp::testing::TempDir;
 
 namespace {
-
-std::string ReadFileBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
 
 struct AlignedBuffer {
   explicit AlignedBuffer(size_t n) : size(n) {

@@ -624,37 +624,6 @@ TEST_CASE("memory tier: saves in the steady state map nothing anew and Close unm
   CHECK(MappingsUnder(root.path()) == 0);
 }
 
-TEST_CASE(
-    "communicator: bulk exchange delivers each pair's pieces in order, and refuses sizes "
-    "the sender does not send",
-    "[memory-tier][communicator]") {
-  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
-    // Rank r sends rank (r + 1) % 4 three pieces (one empty) and receives three from r - 1.
-    const int next = (rank + 1) % kWorld, prev = (rank + kWorld - 1) % kWorld;
-    std::string a = "first-from-" + std::to_string(rank), b, c(5000, static_cast<char>('A' + rank));
-    std::vector<Communicator::BulkSend> sends = {
-        {next, a.data(), a.size()}, {next, b.data(), 0}, {next, c.data(), c.size()}};
-    std::string x(a.size(), '?'), z(5000, '?');
-    std::vector<Communicator::BulkReceive> receives = {
-        {prev, x.data(), x.size()}, {prev, nullptr, 0}, {prev, z.data(), z.size()}};
-    comm.ExchangeBytes(sends, receives, "test/bulk");
-    Expect(x == "first-from-" + std::to_string(prev), "first piece");
-    Expect(z == std::string(5000, static_cast<char>('A' + prev)), "third piece");
-    // A receiver that expects more than its peer sends fails, naming the peer.
-    std::string small = "xy";
-    std::vector<Communicator::BulkSend> one = {{next, small.data(), small.size()}};
-    std::string big(3, '?');
-    std::vector<Communicator::BulkReceive> more = {{prev, big.data(), big.size()}};
-    bool refused = false;
-    try {
-      comm.ExchangeBytes(one, more, "test/bulk-short");
-    } catch (const CollectiveError& e) {
-      refused = e.failed_ranks() == std::vector<int>{prev};
-    }
-    Expect(refused, "a short sender is named");
-  }));
-}
-
 // ---------------------------------------------------------------------------------------------
 // One job, one owner (issue 43): the tier's steps belong to the job that wrote them, and its
 // directories to the user who runs it.
