@@ -21,6 +21,10 @@
 //               rank's summary is computed up to --full-load-max ranks, beyond that the
 //               coordinator gets N copies of a follower's. What gathering every plan (the protocol
 //               before) would have moved is printed beside it.
+//   load/read:  what a follower's read phase does before the reader gets a byte: its
+//               cooperative requests to the owners (when the schedule says cooperative), and the
+//               walk of its plan a bounded part at a time (ForEachExpandedPart), CPU and peak
+//               memory of each.
 //
 // The layout is FSDP/TP-like: --params parameters of mixed sizes (attention and MLP matrices,
 // norms, biases) row-sharded over all ranks, Adam's exp_avg and exp_avg_sq sharded the same way,
