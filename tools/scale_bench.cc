@@ -21,6 +21,10 @@
 //               rank's summary is computed up to --full-load-max ranks, beyond that the
 //               coordinator gets N copies of a follower's. What gathering every plan (the protocol
 //               before) would have moved is printed beside it.
+//   load/read:  what a follower's read phase does before the reader gets a byte: its
+//               cooperative requests to the owners (when the schedule says cooperative), and the
+//               walk of its plan a bounded part at a time (ForEachExpandedPart), CPU and peak
+//               memory of each.
 //
 // The layout is FSDP/TP-like: --params parameters of mixed sizes (attention and MLP matrices,
 // norms, biases) row-sharded over all ranks, Adam's exp_avg and exp_avg_sq sharded the same way,
@@ -54,6 +58,7 @@
 #include <vector>
 
 #include "dcp/planner/compact_plan.h"
+#include "dcp/planner/coop_reads.h"
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/read_sharing.h"
 #include "dcp/proto/checksum.h"
@@ -71,6 +76,7 @@ double WallSeconds() {
 size_t g_threads = 0;       // --threads: ParallelFor's threads for the coordinator (0: all cores)
 bool g_full_plans = false;  // --full-plans: every rank sends every item (no compact planning)
 uint32_t g_metadata_version = 2;  // --metadata-version: what the write phase commits
+volatile uint64_t g_sink = 0;     // what the read phase's walk touched (kept from the optimizer)
 
 double CpuSeconds() {
   timespec ts;
@@ -167,10 +173,23 @@ StateDict RankState(const std::vector<std::pair<std::string, Shape>>& params, in
 
 // One load's planning (dcp::Load: rank-local plans, a request summary per rank).
 struct LoadSide {
-  double follower_s = 0;           // a follower's CPU: its local plan and summary
-  double plan_items = 0;           // the items of its plan (a span reads many chunks in one)
-  double pieces = 0;               // the plain items its read phase expands them into
-  double expand_s = 0;             // CPU of that expansion (load/read, before the reader runs)
+  double follower_s = 0;  // a follower's CPU: its local plan and summary
+  double plan_items = 0;  // the items of its plan (a span reads many chunks in one)
+  double pieces = 0;      // the plain items its read phase expands them into
+  double expand_s = 0;    // CPU of expanding them all at once (into one plan)
+  // load/read before the reader gets a byte (dcp::Load's Read): cooperative requests, then the
+  // walk of the plan a bounded part at a time.
+  double walk_s = 0;               // CPU of ForEachExpandedPart over the plan (kMaxExpandedItems)
+  double walk_mib = 0;             // its peak extra memory
+  double read_parts = 0;           // the parts it hands to the reader
+  double coop_asks = 0;            // the follower's cooperative requests (CoopAsks)
+  double coop_request_bytes = 0;   // encoded, to all owners
+  double coop_ask_s = 0;           // CPU of building and encoding them
+  double coop_ask_mib = 0;         // its peak extra memory
+  double coop_waste_s = 0;         // CPU of its coop_waste for the summary (part of follower_s)
+  bool cooperative = false;        // the schedule says the load reads cooperatively
+  double read_phase_s = 0;         // walk_s, plus coop_ask_s when cooperative
+  double read_phase_mib = 0;       // walk_mib, or coop_ask_mib when cooperative and larger
   double gathered_bytes = 0;       // the N summaries the coordinator gathers
   double coordinator_s = 0;        // decoding them and scheduling read-once (wall)
   double coordinator_mib = 0;      // its peak extra memory doing so
@@ -241,6 +260,63 @@ Row Isolated(Run run) {
     std::exit(1);
   }
   return row;
+}
+
+// What a follower's load/read costs before it reads a byte, as dcp::Load's Read runs it on its
+// plan `plan` (rank `rank` of `world`): with cooperative reads (CoopRead::Ask), its requests to
+// the owners, built and encoded (not sent); then its plan walked a bounded part at a time
+// (ForEachExpandedPart with the load's kMaxExpandedItems), each part's items touched as a reader
+// at least does (no reader runs). Not modelled: the owners' side (their requests decoded and
+// granted) and the served set a follower keeps from the grants, nor its per-item lookup there.
+void ReadPhase(const LoadPlan& plan, const Metadata& md, int rank, int world, PeakMeter& meter,
+               LoadSide& side) {
+  {  // every span expanded at once (into one plan), as a load did before bounded parts
+    LoadPlan copy = plan;
+    const double e0 = CpuSeconds();
+    const LoadPlan pieces = ExpandChunkSpans(std::move(copy), md);
+    side.expand_s = CpuSeconds() - e0;
+    side.pieces = static_cast<double>(pieces.items.size());
+  }
+  meter.Reset();
+  double c0 = CpuSeconds();
+  {
+    // As CoopRead::Ask with a reader that streams items (own_reads) and verified checksums (the
+    // default): the asks, grouped by owner, one encoded message per owner.
+    const std::vector<CoopAsk> asks =
+        CoopAsks(plan, md, CoopOwners(md, world), rank, /*verify=*/true, /*own_reads=*/true);
+    std::vector<std::vector<CoopRequest>> mine(world);
+    std::vector<std::vector<size_t>> by_owner(world);
+    for (size_t i = 0; i < asks.size(); ++i) {
+      const int o = asks[i].owner;
+      if (o < 0 || o >= world) continue;
+      by_owner[o].push_back(i);
+      mine[o].push_back(asks[i].request);
+    }
+    std::vector<std::string> out(world);
+    for (int o = 0; o < world; ++o) {
+      if (!mine[o].empty()) out[o] = EncodeCoopRequests(mine[o]);
+      side.coop_request_bytes += static_cast<double>(out[o].size());
+    }
+    side.coop_asks = static_cast<double>(asks.size());
+  }
+  side.coop_ask_s = CpuSeconds() - c0;  // freeing them included: the load does that too
+  side.coop_ask_mib = meter.PeakMiB();
+  meter.Reset();
+  c0 = CpuSeconds();
+  uint64_t elements = 0;
+  size_t parts = 0;
+  ForEachExpandedPart(plan, md, kMaxExpandedItems, [&](const LoadPlan& part) {
+    ++parts;
+    for (const ReadItem& item : part.items) {  // each item's box, as a reader sizes its read
+      uint64_t count = 1;
+      for (int64_t len : item.lengths) count *= static_cast<uint64_t>(len);
+      elements += count + item.storage_index.fqn.size();
+    }
+  });
+  side.walk_s = CpuSeconds() - c0;
+  side.walk_mib = meter.PeakMiB();
+  side.read_parts = static_cast<double>(parts);
+  g_sink = elements;
 }
 
 Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int replicated,
@@ -518,16 +594,20 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
       lp.SetUp(sd, follower_md, {r, n, r == 0});
       LoadPlan plan = lp.CreateLocalPlan();
       const auto items = CandidateItems(plan, candidates, follower_md);
-      std::string msg = EncodeReadRequestSummary(SummarizeRequest(plan, items, follower_md, true));
+      ReadRequestSummary mine = SummarizeRequest(plan, items, follower_md, true);
+      // As dcp::Load with a reader that streams items and a communicator that exchanges
+      // directly: how much partial reads would waste, enough of it for ShouldCooperate.
+      const double w0 = CpuSeconds();
+      mine.coop_waste = CoopWaste(plan, follower_md, CoopOwners(follower_md, n), /*verify=*/true,
+                                  std::max(kCoopMinWaste, mine.plan_bytes / 16));
+      const double waste_s = CpuSeconds() - w0;
+      std::string msg = EncodeReadRequestSummary(mine);
       if (plan_s) {
         *plan_s = CpuSeconds() - c0;
+        side.coop_waste_s = waste_s;
         side.plan_items = static_cast<double>(plan.items.size());
         *plan_mib = MiB(EncodeLoadPlan(plan).size());
-        // What load/read does first: spans into one plain item per stored chunk.
-        const double e0 = CpuSeconds();
-        const LoadPlan pieces = ExpandChunkSpans(std::move(plan), follower_md);
-        side.expand_s = CpuSeconds() - e0;
-        side.pieces = static_cast<double>(pieces.items.size());
+        ReadPhase(plan, follower_md, r, n, meter, side);
       }
       return msg;
     };
@@ -547,11 +627,17 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
       got[r] = DecodeReadRequestSummary(gathered[r], candidates.size(), r);
       std::string().swap(gathered[r]);
     }
-    const std::string schedule = EncodeShareSchedule(
-        ScheduleCandidates(got, CandidateBytes(candidates, follower_md), 256 << 20));
+    ShareSchedule scheduled =
+        ScheduleCandidates(got, CandidateBytes(candidates, follower_md), 256 << 20);
+    scheduled.cooperative = ShouldCooperate(got);
+    const std::string schedule = EncodeShareSchedule(scheduled);
     side.coordinator_s = WallSeconds() - t0;
     side.coordinator_mib = meter.PeakMiB();
     side.schedule_bytes = static_cast<double>(schedule.size());
+    // The follower's read phase asks owners only when the load reads cooperatively.
+    side.cooperative = scheduled.cooperative;
+    side.read_phase_s = side.walk_s + (side.cooperative ? side.coop_ask_s : 0);
+    side.read_phase_mib = std::max(side.walk_mib, side.cooperative ? side.coop_ask_mib : 0);
   }
   return row;
 }
@@ -673,6 +759,24 @@ int main(int argc, char** argv) {
           side.full_gather_mib_est, side.exact ? "" : " (summaries: N copies of one)");
     }
   }
+  std::printf(
+      "\nload/read before the reader gets a byte, a follower (target at 4,096 ranks, all-to-all "
+      "reshard: < 256 MiB and < 0.2 s of CPU). coop: its cooperative requests built and encoded "
+      "(asks, bytes to all owners); walk: its plan expanded a part of <= %zu items at a time, "
+      "each item touched; read: the walk, and the requests when the load reads cooperatively "
+      "(coop? y):\n%6s %8s | %10s %6s %8s %8s | %10s %9s %8s %8s %5s | %8s %8s\n",
+      kMaxExpandedItems, "N", "load", "pieces", "parts", "walk s", "walk MiB", "coop asks",
+      "requests", "coop s", "coop MiB", "coop?", "read s", "read MiB");
+  for (const Row& r : rows) {
+    for (const auto& [name, side] :
+         {std::pair{"resume", r.resume}, std::pair{"reshard", r.reshard}}) {
+      std::printf(
+          "%6d %8s | %10.0f %6.0f %8.3f %8.1f | %10.0f %8.1fK %8.3f %8.1f %5s | %8.3f %8.1f\n", r.n,
+          name, side.pieces, side.read_parts, side.walk_s, side.walk_mib, side.coop_asks,
+          side.coop_request_bytes / 1024, side.coop_ask_s, side.coop_ask_mib,
+          side.cooperative ? "y" : "n", side.read_phase_s, side.read_phase_mib);
+    }
+  }
   std::printf("\ngrowth exponent k (cost ~ N^k) between consecutive N:\n");
   std::printf("%6s %6s | %7s %7s %8s %8s %7s %9s %9s %9s\n", "from", "to", "plan s", "write s",
               "plan MiB", "md out", "md MiB", "f.md s", "f.resume", "f.reshard");
@@ -690,12 +794,27 @@ int main(int argc, char** argv) {
     nlohmann::json out = nlohmann::json::array();
     for (const Row& r : rows) {
       auto side = [](const LoadSide& l) {
-        return nlohmann::json{
-            {"follower_plan_s", l.follower_s},  {"gathered_bytes", l.gathered_bytes},
-            {"coordinator_s", l.coordinator_s}, {"coordinator_peak_mib", l.coordinator_mib},
-            {"reply_bytes", l.schedule_bytes},  {"full_gather_mib_est", l.full_gather_mib_est},
-            {"summaries_exact", l.exact},       {"follower_plan_items", l.plan_items},
-            {"read_pieces", l.pieces},          {"read_expand_s", l.expand_s}};
+        return nlohmann::json{{"follower_plan_s", l.follower_s},
+                              {"gathered_bytes", l.gathered_bytes},
+                              {"coordinator_s", l.coordinator_s},
+                              {"coordinator_peak_mib", l.coordinator_mib},
+                              {"reply_bytes", l.schedule_bytes},
+                              {"full_gather_mib_est", l.full_gather_mib_est},
+                              {"summaries_exact", l.exact},
+                              {"follower_plan_items", l.plan_items},
+                              {"read_pieces", l.pieces},
+                              {"read_expand_s", l.expand_s},
+                              {"read_parts", l.read_parts},
+                              {"read_walk_s", l.walk_s},
+                              {"read_walk_peak_mib", l.walk_mib},
+                              {"coop_asks", l.coop_asks},
+                              {"coop_request_bytes", l.coop_request_bytes},
+                              {"coop_ask_s", l.coop_ask_s},
+                              {"coop_ask_mib", l.coop_ask_mib},
+                              {"coop_waste_s", l.coop_waste_s},
+                              {"cooperative", l.cooperative},
+                              {"read_phase_cpu_s", l.read_phase_s},
+                              {"read_phase_peak_mib", l.read_phase_mib}};
       };
       out.push_back({{"ranks", r.n},
                      {"metadata_version", g_metadata_version},
