@@ -128,9 +128,9 @@ class Communicator {
   /// CollectiveError on a timeout (naming the ranks this one still waits for) or a mismatch.
   /// The default goes through AllToAll (one message per peer: copies); MpiCommunicator sends
   /// and receives each piece directly; InProcessGroup's ranks copy each piece once, straight
-  /// from the sender's memory (an AllToAll of addresses, then a barrier). The two sides may cut
-  /// a peer's bytes into pieces differently; only the totals must agree (else the receiver
-  /// throws CollectiveError naming the sender). (Declared last, like AllToAll.)
+  /// from the sender's memory (an AllToAll of addresses, then a barrier). A receiver that
+  /// expects more or fewer bytes from a peer than it sent throws CollectiveError naming that
+  /// peer. (Declared last, like AllToAll.)
   virtual void ExchangeBytes(const std::vector<BulkSend>& sends,
                              const std::vector<BulkReceive>& receives, std::string_view what);
   /// Whether AllToAll and ExchangeBytes go straight from each rank to each other (not through

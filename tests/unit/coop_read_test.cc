@@ -470,13 +470,12 @@ TEST_CASE("coop: PyTorch DCP and safetensors column loads read each record once"
 
 // ---------------------------------------------------------------------------------------------
 // Bulk bytes between ranks (Communicator::ExchangeBytes): ranks that are threads of one process
-// copy straight from the sender's memory; the default goes through AllToAll. Both deliver each
-// peer's pieces as one byte stream, however the two sides cut it.
+// copy straight from the sender's memory; the default goes through AllToAll.
 
 namespace {
 
-// What rank `from` sends rank `to`: a stream of (from, to)-seeded bytes, cut into pieces of
-// awkward sizes (empty ones included) that differ from the receiver's cut.
+// How rank `from` cuts what it sends rank `to` (and `to` what it receives): pieces of awkward
+// sizes, empty ones included, different for every pair.
 std::vector<size_t> Cut(size_t total, size_t seed) {
   std::vector<size_t> cut;
   size_t left = total;
@@ -499,13 +498,13 @@ void ExchangeStreams(int rank, Communicator& comm, bool direct) {
     out[p].resize(bytes_between(rank, p));
     dcp::testing::FillRandom(out[p].data(), out[p].size(), 100 * rank + p);
     size_t at = 0;
-    for (size_t piece : Cut(out[p].size(), 1 + p)) {
+    for (size_t piece : Cut(out[p].size(), 1 + 7 * rank + p)) {
       sends.push_back({p, out[p].data() + at, piece});
       at += piece;
     }
     in[p].assign(bytes_between(p, rank), '\0');
     at = 0;
-    for (size_t piece : Cut(in[p].size(), 2 + 3 * p)) {
+    for (size_t piece : Cut(in[p].size(), 1 + 7 * p + rank)) {
       receives.push_back({p, in[p].data() + at, piece});
       at += piece;
     }
@@ -524,7 +523,7 @@ void ExchangeStreams(int rank, Communicator& comm, bool direct) {
 
 }  // namespace
 
-TEST_CASE("bulk exchange: each peer's bytes arrive exact, however either side cuts them",
+TEST_CASE("bulk exchange: every piece arrives exact and in order, empty ones included",
           "[coop][comm]") {
   for (bool direct : {true, false}) {
     DYNAMIC_SECTION((direct ? "in-process, from the sender's memory" : "through AllToAll")) {
