@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include "dcp/proto/error.h"
+#include "dcp/proto/span_pieces.h"
 
 namespace dcp {
 
@@ -154,10 +155,10 @@ void ForEachPlainTensorRead(const LoadPlan& plan, const Metadata& md, Fn&& fn) {
       if (!fn(item, *t)) return;
       continue;
     }
-    pieces.clear();
-    AppendSpanPieces(item, *t, pieces);
-    for (const ReadItem& p : pieces) {
-      if (!fn(p, *t)) return;
+    size_t used = 0;  // the pieces' memory is reused from span to span
+    WriteSpanPieces(item, *t, pieces, used);
+    for (size_t i = 0; i < used; ++i) {
+      if (!fn(pieces[i], *t)) return;
     }
   }
 }

@@ -4,6 +4,7 @@
 
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
+#include "dcp/proto/span_pieces.h"
 
 namespace dcp {
 
@@ -126,10 +127,27 @@ TensorMetadata WithListedChunks(const TensorMetadata& t) {
   return out;
 }
 
-void AppendSpanPieces(const ReadItem& item, const TensorMetadata& saved,
-                      std::vector<ReadItem>& out) {
+namespace {
+
+// The next item of `out` to write: an element left from an earlier part when there is one (its
+// strings and shapes are assigned over, reusing their memory: a large reshard expands millions
+// of pieces, and allocating each piece's six buffers afresh was most of the expansion's cost),
+// else a new one. `used` counts the items written.
+ReadItem& NextSlot(std::vector<ReadItem>& out, size_t& used, const ReadItem& value) {
+  if (used < out.size()) {
+    out[used] = value;
+  } else {
+    out.push_back(value);
+  }
+  return out[used++];
+}
+
+}  // namespace
+
+void WriteSpanPieces(const ReadItem& item, const TensorMetadata& saved, std::vector<ReadItem>& out,
+                     size_t& used) {
   if (item.chunk_span <= 1) {
-    out.push_back(item);
+    NextSlot(out, used, item);
     return;
   }
   const std::string& fqn = item.storage_index.fqn;
@@ -175,7 +193,7 @@ void AppendSpanPieces(const ReadItem& item, const TensorMetadata& saved,
     const auto [b, e] = RegularSlice(extent, static_cast<int64_t>(k), world, rule);
     const int64_t lo = std::max(b, begin), hi = std::min(e, end);
     if (lo >= hi) continue;
-    ReadItem& piece = out.emplace_back(item);
+    ReadItem& piece = NextSlot(out, used, item);
     piece.chunk_span = 1;
     piece.storage_index.offset[d] = b;
     piece.storage_index.index = static_cast<int32_t>(k);
@@ -183,6 +201,12 @@ void AppendSpanPieces(const ReadItem& item, const TensorMetadata& saved,
     piece.dest_offsets[d] += lo - begin;
     piece.lengths[d] = hi - lo;
   }
+}
+
+void AppendSpanPieces(const ReadItem& item, const TensorMetadata& saved,
+                      std::vector<ReadItem>& out) {
+  size_t used = out.size();
+  WriteSpanPieces(item, saved, out, used);
 }
 
 namespace {
@@ -247,19 +271,24 @@ void ForEachExpandedPart(const LoadPlan& plan, const Metadata& md, size_t max_it
   part.items.reserve(std::min(plan.items.size(), max_items));
   SpanTensors tensors(md);
   bool any = false;
+  size_t used = 0;  // items of this part; part.items may hold more, left from the last part
   for (const ReadItem& item : plan.items) {
     if (item.chunk_span <= 1) {
-      part.items.push_back(item);
+      NextSlot(part.items, used, item);
     } else {
-      AppendSpanPieces(item, tensors.Of(item), part.items);
+      WriteSpanPieces(item, tensors.Of(item), part.items, used);
     }
-    if (part.items.size() >= max_items) {
+    if (used >= max_items) {
+      part.items.resize(used);  // only a span's overshoot of the last part can be cut here
       read(part);
-      part.items.clear();
+      used = 0;
       any = true;
     }
   }
-  if (!part.items.empty() || !any) read(part);
+  if (used > 0 || !any) {
+    part.items.resize(used);
+    read(part);
+  }
 }
 
 void FillStorage(Metadata& md, const std::vector<std::vector<WriteResult>>& results) {

@@ -642,11 +642,23 @@ TEST_CASE("metadata v2: a box across every rank's chunk plans as one span and ex
   }
   CHECK(rows == 300007);
 
-  // A load expands a bounded part at a time: the parts, in order, are the expansion.
+  // A load expands a bounded part at a time: the parts, in order, are the expansion, every field
+  // of every item (a part's items are written over the last part's: nothing of them may stay).
   LoadPlan three = plan;
+  ReadItem plain = pieces.items[7];  // a plain item of other offsets and lengths, between spans
+  plain.lengths[1] = 1;
+  plain.storage_offsets[1] = 2;
+  plain.dest_index.fqn = "another";
+  three.items.push_back(plain);
   three.items.push_back(plan.items[0]);
   three.items.push_back(plan.items[0]);
   three.planner_data = "p";
+  auto same = [](const ReadItem& a, const ReadItem& b) {
+    return a.type == b.type && a.dest_index == b.dest_index && a.dest_offsets == b.dest_offsets &&
+           a.storage_index == b.storage_index && a.storage_index.index == b.storage_index.index &&
+           a.storage_offsets == b.storage_offsets && a.lengths == b.lengths &&
+           a.chunk_span == b.chunk_span;
+  };
   for (size_t max_items : {size_t{1}, size_t{1000}, size_t{75002}, kMaxExpandedItems}) {
     INFO("parts of " << max_items);
     std::vector<size_t> sizes;
@@ -657,14 +669,14 @@ TEST_CASE("metadata v2: a box across every rank's chunk plans as one span and ex
       sizes.push_back(part.items.size());
       for (const ReadItem& p : part.items) {
         REQUIRE(at < all.items.size());
-        REQUIRE(p.storage_index == all.items[at].storage_index);
-        REQUIRE(p.dest_offsets == all.items[at++].dest_offsets);
+        REQUIRE(same(p, all.items[at++]));
       }
     });
     CHECK(at == all.items.size());
+    CHECK(all.items.size() == 3 * chunks + 1);
     // One span adds at most its chunks past the bound.
     for (size_t n : sizes) CHECK(n < std::max<size_t>(max_items, 1) + chunks);
-    CHECK(sizes.size() == (max_items >= 3 * chunks ? 1 : 3));
+    CHECK(sizes.size() == (max_items == 1 ? 4 : max_items > 3 * chunks ? 1 : 3));
   }
   size_t calls = 0;
   ForEachExpandedPart(LoadPlan{}, md, 10, [&](const LoadPlan& part) {
