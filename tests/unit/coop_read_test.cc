@@ -225,11 +225,17 @@ class CountingCommunicator : public Communicator {
   void ExchangeBytes(const std::vector<BulkSend>& s, const std::vector<BulkReceive>& r,
                      std::string_view w) override {
     Count(w);
+    if (fail_exchange && w == "load/coop-data") {  // as a transport that timed out
+      inner_.Poison("injected: the bulk exchange timed out");
+      throw CollectiveError(std::string(w), {{rank(), ErrorCode::kTimeout,
+                                              "injected: the bulk exchange timed out", false}});
+    }
     inner_.ExchangeBytes(s, r, w);
   }
   bool ExchangesDirectly() const override { return direct && inner_.ExchangesDirectly(); }
   int coop = 0;
   bool direct = true;  // false: as NcclCommunicator, no direct AllToAll or ExchangeBytes
+  bool fail_exchange = false;
 
  private:
   void Count(std::string_view w) { coop += w.substr(0, 10) == "load/coop-"; }
@@ -447,6 +453,34 @@ TEST_CASE("coop: an owner that cannot read fails every rank with the same error"
     Load(loaded[r].sd, "coop://x", comm);
   });
   CheckSameFailure(errors, "could not read the items it reads for this rank");
+}
+
+TEST_CASE("coop: a bulk exchange that times out on one rank fails every rank, naming it",
+          "[coop][read-once][fault]") {
+  // The others learn it when their own wait for that rank ends (3 s here), as over MPI.
+  SaveRows("coop-exchange");
+  constexpr int kFailing = 2;
+  std::vector<Loaded> loaded(4);
+  auto errors = RunRanks(
+      4,
+      [&](int r, Communicator& comm) {
+        loaded[r] = ColumnState(r, 4);
+        CountingCommunicator counting(comm);
+        counting.fail_exchange = r == kFailing;
+        Load(loaded[r].sd, "coop://x", counting);
+      },
+      std::chrono::seconds(3));
+  for (int r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    REQUIRE(errors[r]);
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const CollectiveError& e) {
+      const std::string what = e.what();
+      CHECK((what.find("rank " + std::to_string(kFailing)) != std::string::npos ||
+             what.find("rank(s) " + std::to_string(kFailing)) != std::string::npos));
+    }
+  }
 }
 
 TEST_CASE("coop: PyTorch DCP and safetensors column loads read each record once",
