@@ -85,14 +85,17 @@ int CoopOwners::Owner(const Metadata& md, const MetadataIndex& index) const {
     if (t == nullptr) return -1;
     const auto k = ChunkOrdinal(*t, index.offset, index.index);
     if (!k) return -1;
-    const int64_t w = ChunkWriter(*t, *k);
-    if (w < 0 || w >= md.world_size) return -1;
-    return static_cast<int>(w * world_ / md.world_size);
+    return OwnerOfWriter(md, ChunkWriter(*t, *k));
   }
   auto s = md.storage.find(index);
   if (s == md.storage.end()) return -1;
   auto f = by_file_.find(s->second.relative_path);
   return f == by_file_.end() ? -1 : f->second;
+}
+
+int CoopOwners::OwnerOfWriter(const Metadata& md, int64_t writer) const {
+  if (md.format_version < 2 || writer < 0 || writer >= md.world_size) return -1;
+  return static_cast<int>(writer * world_ / md.world_size);
 }
 
 uint64_t PartialReadCost(const Shape& sizes, size_t esize, const Shape& box_off,
@@ -138,8 +141,15 @@ namespace {
 
 // fn(item, tensor) for each plain tensor read of `plan`, spans expanded one at a time, until
 // fn returns false.
-template <typename Fn>
-void ForEachPlainTensorRead(const LoadPlan& plan, const Metadata& md, Fn&& fn) {
+// fn(piece, tensor) for every plain tensor read of `plan`, spans expanded, until fn returns
+// false. `span_fn(span, tensor)`, when given, may take a whole span instead: it returns whether to
+// go on, or nullopt to have the span's pieces built and passed to fn.
+struct NoSpanFn {
+  std::optional<bool> operator()(const ReadItem&, const TensorMetadata&) const { return {}; }
+};
+template <typename Fn, typename SpanFn = NoSpanFn>
+void ForEachPlainTensorRead(const LoadPlan& plan, const Metadata& md, Fn&& fn,
+                            SpanFn&& span_fn = SpanFn()) {
   const std::string* last_fqn = nullptr;
   const TensorMetadata* t = nullptr;
   std::vector<ReadItem> pieces;
@@ -155,6 +165,10 @@ void ForEachPlainTensorRead(const LoadPlan& plan, const Metadata& md, Fn&& fn) {
       if (!fn(item, *t)) return;
       continue;
     }
+    if (const std::optional<bool> go_on = span_fn(item, *t)) {
+      if (!*go_on) return;
+      continue;
+    }
     size_t used = 0;  // the pieces' memory is reused from span to span
     WriteSpanPieces(item, *t, pieces, used);
     for (size_t i = 0; i < used; ++i) {
@@ -163,26 +177,31 @@ void ForEachPlainTensorRead(const LoadPlan& plan, const Metadata& md, Fn&& fn) {
   }
 }
 
+// What a read of the box [off, +len) of a stored chunk of `sizes` fetches beyond the box, or
+// nullopt for a box outside the chunk or an empty one.
+std::optional<uint64_t> PieceWaste(const Shape& sizes, size_t esize, const Shape& off,
+                                   const Shape& len, bool verify) {
+  if (sizes.size() != len.size() || off.size() != len.size()) return std::nullopt;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    const int64_t o = off[d], n = len[d];
+    if (o < 0 || n <= 0 || o > sizes[d] || n > sizes[d] - o) return std::nullopt;
+  }
+  const uint64_t cost = BlockAlignedPartialReadCost(sizes, esize, off, len, verify,
+                                                    /*log2_block=*/0);
+  const uint64_t box = static_cast<uint64_t>(NumElements(len)) * esize;
+  return cost > box ? cost - box : 0;
+}
+
 // The waste of one plain read, or nullopt when it names no chunk of `t` or a box outside it.
 std::optional<uint64_t> WasteOf(const ReadItem& item, const TensorMetadata& t, bool verify,
                                 ChunkMeta* chunk_out) {
   const auto k = ChunkOrdinal(t, item.storage_index.offset, item.storage_index.index);
   if (!k) return std::nullopt;
   ChunkMeta chunk = ChunkAt(t, *k);
-  if (chunk.sizes.size() != item.lengths.size() ||
-      item.storage_offsets.size() != item.lengths.size()) {
-    return std::nullopt;
-  }
-  for (size_t d = 0; d < chunk.sizes.size(); ++d) {
-    const int64_t o = item.storage_offsets[d], n = item.lengths[d];
-    if (o < 0 || n <= 0 || o > chunk.sizes[d] || n > chunk.sizes[d] - o) return std::nullopt;
-  }
-  const size_t esize = ElementSize(t.dtype);
-  const uint64_t cost = BlockAlignedPartialReadCost(chunk.sizes, esize, item.storage_offsets,
-                                                    item.lengths, verify, /*log2_block=*/0);
-  const uint64_t box = static_cast<uint64_t>(NumElements(item.lengths)) * esize;
+  const auto waste =
+      PieceWaste(chunk.sizes, ElementSize(t.dtype), item.storage_offsets, item.lengths, verify);
   if (chunk_out) *chunk_out = std::move(chunk);
-  return cost > box ? cost - box : 0;
+  return waste;
 }
 
 }  // namespace
@@ -216,13 +235,35 @@ std::vector<CoopAsk> CoopAsks(const LoadPlan& plan, const Metadata& md, const Co
 uint64_t CoopWaste(const LoadPlan& plan, const Metadata& md, const CoopOwners& owners, bool verify,
                    uint64_t stop_at) {
   uint64_t sum = 0;
-  ForEachPlainTensorRead(plan, md, [&](const ReadItem& item, const TensorMetadata& t) {
-    const auto waste = WasteOf(item, t, verify, nullptr);
-    if (waste && *waste >= kCoopMinWaste && owners.Owner(md, item.storage_index) >= 0) {
-      sum = Sat(sum, *waste);
-    }
+  auto add = [&](const std::optional<uint64_t>& waste, int owner) {
+    if (waste && *waste >= kCoopMinWaste && owner >= 0) sum = Sat(sum, *waste);
     return sum < stop_at;
-  });
+  };
+  // A span's pieces are judged by their numbers (SpanChunk), not built: an all-to-all reshard
+  // has millions of them, and every rank walks them all when the waste stays under the bar.
+  Shape sizes, off, len;
+  ForEachPlainTensorRead(
+      plan, md,
+      [&](const ReadItem& item, const TensorMetadata& t) {
+        return add(WasteOf(item, t, verify, nullptr), owners.Owner(md, item.storage_index));
+      },
+      [&](const ReadItem& span, const TensorMetadata& t) {
+        if (md.format_version < 2) return std::optional<bool>();  // piece by piece
+        sizes = t.shape;
+        off = span.storage_offsets;
+        len = span.lengths;
+        const size_t esize = ElementSize(t.dtype);
+        bool go_on = true;
+        ForEachSpanChunk(span, t, [&](const SpanChunk& c) {
+          sizes[c.dim] = c.chunk_end - c.chunk_begin;
+          off[c.dim] = c.lo - c.chunk_begin;
+          len[c.dim] = c.hi - c.lo;
+          go_on = add(PieceWaste(sizes, esize, off, len, verify),
+                      owners.OwnerOfWriter(md, ChunkWriter(t, c.k)));
+          return go_on;
+        });
+        return std::optional<bool>(go_on);
+      });
   return sum;
 }
 

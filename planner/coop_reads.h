@@ -41,6 +41,9 @@ class CoopOwners {
   /// The owner of stored item `index` (a tensor chunk), or -1 when the metadata does not say
   /// (the item is then read by whoever needs it).
   int Owner(const Metadata& md, const MetadataIndex& index) const;
+  /// The owner of what rank `writer` wrote in a version-2 checkpoint, or -1 (version 1, or no
+  /// such writer).
+  int OwnerOfWriter(const Metadata& md, int64_t writer) const;
 
  private:
   int world_ = 1;

@@ -1,6 +1,7 @@
 #include "dcp/proto/plan.h"
 
 #include <algorithm>
+#include <tuple>
 
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
@@ -144,12 +145,8 @@ ReadItem& NextSlot(std::vector<ReadItem>& out, size_t& used, const ReadItem& val
 
 }  // namespace
 
-void WriteSpanPieces(const ReadItem& item, const TensorMetadata& saved, std::vector<ReadItem>& out,
-                     size_t& used) {
-  if (item.chunk_span <= 1) {
-    NextSlot(out, used, item);
-    return;
-  }
+void ForEachSpanChunk(const ReadItem& item, const TensorMetadata& saved,
+                      const std::function<bool(const SpanChunk&)>& fn) {
   const std::string& fqn = item.storage_index.fqn;
   auto fail = [&](const std::string& why) {
     throw InvalidArgumentError("read of tensor " + ClippedName(fqn) + " across " +
@@ -187,20 +184,37 @@ void WriteSpanPieces(const ReadItem& item, const TensorMetadata& saved, std::vec
     }
   }
   // The box along d, in the tensor's coordinates; each chunk gets its part of it.
-  const int64_t begin = first_begin + item.storage_offsets[d];
-  const int64_t end = begin + item.lengths[d];
+  SpanChunk c;
+  c.dim = d;
+  c.box_begin = first_begin + item.storage_offsets[d];
+  const int64_t end = c.box_begin + item.lengths[d];
   for (size_t k = first; k < first + item.chunk_span; ++k) {
-    const auto [b, e] = RegularSlice(extent, static_cast<int64_t>(k), world, rule);
-    const int64_t lo = std::max(b, begin), hi = std::min(e, end);
-    if (lo >= hi) continue;
+    std::tie(c.chunk_begin, c.chunk_end) =
+        RegularSlice(extent, static_cast<int64_t>(k), world, rule);
+    c.lo = std::max(c.chunk_begin, c.box_begin);
+    c.hi = std::min(c.chunk_end, end);
+    if (c.lo >= c.hi) continue;
+    c.k = k;
+    if (!fn(c)) return;
+  }
+}
+
+void WriteSpanPieces(const ReadItem& item, const TensorMetadata& saved, std::vector<ReadItem>& out,
+                     size_t& used) {
+  if (item.chunk_span <= 1) {
+    NextSlot(out, used, item);
+    return;
+  }
+  ForEachSpanChunk(item, saved, [&](const SpanChunk& c) {
     ReadItem& piece = NextSlot(out, used, item);
     piece.chunk_span = 1;
-    piece.storage_index.offset[d] = b;
-    piece.storage_index.index = static_cast<int32_t>(k);
-    piece.storage_offsets[d] = lo - b;
-    piece.dest_offsets[d] += lo - begin;
-    piece.lengths[d] = hi - lo;
-  }
+    piece.storage_index.offset[c.dim] = c.chunk_begin;
+    piece.storage_index.index = static_cast<int32_t>(c.k);
+    piece.storage_offsets[c.dim] = c.lo - c.chunk_begin;
+    piece.dest_offsets[c.dim] += c.lo - c.box_begin;
+    piece.lengths[c.dim] = c.hi - c.lo;
+    return true;
+  });
 }
 
 void AppendSpanPieces(const ReadItem& item, const TensorMetadata& saved,

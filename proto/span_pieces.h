@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "dcp/proto/plan.h"
@@ -15,5 +17,19 @@ namespace dcp {
 /// nothing. Errors as AppendSpanPieces; out[used, size()) is left as it was.
 void WriteSpanPieces(const ReadItem& item, const TensorMetadata& saved, std::vector<ReadItem>& out,
                      size_t& used);
+
+/// One piece of a span, without the item: stored chunk `k` holds [chunk_begin, chunk_end) of the
+/// rule's dimension `dim`, and the piece reads [lo, hi) of it (the span's box covers
+/// [box_begin, ...) there); every other dimension is the span's.
+struct SpanChunk {
+  size_t dim = 0;
+  size_t k = 0;
+  int64_t chunk_begin = 0, chunk_end = 0, lo = 0, hi = 0, box_begin = 0;
+};
+/// fn(piece) for every piece of span `item` (chunk_span > 1), in AppendSpanPieces' order, until
+/// fn returns false; the span is checked first, with AppendSpanPieces' errors. For walks that
+/// need a piece's numbers, not a ReadItem (cooperative reads' waste).
+void ForEachSpanChunk(const ReadItem& item, const TensorMetadata& saved,
+                      const std::function<bool(const SpanChunk&)>& fn);
 
 }  // namespace dcp

@@ -83,6 +83,52 @@ TEST_CASE("coop: what a partial read costs, and when an item is scattered", "[co
   CHECK_FALSE(ShouldCooperate({a, b}));  // one rank takes part
 }
 
+TEST_CASE("coop: a span's waste, judged chunk by chunk, is its pieces' waste",
+          "[coop][read-once]") {
+  Metadata md;
+  md.format_version = 2;
+  md.world_size = 8;
+  TensorMetadata w{DType::kFloat32, {64, 4096}};  // 8 chunks of 8 rows (128 KiB each)
+  w.regular = RegularLayout{0, kRuleBalanced, 8};
+  TensorMetadata c{DType::kBFloat16, {61, 3000}};  // torch.chunk's rule, uneven
+  c.regular = RegularLayout{0, kRuleCeil, 8};
+  md.entries["w"] = w;
+  md.entries["c"] = c;
+  auto span = [](const std::string& fqn, int32_t first, uint32_t n, int64_t first_row, Shape off,
+                 Shape len) {
+    ReadItem item;
+    item.dest_index = {fqn, {0, 0}, std::nullopt};
+    item.dest_offsets = {0, 0};
+    item.storage_index = {fqn, {first_row, 0}, first};
+    item.storage_offsets = std::move(off);
+    item.lengths = std::move(len);
+    item.chunk_span = n;
+    return item;
+  };
+  LoadPlan plan;
+  plan.items.push_back(span("w", 0, 8, 0, {0, 100}, {64, 1000}));  // a column block: every chunk
+  plan.items.push_back(span("w", 2, 4, 16, {3, 0}, {20, 4096}));   // rows across 4 chunks
+  plan.items.push_back(span("c", 1, 6, 8, {5, 7}, {40, 2000}));    // uneven chunks, a box inside
+  const LoadPlan pieces = ExpandChunkSpans(plan, md);
+  REQUIRE(pieces.items.size() > plan.items.size());
+  for (int world : {8, 3}) {
+    const CoopOwners owners(md, world);
+    for (bool verify : {true, false}) {
+      INFO("world " << world << " verify " << verify);
+      const uint64_t all = CoopWaste(pieces, md, owners, verify);
+      CHECK(all > 0);
+      CHECK(CoopWaste(plan, md, owners, verify) == all);
+      // Stopping early stops at the same piece.
+      CHECK(CoopWaste(plan, md, owners, verify, all / 3) ==
+            CoopWaste(pieces, md, owners, verify, all / 3));
+    }
+  }
+  // A span that does not fit is refused as its expansion is.
+  LoadPlan bad;
+  bad.items.push_back(span("w", 6, 4, 48, {0, 0}, {8, 8}));
+  CHECK_THROWS_AS(CoopWaste(bad, md, CoopOwners(md, 8), true), InvalidArgumentError);
+}
+
 TEST_CASE("coop: slabs fill rounds of the budget, pieces cover each box", "[coop][read-once]") {
   uint32_t round = 0;
   uint64_t used = 0;
