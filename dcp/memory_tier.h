@@ -80,6 +80,9 @@ struct TierStats {
   double recover_s = 0;   // Restore: agreement and fetching
   double load_s = 0;      // Restore: the load itself
   int files_fetched = 0;  // Restore: files this rank received from other nodes
+  // Restore: the nodes' copies of files found damaged before the load (every rank alike); the
+  // load read another node's copy of each.
+  int damaged_copies = 0;
   double drain_s = 0;     // Drain (or SaveAsync's drain): copy to durable storage + commit
 };
 
@@ -126,7 +129,13 @@ class MemoryTier {
 
   /// Load the newest step complete across the surviving copies into `state` and return it;
   /// nullopt (on every rank) when no complete step survives. Files a node lacks are fetched
-  /// from other nodes first. Throws CollectiveError when a load fails.
+  /// from other nodes first. With options.storage.verify_checksums (the default), every copy of
+  /// a file the load reads is checked against its items' CRC32Cs before it is used (by the
+  /// ranks of the node holding it): a damaged copy is reported on stderr and counted
+  /// (TierStats::damaged_copies), and another node's intact copy is fetched over it. Throws
+  /// CollectiveError when a load fails, or (kCorruption, naming each file and what is wrong
+  /// with each copy) when a file the load reads has no intact copy on any node: the step is
+  /// then not restored (CheckpointManager falls back to the durable root).
   std::optional<int64_t> Restore(StateDict& state, const LoadOptions& options = {});
 
   /// Committed steps any node holds whose every file survives somewhere, ascending (collective).

@@ -2,6 +2,7 @@
 // the nodes, fetching what this node's ranks read of it, and loading it.
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <map>
 #include <set>
 #include <string>
@@ -49,10 +50,12 @@ std::string FetchMetadata(Communicator& comm, int md_root, const std::string& di
 
 // The files (of `names`, sorted) this rank's load reads: its plan's, from the metadata and its
 // own request (a custom planner's reads are not known in advance: every file).
+// *planned: whether the files are known (false when planning failed: the load then fails alike).
 std::vector<bool> FilesToRead(StateDict& state, const Metadata& md,
                               const std::vector<std::string>& names, const LoadOptions& options,
-                              int rank, int world) {
+                              int rank, int world, bool* planned) {
   std::vector<bool> need(names.size(), options.planner != nullptr);
+  *planned = true;
   if (options.planner != nullptr) return need;
   try {
     LoadPlannerOptions po;
@@ -86,8 +89,98 @@ std::vector<bool> FilesToRead(StateDict& state, const Metadata& md,
     }
   } catch (const Error&) {
     // The load fails the same way, on every rank, with the planner's message.
+    *planned = false;
   }
   return need;
+}
+
+// Which of the step's files (indexes into `names`) the ranks of each node read, from every
+// rank's list (`all_wanted`); CorruptionError for an index out of range.
+std::vector<std::vector<bool>> WantedByNode(const std::vector<std::string>& all_wanted,
+                                            size_t file_count,
+                                            const std::vector<std::vector<int>>& nodes) {
+  std::vector<std::vector<bool>> wanted(nodes.size(), std::vector<bool>(file_count));
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    for (int r : nodes[n]) {
+      MessageReader in(all_wanted[r], "rank " + std::to_string(r));
+      while (!in.done()) {
+        const uint64_t i = in.U64();
+        if (i >= file_count) {
+          throw CorruptionError("memory tier: rank " + std::to_string(r) + " needs file " +
+                                std::to_string(i) + " of " + std::to_string(file_count));
+        }
+        wanted[n][i] = true;
+      }
+    }
+  }
+  return wanted;
+}
+
+// The copies of the step's files a restore may use, checked before it uses them (DamageIn):
+// starts from the nodes that hold each file (`holders`, by name) and returns them less the
+// damaged copies, whose damage goes into `damaged` ((node, file index) -> what is wrong), alike
+// on every rank. A node's copy is checked when its ranks read it, or when a node whose ranks
+// read the file lacks it (that copy may be sent); each node's ranks share its checks in turns.
+// Dropping a damaged copy can make a node lack a file, so the checks go in rounds until no copy
+// that may be used is unchecked.
+std::map<std::string, std::vector<int>> CheckCopies(
+    Communicator& comm, const Metadata& md, const std::string& dir,
+    const std::vector<std::string>& names, const std::vector<std::vector<bool>>& wanted,
+    std::map<std::string, std::vector<int>> holders, const std::vector<std::vector<int>>& nodes,
+    int node, int rank, std::map<std::pair<int, size_t>, std::string>& damaged) {
+  std::vector<int> node_of(comm.size(), -1);
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    for (int r : nodes[n]) node_of[r] = static_cast<int>(n);
+  }
+  auto holds = [&](int n, size_t i) {
+    const auto& h = holders[names[i]];
+    return std::find(h.begin(), h.end(), n) != h.end();
+  };
+  std::set<std::pair<int, size_t>> checked;
+  for (;;) {
+    std::vector<std::pair<int, size_t>> to_check;  // (node, file), in one order on every rank
+    for (size_t i = 0; i < names.size(); ++i) {
+      bool read = false, lacking = false;
+      for (size_t n = 0; n < nodes.size(); ++n) {
+        if (!wanted[n][i]) continue;
+        read = true;
+        lacking = lacking || !holds(static_cast<int>(n), i);
+      }
+      if (!read) continue;
+      for (int h : holders[names[i]]) {
+        if (!checked.count({h, i}) && (wanted[h][i] || lacking)) to_check.emplace_back(h, i);
+      }
+    }
+    if (to_check.empty()) break;
+    std::string mine;
+    size_t turn = 0;
+    for (const auto& copy : to_check) {
+      checked.insert(copy);
+      if (copy.first != node || nodes[node][turn++ % nodes[node].size()] != rank) continue;
+      const std::string why = DamageIn(dir, md, names[copy.second]);
+      if (!why.empty()) {
+        PutU64(mine, copy.second);
+        PutString(mine, why);
+      }
+    }
+    const auto all = comm.AllGather(std::move(mine), "tier/recover-check");
+    for (int r = 0; r < comm.size(); ++r) {
+      MessageReader in(all[r], "rank " + std::to_string(r));
+      while (!in.done()) {
+        const uint64_t i = in.U64();
+        std::string why = in.String();
+        if (i >= names.size() || node_of[r] < 0) {
+          throw CorruptionError("memory tier: rank " + std::to_string(r) +
+                                " reports damage in file " + std::to_string(i) + " of " +
+                                std::to_string(names.size()));
+        }
+        auto& h = holders[names[i]];
+        h.erase(std::remove(h.begin(), h.end(), node_of[r]), h.end());
+        damaged[{node_of[r], static_cast<size_t>(i)}] = std::move(why);
+      }
+    }
+  }
+  return holders;
 }
 
 // Who moves which file of the step to whom; every rank computes the same plan, so both sides
@@ -211,18 +304,66 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   std::vector<std::string> names;
   for (const auto& [name, extent] : referenced) names.push_back(name);
 
-  const auto need = FilesToRead(state, md, names, options, rank_, comm_.size());
+  bool planned = true;
+  const auto need = FilesToRead(state, md, names, options, rank_, comm_.size(), &planned);
   std::string wanted;
   for (size_t i = 0; i < names.size(); ++i) {
     if (need[i]) PutU64(wanted, i);
   }
   auto all_wanted = comm_.AllGather(std::move(wanted), "tier/recover-needs");
-  std::map<int, const StepReport*> report_of;
+  // The nodes' copies of the step; with checksums on, each copy a load would use is checked
+  // first, and a damaged one is dropped: the file then comes from a node whose copy is intact.
+  std::vector<StepReport> copies;
   for (const auto& rep : reports) {
-    if (rep.step == step && rep.metadata_hash == chosen->hash) report_of[rep.node] = &rep;
+    if (rep.step == step && rep.metadata_hash == chosen->hash) copies.push_back(rep);
   }
+  Candidate source = *chosen;
+  const bool check = options.storage.verify_checksums;
+  if (check) {
+    std::map<std::pair<int, size_t>, std::string> damaged;
+    const auto wanted = WantedByNode(all_wanted, names.size(), nodes_);
+    source.holders = CheckCopies(comm_, md, dir, names, wanted, chosen->holders, nodes_, node_,
+                                 rank_, damaged);
+    stats_.damaged_copies = static_cast<int>(damaged.size());
+    std::string lost;  // files some rank reads that no node holds intact
+    for (size_t i = 0; i < names.size(); ++i) {
+      const bool read = std::any_of(wanted.begin(), wanted.end(),
+                                    [&](const std::vector<bool>& w) { return w[i]; });
+      if (!read || !source.holders[names[i]].empty()) continue;
+      lost += (lost.empty() ? "" : "; ") + names[i] + " (";
+      bool first = true;
+      for (const auto& [copy, why] : damaged) {
+        if (copy.second != i) continue;
+        lost += (first ? "" : ", ") + std::string("node ") + std::to_string(copy.first) + ": " + why;
+        first = false;
+      }
+      lost += ")";
+    }
+    for (auto& rep : copies) {
+      for (const auto& [copy, why] : damaged) {
+        if (copy.first == rep.node) rep.present.erase(names[copy.second]);
+      }
+    }
+    if (rank_ == 0 && lost.empty()) {
+      for (const auto& [copy, why] : damaged) {
+        std::fprintf(stderr,
+                     "dcp: memory tier: step %lld: node %d's copy of %s is damaged (%s); its "
+                     "ranks read another node's copy\n",
+                     static_cast<long long>(step), copy.first, names[copy.second].c_str(),
+                     why.c_str());
+      }
+    }
+    std::string error;
+    if (rank_ == 0 && !lost.empty()) {
+      error = ErrorText(CorruptionError("memory tier: step " + std::to_string(step) +
+                                        " has no intact copy of " + lost));
+    }
+    Vote(comm_, error, "tier/recover-check");
+  }
+  std::map<int, const StepReport*> report_of;
+  for (const auto& rep : copies) report_of[rep.node] = &rep;
   const FetchPlan plan =
-      PlanFetches(all_wanted, names, referenced, *chosen, report_of, nodes_, rank_);
+      PlanFetches(all_wanted, names, referenced, source, report_of, nodes_, rank_);
 
   // Whatever this node holds of the step is not committed here: start it afresh.
   std::string error;
@@ -247,7 +388,11 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   stats_.recover_s = SecondsSince(t0);
 
   auto t1 = std::chrono::steady_clock::now();
-  LoadLocal(state, options, comm_, *pool_, dir, root_ + "/" + kRecycleDir,
+  // Every copy the load reads was checked above (when the files it reads are known): the load
+  // need not compute the same CRCs again.
+  LoadOptions load_options = options;
+  if (check && planned) load_options.storage.verify_checksums = false;
+  LoadLocal(state, load_options, comm_, *pool_, dir, root_ + "/" + kRecycleDir,
             "tier://" + options_.name + "/" + StepName(step), report_of);
   stats_.load_s = SecondsSince(t1);
   next_step_ = std::max(next_step_, step + 1);

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -212,6 +213,79 @@ TEST_CASE("memory tier: a lost node's shards come back bit-exact from their repl
       if (per_node == 2) CHECK(stats[per_node * (1 - lost)].files_fetched == 0);
       CHECK(fs::exists(NodeDir(root, lost) + "/step-0000000002/" + kMetadataName));
       fs::remove_all(TierDir(root));
+    }
+  }
+}
+
+// The data file rank `writer` wrote in the step directory `dir`.
+std::string WrittenBy(const std::string& dir, int32_t writer) {
+  for (const DataFile& f : ReadMetadata(dir).files) {
+    if (f.writer == writer) return dir + "/" + f.name;
+  }
+  FAIL("no data file of rank " << writer << " in " << dir);
+  return "";
+}
+
+// Flips every bit of byte `at` of `path` in place.
+void FlipByte(const std::string& path, uint64_t at) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  REQUIRE(f);
+  f.seekg(static_cast<std::streamoff>(at));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(~c);
+  f.seekp(static_cast<std::streamoff>(at));
+  f.write(&c, 1);
+  REQUIRE(f);
+}
+
+TEST_CASE(
+    "memory tier: a copy with a flipped byte is found before the restore uses it and another "
+    "node's copy is read, or the step is refused when no copy is intact",
+    "[memory-tier]") {
+  TempDir root("tier");
+  auto options = Options(root, 2);
+  SaveSteps(options, {1, 2});
+  // Node 0's copy of rank 0's file (its ranks read it) has one byte flipped: in its first item
+  // (items start at the file's first byte, docs/FORMAT.md). Node 1 holds an intact replica.
+  const std::string damaged = WrittenBy(NodeDir(root, 0) + "/step-0000000002", 0);
+  const std::string replica = WrittenBy(NodeDir(root, 1) + "/step-0000000002", 0);
+  FlipByte(damaged, 0);
+  REQUIRE(ReadFileBytes(damaged) != ReadFileBytes(replica));
+  std::vector<TierStats> stats(kWorld);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    auto state = TierState::Empty(rank, kWorld);
+    Expect(tier.Restore(state.sd) == 2, "the newest step is restored");
+    Expect(TierState::Holds(state.sd, 2), "bit-exact, from the intact copy");
+    stats[rank] = tier.last_stats();
+  }));
+  for (int r = 0; r < kWorld; ++r) CHECK(stats[r].damaged_copies == 1);
+  CHECK(stats[0].files_fetched + stats[1].files_fetched == 1);  // the intact copy, to node 0
+  // The fetched copy replaced the damaged one: node 0 is whole again.
+  CHECK(ReadFileBytes(damaged) == ReadFileBytes(replica));
+
+  // Both copies damaged: no rank loads anything of step 2, and every rank is told which file
+  // and what is wrong with each copy.
+  FlipByte(damaged, 0);
+  FlipByte(replica, 0);
+  auto errors = RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    auto state = TierState::Empty(rank, kWorld);
+    tier.Restore(state.sd);
+  });
+  const std::string file = fs::path(damaged).filename().string();
+  for (int r = 0; r < kWorld; ++r) {
+    REQUIRE(errors[r]);
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const CollectiveError& e) {
+      REQUIRE(e.failures().size() == 1);
+      CHECK(e.failures()[0].code == ErrorCode::kCorruption);
+      CHECK_THAT(e.what(), Contains("step 2 has no intact copy of " + file) &&
+                               Contains("node 0: item 'w' chunk 0") &&
+                               Contains("node 1: item 'w' chunk 0") &&
+                               Contains("does not match its CRC32C"));
     }
   }
 }
@@ -447,8 +521,14 @@ TEST_CASE(
       const std::string where = durable / (background ? "bg" : "sync");
       auto bg = BackgroundCommunicators();
       std::vector<std::vector<int64_t>> durable_steps(kWorld), memory_steps(kWorld);
+      std::set<std::string> step8_copies;  // the nodes' directories of step 8
+      std::mutex copies_mu;
       RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
         CheckpointManager manager(where, comm, background ? std::move(bg[rank]) : nullptr, mo);
+        {
+          std::lock_guard<std::mutex> lock(copies_mu);
+          step8_copies.insert(manager.memory_tier()->StepDirectory(8));
+        }
         for (int64_t s = 1; s <= 8; ++s) {
           TierState state(rank, kWorld, s);
           manager.Save(s, state.sd);
@@ -468,6 +548,24 @@ TEST_CASE(
       // Steps 3 and 6 went to the root (1, 5 and 7 nowhere); the tier keeps 2 steps: 6 and 8.
       CHECK(durable_steps[0] == std::vector<int64_t>{3, 6});
       CHECK(memory_steps[0] == std::vector<int64_t>{6, 8});
+      REQUIRE(step8_copies.size() == 2);
+      // Rank 0's file of step 8 damaged on both nodes: the tier refuses step 8 and the manager
+      // restores the root's newest step instead, saying why.
+      for (const std::string& copy : step8_copies) FlipByte(WrittenBy(copy, 0), 0);
+      std::vector<std::vector<std::string>> fallbacks(kWorld);
+      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+        CheckpointManager manager(where, comm, nullptr, mo);
+        auto back = TierState::Empty(rank, kWorld);
+        Expect(manager.Restore(back.sd) == 6, "step 6 from the root");
+        Expect(manager.restore_source() == "durable", "restored from the root");
+        Expect(TierState::Holds(back.sd, 6), "step 6's values");
+        fallbacks[rank] = manager.restore_fallbacks();
+      }));
+      for (int r = 0; r < kWorld; ++r) {
+        REQUIRE(fallbacks[r].size() == 1);
+        CHECK_THAT(fallbacks[r][0], Contains("memory tier") &&
+                                        Contains("step 8 has no intact copy of data-"));
+      }
       // Every node lost: the restart restores the newest durable step.
       fs::remove_all(TierAnchor(root));
       RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
