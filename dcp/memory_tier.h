@@ -28,8 +28,9 @@
 //
 // Recovery (Restore): every node reports the committed steps it holds and their files; the
 // ranks agree on the newest step whose every file survives on some node that committed it;
-// each node fetches the files its ranks' load plans read (and the metadata) from the nodes
-// holding them over the communicator; then it is an ordinary dcp::Load from the node's
+// each copy a node will use is checked against its CRCs; each node fetches the files its
+// ranks' load plans read and the replicas it keeps (and the metadata) from the nodes holding
+// them intact over the communicator; then it is an ordinary dcp::Load from the node's
 // directory, which reshards like any other load. A job restarted at another world size or
 // layout loads the same way, as long as a complete step survives.
 //
@@ -83,7 +84,7 @@ struct TierStats {
   // Restore: the nodes' copies of files found damaged before the load (every rank alike); the
   // load read another node's copy of each.
   int damaged_copies = 0;
-  double drain_s = 0;     // Drain (or SaveAsync's drain): copy to durable storage + commit
+  double drain_s = 0;  // Drain (or SaveAsync's drain): copy to durable storage + commit
 };
 
 class MemoryTier {
@@ -129,13 +130,15 @@ class MemoryTier {
 
   /// Load the newest step complete across the surviving copies into `state` and return it;
   /// nullopt (on every rank) when no complete step survives. Files a node lacks are fetched
-  /// from other nodes first. With options.storage.verify_checksums (the default), every copy of
-  /// a file the load reads is checked against its items' CRC32Cs before it is used (by the
-  /// ranks of the node holding it): a damaged copy is reported on stderr and counted
-  /// (TierStats::damaged_copies), and another node's intact copy is fetched over it. Throws
-  /// CollectiveError when a load fails, or (kCorruption, naming each file and what is wrong
-  /// with each copy) when a file the load reads has no intact copy on any node: the step is
-  /// then not restored (CheckpointManager falls back to the durable root).
+  /// from other nodes first: those its ranks read and, for a step saved at this world size
+  /// when the job has nodes enough for its replicas, those a save leaves on it (its ranks' and
+  /// their partners' files), so the job is fully redundant again before its next save. With
+  /// options.storage.verify_checksums (the default), every copy of a file the load reads is checked
+  /// against its items' CRC32Cs before it is used (by the ranks of the node holding it): a damaged
+  /// copy is reported on stderr and counted (TierStats::damaged_copies), and another node's intact
+  /// copy is fetched over it. Throws CollectiveError when a load fails, or (kCorruption, naming
+  /// each file and what is wrong with each copy) when a file the load reads has no intact copy on
+  /// any node: the step is then not restored (CheckpointManager falls back to the durable root).
   std::optional<int64_t> Restore(StateDict& state, const LoadOptions& options = {});
 
   /// Committed steps any node holds whose every file survives somewhere, ascending (collective).

@@ -116,18 +116,46 @@ std::vector<std::vector<bool>> WantedByNode(const std::vector<std::string>& all_
   return wanted;
 }
 
+// Which of the step's files (indexes into `names`) each node keeps when the job is whole: the
+// files of its ranks and its ranks' replicas of their partners' files, as a save leaves them
+// (PartnersOf). A restore fetches them too, so that the job is as redundant as after a save
+// before its next save. Only for a step saved at this world size in version 2 (the file table
+// names each file's writer) and with `replicas` > 0; else nothing is kept beyond what is read.
+std::vector<std::vector<bool>> KeptByNode(const Metadata& md, const std::vector<std::string>& names,
+                                          const std::vector<std::vector<int>>& nodes,
+                                          int replicas) {
+  std::vector<std::vector<bool>> kept(nodes.size(), std::vector<bool>(names.size()));
+  int world = 0;
+  for (const auto& ranks : nodes) world += static_cast<int>(ranks.size());
+  if (replicas <= 0 || md.format_version < 2 || md.world_size != world) return kept;
+  std::vector<int> node_of(world, -1);
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    for (int r : nodes[n]) node_of[r] = static_cast<int>(n);
+  }
+  for (const DataFile& f : md.files) {
+    auto pos = std::lower_bound(names.begin(), names.end(), f.name);
+    if (pos == names.end() || *pos != f.name || f.writer < 0 || f.writer >= world) continue;
+    const size_t i = static_cast<size_t>(pos - names.begin());
+    const int writer_node = node_of[f.writer];
+    kept[writer_node][i] = true;
+    for (int p : PartnersOf(nodes, writer_node, f.writer, replicas)) kept[node_of[p]][i] = true;
+  }
+  return kept;
+}
+
 // The copies of the step's files a restore may use, checked before it uses them (DamageIn):
 // starts from the nodes that hold each file (`holders`, by name) and returns them less the
 // damaged copies, whose damage goes into `damaged` ((node, file index) -> what is wrong), alike
-// on every rank. A node's copy is checked when its ranks read it, or when a node whose ranks
-// read the file lacks it (that copy may be sent); each node's ranks share its checks in turns.
-// Dropping a damaged copy can make a node lack a file, so the checks go in rounds until no copy
-// that may be used is unchecked.
+// on every rank. A node's copy is checked when its ranks read it (`wanted`), or when a node
+// that reads the file or keeps a replica of it (`kept`) lacks it (that copy may be sent); each
+// node's ranks share its checks in turns. Dropping a damaged copy can make a node lack a file,
+// so the checks go in rounds until no copy that may be used is unchecked.
 std::map<std::string, std::vector<int>> CheckCopies(
     Communicator& comm, const Metadata& md, const std::string& dir,
     const std::vector<std::string>& names, const std::vector<std::vector<bool>>& wanted,
-    std::map<std::string, std::vector<int>> holders, const std::vector<std::vector<int>>& nodes,
-    int node, int rank, std::map<std::pair<int, size_t>, std::string>& damaged) {
+    const std::vector<std::vector<bool>>& kept, std::map<std::string, std::vector<int>> holders,
+    const std::vector<std::vector<int>>& nodes, int node, int rank,
+    std::map<std::pair<int, size_t>, std::string>& damaged) {
   std::vector<int> node_of(comm.size(), -1);
   for (size_t n = 0; n < nodes.size(); ++n) {
     for (int r : nodes[n]) node_of[r] = static_cast<int>(n);
@@ -140,13 +168,10 @@ std::map<std::string, std::vector<int>> CheckCopies(
   for (;;) {
     std::vector<std::pair<int, size_t>> to_check;  // (node, file), in one order on every rank
     for (size_t i = 0; i < names.size(); ++i) {
-      bool read = false, lacking = false;
+      bool lacking = false;
       for (size_t n = 0; n < nodes.size(); ++n) {
-        if (!wanted[n][i]) continue;
-        read = true;
-        lacking = lacking || !holds(static_cast<int>(n), i);
+        if (wanted[n][i] || kept[n][i]) lacking = lacking || !holds(static_cast<int>(n), i);
       }
-      if (!read) continue;
       for (int h : holders[names[i]]) {
         if (!checked.count({h, i}) && (wanted[h][i] || lacking)) to_check.emplace_back(h, i);
       }
@@ -191,11 +216,13 @@ struct FetchPlan {
   std::set<int> receivers, senders;
 };
 
-// What each node lacks of what its ranks need (`all_wanted`: every rank's indexes into `names`),
-// and who moves it: the least loaded node holding the file sends it, its ranks taking turns, and
-// the lacking node's ranks take turns receiving, so that a node's loss spreads its recovery over
-// every rank of the survivors and of the new node.
-FetchPlan PlanFetches(const std::vector<std::string>& all_wanted,
+// What each node lacks of what it needs (`need`, by node: the files its ranks read and those
+// it keeps replicas of), and who moves it: the least loaded node holding the file intact sends
+// it, its ranks taking turns, and the lacking node's ranks take turns receiving, so that a
+// node's loss spreads its recovery over every rank of the survivors and of the new node. A file
+// no node holds intact is not moved (CheckCopies' caller refuses the restore when a rank reads
+// one).
+FetchPlan PlanFetches(const std::vector<std::vector<bool>>& need,
                       const std::vector<std::string>& names,
                       const std::map<std::string, uint64_t>& referenced, const Candidate& chosen,
                       const std::map<int, const StepReport*>& report_of,
@@ -206,17 +233,12 @@ FetchPlan PlanFetches(const std::vector<std::string>& all_wanted,
   FetchPlan plan;
   for (int n = 0; n < node_count; ++n) {
     std::set<size_t> lacking;
-    for (int r : nodes[n]) {
-      MessageReader in(all_wanted[r], "rank " + std::to_string(r));
-      while (!in.done()) {
-        const uint64_t i = in.U64();
-        if (i >= names.size()) {
-          throw CorruptionError("memory tier: rank " + std::to_string(r) + " needs file " +
-                                std::to_string(i) + " of " + std::to_string(names.size()));
-        }
-        auto rep = report_of.find(n);
-        if (rep == report_of.end() || !rep->second->present.count(names[i])) lacking.insert(i);
-      }
+    auto rep = report_of.find(n);
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (!need[n][i]) continue;
+      if (rep != report_of.end() && rep->second->present.count(names[i])) continue;
+      auto h = chosen.holders.find(names[i]);
+      if (h != chosen.holders.end() && !h->second.empty()) lacking.insert(i);
     }
     size_t k = 0;
     for (size_t i : lacking) {
@@ -305,12 +327,18 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   for (const auto& [name, extent] : referenced) names.push_back(name);
 
   bool planned = true;
-  const auto need = FilesToRead(state, md, names, options, rank_, comm_.size(), &planned);
-  std::string wanted;
+  const auto reads = FilesToRead(state, md, names, options, rank_, comm_.size(), &planned);
+  std::string mine;
   for (size_t i = 0; i < names.size(); ++i) {
-    if (need[i]) PutU64(wanted, i);
+    if (reads[i]) PutU64(mine, i);
   }
-  auto all_wanted = comm_.AllGather(std::move(wanted), "tier/recover-needs");
+  const auto wanted =
+      WantedByNode(comm_.AllGather(std::move(mine), "tier/recover-needs"), names.size(), nodes_);
+  const auto kept = KeptByNode(md, names, nodes_, cannot_save_.empty() ? options_.replicas : 0);
+  std::vector<std::vector<bool>> need = wanted;
+  for (size_t n = 0; n < need.size(); ++n) {
+    for (size_t i = 0; i < names.size(); ++i) need[n][i] = need[n][i] || kept[n][i];
+  }
   // The nodes' copies of the step; with checksums on, each copy a load would use is checked
   // first, and a damaged one is dropped: the file then comes from a node whose copy is intact.
   std::vector<StepReport> copies;
@@ -321,9 +349,8 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   const bool check = options.storage.verify_checksums;
   if (check) {
     std::map<std::pair<int, size_t>, std::string> damaged;
-    const auto wanted = WantedByNode(all_wanted, names.size(), nodes_);
-    source.holders = CheckCopies(comm_, md, dir, names, wanted, chosen->holders, nodes_, node_,
-                                 rank_, damaged);
+    source.holders = CheckCopies(comm_, md, dir, names, wanted, kept, chosen->holders, nodes_,
+                                 node_, rank_, damaged);
     stats_.damaged_copies = static_cast<int>(damaged.size());
     std::string lost;  // files some rank reads that no node holds intact
     for (size_t i = 0; i < names.size(); ++i) {
@@ -334,7 +361,8 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
       bool first = true;
       for (const auto& [copy, why] : damaged) {
         if (copy.second != i) continue;
-        lost += (first ? "" : ", ") + std::string("node ") + std::to_string(copy.first) + ": " + why;
+        lost +=
+            (first ? "" : ", ") + std::string("node ") + std::to_string(copy.first) + ": " + why;
         first = false;
       }
       lost += ")";
@@ -347,8 +375,8 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
     if (rank_ == 0 && lost.empty()) {
       for (const auto& [copy, why] : damaged) {
         std::fprintf(stderr,
-                     "dcp: memory tier: step %lld: node %d's copy of %s is damaged (%s); its "
-                     "ranks read another node's copy\n",
+                     "dcp: memory tier: step %lld: node %d's copy of %s is damaged (%s); the "
+                     "restore uses another node's intact copy\n",
                      static_cast<long long>(step), copy.first, names[copy.second].c_str(),
                      why.c_str());
       }
@@ -362,8 +390,7 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   }
   std::map<int, const StepReport*> report_of;
   for (const auto& rep : copies) report_of[rep.node] = &rep;
-  const FetchPlan plan =
-      PlanFetches(all_wanted, names, referenced, source, report_of, nodes_, rank_);
+  const FetchPlan plan = PlanFetches(need, names, referenced, source, report_of, nodes_, rank_);
 
   // Whatever this node holds of the step is not committed here: start it afresh.
   std::string error;

@@ -63,6 +63,21 @@ void Vote(Communicator& comm, const std::string& my_error, std::string_view phas
   if (!failures.empty()) throw CollectiveError(std::string(phase), std::move(failures));
 }
 
+// A rank's partners: the rank at its position (modulo their size) on each of the next
+// `replicas` nodes.
+std::vector<int> PartnersOf(const std::vector<std::vector<int>>& nodes, int node, int rank,
+                            int replicas) {
+  const int nn = static_cast<int>(nodes.size());
+  const auto& mine = nodes[node];
+  const size_t position = std::find(mine.begin(), mine.end(), rank) - mine.begin();
+  std::vector<int> partners;
+  for (int j = 1; j <= replicas; ++j) {
+    const auto& other = nodes[(node + j) % nn];
+    partners.push_back(other[position % other.size()]);
+  }
+  return partners;
+}
+
 }  // namespace tier_detail
 
 using namespace tier_detail;
@@ -134,21 +149,6 @@ NodeLayout FindNodes(Communicator& comm, int per_node) {
   }
   layout.label = "local";
   return layout;
-}
-
-// A rank's partners: the rank at its position (modulo their size) on each of the next
-// `replicas` nodes.
-std::vector<int> PartnersOf(const std::vector<std::vector<int>>& nodes, int node, int rank,
-                            int replicas) {
-  const int nn = static_cast<int>(nodes.size());
-  const auto& mine = nodes[node];
-  const size_t position = std::find(mine.begin(), mine.end(), rank) - mine.begin();
-  std::vector<int> partners;
-  for (int j = 1; j <= replicas; ++j) {
-    const auto& other = nodes[(node + j) % nn];
-    partners.push_back(other[position % other.size()]);
-  }
-  return partners;
 }
 
 // The ranks whose partner `rank` is (it keeps their replicas), by the same rule.

@@ -88,6 +88,11 @@ RankFailure DecodeFailure(int rank, const std::string& text);
 // and each failing rank when any rank failed.
 void Vote(Communicator& comm, const std::string& my_error, std::string_view phase);
 
+// A rank's partners, which keep replicas of its files: the rank at its position (modulo their
+// size) on each of the next `replicas` nodes of `nodes` (ranks of each node, ascending).
+std::vector<int> PartnersOf(const std::vector<std::vector<int>>& nodes, int node, int rank,
+                            int replicas);
+
 // One node's committed copy of a step, as its first rank reports it.
 struct StepReport {
   int node = 0;

@@ -191,6 +191,8 @@ TEST_CASE("memory tier: a lost node's shards come back bit-exact from their repl
     DYNAMIC_SECTION("ranks per node " << per_node << ", node " << lost << " lost") {
       auto options = Options(root, per_node);
       SaveSteps(options, {1, 2});
+      const std::string step2 = "/step-0000000002";
+      const auto saved = FilesIn(NodeDir(root, lost) + step2);  // what a save leaves there
       // A node dies: its memory is gone. The job restarts (new tier objects) on a new node. (Node
       // 0 holds rank 0, which reads the metadata and checks every data file of the step: those
       // only other nodes hold count as present.)
@@ -203,7 +205,21 @@ TEST_CASE("memory tier: a lost node's shards come back bit-exact from their repl
         Expect(step == 2, "the newest step is recovered");
         Expect(TierState::Holds(state.sd, 2), "bit-exact after a node's loss");
         stats[rank] = tier.last_stats();
-        // And the recovered node holds a committed copy again: the next save goes on.
+      }));
+      // The new node holds what the lost one held, its ranks' files and their partners'
+      // replicas alike (and what its ranks read), not only what its ranks read: the job is
+      // redundant again at once, so losing the node that served the recovery, before any
+      // save, loses nothing.
+      const auto recovered = FilesIn(NodeDir(root, lost) + step2);
+      CHECK(std::includes(recovered.begin(), recovered.end(), saved.begin(), saved.end()));
+      const int other = (lost + 1) % (kWorld / per_node);
+      fs::remove_all(NodeDir(root, other));
+      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+        MemoryTier tier(comm, options);
+        auto state = TierState::Empty(rank, kWorld);
+        Expect(tier.Restore(state.sd) == 2, "step 2 again, after a second loss");
+        Expect(TierState::Holds(state.sd, 2), "bit-exact after a second loss");
+        // And the recovered nodes hold committed copies again: the next save goes on.
         TierState next(rank, kWorld, 3);
         tier.Save(3, next.sd);
       }));
@@ -563,8 +579,8 @@ TEST_CASE(
       }));
       for (int r = 0; r < kWorld; ++r) {
         REQUIRE(fallbacks[r].size() == 1);
-        CHECK_THAT(fallbacks[r][0], Contains("memory tier") &&
-                                        Contains("step 8 has no intact copy of data-"));
+        CHECK_THAT(fallbacks[r][0],
+                   Contains("memory tier") && Contains("step 8 has no intact copy of data-"));
       }
       // Every node lost: the restart restores the newest durable step.
       fs::remove_all(TierAnchor(root));
