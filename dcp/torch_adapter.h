@@ -28,8 +28,11 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
+#include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -197,5 +200,57 @@ ShardedTensor MakeShardedTensor(const torch::Tensor& local,
 /// Reassemble a tensor from every rank's piece, in rank order, along `dim` (the inverse of
 /// ShardOf over rank = 0..world-1).
 torch::Tensor Unshard(const std::vector<torch::Tensor>& shards, int64_t dim);
+
+// ---------------------------------------------------------------------------------------------
+// Jobs launched by torchrun, without MPI (built where Gloo's headers were found:
+// DCP_WITH_TORCHRUN)
+//
+// dcp's collectives over LibTorch's own transport, c10d's ProcessGroupGloo (its point-to-point
+// send and receive), bootstrapped from a c10d TCPStore. Each communicator is a
+// PointToPointCommunicator (communicator.h): collectives keep their deadlines (timeout(): a rank
+// that does not answer fails the operation naming it), poison notices and tree fan-out, and
+// make no transport call once stopped. Messages travel as a length then the bytes, on Gloo tags
+// of their own, under the store prefix "dcp/"; one thread per tag receives them in the
+// background. A communicator is used by one thread at a time, as every dcp communicator; the
+// two of a TorchrunGroup may be used concurrently (a training thread and a background saver).
+#ifdef DCP_WITH_TORCHRUN
+
+/// Where a job's processes meet: a c10d TCPStore at host:port, which the process with `serve`
+/// true hosts (exactly one, or none when the launcher hosts it), and this process's place.
+struct StoreAddress {
+  std::string host;
+  uint16_t port = 0;
+  int rank = 0;
+  int world_size = 1;
+  bool serve = false;
+};
+
+/// A process's communicators: `comm` for its training thread's calls (Save, Load,
+/// CheckpointManager), `background` for a background saver (AsyncCheckpointer,
+/// CheckpointManager's async saves, MemoryTier::SaveAsync), on a second Gloo group over the same
+/// processes. Destroying them ends their receiving threads; every process should do so (or stop
+/// them) after its last collective, before it exits.
+struct TorchrunGroup {
+  int rank = 0, world_size = 1;
+  int local_rank = 0, local_world_size = 1;  // LOCAL_RANK, LOCAL_WORLD_SIZE (else 0 and 1)
+  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<Communicator> background;
+};
+
+/// The group of a process torchrun launched: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from
+/// the environment (InvalidArgumentError naming a variable that is missing or not a number in
+/// range). Rank 0 hosts the TCPStore at MASTER_ADDR:MASTER_PORT, as torch.distributed's env://
+/// does, unless TORCHELASTIC_USE_AGENT_STORE is "True" (torchrun's agent hosts it). Gloo binds to
+/// GLOO_SOCKET_IFNAME when set, to the loopback address when MASTER_ADDR is loopback, else to
+/// this host's name. `timeout` is every collective's deadline (Communicator::timeout) and
+/// connecting's. Collective over the job; IoError when the store cannot be reached or hosted or
+/// a process does not join within `timeout`.
+TorchrunGroup ConnectTorchrun(std::chrono::milliseconds timeout = std::chrono::minutes(30));
+
+/// The same from an explicit address (a launcher other than torchrun, a test).
+TorchrunGroup ConnectStore(const StoreAddress& address,
+                           std::chrono::milliseconds timeout = std::chrono::minutes(30));
+
+#endif  // DCP_WITH_TORCHRUN
 
 }  // namespace dcp

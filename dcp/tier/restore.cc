@@ -116,6 +116,44 @@ std::vector<std::vector<bool>> WantedByNode(const std::vector<std::string>& all_
   return wanted;
 }
 
+// After CheckCopies: when a file some rank reads has no intact copy left, fails on every rank
+// (kCorruption, naming each such file and what is wrong with each of its copies); else says on
+// stderr (rank 0) which copies were damaged, their files being read from other nodes.
+void ReportDamage(Communicator& comm, int64_t step, const std::vector<std::string>& names,
+                  const std::vector<std::vector<bool>>& wanted,
+                  std::map<std::string, std::vector<int>>& holders,
+                  const std::map<std::pair<int, size_t>, std::string>& damaged) {
+  std::string lost;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const bool read =
+        std::any_of(wanted.begin(), wanted.end(), [&](const std::vector<bool>& w) { return w[i]; });
+    if (!read || !holders[names[i]].empty()) continue;
+    lost += (lost.empty() ? "" : "; ") + names[i] + " (";
+    bool first = true;
+    for (const auto& [copy, why] : damaged) {
+      if (copy.second != i) continue;
+      lost += (first ? "" : ", ") + std::string("node ") + std::to_string(copy.first) + ": " + why;
+      first = false;
+    }
+    lost += ")";
+  }
+  if (comm.rank() == 0 && lost.empty()) {
+    for (const auto& [copy, why] : damaged) {
+      std::fprintf(stderr,
+                   "dcp: memory tier: step %lld: node %d's copy of %s is damaged (%s); the "
+                   "restore uses another node's intact copy\n",
+                   static_cast<long long>(step), copy.first, names[copy.second].c_str(),
+                   why.c_str());
+    }
+  }
+  std::string error;
+  if (comm.rank() == 0 && !lost.empty()) {
+    error = ErrorText(CorruptionError("memory tier: step " + std::to_string(step) +
+                                      " has no intact copy of " + lost));
+  }
+  Vote(comm, error, "tier/recover-check");
+}
+
 // Which of the step's files (indexes into `names`) each node keeps when the job is whole: the
 // files of its ranks and its ranks' replicas of their partners' files, as a save leaves them
 // (PartnersOf). A restore fetches them too, so that the job is as redundant as after a save
@@ -352,41 +390,12 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
     source.holders = CheckCopies(comm_, md, dir, names, wanted, kept, chosen->holders, nodes_,
                                  node_, rank_, damaged);
     stats_.damaged_copies = static_cast<int>(damaged.size());
-    std::string lost;  // files some rank reads that no node holds intact
-    for (size_t i = 0; i < names.size(); ++i) {
-      const bool read = std::any_of(wanted.begin(), wanted.end(),
-                                    [&](const std::vector<bool>& w) { return w[i]; });
-      if (!read || !source.holders[names[i]].empty()) continue;
-      lost += (lost.empty() ? "" : "; ") + names[i] + " (";
-      bool first = true;
-      for (const auto& [copy, why] : damaged) {
-        if (copy.second != i) continue;
-        lost +=
-            (first ? "" : ", ") + std::string("node ") + std::to_string(copy.first) + ": " + why;
-        first = false;
-      }
-      lost += ")";
-    }
     for (auto& rep : copies) {
       for (const auto& [copy, why] : damaged) {
         if (copy.first == rep.node) rep.present.erase(names[copy.second]);
       }
     }
-    if (rank_ == 0 && lost.empty()) {
-      for (const auto& [copy, why] : damaged) {
-        std::fprintf(stderr,
-                     "dcp: memory tier: step %lld: node %d's copy of %s is damaged (%s); the "
-                     "restore uses another node's intact copy\n",
-                     static_cast<long long>(step), copy.first, names[copy.second].c_str(),
-                     why.c_str());
-      }
-    }
-    std::string error;
-    if (rank_ == 0 && !lost.empty()) {
-      error = ErrorText(CorruptionError("memory tier: step " + std::to_string(step) +
-                                        " has no intact copy of " + lost));
-    }
-    Vote(comm_, error, "tier/recover-check");
+    ReportDamage(comm_, step, names, wanted, source.holders, damaged);
   }
   std::map<int, const StepReport*> report_of;
   for (const auto& rep : copies) report_of[rep.node] = &rep;

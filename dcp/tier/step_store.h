@@ -93,10 +93,11 @@ std::vector<StepReport> DecodeStepReports(const std::vector<std::string>& all,
                                           const std::vector<std::vector<int>>& nodes);
 
 // What is wrong with the copy of data file `name` of step metadata `md` in step directory `dir`
-// ("" when nothing is): every item that has a CRC32C is read and checked (version 2: the items
-// its index lists, the index checked against the metadata's file table first; version 1: the
-// metadata's items in it). A copy that cannot be read counts as damaged, with the error's
-// message. Items saved without checksums cannot be checked and pass.
+// ("" when nothing is): every item of it that has a CRC32C is read and checked, found where a
+// load finds it (version 2: the layout's locator, from its writer's indexes, each checked
+// against the metadata's file table; version 1: the metadata). A copy that cannot be read counts
+// as damaged, with the error's message. Items saved without checksums cannot be checked and
+// pass.
 std::string DamageIn(const std::string& dir, const Metadata& md, const std::string& name);
 
 // A step directory over the file store, as the tier writes and reads it (no O_DIRECT: on tmpfs

@@ -1,13 +1,14 @@
 // Checking a node's copy of a step's data file before a restore trusts it (DamageIn).
 #include <algorithm>
+#include <map>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/error.h"
-#include "dcp/proto/schema/codec.h"
 #include "dcp/proto/staging.h"
-#include "dcp/storage/format/dcp_index.h"
+#include "dcp/storage/format/layout.h"
 #include "dcp/tier/step_store.h"
 
 namespace dcp::tier_detail {
@@ -22,34 +23,46 @@ constexpr size_t kCheckPiece = size_t{4} << 20;
 struct CheckedItem {
   uint64_t offset = 0, length = 0;
   uint32_t crc = 0;
-  std::string name;  // for the message: the entry and its chunk
+  std::string name;  // for the message: the entry and its chunk (MetadataIndex::ToString)
 };
 
-// The name of the entry whose FqnHash is `hash`, for a message ("?" if none: the file index
-// and the metadata disagree, which ReadFileIndex's callers report elsewhere).
-std::string EntryNamed(const Metadata& md, uint64_t hash) {
+// The stored items of `md` its rank `writer` wrote (version 2: the metadata says who wrote
+// each chunk and blob).
+std::vector<MetadataIndex> WrittenBy(const Metadata& md, int32_t writer) {
+  std::vector<MetadataIndex> out;
   for (const auto& [fqn, entry] : md.entries) {
-    if (FqnHash(fqn) == hash) return fqn;
+    if (const auto* t = std::get_if<TensorMetadata>(&entry)) {
+      ForEachChunk(*t, [&](size_t k, const ChunkMeta& c) {
+        if (ChunkWriter(*t, k) == writer) out.push_back({fqn, c.offsets, static_cast<int32_t>(k)});
+      });
+    } else if (std::get<BytesMetadata>(entry).writer == writer) {
+      out.push_back({fqn, {}, std::nullopt});
+    }
   }
-  return "?";
+  return out;
 }
 
+// The items of data file `name` that carry a checksum, where a load finds them: version 2
+// through the layout's locator (the indexes of the file's writer, as a load reads them),
+// version 1 from the metadata.
 std::vector<CheckedItem> ItemsOf(Store& store, const Metadata& md, const std::string& name) {
   std::vector<CheckedItem> items;
+  auto add = [&](const MetadataIndex& index, const StorageInfo& info) {
+    if (info.relative_path == name && info.crc32c) {
+      items.push_back({info.offset, info.length, *info.crc32c, index.ToString()});
+    }
+  };
   if (md.format_version >= 2) {
     auto f = std::find_if(md.files.begin(), md.files.end(),
                           [&](const DataFile& d) { return d.name == name; });
     if (f == md.files.end()) return items;  // not the step's: nothing a load reads
-    for (const FileIndexItem& it : ReadFileIndex(store, *f)) {
-      if (!it.crc32c) continue;
-      items.push_back({it.offset, it.length, *it.crc32c,
-                       "'" + EntryNamed(md, it.fqn_hash) + "' chunk " + std::to_string(it.chunk)});
+    std::map<MetadataIndex, StorageInfo> located;
+    if (auto locator = NewItemLocator(store, md)) {
+      locator->Resolve(WrittenBy(md, f->writer), located);
     }
+    for (const auto& [index, info] : located) add(index, info);
   } else {
-    for (const auto& [index, info] : md.storage) {
-      if (info.relative_path != name || !info.crc32c) continue;
-      items.push_back({info.offset, info.length, *info.crc32c, index.ToString()});
-    }
+    for (const auto& [index, info] : md.storage) add(index, info);
   }
   std::sort(items.begin(), items.end(),
             [](const CheckedItem& a, const CheckedItem& b) { return a.offset < b.offset; });

@@ -31,6 +31,7 @@ CONTEXTS = {
                 "int64_t last_step, const std::function<void(dcp::StateDict&)>& train_step",
                 ["<functional>", "<string>"]),
     "torch": ("Torch", "dcp::Communicator& comm, const std::string& dir", ["<string>"]),
+    "torchrun": ("Torch", "dcp::StateDict& sd, const std::string& dir", ["<string>", "<utility>"]),
 }
 COMPONENT_TARGETS = {None: "dcp::dcp", "MPI": "dcp::dcp_mpi", "Torch": "dcp::dcp_torch"}
 

@@ -265,8 +265,13 @@ TEST_CASE("alignment: odd-sized items round-trip bit-exact through file://",
         Metadata md = Save(s.sd, uri, so).metadata;
         ReadStoredItems(uri, md);
         CheckLayout(root, md, s);
+#ifdef DCP_UNDER_SANITIZER
+        // Each load costs several times more there; 1 and 4095 misalign alike.
+        for (size_t misalign : {size_t{0}, size_t{4095}}) LoadAndCompare(uri, s, misalign);
+#else
         for (size_t misalign : {size_t{0}, size_t{1}, size_t{4095}})
           LoadAndCompare(uri, s, misalign);
+#endif
       }
     }
   }

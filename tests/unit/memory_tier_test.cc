@@ -299,8 +299,8 @@ TEST_CASE(
       REQUIRE(e.failures().size() == 1);
       CHECK(e.failures()[0].code == ErrorCode::kCorruption);
       CHECK_THAT(e.what(), Contains("step 2 has no intact copy of " + file) &&
-                               Contains("node 0: item 'w' chunk 0") &&
-                               Contains("node 1: item 'w' chunk 0") &&
+                               Contains("node 0: item 'w' at [0, 0]") &&
+                               Contains("node 1: item 'w' at [0, 0]") &&
                                Contains("does not match its CRC32C"));
     }
   }
@@ -567,16 +567,21 @@ TEST_CASE(
       REQUIRE(step8_copies.size() == 2);
       // Rank 0's file of step 8 damaged on both nodes: the tier refuses step 8 and the manager
       // restores the root's newest step instead, saying why.
+      // A restart whose manager restores step 6 from the root; each rank's fallbacks.
+      auto restart_restores_6 = [&] {
+        std::vector<std::vector<std::string>> fallbacks(kWorld);
+        RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+          CheckpointManager manager(where, comm, nullptr, mo);
+          auto back = TierState::Empty(rank, kWorld);
+          Expect(manager.Restore(back.sd) == 6, "step 6 from the root");
+          Expect(manager.restore_source() == "durable", "restored from the root");
+          Expect(TierState::Holds(back.sd, 6), "step 6's values");
+          fallbacks[rank] = manager.restore_fallbacks();
+        }));
+        return fallbacks;
+      };
       for (const std::string& copy : step8_copies) FlipByte(WrittenBy(copy, 0), 0);
-      std::vector<std::vector<std::string>> fallbacks(kWorld);
-      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
-        CheckpointManager manager(where, comm, nullptr, mo);
-        auto back = TierState::Empty(rank, kWorld);
-        Expect(manager.Restore(back.sd) == 6, "step 6 from the root");
-        Expect(manager.restore_source() == "durable", "restored from the root");
-        Expect(TierState::Holds(back.sd, 6), "step 6's values");
-        fallbacks[rank] = manager.restore_fallbacks();
-      }));
+      const auto fallbacks = restart_restores_6();
       for (int r = 0; r < kWorld; ++r) {
         REQUIRE(fallbacks[r].size() == 1);
         CHECK_THAT(fallbacks[r][0],
@@ -584,13 +589,7 @@ TEST_CASE(
       }
       // Every node lost: the restart restores the newest durable step.
       fs::remove_all(TierAnchor(root));
-      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
-        CheckpointManager manager(where, comm, nullptr, mo);
-        auto back = TierState::Empty(rank, kWorld);
-        Expect(manager.Restore(back.sd) == 6, "step 6 from the root");
-        Expect(manager.restore_source() == "durable", "restored from the root");
-        Expect(TierState::Holds(back.sd, 6), "step 6's values");
-      }));
+      restart_restores_6();
     }
   }
 }
