@@ -86,6 +86,13 @@ std::string StepTag(const char* what, int64_t step) {
   return std::string(what) + " step=" + std::to_string(step);
 }
 
+// What is left until `deadline`, at least 1 ms (a communicator's timeout).
+std::chrono::milliseconds Left(std::chrono::steady_clock::time_point deadline) {
+  return std::max(std::chrono::milliseconds(1),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(
+                      deadline - std::chrono::steady_clock::now()));
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -579,6 +586,10 @@ void CheckpointManager::ReplaceCommunicator(Communicator& comm,
         "ReplaceCommunicator: this manager saves asynchronously and needs a new background "
         "communicator too");
   }
+  // The preemption handler drains from the tier about to be replaced: it ends here (a drain
+  // under way first) and HandlePreemption takes the new communicators' one.
+  StopPreemptionHandler();
+  preemption_.reset();
   in_flight_.reset();  // its outcome is the old saver's to report, below
   in_flight_step_ = -1;
   in_flight_in_tier_ = false;
@@ -608,6 +619,7 @@ void CheckpointManager::ReplaceCommunicator(Communicator& comm,
 void CheckpointManager::CloseOrThrow() {
   if (closed_) return;
   closed_ = true;
+  StopPreemptionHandler();  // a drain under way ends first (by its deadline)
   std::exception_ptr error;
   try {
     Wait();
@@ -629,6 +641,72 @@ void CheckpointManager::CloseOrThrow() {
     }
   }
   if (error) std::rethrow_exception(error);
+}
+
+// Every rank: stop the tier's commits, wait for one under way, agree on the newest committed
+// step, and copy it to the root unless a drain already did. A step with an index entry and no
+// metadata at the root (a drain that failed midway) is what a crashed save leaves: retention
+// removes it later.
+void CheckpointManager::DrainOnPreemption(Communicator& comm, std::chrono::steady_clock::time_point deadline,
+                                          PreemptionReport& report) {
+  tier_->BeginPreemption();
+  const MemoryTier::SettledStep mine = tier_->SettleForPreemption(deadline);
+  comm.set_timeout(Left(deadline));
+  const std::string said =
+      !mine.settled ? std::string("unsettled")
+                    : std::to_string(mine.step) + (mine.drained_to.empty() ? ",0" : ",1");
+  const std::vector<std::string> all = comm.AllGather(said, "manager/preempt");
+  std::vector<RankFailure> disagreement;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (all[r] == "unsettled") {
+      disagreement.push_back({r, ErrorCode::kTimeout,
+                              "a commit or drain of the memory tier did not end within the "
+                              "grace period",
+                              false});
+    } else if (all[r] != all[0]) {
+      disagreement.push_back({r, ErrorCode::kInternal,
+                              "reports newest committed step " + all[r] + " where rank 0 reports " +
+                                  all[0],
+                              false});
+    }
+  }
+  if (!disagreement.empty()) throw CollectiveError("manager/preempt", std::move(disagreement));
+  report.step = mine.step;
+  if (mine.step < 0) return;
+  report.where = PathFor(mine.step);
+  if (!mine.drained_to.empty()) return;
+  // Rank 0 enters the step in the root's index first, as every managed save does; a root that
+  // already holds this step or a newer one complete (an earlier run got further) is left alone.
+  const std::string state = OnCoordinator(comm, "manager/preempt-begin", [&] {
+    for (int64_t s : KnownSteps()) {
+      if (s < mine.step) continue;
+      try {
+        ReadMetadata(PathFor(s));
+        return "step " + std::to_string(s) + " is complete under " + root_;
+      } catch (const Error&) {
+      }
+    }
+    std::shared_ptr<Store> root = OpenStore(root_);
+    root->CreateRoot();
+    root->PublishAtomically(StepName(mine.step) + kMarkerSuffix, PathFor(mine.step) + "\n");
+    return std::string();
+  });
+  if (!state.empty()) return;  // durable already
+  StorageOptions storage = options_.save.storage;
+  storage.overwrite = true;  // a failed earlier attempt of this step; never a complete one
+  TierStats stats;
+  comm.set_timeout(Left(deadline));
+  tier_->DrainForPreemption(comm, mine.step, report.where, storage, stats);
+  report.drained = true;
+  report.bytes = stats.bytes_sent;
+  if (comm.rank() == 0) {
+    try {
+      OpenStore(root_)->PublishAtomically("latest", std::to_string(mine.step) + "\n");
+    } catch (const Error& e) {
+      std::fprintf(stderr, "dcp: preemption: step %lld is committed; writing latest failed: %s\n",
+                   static_cast<long long>(mine.step), e.what());
+    }
+  }
 }
 
 bool CheckpointManager::Close() noexcept {

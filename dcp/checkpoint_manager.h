@@ -13,12 +13,25 @@
 // step unless ManagerOptions::allow_replacing_steps. The step states and the full rules:
 // docs/PROTOCOL.md, "CheckpointManager: what retention may remove".
 //
+// Preemption (opt-in, HandlePreemption; needs the memory tier): on SIGTERM, or a call of
+// NotifyPreemption, a thread of the manager's own (on a communicator of its own, so a rank that
+// is inside a collective of the job is never waited for) stops the tier from committing more
+// steps, agrees with every rank on the newest step the tier committed (no commit can start after
+// the notice, and one under way is waited for), and copies it from memory to the root, committed
+// there as any durable step, within PreemptionOptions::grace_period. Rank 0 says on stderr how
+// long it took and how much of the window was left; preemption_report() says the same on every
+// rank. Saves the job starts after the notice fail on every rank alike with PreemptedError
+// (at Save, or at Wait and the next Save when asynchronous) and leave no step: the job stops. Every rank must be notified (schedulers
+// signal every process; mpirun and torchrun forward SIGTERM): a rank that is not is named when
+// the window runs out.
+//
 // All ranks construct the manager and call its methods in the same order (SPMD); decisions
 // (which step is latest) are made by rank 0 and broadcast; files are removed by rank 0 only.
 // Every collective of the manager names its step, and every save passes it as SaveOptions::step,
 // so ranks that disagree about the step (one skipped a save) fail instead of pairing.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -32,6 +45,28 @@
 #include "dcp/options.h"
 
 namespace dcp {
+
+/// Starts the preemption drain of every CheckpointManager of this process that handles
+/// preemption, as SIGTERM does. Async-signal-safe: call it from your own signal handler.
+void NotifyPreemption() noexcept;
+
+/// What a manager's preemption handler did (CheckpointManager::preemption_report).
+struct PreemptionReport {
+  bool noticed = false;  // a notice arrived
+  bool done = false;     // the handler ended (see error)
+  int64_t step = -1;     // the step agreed on; -1: the tier committed none in this process
+  bool drained = false;  // the handler copied it to the root (false: it was durable already)
+  std::string where;     // the step's durable location ("" when step is -1)
+  uint64_t bytes = 0;    // bytes this rank copied
+  double seconds = 0;    // from the notice to the end
+  double window_left_s = 0;  // what was left of the grace period at the end
+  std::string error;         // why it failed; "" when it did not
+};
+
+class PreemptionWatcher;
+struct PreemptionWatcherDeleter {
+  void operator()(PreemptionWatcher* watcher) const noexcept;
+};
 
 class CheckpointManager {
  public:
@@ -81,10 +116,23 @@ class CheckpointManager {
   /// dcp/communicator.h). Collective over the new `comm`. `background_comm` replaces the
   /// asynchronous saver's (required when the manager saves asynchronously, ignored otherwise);
   /// the old saver is closed first (its error, if it was never reported, is raised after the
-  /// replacement is done). `comm` must outlive the manager. InvalidArgumentError when closed.
+  /// replacement is done). A preemption handler ends (call HandlePreemption again with a
+  /// communicator of the new group). `comm` must outlive the manager. InvalidArgumentError when closed.
   void ReplaceCommunicator(Communicator& comm, std::unique_ptr<Communicator> background_comm = {});
   /// Directory of a step.
   std::string PathFor(int64_t step) const;
+  /// Save on preemption (see the header comment). `comm`: a communicator over the same ranks
+  /// that nothing else uses (another MpiCommunicator of the job's; TorchrunGroup's background
+  /// is taken); the handler's thread owns it. Not collective. InvalidArgumentError without a
+  /// memory tier, when the root's storage options are not what a copy of the tier's files is
+  /// (MemoryTier::DrainCopies: the dcp format, uncompressed), when called twice, or when the
+  /// grace period is not positive.
+  void HandlePreemption(std::unique_ptr<Communicator> comm, PreemptionOptions options = {});
+  /// Whether a preemption notice reached this rank's handler.
+  bool preempted() const;
+  /// Waits up to `timeout` for the handler to end and returns its report (done says whether it
+  /// ended). Thread-safe.
+  PreemptionReport WaitForPreemption(std::chrono::milliseconds timeout);
   /// Wait for the last save and stop, for the exit path: never throws. Returns true when
   /// everything ended cleanly; otherwise prints the error on stderr, keeps it in close_error()
   /// and returns false. Idempotent (later calls return the first outcome). The destructor
@@ -118,6 +166,11 @@ class CheckpointManager {
   AsyncCheckpointer* background_saver() const;
   void AfterSaveEnded(int64_t step);  // latest + retention, rank 0 acting; never throws an Error
   void Retain(int64_t step);
+  friend class PreemptionWatcher;
+  // The handler's work after a notice, on its thread and communicator.
+  void DrainOnPreemption(Communicator& comm, std::chrono::steady_clock::time_point deadline,
+                         PreemptionReport& report);
+  void StopPreemptionHandler() noexcept;
   std::string root_;
   Communicator* comm_;
   ManagerOptions options_;
@@ -135,6 +188,8 @@ class CheckpointManager {
   std::unique_ptr<MemoryTier> tier_;
   bool in_flight_in_tier_ = false;  // in_flight_ is the tier's (its step is in_flight_step_)
   bool told_tier_refusal_ = false;  // the tier cannot save here, and that was said
+  // Last: stopped (in Close) before the tier it drains from.
+  std::unique_ptr<PreemptionWatcher, PreemptionWatcherDeleter> preemption_;
 };
 
 }  // namespace dcp

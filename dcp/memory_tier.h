@@ -45,8 +45,12 @@
 // removed) and the previous steps intact. Not thread-safe: one call at a time.
 #pragma once
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <optional>
 #include <set>
@@ -183,21 +187,54 @@ class MemoryTier {
   /// The last call's figures on this rank.
   const TierStats& last_stats() const { return stats_; }
 
+  // Preemption (CheckpointManager::HandlePreemption drives these from its own thread, while the
+  // job's thread and the background saver go on; these three are thread-safe).
+  /// From now on, on this rank: a save not yet committed is refused at its commit vote
+  /// (PreemptedError, on every rank alike: the step does not exist anywhere), a drain other
+  /// than DrainForPreemption is refused at its next vote (the same error), and
+  /// retention frees nothing. Irreversible for this tier object.
+  void BeginPreemption() noexcept;
+  bool preempting() const noexcept { return preempting_.load(); }
+  /// After BeginPreemption: waits until no commit or drain is under way on this rank (at most
+  /// until `deadline`; `settled` says whether it got there), then returns the newest step this
+  /// tier object committed and, when a drain of it succeeded, where to. No commit can start
+  /// after BeginPreemption, so once settled the answer is final.
+  struct SettledStep {
+    bool settled = false;
+    int64_t step = -1;  // -1: this tier object committed no step (that it still keeps)
+    std::string drained_to;
+  };
+  SettledStep SettleForPreemption(std::chrono::steady_clock::time_point deadline);
+  /// Drain over `comm` (the preemption handler's communicator), never refused by the preemption;
+  /// its figures go to `stats`. Same contract as Drain otherwise.
+  void DrainForPreemption(Communicator& comm, int64_t step, const std::string& uri,
+                          const StorageOptions& options, TierStats& stats);
+
  private:
   using StepReport = tier_detail::StepReport;
   using Transfer = tier_detail::Transfer;
   using Pairs = tier_detail::Pairs;
   // Collectives on `comm`: the job's (comm_) or, for SaveAsync, the background one.
   std::vector<StepReport> GatherReports(Communicator& comm);
+  // Marks a commit or drain under way on this rank for SettleForPreemption, from Enter() to
+  // its destruction.
+  class BusyScope;
   // `pairs`: the ranks this one sends to and receives from, when both sides know them (a
   // save's partners); null: any rank may send any other (an AllToAll of the file headers).
+  // `commit`: a save's replication, whose final vote decides the commit: it is entered (before
+  // the vote, so that a preemption noticed after the vote waits for the commit) and the vote
+  // carries the preemption's refusal.
   void TransferFiles(Communicator& comm, int64_t step, const std::vector<Transfer>& outgoing,
-                     std::string_view what, std::vector<std::string>* received, const Pairs* pairs);
+                     std::string_view what, std::vector<std::string>* received, const Pairs* pairs,
+                     BusyScope* commit = nullptr);
+  // The preemption's refusal of `what` as a vote's error text, or "" when not preempting.
+  std::string PreemptionVeto(std::string_view what) const;
   void Vote(Communicator& comm, const std::string& my_error, std::string_view phase);
   SaveResult SaveOn(Communicator& comm, int64_t step, const StateDict& state,
                     const SaveOptions& options);
+  // `vetoed`: a drain the preemption refuses (every drain but the preemption handler's).
   void DrainOn(Communicator& comm, int64_t step, const std::string& uri,
-               const StorageOptions& options);
+               const StorageOptions& options, TierStats& stats, bool vetoed);
   void BeginSave(int64_t step, const SaveOptions& options);
   void Retain(int64_t newest);
   bool leader() const { return rank_ == nodes_[node_].front(); }
@@ -216,8 +253,14 @@ class MemoryTier {
   std::string root_;                  // this node's directory
   int node_lock_fd_ = -1;  // node leader: holds the flock of root_/LOCK while the tier lives
   int64_t next_step_ = 0;  // the least step the next save may have
+  // Guards written_, metadata_, drained_ and busy_ (the preemption handler's thread reads them).
+  mutable std::mutex mu_;
+  std::condition_variable settled_;
   std::map<int64_t, std::vector<std::string>> written_;  // step -> this rank's own files
   std::map<int64_t, std::string> metadata_;              // step -> encoded metadata.dcp
+  std::map<int64_t, std::string> drained_;               // step -> where a drain committed it
+  int busy_ = 0;  // commits and drains under way on this rank (BusyScope)
+  std::atomic<bool> preempting_{false};
   bool closed_ = false;
   std::string cannot_save_;  // why saves are refused (too few nodes for the replicas), if so
   TierStats stats_;

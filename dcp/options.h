@@ -134,6 +134,18 @@ struct MemoryTierOptions {
   uint64_t transfer_chunk_bytes = 64ull << 20;
 };
 
+/// Saving on preemption (CheckpointManager::HandlePreemption): a scheduler that preempts a job
+/// sends SIGTERM and kills it `grace_period` later.
+struct PreemptionOptions {
+  /// Install a SIGTERM handler (async-signal-safe; the previous one is put back when the last
+  /// manager handling preemption closes). Off: only dcp::NotifyPreemption() starts the drain
+  /// (call it from your own handler).
+  bool on_sigterm = true;
+  /// The window from the notice to SIGKILL (Kubernetes' default terminationGracePeriodSeconds
+  /// is 30 s): the handler's agreement and drain must end within it, and say what was left.
+  std::chrono::milliseconds grace_period{std::chrono::seconds(30)};
+};
+
 struct ManagerOptions {
   int keep_last = 3;   // newest complete checkpoints kept (at least 1)
   int keep_every = 0;  // also keep steps divisible by this (0: none)

@@ -34,6 +34,8 @@ const char* ErrorCodeName(ErrorCode code) {
       return "Device";
     case ErrorCode::kResourceExhausted:
       return "ResourceExhausted";
+    case ErrorCode::kPreempted:
+      return "Preempted";
   }
   return "Unknown";
 }
@@ -136,6 +138,8 @@ void ThrowError(ErrorCode code, const std::string& message, bool retryable) {
       throw DeviceError(message);
     case ErrorCode::kResourceExhausted:
       throw ResourceError(message);
+    case ErrorCode::kPreempted:
+      throw PreemptedError(message);
     default:
       throw Error(code, message, retryable);
   }

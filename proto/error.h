@@ -14,6 +14,9 @@
 //   the message carries the runtime's own error text.
 // - kResourceExhausted: host memory for what a checkpoint (or the caller) asked for could not be
 //   allocated; the message names the entry, the file and the size. Not retryable as is.
+// - kPreempted: a preemption notice (SIGTERM, or dcp::NotifyPreemption) stopped a save before
+//   its commit: the step does not exist; the preemption handler drains the newest committed one
+//   (CheckpointManager::HandlePreemption). Stop the job.
 // Errors cross threads inside std::future and cross ranks as ErrorReport messages; both keep the
 // code, the message and the retryable bit.
 #pragma once
@@ -37,6 +40,7 @@ enum class ErrorCode : int {
   kInternal = 9,
   kDevice = 10,
   kResourceExhausted = 11,
+  kPreempted = 12,
 };
 
 /// Return the stable name of a code ("InvalidArgument", "Io", ...).
@@ -121,6 +125,11 @@ class DeviceError : public Error {
 class ResourceError : public Error {
  public:
   explicit ResourceError(const std::string& m) : Error(ErrorCode::kResourceExhausted, m) {}
+};
+/// A save refused because the job is being preempted (see kPreempted above).
+class PreemptedError : public Error {
+ public:
+  explicit PreemptedError(const std::string& m) : Error(ErrorCode::kPreempted, m) {}
 };
 class InternalError : public Error {
  public:

@@ -12,7 +12,7 @@ import sys
 
 STRUCTS = {
     "dcp/options.h": ["SaveOptions", "LoadOptions", "AsyncOptions", "ManagerOptions",
-                      "MemoryTierOptions"],
+                      "MemoryTierOptions", "PreemptionOptions"],
     "storage/storage.h": ["StorageOptions"],
 }
 

@@ -9,6 +9,9 @@
 //   restore     MemoryTier::Restore with every node's copy in place, and after one node's copy
 //               was wiped (its shards fetched from their replicas)
 //   disk load   a cold-cache dcp::Load of the same state from --disk (ratio: disk / tier)
+//   preemption  the drain of the tier's newest step to a root under --disk on a preemption
+//               notice (CheckpointManager::HandlePreemption), from the notice to its commit,
+//               against a raw O_DIRECT write + fsync of the same bytes there
 // Every figure is the slowest rank's, median of --repeats. Restores are checked bit-exact.
 //
 //   mpirun -np 4 dcp-tier-bench --mib 512 --ranks-per-node 2 --disk /tmp/dcp-tier-bench
@@ -75,6 +78,51 @@ bool Same(const RankState& a, const RankState& b) {
   return true;
 }
 
+// The preemption drain (CheckpointManager::HandlePreemption) of a step in the tier to a root
+// under `disk`, against a raw write of the same bytes there (O_DIRECT, then fsync; every rank at
+// once, as the drain). The order alternates between repeats. Returns the medians of the slowest
+// rank's times {raw, drain}; `ok` goes false when a drain did not drain.
+std::pair<double, double> PreemptionFigures(MpiCommunicator& comm, const RankState& state,
+                                            MemoryTierOptions tier, const std::string& disk,
+                                            int repeats, bool& ok) {
+  std::vector<double> t_raw, t_drain;
+  tier.name = "bench-preempt";
+  for (int rep = 0; rep < repeats; ++rep) {
+    const std::string root = disk + "/preempt-" + std::to_string(rep);
+    const std::string raw = disk + "/raw-" + std::to_string(comm.rank());
+    if (comm.rank() == 0) std::filesystem::remove_all(root);
+    auto raw_write = [&] {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const auto t0 = Clock::now();
+      dcp::bench::RawWrite(raw, state.tensors);
+      t_raw.push_back(MaxOverRanks(Since(t0)));
+      std::filesystem::remove(raw);
+    };
+    if (rep % 2 == 1) raw_write();
+    {
+      ManagerOptions mo;
+      mo.memory_tier = tier;
+      mo.durable_every = 1 << 30;  // steps only to memory: the drain is what reaches the root
+      CheckpointManager manager(root, comm, nullptr, mo);
+      PreemptionOptions po;
+      po.on_sigterm = false;
+      po.grace_period = std::chrono::minutes(10);
+      manager.HandlePreemption(std::make_unique<MpiCommunicator>(MPI_COMM_WORLD), po);
+      manager.Save(1, state.sd);
+      MPI_Barrier(MPI_COMM_WORLD);
+      NotifyPreemption();  // this process's manager, as SIGTERM to every rank
+      const PreemptionReport r = manager.WaitForPreemption(std::chrono::minutes(10));
+      ok = ok && r.done && r.error.empty() && r.drained && r.step == 1;
+      t_drain.push_back(MaxOverRanks(r.seconds));
+      manager.Close();
+    }
+    if (rep % 2 == 0) raw_write();
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (comm.rank() == 0) std::filesystem::remove_all(root);
+  }
+  return {Median(t_raw), Median(t_drain)};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -92,6 +140,8 @@ int main(int argc, char** argv) {
   app.add_option("--disk", disk, "directory for the disk baseline");
   app.add_option("--shm-root", shm_root, "where the tier lives");
   app.add_flag("--no-async", no_async, "skip the background-save figures");
+  bool no_preempt = false;
+  app.add_flag("--no-preempt", no_preempt, "skip the preemption drain against a raw write");
   CLI11_PARSE(app, argc, argv);
 
   int ret = 0;
@@ -213,6 +263,13 @@ int main(int argc, char** argv) {
       exact = exact && Same(cold, state);
       if (rank == 0) std::filesystem::remove_all(dir);
     }
+    bool drained = true;
+    std::pair<double, double> preempt{0, 0};
+    if (!no_preempt) {
+      to.free_on_close = true;
+      preempt = PreemptionFigures(comm, state, to, disk, repeats, drained);
+      drained = AllRanks(drained);
+    }
     exact = AllRanks(exact);
     tier->Close();
     if (rank == 0) {
@@ -244,8 +301,14 @@ int main(int argc, char** argv) {
       }
       std::printf("  %-34s %8.3f s\n", "cold disk load (dcp::Load)", dk);
       std::printf("  restores bit-exact: %s\n", exact ? "yes" : "NO");
+      if (!no_preempt) {
+        std::printf("  %-34s %8.3f s  ratio %.2fx the raw write (%s)\n",
+                    "preemption drain (notice to commit)", preempt.second,
+                    preempt.second / preempt.first, drained ? "drained" : "NOT DRAINED");
+        std::printf("  %-34s %8.3f s\n", "raw write of the same bytes", preempt.first);
+      }
     }
-    if (!exact) ret = 1;
+    if (!exact || !drained) ret = 1;
   }
   return ret;
 }

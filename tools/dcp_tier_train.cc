@@ -6,6 +6,9 @@
 //   mpirun -np 4 dcp-tier-train --demo          train, lose a node's memory, resume, with figures
 //   mpirun -np 4 dcp-tier-train --resume --steps 100000   (killed by tools/tier_crash_trials.sh)
 //   mpirun -np 4 dcp-tier-train --verify         restore, check, print "restored step ..." and exit
+//   mpirun -np 4 dcp-tier-train --resume --preempt-grace 5 ...   SIGTERM drains the newest step
+//     (tools/tier_sigterm_trials.sh): rank 0 prints "preempt: step N drained ..." and the job
+//     ends; "preempt: nothing ..." when no step was committed since the start
 //
 // Exit status: 0 ok, 1 a restore did not hold the values of the step it reported (or lost the
 // newest durable step), 2 usage or setup errors.
@@ -109,7 +112,7 @@ int main(int argc, char** argv) {
   int per_node = 0, durable_every = 5, memory_every = 1, keep = 2;
   uint64_t mib = 16;
   bool resume = false, verify = false, demo = false, sync = false;
-  double step_ms = 0;
+  double step_ms = 0, preempt_grace = 0;
   app.add_option("--dir", dir, "durable root (CheckpointManager)");
   app.add_option("--shm-root", shm_root, "MemoryTierOptions::shm_root");
   app.add_option("--name", name, "MemoryTierOptions::name");
@@ -124,6 +127,8 @@ int main(int argc, char** argv) {
   app.add_flag("--verify", verify, "restore, check the values, print and exit");
   app.add_flag("--demo", demo, "train, lose node 1's memory, resume: with figures");
   app.add_flag("--sync", sync, "save synchronously (no background communicator)");
+  app.add_option("--preempt-grace", preempt_grace,
+                 "handle SIGTERM: drain the newest step within this many seconds, then end");
   CLI11_PARSE(app, argc, argv);
 
   int ret = 0;
@@ -146,6 +151,12 @@ int main(int argc, char** argv) {
           dir, comm, sync ? nullptr : std::make_unique<MpiCommunicator>(MPI_COMM_WORLD), mo);
     };
     auto manager = make_manager();
+    if (preempt_grace > 0) {
+      // Before the restore: a notice from here on ends the job with what the tier committed.
+      PreemptionOptions po;
+      po.grace_period = std::chrono::milliseconds(static_cast<int64_t>(preempt_grace * 1e3));
+      manager->HandlePreemption(std::make_unique<MpiCommunicator>(MPI_COMM_WORLD), po);
+    }
     // Restore: the step it reports must be exactly what the state holds, and never older than
     // the newest complete durable step.
     auto restore = [&](const char* when) -> int64_t {
@@ -186,17 +197,30 @@ int main(int argc, char** argv) {
       double blocking = 0, snapshot = 0;
       int n = 0;
       auto t_all = Clock::now();
+      // A preempted job's saves fail with PreemptedError on every rank alike: it stops there.
+      auto stopped = [&](const PreemptedError& e) {
+        if (rank == 0) std::printf("preempt: stopped training: %s\n", e.what());
+        return false;
+      };
       for (int64_t s = from; s <= to_step; ++s) {
         state.Fill(s);
         if (step_ms > 0)
           std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(step_ms));
         const auto t0 = Clock::now();
-        auto handle = manager->Save(s, state.sd);
+        try {
+          auto handle = manager->Save(s, state.sd);
+          snapshot += handle->metrics().staging_s;
+        } catch (const PreemptedError& e) {
+          return stopped(e);
+        }
         blocking += Since(t0);
-        snapshot += handle->metrics().staging_s;
         ++n;
       }
-      manager->Wait();
+      try {
+        manager->Wait();
+      } catch (const PreemptedError& e) {
+        return stopped(e);
+      }
       const double all = MaxOverRanks(Since(t_all));
       blocking = MaxOverRanks(blocking);
       snapshot = MaxOverRanks(snapshot);
@@ -212,6 +236,7 @@ int main(int argc, char** argv) {
             1e3 * st.replicate_s, 1e3 * st.commit_s);
         std::fflush(stdout);
       }
+      return true;
     };
     if (demo) {
       if (rank == 0) {
@@ -248,8 +273,24 @@ int main(int argc, char** argv) {
       manager = make_manager();
       const int64_t back = restore("restart");
       train(back + 1, back + 5);
-    } else {
-      train(first, steps);
+    } else if (!train(first, steps)) {
+      const PreemptionReport r = manager->WaitForPreemption(
+          std::chrono::milliseconds(static_cast<int64_t>(preempt_grace * 1e3)));
+      if (rank == 0) {
+        if (!r.done || !r.error.empty()) {
+          std::printf("preempt: FAILED: %s\n", r.done ? r.error.c_str() : "did not end in time");
+        } else if (r.step < 0) {
+          std::printf("preempt: nothing committed in memory since the start\n");
+        } else {
+          std::printf("preempt: step %lld %s in %.3f s (%.3f s of the window left; %llu bytes "
+                      "copied by rank 0)\n",
+                      static_cast<long long>(r.step), r.drained ? "drained" : "already durable",
+                      r.seconds, r.window_left_s, static_cast<unsigned long long>(r.bytes));
+        }
+        std::fflush(stdout);
+      }
+      manager->Close();
+      return ret;
     }
     manager->Close();
   } catch (const std::exception& e) {

@@ -328,6 +328,8 @@ std::vector<StepReport> MemoryTier::GatherReports(Communicator& comm) {
 // Keeps the newest `keep` committed steps up to `newest` and frees every other step directory
 // of this node (uncommitted leftovers included). Bookkeeping: a failure is reported, not raised.
 void MemoryTier::Retain(int64_t newest) {
+  // A preemption drains the newest committed step from any rank's files: nothing goes now.
+  if (preempting_.load()) return;
   std::vector<int64_t> committed;
   std::vector<int64_t> other;
   if (leader()) {
@@ -381,8 +383,10 @@ void MemoryTier::Retain(int64_t newest) {
     }
   }
   // Every rank forgets what no node keeps: the same rule, on the steps it saved.
+  std::lock_guard<std::mutex> lock(mu_);
   while (static_cast<int>(written_.size()) > options_.keep) {
     metadata_.erase(written_.begin()->first);
+    drained_.erase(written_.begin()->first);
     written_.erase(written_.begin());
   }
 }

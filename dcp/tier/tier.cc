@@ -48,7 +48,7 @@ RankFailure DecodeFailure(int rank, const std::string& text) {
       code = text[i] >= '0' && text[i] <= '9' ? code * 10 + (text[i] - '0') : -1;
     }
   }
-  if (code <= 0 || code > static_cast<int>(ErrorCode::kResourceExhausted)) {
+  if (code <= 0 || code > static_cast<int>(ErrorCode::kPreempted)) {
     return {rank, ErrorCode::kIo, text, false};
   }
   return {rank, static_cast<ErrorCode>(code), text.substr(colon + 1), false};
@@ -60,7 +60,15 @@ void Vote(Communicator& comm, const std::string& my_error, std::string_view phas
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     if (!all[r].empty()) failures.push_back(DecodeFailure(r, all[r]));
   }
-  if (!failures.empty()) throw CollectiveError(std::string(phase), std::move(failures));
+  if (failures.empty()) return;
+  // Refused by a preemption (MemoryTier::BeginPreemption) on every rank that refused: the same
+  // failures, so the same PreemptedError, on every rank.
+  const bool preempted = std::all_of(failures.begin(), failures.end(), [](const RankFailure& f) {
+    return f.code == ErrorCode::kPreempted;
+  });
+  CollectiveError error(std::string(phase), std::move(failures));
+  if (preempted) throw PreemptedError(error.what());
+  throw error;
 }
 
 // A rank's partners: the rank at its position (modulo their size) on each of the next
@@ -291,6 +299,30 @@ void MemoryTier::Vote(Communicator& comm, const std::string& my_error, std::stri
   tier_detail::Vote(comm, my_error, phase);
 }
 
+
+void MemoryTier::BeginPreemption() noexcept { preempting_.store(true); }
+
+std::string MemoryTier::PreemptionVeto(std::string_view what) const {
+  if (!preempting_.load()) return {};
+  return std::to_string(static_cast<int>(ErrorCode::kPreempted)) + ":memory tier: " +
+         std::string(what) +
+         " refused: the job is being preempted (the preemption handler drains the newest "
+         "committed step)";
+}
+
+MemoryTier::SettledStep MemoryTier::SettleForPreemption(
+    std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  SettledStep out;
+  out.settled = settled_.wait_until(lock, deadline, [&] { return busy_ == 0; });
+  if (!metadata_.empty()) {
+    out.step = metadata_.rbegin()->first;
+    auto d = drained_.find(out.step);
+    if (d != drained_.end()) out.drained_to = d->second;
+  }
+  return out;
+}
+
 SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict& state,
                               const SaveOptions& options) {
   stats_ = {};
@@ -320,9 +352,10 @@ SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict&
   for (int partner : partners_) {
     for (const auto& name : own) outgoing.push_back({partner, name});
   }
+  BusyScope commit(*this);
   try {
     const Pairs pairs{partners_, replica_sources_};
-    TransferFiles(comm, step, outgoing, "tier/replicate", nullptr, &pairs);
+    TransferFiles(comm, step, outgoing, "tier/replicate", nullptr, &pairs, &commit);
   } catch (const Error&) {
     // Not committed anywhere: no node wrote the metadata. Free the step's copies.
     if (leader()) {
@@ -339,8 +372,11 @@ SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict&
       comm.Broadcast(rank_ == 0 ? store->held_metadata() : std::string(), 0, "tier/metadata");
   bool committed = false;
   auto failures = CommitStep(comm, leader(), dir, encoded, committed);
-  written_[step] = own;
-  metadata_[step] = encoded;
+  if (committed) {  // on some node: the step exists (what a drain may copy)
+    std::lock_guard<std::mutex> lock(mu_);
+    written_[step] = own;
+    metadata_[step] = encoded;
+  }
   if (!failures.empty()) {
     throw CollectiveError("tier/commit", std::move(failures),
                           committed ? Outcome::kCommitted : Outcome::kFailed);
@@ -384,7 +420,8 @@ std::shared_ptr<AsyncSave> MemoryTier::SaveAsync(int64_t step, const StateDict& 
                          SaveResult result = SaveOn(comm, step, snapshot, so);
                          if (drain_to.empty()) return std::move(result.metadata);
                          if (DrainCopies(drain_options.storage)) {
-                           DrainOn(comm, step, drain_to, drain_options.storage);
+                           DrainOn(comm, step, drain_to, drain_options.storage, stats_,
+                                   /*vetoed=*/true);
                          } else {
                            // Another format or compression: the snapshot is saved there
                            // (already taken: no second copy of the training state).

@@ -10,12 +10,14 @@
 #include <cstdint>
 #include <exception>
 #include <map>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "dcp/communicator.h"
+#include "dcp/memory_tier.h"
 #include "dcp/proto/error.h"
 
 namespace dcp::tier_detail {
@@ -129,3 +131,31 @@ struct Candidate {
 std::vector<Candidate> Candidates(const std::vector<StepReport>& reports);
 
 }  // namespace dcp::tier_detail
+
+namespace dcp {
+
+// Marks a commit or drain under way on this rank, from Enter() to its destruction
+// (MemoryTier::SettleForPreemption waits for none to be).
+class MemoryTier::BusyScope {
+ public:
+  explicit BusyScope(MemoryTier& tier) : tier_(tier) {}
+  BusyScope(const BusyScope&) = delete;
+  BusyScope& operator=(const BusyScope&) = delete;
+  void Enter() {
+    if (entered_) return;
+    std::lock_guard<std::mutex> lock(tier_.mu_);
+    ++tier_.busy_;
+    entered_ = true;
+  }
+  ~BusyScope() {
+    if (!entered_) return;
+    std::lock_guard<std::mutex> lock(tier_.mu_);
+    if (--tier_.busy_ == 0) tier_.settled_.notify_all();
+  }
+
+ private:
+  MemoryTier& tier_;
+  bool entered_ = false;
+};
+
+}  // namespace dcp

@@ -306,7 +306,8 @@ std::vector<std::string> SwapHeaders(Communicator& comm, const std::vector<Trans
 // every outcome.
 void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
                                const std::vector<Transfer>& outgoing, std::string_view what,
-                               std::vector<std::string>* received, const Pairs* pairs) {
+                               std::vector<std::string>* received, const Pairs* pairs,
+                               BusyScope* commit) {
   FileTransfer transfer(*pool_, stats_, StepDirectory(step), root_ + "/" + kRecycleDir,
                         options_.transfer_chunk_bytes);
   std::vector<std::string> headers(comm.size());
@@ -316,7 +317,12 @@ void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
   transfer.MoveRounds(comm, rounds, what);
   transfer.CloseReceived(received);
   transfer.CloseAll();
-  Vote(comm, transfer.error(), std::string(what) + "/vote");
+  std::string error = transfer.error();
+  if (commit) {
+    commit->Enter();
+    if (error.empty()) error = PreemptionVeto("the save of step " + std::to_string(step));
+  }
+  Vote(comm, error, std::string(what) + "/vote");
 }
 
 }  // namespace dcp

@@ -6,7 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <csignal>
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
@@ -1123,5 +1125,172 @@ TEST_CASE(
       CHECK(steps[0] == std::vector<int64_t>{2, 4});
       CHECK(steps[1] == steps[0]);
     }
+  }
+}
+
+// Preemption (issue 48, part 1). SIGTERM, raised on one rank's thread, reaches every rank's
+// handler (one process here, as under a scheduler every process gets it); each agrees on the
+// tier's newest committed step and drains it to the root, on its own communicator, while one
+// rank's job thread sits inside a collective the others have not joined: the drain must not
+// need it. Saves after the notice are refused on every rank. A restart whose nodes' memory is
+// gone restores the drained step from the root, bit-exact.
+TEST_CASE(
+    "preempt: on SIGTERM the ranks agree on the tier's newest committed step and drain it to "
+    "the root while a rank is inside a collective, later saves are refused, a restart without "
+    "the tier restores it",
+    "[memory-tier][manager][preempt][sigterm][option:PreemptionOptions::grace_period]") {
+  TempDir root("tier"), durable("durable");
+  struct sigaction before {};  // Catch2's own handler, here
+  ::sigaction(SIGTERM, nullptr, &before);
+  for (bool background : {true, false}) {
+    DYNAMIC_SECTION((background ? "background" : "synchronous")) {
+      ManagerOptions mo;
+      mo.memory_tier = Options(root, 2);
+      mo.durable_every = 4;  // step 4 goes to the root as usual; 5 and 6 only to memory
+      const std::string where = durable / (background ? "bg" : "sync");
+      auto bg = BackgroundCommunicators();
+      auto handler_comms = BackgroundCommunicators();
+      std::vector<PreemptionReport> reports(kWorld);
+      RequireNoErrors(RunRanks(
+          kWorld,
+          [&](int rank, Communicator& comm) {
+            CheckpointManager manager(where, comm, background ? std::move(bg[rank]) : nullptr,
+                                      mo);
+            PreemptionOptions po;
+            po.grace_period = std::chrono::seconds(20);
+            manager.HandlePreemption(std::move(handler_comms[rank]), po);
+            for (int64_t s = 1; s <= 6; ++s) {
+              TierState state(rank, kWorld, s);
+              manager.Save(s, state.sd);
+            }
+            manager.Wait();
+            Expect(!manager.preempted(), "no notice yet");
+            comm.Barrier("test/before-sigterm");
+            if (rank == 3) {
+              // Inside a collective the others join only after their drains ended.
+              comm.Barrier("test/rank-3-waits");
+            } else {
+              if (rank == 0) ::raise(SIGTERM);
+              reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+              comm.Barrier("test/rank-3-waits");
+            }
+            if (rank == 3) reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+            Expect(manager.preempted(), "the notice reached every rank");
+            // A save after the notice: refused on every rank, at once or at Wait.
+            bool refused = false;
+            try {
+              TierState state(rank, kWorld, 7);
+              manager.Save(7, state.sd);
+              manager.Wait();
+            } catch (const PreemptedError& e) {
+              refused = std::string(e.what()).find("being preempted") != std::string::npos;
+              Expect(refused, e.what());
+            }
+            Expect(refused, "a save after the notice is refused");
+            manager.Close();
+          },
+          std::chrono::seconds(90)));
+      for (int r = 0; r < kWorld; ++r) {
+        INFO("rank " << r << ": " << reports[r].error);
+        CHECK(reports[r].done);
+        CHECK(reports[r].error.empty());
+        CHECK(reports[r].step == 6);
+        CHECK(reports[r].drained);
+        CHECK(reports[r].bytes > 0);
+        CHECK(reports[r].window_left_s > 0);
+        CHECK(reports[r].window_left_s < 20);
+      }
+      struct sigaction after {};
+      ::sigaction(SIGTERM, nullptr, &after);
+      CHECK(after.sa_handler == before.sa_handler);  // put back when the last handler closed
+      CHECK(CompleteCheckpoints(where) == std::vector<int64_t>{4, 6});
+      std::string latest;
+      std::getline(std::ifstream(where + "/latest"), latest);
+      CHECK(latest == "6");
+      // The nodes are gone with their memory: the restart restores step 6 from the root.
+      fs::remove_all(TierAnchor(root));
+      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+        CheckpointManager manager(where, comm, nullptr, mo);
+        auto back = TierState::Empty(rank, kWorld);
+        Expect(manager.Restore(back.sd) == 6, "step 6, drained on preemption");
+        Expect(manager.restore_source() == "durable", "from the root");
+        Expect(TierState::Holds(back.sd, 6), "step 6's values");
+        manager.Close();
+      }));
+      fs::remove_all(TierAnchor(root));
+    }
+  }
+}
+
+// A notice before any commit drains nothing and says so; a step already durable is not copied
+// again; NotifyPreemption does what SIGTERM does; the handler's preconditions are checked.
+TEST_CASE(
+    "preempt: nothing committed drains nothing, a durable step is not copied again, and the "
+    "handler needs a tier and a root the tier's files can be copied to",
+    "[memory-tier][manager][preempt][option:PreemptionOptions::on_sigterm]") {
+  TempDir root("tier"), durable("durable");
+  struct sigaction before {};
+  ::sigaction(SIGTERM, nullptr, &before);
+  ManagerOptions mo;
+  mo.memory_tier = Options(root, 2);
+  mo.durable_every = 2;
+  for (int64_t last : {int64_t{0}, int64_t{2}}) {
+    DYNAMIC_SECTION("saved up to step " << last) {
+      const std::string where = durable / ("upto" + std::to_string(last));
+      auto handler_comms = BackgroundCommunicators();
+      std::vector<PreemptionReport> reports(kWorld);
+      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+        CheckpointManager manager(where, comm, nullptr, mo);
+        PreemptionOptions po;
+        po.on_sigterm = false;  // the user's own handler calls NotifyPreemption
+        po.grace_period = std::chrono::seconds(20);
+        manager.HandlePreemption(std::move(handler_comms[rank]), po);
+        struct sigaction now {};
+        ::sigaction(SIGTERM, nullptr, &now);
+        Expect(now.sa_handler == before.sa_handler,
+               "without on_sigterm, SIGTERM keeps its disposition");
+        for (int64_t s = 1; s <= last; ++s) {
+          TierState state(rank, kWorld, s);
+          manager.Save(s, state.sd);
+        }
+        comm.Barrier("test/before-notice");
+        if (rank == 0) NotifyPreemption();
+        reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+        manager.Close();
+      }));
+      for (const auto& r : reports) {
+        INFO(r.error);
+        CHECK(r.done);
+        CHECK(r.error.empty());
+        CHECK(r.step == (last == 0 ? -1 : 2));
+        CHECK_FALSE(r.drained);  // nothing, or step 2 drained by its save already
+      }
+      CHECK(CompleteCheckpoints(where) ==
+            (last == 0 ? std::vector<int64_t>{} : std::vector<int64_t>{2}));
+    }
+  }
+  SECTION("preconditions") {
+    auto handler_comms = BackgroundCommunicators();
+    RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+      {
+        CheckpointManager plain(durable / "plain", comm);
+        try {
+          plain.HandlePreemption(std::move(handler_comms[rank]));
+          Expect(false, "a manager without a tier is refused");
+        } catch (const InvalidArgumentError& e) {
+          Expect(std::string(e.what()).find("memory_tier") != std::string::npos, e.what());
+        }
+      }
+      ManagerOptions zstd = mo;
+      zstd.save.storage.compression = Compression::kZstd;
+      CheckpointManager compressed(durable / "zstd", comm, nullptr, zstd);
+      try {
+        compressed.HandlePreemption(nullptr);
+        Expect(false, "a compressed root is refused");
+      } catch (const InvalidArgumentError& e) {
+        Expect(std::string(e.what()).find("uncompressed") != std::string::npos, e.what());
+      }
+      compressed.Close();
+    }));
   }
 }
