@@ -469,7 +469,7 @@ TEST_CASE(
   int committed = 0, failed = 0, lock_refused = 0;
   int64_t ever_committed = 0;
   const auto elapsed = [&] { return Clock::now() - start; };
-  while ((trials < 24 || (elapsed() < std::chrono::seconds(30) && trials < 200)) &&
+  while ((trials < 16 || (elapsed() < std::chrono::seconds(20) && trials < 200)) &&
          elapsed() < std::chrono::seconds(120)) {
     int fds[2];
     REQUIRE(::pipe(fds) == 0);
