@@ -33,6 +33,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev catch2
   libopenmpi-dev openmpi-bin
   libtorch-dev libgloo-dev   # LibTorch; Gloo's headers for c10d's ProcessGroupGloo (torchrun jobs)
+  pybind11-dev python3-dev   # the Python package `import dcp` (dcp/python)
   clang-16 libclang-rt-16-dev   # the newest compiler Debian 12 packages: a CI stage (ASan, UBSan, libFuzzer)
   python3 python3-numpy python3-torch   # CLI tests: independent safetensors reader, torch.load
   libcurl4-openssl-dev libssl-dev libtinyxml2-dev   # the s3:// backend (libcurl, OpenSSL's SigV4 HMAC/SHA-256, S3's XML)

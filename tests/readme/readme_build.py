@@ -1,6 +1,7 @@
 """README.md's code, as a reader would paste it.
 
-Every ```cpp and ```cmake block of README.md is preceded by a marker saying how CI builds it:
+Every ```cpp and ```cmake block of README.md is preceded by a marker saying how CI builds it
+(a ```python block that carries a snippet marker quotes a file that a CTest runs):
 
   <!-- build: DIR/FILE -->         a whole file: the blocks of one DIR form a project (its
                                    CMakeLists.txt and sources), configured against the installed
@@ -72,11 +73,13 @@ def check(root, write=False):
     counts = {"quoted": 0, "file": 0, "fragment": 0}
     replacements = []
     for marker, lang, begin, end in blocks(readme):
-        if lang not in ("cpp", "c++", "cmake"):
+        if lang not in ("cpp", "c++", "cmake", "python"):
             continue
         text = readme[marker].strip() if marker is not None else ""
         snippet = re.match(r"<!-- snippet: (\S+) (\S+) -->$", text)
         build = re.match(r"<!-- build: (fragment (\w+)|[\w.-]+/[\w.-]+) -->$", text)
+        if lang == "python" and not snippet:
+            continue  # shown, not run (the torch 1.13 import shim)
         if snippet:
             code = quoted_code(root, *snippet.groups())
             if write:

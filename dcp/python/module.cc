@@ -1,0 +1,244 @@
+// dcp._dcp: the C++ half of the Python package `dcp` (dcp/python/dcp/__init__.py holds the
+// Python half and the API's documentation).
+//
+// Tensors cross as (address, dtype name, shape, device) that the Python half reads from each
+// torch.Tensor: the views alias the tensors' own memory (no copy) and this module needs no
+// torch Python headers, so it works with whatever torch the interpreter has loaded, as long as
+// the process's LibTorch is the one dcp_torch was built against (ConnectTorchrun's c10d Gloo).
+// The Python half keeps every tensor alive across a call. Every call that does I/O or a
+// collective releases the GIL; no thread of dcp calls into Python.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dcp/async_checkpointer.h"
+#include "dcp/checkpoint.h"
+#include "dcp/proto/error.h"
+#include "dcp/torch_adapter.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// The process's communicators (ConnectTorchrun, or a one-process group) and its background
+// saver. Guarded by the GIL: every entry point holds it when it touches this.
+struct Session {
+  std::unique_ptr<dcp::Communicator> comm;
+  std::unique_ptr<dcp::AsyncCheckpointer> saver;
+  std::unique_ptr<dcp::Communicator> background;  // until the first async save takes it
+  std::shared_ptr<dcp::AsyncSave> last_async;
+};
+std::unique_ptr<Session> session;
+
+// Raises the Python exception of `e`'s category (classes defined in dcp/__init__.py) with the
+// message; a CollectiveError also carries its phase and each failing rank's (rank, code, text).
+[[noreturn]] void RaiseAsPython(const dcp::Error& e) {
+  py::gil_scoped_acquire gil;
+  py::module_ errors = py::module_::import("dcp");
+  py::object raise = errors.attr("_raise");
+  py::list failures;
+  std::string phase;
+  if (const auto* c = dynamic_cast<const dcp::CollectiveError*>(&e)) {
+    phase = c->phase();
+    for (const auto& f : c->failures()) {
+      failures.append(py::make_tuple(f.rank, dcp::ErrorCodeName(f.code), f.message));
+    }
+  }
+  raise(dcp::ErrorCodeName(e.code()), e.what(), phase, failures);
+  throw py::error_already_set();  // _raise raises; reached only if it returned
+}
+
+// Runs `fn` without the GIL, turning dcp's errors into Python exceptions.
+template <typename Fn>
+auto Call(Fn&& fn) -> decltype(fn()) {
+  try {
+    py::gil_scoped_release release;
+    return fn();
+  } catch (const dcp::Error& e) {
+    RaiseAsPython(e);
+  }
+}
+
+Session& Require() {
+  if (!session) {
+    RaiseAsPython(dcp::InvalidArgumentError("dcp: not initialised (call dcp.init() first)"));
+  }
+  return *session;
+}
+
+// One entry of the flattened state dict the Python half hands over:
+// (key, kind, payload) with kind "tensor" (address, dtype, shape, device type, device index),
+// "shard" (the same plus global shape and offsets) or "blob" (bytes).
+dcp::TensorView View(const py::tuple& t, const std::string& key) {
+  const auto address = t[0].cast<uintptr_t>();
+  const auto dtype_name = t[1].cast<std::string>();
+  const auto shape = t[2].cast<std::vector<int64_t>>();
+  const auto device_type = t[3].cast<std::string>();
+  const auto device_index = t[4].cast<int>();
+  const auto dtype = dcp::DTypeFromName(dtype_name);
+  if (!dtype) {
+    throw dcp::UnsupportedError("dcp: tensor '" + key + "' has dtype " + dtype_name +
+                                ", which dcp does not store");
+  }
+  dcp::Device device;
+  if (device_type == "cuda") {
+    device.type = dcp::Device::Type::kCUDA;
+    device.index = device_index;
+  } else if (device_type != "cpu") {
+    throw dcp::UnsupportedError("dcp: tensor '" + key + "' is on a " + device_type +
+                                " device; dcp takes CPU and CUDA tensors");
+  }
+  return dcp::TensorView::FromContiguous(reinterpret_cast<void*>(address), *dtype, shape, device);
+}
+
+dcp::StateDict ToStateDict(const py::list& entries) {
+  dcp::StateDict sd;
+  for (const auto& item : entries) {
+    const auto entry = item.cast<py::tuple>();
+    const auto key = entry[0].cast<std::string>();
+    const auto kind = entry[1].cast<std::string>();
+    if (kind == "tensor") {
+      sd.Set(key, View(entry[2].cast<py::tuple>(), key));
+    } else if (kind == "shard") {
+      const auto payload = entry[2].cast<py::tuple>();
+      dcp::TensorView v = View(payload, key);
+      dcp::ShardedTensor st{v.dtype, payload[5].cast<std::vector<int64_t>>(), {}};
+      st.local_shards.push_back({v, payload[6].cast<std::vector<int64_t>>()});
+      sd.Set(key, std::move(st));
+    } else if (kind == "blob") {
+      sd.Set(key, dcp::Blob{entry[2].cast<std::string>()});
+    } else {
+      throw dcp::InvalidArgumentError("dcp: entry '" + key + "' of unknown kind " + kind);
+    }
+  }
+  return sd;
+}
+
+void Init(double timeout_s) {
+  if (session) return;
+  auto s = std::make_unique<Session>();
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  Call([&] {
+    if (std::getenv("WORLD_SIZE") != nullptr) {
+      dcp::TorchrunGroup g = dcp::ConnectTorchrun(timeout);
+      s->comm = std::move(g.comm);
+      s->background = std::move(g.background);
+    } else {
+      s->comm = std::make_unique<dcp::LocalCommunicator>();
+      s->background = std::make_unique<dcp::LocalCommunicator>();
+    }
+  });
+  session = std::move(s);
+}
+
+void Close() {
+  if (!session) return;
+  std::unique_ptr<Session> s = std::move(session);
+  Call([&] {
+    if (s->saver) s->saver->Close();
+    s->saver.reset();
+    s->comm.reset();
+    s->background.reset();
+  });
+}
+
+py::dict Save(const py::list& entries, const std::string& uri, bool overwrite, bool async_save) {
+  Session& s = Require();
+  dcp::StateDict sd;
+  try {
+    sd = ToStateDict(entries);
+  } catch (const dcp::Error& e) {
+    RaiseAsPython(e);
+  }
+  dcp::SaveOptions options;
+  options.storage.overwrite = overwrite;
+  py::dict out;
+  if (async_save) {
+    Call([&] {
+      if (!s.saver) {
+        s.saver = std::make_unique<dcp::AsyncCheckpointer>(std::move(s.background));
+      }
+      s.last_async = s.saver->Save(sd, uri, options);  // snapshot taken: tensors may change
+    });
+    out["async"] = true;
+    return out;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  Call([&] { return dcp::Save(sd, uri, *s.comm, options).stats.plan_rounds; });
+  out["async"] = false;
+  out["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
+
+void Wait() {
+  Session& s = Require();
+  if (s.saver) Call([&] { s.saver->Wait(); });
+}
+
+// Loads into the views; returns the blobs' loaded bytes by key.
+py::dict Load(const py::list& entries, const std::string& uri) {
+  Session& s = Require();
+  dcp::StateDict sd;
+  try {
+    sd = ToStateDict(entries);
+  } catch (const dcp::Error& e) {
+    RaiseAsPython(e);
+  }
+  Call([&] {
+    dcp::Load(sd, uri, *s.comm);
+    return 0;
+  });
+  py::dict blobs;
+  for (const auto& [key, value] : sd.items()) {
+    if (const auto* b = std::get_if<dcp::Blob>(&value)) blobs[py::str(key)] = py::bytes(b->bytes);
+  }
+  return blobs;
+}
+
+// Every stored item of the checkpoint, whole: key -> (dtype name, shape, bytes) or bytes (blobs).
+py::dict LoadAll(const std::string& uri) {
+  Session& s = Require();
+  dcp::StateDict sd = Call([&] { return dcp::LoadAll(uri, *s.comm); });
+  py::dict out;
+  std::vector<std::pair<std::string, const dcp::StateDict*>> stack{{"", &sd}};
+  while (!stack.empty()) {
+    auto [prefix, dict] = stack.back();
+    stack.pop_back();
+    for (const auto& [key, value] : dict->items()) {
+      const std::string name = prefix.empty() ? key : prefix + "." + key;
+      if (const auto* v = std::get_if<dcp::TensorView>(&value)) {
+        out[py::str(name)] =
+            py::make_tuple(std::string(dcp::DTypeName(v->dtype)), v->shape,
+                           py::bytes(static_cast<const char*>(v->data), v->nbytes()));
+      } else if (const auto* b = std::get_if<dcp::Blob>(&value)) {
+        out[py::str(name)] = py::bytes(b->bytes);
+      } else if (const auto* d = std::get_if<std::shared_ptr<dcp::StateDict>>(&value)) {
+        stack.emplace_back(name, d->get());
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_dcp, m) {
+  m.doc() = "dcp's C++ half; use the package `dcp`";
+  m.def("init", &Init, py::arg("timeout_s"));
+  m.def("close", &Close);
+  m.def("initialized", [] { return session != nullptr; });
+  m.def("rank", [] { return Require().comm->rank(); });
+  m.def("world_size", [] { return Require().comm->size(); });
+  m.def("save", &Save, py::arg("entries"), py::arg("uri"), py::arg("overwrite"),
+        py::arg("async_save"));
+  m.def("wait", &Wait);
+  m.def("load", &Load, py::arg("entries"), py::arg("uri"));
+  m.def("load_all", &LoadAll, py::arg("uri"));
+}

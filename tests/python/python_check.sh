@@ -1,0 +1,34 @@
+#!/bin/sh
+# `import dcp` in a Python job as torchrun launches it: 4 processes save (tests/python/python_job.py),
+# 2 load resharded, bit-exact, and the errors come out as dcp's Python exceptions; README.md's
+# Python section runs as written at 2 (tests/python/readme_example.py).
+# Usage: python_check.sh PYTHON PYTHONPATH WORKDIR. Exit 77 (skipped) without torch.distributed.run.
+set -eu
+python=$1 pythonpath=$2 work=$3
+here=$(cd "$(dirname "$0")" && pwd)
+if ! "$python" -c 'import torch.distributed.run' 2>/dev/null; then
+  echo "SKIP: $python has no torch.distributed.run"
+  exit 77
+fi
+rm -rf "$work" && mkdir -p "$work"
+export PYTHONPATH="$pythonpath${PYTHONPATH:+:$PYTHONPATH}"
+port() { "$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# --redirects/--tee 2: see tests/torch/torchrun_check.sh (torch 1.13 on Python 3.11).
+run() {
+  n=$1
+  shift
+  timeout -k 10 240 "$python" -m torch.distributed.run --nnodes=1 --nproc_per_node="$n" \
+    --master_addr=127.0.0.1 --master_port="$(port)" --redirects 2 --tee 2 "$@"
+}
+run 4 "$here/python_job.py" save "$work/ckpt"
+run 2 "$here/python_job.py" load "$work/ckpt" | tee "$work/load.log"
+test "$(grep -c 'loaded bit-exact, resharded' "$work/load.log")" -eq 2
+test "$(grep -c 'a load of a missing checkpoint raised CollectiveNotFoundError' "$work/load.log")" -eq 2
+run 2 "$here/readme_example.py" "$work/readme" >"$work/readme.log" 2>&1 || { cat "$work/readme.log"; exit 1; }
+test "$(grep -c 'readme example: rank . of 2 OK' "$work/readme.log")" -eq 2
+timeout -k 10 120 "$python" "$here/python_job.py" errors "$work/one" | tee "$work/errors.log"
+grep -q 'errors: as named' "$work/errors.log"
+# The background-save benchmark runs (tools/python/dcp_python_bench.py; figures: docs/BENCHMARKS.md).
+"$python" "$here/../../tools/python/dcp_python_bench.py" --mib 8 --repeats 1 --seconds 0.2 \
+  --dir "$work/bench" | grep -q 'compute loop slowdown'
+echo "python: saved at 4 processes, loaded at 2, bit-exact; errors as dcp's exceptions"

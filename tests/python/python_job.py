@@ -1,0 +1,116 @@
+"""A Python job as torchrun launches it, through `import dcp` (tests/python/python_check.sh).
+
+    python_job.py save DIR     row-sharded "w", a replicated bf16 "b", a str and bytes, saved to
+                               DIR, and in the background to DIR-async (the tensors are changed
+                               right after the call returns: the save has its snapshot)
+    python_job.py load DIR     at another world size: both loaded column-sharded, bit-exact;
+                               load_all; a load of a missing checkpoint raises dcp.NotFoundError
+                               on every process; a second save to DIR raises AlreadyExistsError
+    python_job.py errors DIR   one process: wrong types and dtypes raise the named errors
+"""
+import sys
+
+import torch
+
+import dcp
+
+ROWS, COLS = 301, 17
+
+
+def share(n, rank, world):
+    return n * rank // world, n * (rank + 1) // world
+
+
+def expected():
+    i = torch.arange(ROWS, dtype=torch.float32).reshape(ROWS, 1)
+    j = torch.arange(COLS, dtype=torch.float32).reshape(1, COLS)
+    return i * 64 + j + 0.25
+
+
+def state(rank, world, by_rows, fill):
+    full = expected()
+    lo, hi = share(ROWS if by_rows else COLS, rank, world)
+    piece = full[lo:hi] if by_rows else full[:, lo:hi]
+    piece = piece.contiguous().clone() if fill else torch.zeros_like(piece).contiguous()
+    b = torch.linspace(-1, 1, 9, dtype=torch.bfloat16) if fill else torch.zeros(9, dtype=torch.bfloat16)
+    return {
+        "model": {
+            "w": dcp.Shard(piece, [ROWS, COLS], [lo, 0] if by_rows else [0, lo]),
+            "b": b,
+        },
+        "note": "saved from Python" if fill else "",
+        "rng": bytes(range(7)) if fill else b"",
+    }
+
+
+def check(sd, rank, world):
+    lo, hi = share(COLS, rank, world)
+    ok = torch.equal(sd["model"]["w"].tensor, expected()[:, lo:hi])
+    ok = ok and torch.equal(sd["model"]["b"], torch.linspace(-1, 1, 9, dtype=torch.bfloat16))
+    ok = ok and sd["note"] == "saved from Python" and sd["rng"] == bytes(range(7))
+    return ok
+
+
+def expect_error(cls, fn, what):
+    try:
+        fn()
+    except cls as e:
+        print("rank %d: %s raised %s: %s" % (dcp.rank(), what, type(e).__name__, str(e).splitlines()[0]))
+        return True
+    except Exception as e:  # noqa: BLE001
+        print("rank %d: %s raised %s, not %s: %s" % (dcp.rank(), what, type(e).__name__, cls.__name__, e))
+        return False
+    print("rank %d: %s raised nothing" % (dcp.rank(), what))
+    return False
+
+
+def main():
+    mode, where = sys.argv[1], sys.argv[2]
+    dcp.init(timeout_s=100)
+    rank, world = dcp.rank(), dcp.world_size()
+    if mode == "save":
+        sd = state(rank, world, by_rows=True, fill=True)
+        dcp.save(sd, where)
+        dcp.save(sd, where + "-async", async_save=True)
+        sd["model"]["w"].tensor.fill_(-7)  # after the snapshot: must not reach the checkpoint
+        sd["model"]["b"].fill_(-7)
+        dcp.wait()
+        print("rank %d of %d: saved %s and %s-async" % (rank, world, where, where))
+    elif mode == "load":
+        ok = True
+        for source in (where, where + "-async"):
+            sd = state(rank, world, by_rows=False, fill=False)
+            dcp.load(sd, source)
+            if not check(sd, rank, world):
+                print("rank %d: %s loaded other values" % (rank, source))
+                ok = False
+        whole = dcp.load_all(where)
+        ok = ok and torch.equal(whole["model.w"], expected()) and whole["rng"] == bytes(range(7))
+        ok = expect_error(dcp.NotFoundError,
+                          lambda: dcp.load(state(rank, world, False, False), where + "-missing"),
+                          "a load of a missing checkpoint") and ok
+        ok = expect_error(dcp.AlreadyExistsError,
+                          lambda: dcp.save(state(rank, world, False, True), where),
+                          "a save over a checkpoint") and ok
+        if ok:
+            print("rank %d of %d: loaded bit-exact, resharded" % (rank, world))
+        dcp.close()
+        return 0 if ok else 1
+    elif mode == "errors":
+        ok = expect_error(dcp.InvalidArgumentError, lambda: dcp.save({"x": 3}, where), "an int value")
+        ok = expect_error(dcp.InvalidArgumentError,
+                          lambda: dcp.save({"x": torch.zeros(4, 4).t()}, where),
+                          "a transposed tensor") and ok
+        ok = expect_error(dcp.InvalidArgumentError,
+                          lambda: dcp.Shard(torch.zeros(2), [4, 4], [0]), "a shard of another rank") and ok
+        dcp.save({"x": torch.ones(3)}, where)
+        ok = expect_error(dcp.Error, lambda: dcp.load({"x": torch.zeros(4)}, where),
+                          "a load into another shape") and ok
+        print("errors: %s" % ("as named" if ok else "NOT as named"))
+        return 0 if ok else 1
+    dcp.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
