@@ -235,6 +235,15 @@ struct TorchrunGroup {
   int local_rank = 0, local_world_size = 1;  // LOCAL_RANK, LOCAL_WORLD_SIZE (else 0 and 1)
   std::unique_ptr<Communicator> comm;
   std::unique_ptr<Communicator> background;
+  /// One more communicator over the same processes, on a Gloo group of its own (a preemption
+  /// handler's, CheckpointManager::HandlePreemption; a second manager's background saves).
+  /// Collective: every process calls it, in the same order; the n-th call of each process meets
+  /// the n-th of the others. IoError when a process does not join within the group's timeout.
+  /// Not thread-safe.
+  std::unique_ptr<Communicator> Connect();
+
+  struct Connection;  // the store and Gloo device the group's communicators were made from
+  std::shared_ptr<Connection> connection;
 };
 
 /// The group of a process torchrun launched: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from

@@ -277,6 +277,18 @@ int64_t EnvNumber(const char* name, std::optional<int64_t> otherwise, int64_t lo
 
 }  // namespace
 
+struct TorchrunGroup::Connection {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::shared_ptr<::gloo::transport::Device> device;
+  std::chrono::milliseconds timeout;
+  int extra = 0;  // communicators made by Connect so far
+
+  std::unique_ptr<Communicator> Make(const std::string& role, int rank, int world_size) const {
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("dcp/" + role, store);
+    return std::make_unique<GlooCommunicator>(prefixed, rank, world_size, device, timeout);
+  }
+};
+
 TorchrunGroup ConnectStore(const StoreAddress& address, std::chrono::milliseconds timeout) {
   if (address.world_size < 1 || address.rank < 0 || address.rank >= address.world_size) {
     throw InvalidArgumentError("dcp: rank " + std::to_string(address.rank) +
@@ -300,15 +312,16 @@ TorchrunGroup ConnectStore(const StoreAddress& address, std::chrono::millisecond
   TorchrunGroup group;
   group.rank = address.rank;
   group.world_size = address.world_size;
-  auto device = GlooDevice(address.host);
-  auto make = [&](const std::string& role) {
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("dcp/" + role, store);
-    return std::make_unique<GlooCommunicator>(prefixed, address.rank, address.world_size, device,
-                                              timeout);
-  };
-  group.comm = make("comm");
-  group.background = make("background");
+  group.connection = std::make_shared<TorchrunGroup::Connection>(
+      TorchrunGroup::Connection{store, GlooDevice(address.host), timeout});
+  group.comm = group.connection->Make("comm", group.rank, group.world_size);
+  group.background = group.connection->Make("background", group.rank, group.world_size);
   return group;
+}
+
+std::unique_ptr<Communicator> TorchrunGroup::Connect() {
+  if (!connection) throw InvalidArgumentError("dcp: TorchrunGroup::Connect on a group not connected");
+  return connection->Make("extra-" + std::to_string(connection->extra++), rank, world_size);
 }
 
 TorchrunGroup ConnectTorchrun(std::chrono::milliseconds timeout) {

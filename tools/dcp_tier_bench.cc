@@ -246,6 +246,7 @@ int main(int argc, char** argv) {
       auto t0 = Clock::now();
       auto got = tier->Restore(back.sd);
       t_restore.push_back(MaxOverRanks(Since(t0)));
+      if (std::getenv("TIER_DEBUG")) std::fprintf(stderr, "rank %d restore recover %.3f load %.3f fetched %d mapped %llu\n", rank, tier->last_stats().recover_s, tier->last_stats().load_s, tier->last_stats().files_fetched, (unsigned long long)tier->last_stats().bytes_mapped);
       exact = exact && got == step && Same(back, state);
       // Node 1's copy is wiped (its first rank removes the node's directory): recovery fetches
       // its shards from their replicas.
@@ -260,6 +261,7 @@ int main(int argc, char** argv) {
         t0 = Clock::now();
         got = tier->Restore(lost.sd);
         t_lost.push_back(MaxOverRanks(Since(t0)));
+        if (std::getenv("TIER_DEBUG")) std::fprintf(stderr, "rank %d lost recover %.3f load %.3f fetched %d mapped %llu\n", rank, tier->last_stats().recover_s, tier->last_stats().load_s, tier->last_stats().files_fetched, (unsigned long long)tier->last_stats().bytes_mapped);
         exact = exact && got == step && Same(lost, state);
       }
       // Cold disk load of the same state.

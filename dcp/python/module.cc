@@ -20,6 +20,7 @@
 
 #include "dcp/async_checkpointer.h"
 #include "dcp/checkpoint.h"
+#include "dcp/checkpoint_manager.h"
 #include "dcp/proto/error.h"
 #include "dcp/torch_adapter.h"
 
@@ -30,12 +31,19 @@ namespace {
 // The process's communicators (ConnectTorchrun, or a one-process group) and its background
 // saver. Guarded by the GIL: every entry point holds it when it touches this.
 struct Session {
+  std::optional<dcp::TorchrunGroup> group;  // under torchrun: makes more communicators
   std::unique_ptr<dcp::Communicator> comm;
   std::unique_ptr<dcp::AsyncCheckpointer> saver;
   std::unique_ptr<dcp::Communicator> background;  // until the first async save takes it
-  std::shared_ptr<dcp::AsyncSave> last_async;
+
+  // One more communicator over the job's processes (collective).
+  std::unique_ptr<dcp::Communicator> Another() {
+    if (group) return group->Connect();
+    return std::make_unique<dcp::LocalCommunicator>();
+  }
 };
-std::unique_ptr<Session> session;
+// Shared with the managers, which use its communicator: it lives until the last of them.
+std::shared_ptr<Session> session;
 
 // Raises the Python exception of `e`'s category (classes defined in dcp/__init__.py) with the
 // message; a CollectiveError also carries its phase and each failing rank's (rank, code, text).
@@ -98,6 +106,9 @@ dcp::TensorView View(const py::tuple& t, const std::string& key) {
   return dcp::TensorView::FromContiguous(reinterpret_cast<void*>(address), *dtype, shape, device);
 }
 
+dcp::StateDict ToStateDictOrRaise(const py::list& entries);
+py::dict BlobsOf(const dcp::StateDict& sd);
+
 dcp::StateDict ToStateDict(const py::list& entries) {
   dcp::StateDict sd;
   for (const auto& item : entries) {
@@ -123,13 +134,13 @@ dcp::StateDict ToStateDict(const py::list& entries) {
 
 void Init(double timeout_s) {
   if (session) return;
-  auto s = std::make_unique<Session>();
+  auto s = std::make_shared<Session>();
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   Call([&] {
     if (std::getenv("WORLD_SIZE") != nullptr) {
-      dcp::TorchrunGroup g = dcp::ConnectTorchrun(timeout);
-      s->comm = std::move(g.comm);
-      s->background = std::move(g.background);
+      s->group = dcp::ConnectTorchrun(timeout);
+      s->comm = std::move(s->group->comm);
+      s->background = std::move(s->group->background);
     } else {
       s->comm = std::make_unique<dcp::LocalCommunicator>();
       s->background = std::make_unique<dcp::LocalCommunicator>();
@@ -140,23 +151,16 @@ void Init(double timeout_s) {
 
 void Close() {
   if (!session) return;
-  std::unique_ptr<Session> s = std::move(session);
+  std::shared_ptr<Session> s = std::move(session);
   Call([&] {
     if (s->saver) s->saver->Close();
     s->saver.reset();
-    s->comm.reset();
-    s->background.reset();
   });
 }
 
 py::dict Save(const py::list& entries, const std::string& uri, bool overwrite, bool async_save) {
   Session& s = Require();
-  dcp::StateDict sd;
-  try {
-    sd = ToStateDict(entries);
-  } catch (const dcp::Error& e) {
-    RaiseAsPython(e);
-  }
+  dcp::StateDict sd = ToStateDictOrRaise(entries);
   dcp::SaveOptions options;
   options.storage.overwrite = overwrite;
   py::dict out;
@@ -165,7 +169,7 @@ py::dict Save(const py::list& entries, const std::string& uri, bool overwrite, b
       if (!s.saver) {
         s.saver = std::make_unique<dcp::AsyncCheckpointer>(std::move(s.background));
       }
-      s.last_async = s.saver->Save(sd, uri, options);  // snapshot taken: tensors may change
+      s.saver->Save(sd, uri, options);  // the snapshot is taken: the tensors may change
     });
     out["async"] = true;
     return out;
@@ -185,21 +189,9 @@ void Wait() {
 // Loads into the views; returns the blobs' loaded bytes by key.
 py::dict Load(const py::list& entries, const std::string& uri) {
   Session& s = Require();
-  dcp::StateDict sd;
-  try {
-    sd = ToStateDict(entries);
-  } catch (const dcp::Error& e) {
-    RaiseAsPython(e);
-  }
-  Call([&] {
-    dcp::Load(sd, uri, *s.comm);
-    return 0;
-  });
-  py::dict blobs;
-  for (const auto& [key, value] : sd.items()) {
-    if (const auto* b = std::get_if<dcp::Blob>(&value)) blobs[py::str(key)] = py::bytes(b->bytes);
-  }
-  return blobs;
+  dcp::StateDict sd = ToStateDictOrRaise(entries);
+  Call([&] { dcp::Load(sd, uri, *s.comm); });
+  return BlobsOf(sd);
 }
 
 // Every stored item of the checkpoint, whole: key -> (dtype name, shape, bytes) or bytes (blobs).
@@ -227,6 +219,111 @@ py::dict LoadAll(const std::string& uri) {
   return out;
 }
 
+py::dict BlobsOf(const dcp::StateDict& sd) {
+  py::dict blobs;
+  for (const auto& [key, value] : sd.items()) {
+    if (const auto* b = std::get_if<dcp::Blob>(&value)) blobs[py::str(key)] = py::bytes(b->bytes);
+  }
+  return blobs;
+}
+
+// dcp.CheckpointManager's C++ half: a CheckpointManager on the session's communicator (kept
+// alive with the session), its background saves on a communicator of its own.
+class Manager {
+ public:
+  Manager(const std::string& root, const py::dict& o) : session_(session) {
+    if (!session_) Require();
+    dcp::ManagerOptions options;
+    options.keep_last = o["keep_last"].cast<int>();
+    options.keep_every = o["keep_every"].cast<int>();
+    if (!o["memory_tier"].is_none()) {
+      dcp::MemoryTierOptions tier;
+      tier.name = o["memory_tier"].cast<std::string>();
+      tier.shm_root = o["shm_root"].cast<std::string>();
+      tier.ranks_per_node = o["ranks_per_node"].cast<int>();
+      tier.free_on_close = o["free_on_close"].cast<bool>();
+      options.memory_tier = tier;
+      options.memory_every = o["memory_every"].cast<int>();
+      options.durable_every = o["durable_every"].cast<int>();
+    }
+    const bool async_save = o["async_save"].cast<bool>();
+    Call([&] {
+      std::unique_ptr<dcp::Communicator> background;
+      if (async_save) background = session_->Another();
+      manager_ = std::make_unique<dcp::CheckpointManager>(root, *session_->comm,
+                                                          std::move(background), options);
+    });
+  }
+  ~Manager() {
+    if (manager_) {
+      py::gil_scoped_release release;
+      manager_->Close();  // never throws; an unfinished save is reported on stderr
+    }
+  }
+
+  void Save(int64_t step, const py::list& entries) {
+    dcp::StateDict sd = ToStateDictOrRaise(entries);
+    Call([&] { Open().Save(step, sd); });
+  }
+  void Wait() {
+    Call([&] { Open().Wait(); });
+  }
+  py::object Restore(const py::list& entries) {
+    dcp::StateDict sd = ToStateDictOrRaise(entries);
+    const std::optional<int64_t> step = Call([&] { return Open().Restore(sd); });
+    if (!step) return py::none();
+    return py::make_tuple(*step, BlobsOf(sd));
+  }
+  py::object LatestStep() {
+    const std::optional<int64_t> step = Call([&] { return Open().LatestStep(); });
+    return step ? py::cast(*step) : py::none();
+  }
+  std::string RestoreSource() { return Open().restore_source(); }
+  void HandlePreemption(double grace_s, bool on_sigterm) {
+    dcp::PreemptionOptions po;
+    po.grace_period = std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000));
+    po.on_sigterm = on_sigterm;
+    Call([&] { Open().HandlePreemption(session_->Another(), po); });
+  }
+  bool Preempted() { return Open().preempted(); }
+  py::dict WaitForPreemption(double timeout_s) {
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+    const dcp::PreemptionReport r = Call([&] { return Open().WaitForPreemption(timeout); });
+    py::dict out;
+    out["noticed"] = r.noticed;
+    out["done"] = r.done;
+    out["step"] = r.step;
+    out["drained"] = r.drained;
+    out["where"] = r.where;
+    out["bytes"] = r.bytes;
+    out["seconds"] = r.seconds;
+    out["window_left_s"] = r.window_left_s;
+    out["error"] = r.error;
+    return out;
+  }
+  void Close() {
+    if (!manager_) return;
+    Call([&] { manager_->CloseOrThrow(); });
+    manager_.reset();
+  }
+
+ private:
+  dcp::CheckpointManager& Open() {
+    if (!manager_) throw dcp::InvalidArgumentError("dcp: CheckpointManager used after close()");
+    return *manager_;
+  }
+  std::shared_ptr<Session> session_;
+  std::unique_ptr<dcp::CheckpointManager> manager_;
+};
+
+dcp::StateDict ToStateDictOrRaise(const py::list& entries) {
+  try {
+    return ToStateDict(entries);
+  } catch (const dcp::Error& e) {
+    RaiseAsPython(e);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_dcp, m) {
@@ -241,4 +338,16 @@ PYBIND11_MODULE(_dcp, m) {
   m.def("wait", &Wait);
   m.def("load", &Load, py::arg("entries"), py::arg("uri"));
   m.def("load_all", &LoadAll, py::arg("uri"));
+  m.def("notify_preemption", [] { dcp::NotifyPreemption(); });
+  py::class_<Manager>(m, "Manager")
+      .def(py::init<const std::string&, const py::dict&>())
+      .def("save", &Manager::Save)
+      .def("wait", &Manager::Wait)
+      .def("restore", &Manager::Restore)
+      .def("latest_step", &Manager::LatestStep)
+      .def("restore_source", &Manager::RestoreSource)
+      .def("handle_preemption", &Manager::HandlePreemption)
+      .def("preempted", &Manager::Preempted)
+      .def("wait_for_preemption", &Manager::WaitForPreemption)
+      .def("close", &Manager::Close);
 }

@@ -6,9 +6,17 @@
     python_job.py load DIR     at another world size: both loaded column-sharded, bit-exact;
                                load_all; a load of a missing checkpoint raises dcp.NotFoundError
                                on every process; a second save to DIR raises AlreadyExistsError
+    python_job.py manager DIR  dcp.CheckpointManager with the memory tier (2 simulated nodes):
+                               steps 1-4 in the background, every 2nd also under DIR; a second
+                               manager restores step 4 from memory, bit-exact, then frees it
+    python_job.py preempt DIR  the same with a preemption handler: SIGTERM after step 3 drains it
+                               under DIR; a manager without the tier restores it, bit-exact
     python_job.py errors DIR   one process: wrong types and dtypes raise the named errors
 """
+import os
+import signal
 import sys
+import zlib
 
 import torch
 
@@ -95,6 +103,59 @@ def main():
         if ok:
             print("rank %d of %d: loaded bit-exact, resharded" % (rank, world))
         dcp.close()
+        return 0 if ok else 1
+    elif mode == "manager":
+        tier = "pyjob-%08x" % (zlib.crc32(where.encode()))
+        opts = dict(keep_last=2, memory_tier=tier, ranks_per_node=2, durable_every=2)
+        sd = state(rank, world, by_rows=True, fill=True)
+        with dcp.CheckpointManager(where, **opts) as m:
+            first = m.restore(sd)
+            for step in range(1, 5):
+                sd["model"]["w"].tensor.add_(1.0)
+                sd["note"] = "step %d" % step
+                m.save(step, sd)
+        back = state(rank, world, by_rows=True, fill=False)
+        with dcp.CheckpointManager(where, free_on_close=True, **opts) as m:
+            step = m.restore(back)
+            source = m.restore_source
+        ok = first is None and step == 4 and source == "memory" and back["note"] == "step 4"
+        ok = ok and torch.equal(back["model"]["w"].tensor, sd["model"]["w"].tensor)
+        print("rank %d of %d: manager restored step %s from %s%s"
+              % (rank, world, step, source, ", bit-exact" if ok else ", NOT as saved"))
+        return 0 if ok else 1
+    elif mode == "preempt":
+        # Steps only to memory; SIGTERM to every process after step 3: the handler drains step 3
+        # under DIR, and a manager without a tier restores it from there.
+        tier = "pyjob-%08x" % (zlib.crc32(where.encode()))
+        opts = dict(keep_last=2, memory_tier=tier, ranks_per_node=2, durable_every=1000,
+                    free_on_close=True)
+        sd = state(rank, world, by_rows=True, fill=True)
+        saved = None
+        with dcp.CheckpointManager(where, **opts) as m:
+            m.handle_preemption(grace_s=60)
+            for step in range(1, 10):
+                # Not `if m.preempted(): break`: that is this process's notice only, and the
+                # others would save without it. The save after a notice fails on every process.
+                sd["model"]["w"].tensor.add_(1.0)
+                sd["note"] = "step %d" % step
+                try:
+                    m.save(step, sd)
+                except dcp.PreemptedError:
+                    break
+                if step == 3:
+                    m.wait()
+                    saved = sd["model"]["w"].tensor.clone()
+                    os.kill(os.getpid(), signal.SIGTERM)
+            report = m.wait_for_preemption(120)
+        back = state(rank, world, by_rows=True, fill=False)
+        with dcp.CheckpointManager(where, keep_last=2) as m:
+            step = m.restore(back)
+        ok = report["done"] and report["step"] == 3 and report["drained"] and not report["error"]
+        ok = ok and step == 3 and back["note"] == "step 3"
+        ok = ok and torch.equal(back["model"]["w"].tensor, saved)
+        print("rank %d of %d: preempted, step %s drained in %.2f s (%.1f s of the window left), "
+              "restored %s%s" % (rank, world, report["step"], report["seconds"],
+                                 report["window_left_s"], step, ", bit-exact" if ok else ", NOT as saved"))
         return 0 if ok else 1
     elif mode == "errors":
         ok = expect_error(dcp.InvalidArgumentError, lambda: dcp.save({"x": 3}, where), "an int value")

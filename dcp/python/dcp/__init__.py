@@ -30,6 +30,7 @@ from . import _dcp
 
 __all__ = [
     "init", "close", "rank", "world_size", "Shard", "save", "wait", "load", "load_all",
+    "CheckpointManager", "notify_preemption",
     "Error", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError", "CorruptionError",
     "IoError", "UnsupportedError", "CollectiveError", "TimeoutError", "InternalError",
     "DeviceError", "ResourceExhaustedError", "PreemptedError",
@@ -247,6 +248,102 @@ def load_all(uri):
             torch.empty(0, dtype=getattr(torch, dtype))
         out[key] = t.reshape(shape)
     return out
+
+
+class CheckpointManager:
+    """Checkpoints of a training loop under one root (dcp::CheckpointManager): numbered steps,
+    retention, and a restore of the newest complete one, optionally through the memory tier.
+
+        manager = dcp.CheckpointManager("/ckpt/run1", keep_last=3, memory_tier="run1")
+        step = manager.restore(state)   # None: nothing saved yet; else the step loaded
+        for step in range(start, end):
+            train_step()
+            manager.save(step, state)   # in the background (async_save=True): returns once
+                                        # the state is copied aside
+        manager.close()
+
+    ``memory_tier``: a name (one per job) to keep each step in node-local shared memory with a
+    replica on another node (``shm_root``, ``ranks_per_node`` to simulate nodes on one host),
+    every ``memory_every``-th step there and every ``durable_every``-th also under ``root``;
+    ``free_on_close`` frees the tier's memory at close (else the next run restores from it).
+    Steps must increase, across restarts too. Every method is collective; errors raise as for
+    ``dcp.save``. Needs ``dcp.init()`` first.
+    """
+
+    def __init__(self, root, keep_last=3, keep_every=0, async_save=True, memory_tier=None,
+                 memory_every=1, durable_every=1, shm_root="/dev/shm", ranks_per_node=0,
+                 free_on_close=False):
+        self._m = _dcp.Manager(str(root), {
+            "keep_last": int(keep_last), "keep_every": int(keep_every),
+            "async_save": bool(async_save), "memory_tier": memory_tier,
+            "memory_every": int(memory_every), "durable_every": int(durable_every),
+            "shm_root": str(shm_root), "ranks_per_node": int(ranks_per_node),
+            "free_on_close": bool(free_on_close)})
+
+    def save(self, step, state_dict):
+        """Save ``state_dict`` as ``step`` (waits for the previous save first, raising its
+        error)."""
+        keep = []
+        self._m.save(int(step), _flatten(state_dict, "", [], keep))
+
+    def wait(self):
+        """Wait for the save in flight; raises its error."""
+        self._m.wait()
+
+    def restore(self, state_dict):
+        """Load the newest complete step into ``state_dict`` (as ``dcp.load``): from memory when
+        the tier holds it intact, else from ``root``. Returns the step, or None when there is
+        none."""
+        keep = []
+        got = self._m.restore(_flatten(state_dict, "", [], keep))
+        if got is None:
+            return None
+        step, blobs = got
+        _put_blobs(state_dict, "", blobs)
+        return step
+
+    def latest_step(self):
+        """The newest complete step under ``root``, or None."""
+        return self._m.latest_step()
+
+    @property
+    def restore_source(self):
+        """Where the last restore read its step from: "memory" or "durable"."""
+        return self._m.restore_source()
+
+    def handle_preemption(self, grace_s=30.0, on_sigterm=True):
+        """On SIGTERM (``on_sigterm``; the previous disposition returns at close) or
+        ``dcp.notify_preemption()``, every process agrees on the newest step the memory tier
+        committed and copies it under ``root`` within ``grace_s``, on a thread and a
+        communicator of its own. Afterwards ``save`` raises ``PreemptedError`` on every process
+        alike: stop training then (not on ``preempted()``, which is this process's notice only:
+        the others would go on to save without it). Needs ``memory_tier``. Collective."""
+        self._m.handle_preemption(float(grace_s), bool(on_sigterm))
+
+    def preempted(self):
+        """True once a preemption notice reached this process (not a collective decision)."""
+        return self._m.preempted()
+
+    def wait_for_preemption(self, timeout_s=60.0):
+        """What the preemption handler did, once it ended or after ``timeout_s``: a dict with
+        noticed, done, step (-1: none), drained, where, bytes, seconds, window_left_s, error."""
+        return self._m.wait_for_preemption(float(timeout_s))
+
+    def close(self):
+        """Wait for the save in flight and stop; raises its error. Idempotent."""
+        self._m.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def notify_preemption():
+    """Start the preemption drain of every CheckpointManager of this process that handles
+    preemption, as SIGTERM does (for a job with its own signal handling)."""
+    _dcp.notify_preemption()
 
 
 _atexit.register(close)
