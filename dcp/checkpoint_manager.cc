@@ -647,9 +647,14 @@ void CheckpointManager::CloseOrThrow() {
 // step, and copy it to the root unless a drain already did. A step with an index entry and no
 // metadata at the root (a drain that failed midway) is what a crashed save leaves: retention
 // removes it later.
-void CheckpointManager::DrainOnPreemption(Communicator& comm, std::chrono::steady_clock::time_point deadline,
+void CheckpointManager::DrainOnPreemption(Communicator& comm,
+                                          std::chrono::steady_clock::time_point commits_until,
+                                          std::chrono::steady_clock::time_point deadline,
                                           PreemptionReport& report) {
-  tier_->BeginPreemption();
+  const int64_t before = tier_->BeginPreemption(commits_until);
+  if (commits_until > std::chrono::steady_clock::now()) {
+    tier_->WaitForCommitAfter(before, commits_until);  // the next step boundary's commit
+  }
   const MemoryTier::SettledStep mine = tier_->SettleForPreemption(deadline);
   comm.set_timeout(Left(deadline));
   const std::string said =

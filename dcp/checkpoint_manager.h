@@ -168,7 +168,8 @@ class CheckpointManager {
   void Retain(int64_t step);
   friend class PreemptionWatcher;
   // The handler's work after a notice, on its thread and communicator.
-  void DrainOnPreemption(Communicator& comm, std::chrono::steady_clock::time_point deadline,
+  void DrainOnPreemption(Communicator& comm, std::chrono::steady_clock::time_point commits_until,
+                         std::chrono::steady_clock::time_point deadline,
                          PreemptionReport& report);
   void StopPreemptionHandler() noexcept;
   std::string root_;

@@ -189,16 +189,20 @@ class MemoryTier {
 
   // Preemption (CheckpointManager::HandlePreemption drives these from its own thread, while the
   // job's thread and the background saver go on; these three are thread-safe).
-  /// From now on, on this rank: a save not yet committed is refused at its commit vote
-  /// (PreemptedError, on every rank alike: the step does not exist anywhere), a drain other
-  /// than DrainForPreemption is refused at its next vote (the same error), and
-  /// retention frees nothing. Irreversible for this tier object.
-  void BeginPreemption() noexcept;
+  /// From `commits_until` on (at once by default), on this rank: a save not yet committed is
+  /// refused at its commit vote (PreemptedError, on every rank alike: the step does not exist
+  /// anywhere), and a drain other than DrainForPreemption at its next vote (the same error).
+  /// From now on retention frees nothing. Irreversible for this tier object. Returns the
+  /// newest step committed so far (-1: none).
+  int64_t BeginPreemption(std::chrono::steady_clock::time_point commits_until = {}) noexcept;
+  /// Waits until this rank committed a step newer than `step`, or until `until`; then closes
+  /// BeginPreemption's window (commits are refused from now on).
+  void WaitForCommitAfter(int64_t step, std::chrono::steady_clock::time_point until);
   bool preempting() const noexcept { return preempting_.load(); }
   /// After BeginPreemption: waits until no commit or drain is under way on this rank (at most
   /// until `deadline`; `settled` says whether it got there), then returns the newest step this
   /// tier object committed and, when a drain of it succeeded, where to. No commit can start
-  /// after BeginPreemption, so once settled the answer is final.
+  /// after BeginPreemption's commits_until, so once settled after it the answer is final.
   struct SettledStep {
     bool settled = false;
     int64_t step = -1;  // -1: this tier object committed no step (that it still keeps)
@@ -261,6 +265,8 @@ class MemoryTier {
   std::map<int64_t, std::string> drained_;               // step -> where a drain committed it
   int busy_ = 0;  // commits and drains under way on this rank (BusyScope)
   std::atomic<bool> preempting_{false};
+  // BeginPreemption's commits_until (steady_clock ticks since its epoch).
+  std::atomic<int64_t> commits_until_{0};
   bool closed_ = false;
   std::string cannot_save_;  // why saves are refused (too few nodes for the replicas), if so
   TierStats stats_;

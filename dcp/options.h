@@ -144,6 +144,12 @@ struct PreemptionOptions {
   /// The window from the notice to SIGKILL (Kubernetes' default terminationGracePeriodSeconds
   /// is 30 s): the handler's agreement and drain must end within it, and say what was left.
   std::chrono::milliseconds grace_period{std::chrono::seconds(30)};
+  /// How long after the notice the job's next save may still commit in the memory tier (the
+  /// next step boundary), to be drained instead of the newest step committed before the
+  /// notice. The handler waits for that commit up to this long, then refuses commits; the
+  /// drain then has what is left of grace_period. 0: refuse commits at once. Must be less
+  /// than grace_period.
+  std::chrono::milliseconds next_step_within{0};
 };
 
 struct ManagerOptions {

@@ -151,7 +151,7 @@ class PreemptionWatcher {
     report.noticed = true;
     const auto deadline = notice + options_.grace_period;
     try {
-      manager_.DrainOnPreemption(*comm_, deadline, report);
+      manager_.DrainOnPreemption(*comm_, notice + options_.next_step_within, deadline, report);
     } catch (const std::exception& e) {
       report.error = e.what();
     }
@@ -221,6 +221,10 @@ void CheckpointManager::HandlePreemption(std::unique_ptr<Communicator> comm,
   }
   if (options.grace_period.count() <= 0) {
     throw InvalidArgumentError("PreemptionOptions::grace_period must be positive");
+  }
+  if (options.next_step_within.count() < 0 || options.next_step_within >= options.grace_period) {
+    throw InvalidArgumentError(
+        "PreemptionOptions::next_step_within must be at least 0 and less than grace_period");
   }
   preemption_.reset(new PreemptionWatcher(*this, std::move(comm), options));
 }

@@ -313,7 +313,7 @@ TorchrunGroup ConnectStore(const StoreAddress& address, std::chrono::millisecond
   group.rank = address.rank;
   group.world_size = address.world_size;
   group.connection = std::make_shared<TorchrunGroup::Connection>(
-      TorchrunGroup::Connection{store, GlooDevice(address.host), timeout});
+      TorchrunGroup::Connection{store, GlooDevice(address.host), timeout, 0});
   group.comm = group.connection->Make("comm", group.rank, group.world_size);
   group.background = group.connection->Make("background", group.rank, group.world_size);
   return group;

@@ -279,9 +279,10 @@ class Manager {
     return step ? py::cast(*step) : py::none();
   }
   std::string RestoreSource() { return Open().restore_source(); }
-  void HandlePreemption(double grace_s, bool on_sigterm) {
+  void HandlePreemption(double grace_s, bool on_sigterm, double next_step_s) {
     dcp::PreemptionOptions po;
     po.grace_period = std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000));
+    po.next_step_within = std::chrono::milliseconds(static_cast<int64_t>(next_step_s * 1000));
     po.on_sigterm = on_sigterm;
     Call([&] { Open().HandlePreemption(session_->Another(), po); });
   }

@@ -300,10 +300,26 @@ void MemoryTier::Vote(Communicator& comm, const std::string& my_error, std::stri
 }
 
 
-void MemoryTier::BeginPreemption() noexcept { preempting_.store(true); }
+int64_t MemoryTier::BeginPreemption(std::chrono::steady_clock::time_point commits_until) noexcept {
+  commits_until_.store(commits_until.time_since_epoch().count());
+  preempting_.store(true);
+  std::lock_guard<std::mutex> lock(mu_);
+  return metadata_.empty() ? -1 : metadata_.rbegin()->first;
+}
+
+void MemoryTier::WaitForCommitAfter(int64_t step, std::chrono::steady_clock::time_point until) {
+  std::unique_lock<std::mutex> lock(mu_);
+  // A commit records its step before its BusyScope ends, which notifies settled_.
+  settled_.wait_until(lock, until,
+                      [&] { return !metadata_.empty() && metadata_.rbegin()->first > step; });
+  commits_until_.store(0);  // the window closes: the save after that step is refused
+}
 
 std::string MemoryTier::PreemptionVeto(std::string_view what) const {
   if (!preempting_.load()) return {};
+  // Until commits_until the job's next step may still commit (its BusyScope was entered
+  // before this check, so a handler settling after commits_until waits for it).
+  if (std::chrono::steady_clock::now().time_since_epoch().count() < commits_until_.load()) return {};
   return std::to_string(static_cast<int>(ErrorCode::kPreempted)) + ":memory tier: " +
          std::string(what) +
          " refused: the job is being preempted (the preemption handler drains the newest "

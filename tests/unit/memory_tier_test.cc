@@ -1225,6 +1225,80 @@ TEST_CASE(
 // A notice before any commit drains nothing and says so; a step already durable is not copied
 // again; NotifyPreemption does what SIGTERM does; the handler's preconditions are checked.
 TEST_CASE(
+    "preempt: with next_step_within the job's next save still commits after the notice and is "
+    "the step drained, the one after is refused on every rank",
+    "[memory-tier][manager][preempt][option:PreemptionOptions::next_step_within]") {
+  TempDir root("tier"), durable("durable");
+  ManagerOptions mo;
+  mo.memory_tier = Options(root, 2);
+  mo.durable_every = 1000;  // steps to memory only: the drain is what reaches the root
+  const std::string where = durable / "next";
+  auto handler_comms = BackgroundCommunicators();
+  std::vector<PreemptionReport> reports(kWorld);
+  std::vector<int> refused(kWorld, 0);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    CheckpointManager manager(where, comm, nullptr, mo);
+    PreemptionOptions po;
+    po.on_sigterm = false;
+    po.grace_period = std::chrono::seconds(60);
+    po.next_step_within = std::chrono::seconds(30);
+    manager.HandlePreemption(std::move(handler_comms[rank]), po);
+    for (int64_t s = 1; s <= 2; ++s) {
+      TierState state(rank, kWorld, s);
+      manager.Save(s, state.sd);
+    }
+    comm.Barrier("test/before-notice");
+    if (rank == 0) NotifyPreemption();  // every rank's handler: one process
+    comm.Barrier("test/after-notice");
+    TierState third(rank, kWorld, 3);
+    manager.Save(3, third.sd);  // the next step boundary: still commits
+    reports[rank] = manager.WaitForPreemption(std::chrono::seconds(60));
+    try {
+      TierState fourth(rank, kWorld, 4);
+      manager.Save(4, fourth.sd);
+    } catch (const PreemptedError&) {
+      refused[rank] = 1;
+    } catch (const CollectiveError& e) {
+      refused[rank] = e.failures().front().code == ErrorCode::kPreempted ? 1 : 2;
+    }
+    manager.Close();
+  }));
+  for (int r = 0; r < kWorld; ++r) {
+    INFO("rank " << r << ": " << reports[r].error);
+    CHECK(reports[r].done);
+    CHECK(reports[r].error.empty());
+    CHECK(reports[r].step == 3);
+    CHECK(reports[r].drained);
+    CHECK(refused[r] == 1);
+  }
+  CHECK(CompleteCheckpoints(where) == std::vector<int64_t>{3});
+  // The drained step holds step 3's state.
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    TierState back = TierState::Empty(rank, kWorld);
+    CheckpointManager plain(where, comm);
+    Expect(plain.Restore(back.sd) == std::optional<int64_t>(3), "the root's newest step is 3");
+    Expect(TierState::Holds(back.sd, 3), "step 3 as saved");
+    plain.Close();
+  }));
+  SECTION("an option out of range is refused") {
+    auto comms = BackgroundCommunicators();
+    RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+      CheckpointManager manager(durable / "range", comm, nullptr, mo);
+      PreemptionOptions po;
+      po.grace_period = std::chrono::seconds(5);
+      po.next_step_within = std::chrono::seconds(5);
+      try {
+        manager.HandlePreemption(std::move(comms[rank]), po);
+        Expect(false, "next_step_within >= grace_period is refused");
+      } catch (const InvalidArgumentError& e) {
+        Expect(std::string(e.what()).find("next_step_within") != std::string::npos, e.what());
+      }
+      manager.Close();
+    }));
+  }
+}
+
+TEST_CASE(
     "preempt: nothing committed drains nothing, a durable step is not copied again, and the "
     "handler needs a tier and a root the tier's files can be copied to",
     "[memory-tier][manager][preempt][option:PreemptionOptions::on_sigterm]") {

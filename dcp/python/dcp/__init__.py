@@ -311,14 +311,16 @@ class CheckpointManager:
         """Where the last restore read its step from: "memory" or "durable"."""
         return self._m.restore_source()
 
-    def handle_preemption(self, grace_s=30.0, on_sigterm=True):
+    def handle_preemption(self, grace_s=30.0, on_sigterm=True, next_step_s=0.0):
         """On SIGTERM (``on_sigterm``; the previous disposition returns at close) or
         ``dcp.notify_preemption()``, every process agrees on the newest step the memory tier
         committed and copies it under ``root`` within ``grace_s``, on a thread and a
         communicator of its own. Afterwards ``save`` raises ``PreemptedError`` on every process
         alike: stop training then (not on ``preempted()``, which is this process's notice only:
-        the others would go on to save without it). Needs ``memory_tier``. Collective."""
-        self._m.handle_preemption(float(grace_s), bool(on_sigterm))
+        the others would go on to save without it). With ``next_step_s`` the next save may still
+        commit within that many seconds of the notice, and is the step drained (the drain then
+        has what is left of ``grace_s``). Needs ``memory_tier``. Collective."""
+        self._m.handle_preemption(float(grace_s), bool(on_sigterm), float(next_step_s))
 
     def preempted(self):
         """True once a preemption notice reached this process (not a collective decision)."""
