@@ -11,7 +11,8 @@
 # since its start, the step the trial before restored.
 #
 #   tools/tier_sigterm_trials.sh BUILD_DIR [TRIALS=200] [WORK_DIR] [DURABLE_ROOT] [GRACE_S=5]
-# DURABLE_ROOT: any dcp location (default WORK_DIR/durable; s3://bucket/prefix for the RGW).
+# DURABLE_ROOT: any dcp location (default WORK_DIR/durable, emptied first; a fresh
+# s3://bucket/prefix for the RGW).
 # Exit status 0 when every trial passed; prints a summary line with the drain times.
 set -u
 build=${1:?usage: tier_sigterm_trials.sh BUILD_DIR [TRIALS] [WORK_DIR] [DURABLE_ROOT] [GRACE_S]}
@@ -24,6 +25,9 @@ name="sigterm-$$"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 args=(--dir "$durable" --name "$name" --ranks-per-node 2 --durable-every 3 --mib 2)
 mkdir -p "$work"
+# Trial 1 expects an empty root (nothing to restore): a local one left by an earlier run is
+# removed; an s3:// DURABLE_ROOT must be a fresh prefix.
+[[ "$durable" == *://* ]] || rm -rf "$durable"
 tier_glob="/dev/shm/dcp-tier-u$(id -u)/$name-"
 trap 'rm -rf "$tier_glob"*' EXIT
 

@@ -24,10 +24,9 @@ run 4 "$here/python_job.py" save "$work/ckpt"
 run 2 "$here/python_job.py" load "$work/ckpt" | tee "$work/load.log"
 test "$(grep -c 'loaded bit-exact, resharded' "$work/load.log")" -eq 2
 test "$(grep -c 'a load of a missing checkpoint raised CollectiveNotFoundError' "$work/load.log")" -eq 2
-run 4 "$here/python_job.py" manager "$work/managed" | tee "$work/manager.log"
+run 4 "$here/python_job.py" manager+preempt "$work/managed" | tee "$work/manager.log"
 test "$(grep -c 'manager restored step 4 from memory, bit-exact' "$work/manager.log")" -eq 4
-run 4 "$here/python_job.py" preempt "$work/preempted" | tee "$work/preempt.log"
-test "$(grep -c 'preempted, step 3 drained in .*restored 3, bit-exact' "$work/preempt.log")" -eq 4
+test "$(grep -c 'preempted, step 3 drained in .*restored 3, bit-exact' "$work/manager.log")" -eq 4
 run 2 "$here/readme_example.py" "$work/readme" >"$work/readme.log" 2>&1 || { cat "$work/readme.log"; exit 1; }
 test "$(grep -c 'readme example: rank . of 2 OK' "$work/readme.log")" -eq 2
 timeout -k 10 120 "$python" "$here/python_job.py" errors "$work/one" | tee "$work/errors.log"
