@@ -35,6 +35,11 @@ struct PlannerContext {
 struct ResolvedData {
   TensorView tensor;
   std::string_view bytes;
+  /// Blobs: `bytes` is a torch.save archive that a format storing such records (PyTorch DCP)
+  /// keeps unchanged, whatever Python object it holds (what torch.distributed.checkpoint's own
+  /// planner resolves a byte entry to: dcp.torch.Writer). Otherwise a blob is raw bytes, which
+  /// such a format stores as a Python bytes object.
+  bool bytes_are_torch_record = false;
 };
 
 class SavePlanner {

@@ -30,7 +30,9 @@ LONG_FUNCTIONS = {
     ("storage/format/pickle.cc", "Run"): "the pickle interpreter: one switch over the opcodes",
 }
 FORMAT_INTERFACE = {"storage/format/layout.h"}
-FORMAT_INCLUDERS = {"dcp/torch_adapter.cc"}  # interop with LibTorch's own torch.save
+# Interop with torch's own formats: LibTorch's torch.save, and torch.distributed.checkpoint's
+# planner, which hands the storage layer torch.save records (dcp.torch).
+FORMAT_INCLUDERS = {"dcp/torch_adapter.cc", "dcp/python/torch_plugin.cc"}
 
 
 def library_files(root):

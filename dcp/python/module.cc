@@ -22,11 +22,35 @@
 #include "dcp/checkpoint.h"
 #include "dcp/checkpoint_manager.h"
 #include "dcp/proto/error.h"
+#include "dcp/python/bindings.h"
 #include "dcp/torch_adapter.h"
 
 namespace py = pybind11;
 
+namespace dcp_python {
+
+[[noreturn]] void RaiseAsPython(const dcp::Error& e) {
+  py::gil_scoped_acquire gil;
+  py::module_ errors = py::module_::import("dcp");
+  py::object raise = errors.attr("_raise");
+  py::list failures;
+  std::string phase;
+  if (const auto* c = dynamic_cast<const dcp::CollectiveError*>(&e)) {
+    phase = c->phase();
+    for (const auto& f : c->failures()) {
+      failures.append(py::make_tuple(f.rank, dcp::ErrorCodeName(f.code), f.message));
+    }
+  }
+  raise(dcp::ErrorCodeName(e.code()), e.what(), phase, failures);
+  throw py::error_already_set();  // _raise raises; reached only if it returned
+}
+
+}  // namespace dcp_python
+
 namespace {
+
+using dcp_python::Call;
+using dcp_python::RaiseAsPython;
 
 // The process's communicators (ConnectTorchrun, or a one-process group) and its background
 // saver. Guarded by the GIL: every entry point holds it when it touches this.
@@ -44,35 +68,6 @@ struct Session {
 };
 // Shared with the managers, which use its communicator: it lives until the last of them.
 std::shared_ptr<Session> session;
-
-// Raises the Python exception of `e`'s category (classes defined in dcp/__init__.py) with the
-// message; a CollectiveError also carries its phase and each failing rank's (rank, code, text).
-[[noreturn]] void RaiseAsPython(const dcp::Error& e) {
-  py::gil_scoped_acquire gil;
-  py::module_ errors = py::module_::import("dcp");
-  py::object raise = errors.attr("_raise");
-  py::list failures;
-  std::string phase;
-  if (const auto* c = dynamic_cast<const dcp::CollectiveError*>(&e)) {
-    phase = c->phase();
-    for (const auto& f : c->failures()) {
-      failures.append(py::make_tuple(f.rank, dcp::ErrorCodeName(f.code), f.message));
-    }
-  }
-  raise(dcp::ErrorCodeName(e.code()), e.what(), phase, failures);
-  throw py::error_already_set();  // _raise raises; reached only if it returned
-}
-
-// Runs `fn` without the GIL, turning dcp's errors into Python exceptions.
-template <typename Fn>
-auto Call(Fn&& fn) -> decltype(fn()) {
-  try {
-    py::gil_scoped_release release;
-    return fn();
-  } catch (const dcp::Error& e) {
-    RaiseAsPython(e);
-  }
-}
 
 Session& Require() {
   if (!session) {
@@ -340,6 +335,7 @@ PYBIND11_MODULE(_dcp, m) {
   m.def("load", &Load, py::arg("entries"), py::arg("uri"));
   m.def("load_all", &LoadAll, py::arg("uri"));
   m.def("notify_preemption", [] { dcp::NotifyPreemption(); });
+  dcp_python::BindTorchPlugin(m);
   py::class_<Manager>(m, "Manager")
       .def(py::init<const std::string&, const py::dict&>())
       .def("save", &Manager::Save)

@@ -45,8 +45,12 @@ class TorchItemEncoder : public ItemEncoder {
       return;
     }
     std::string payload;
+    // A blob that is an archive of anything but a bytes object came from a record (a load of a
+    // PyTorch DCP checkpoint): it stays one. One of a bytes object is wrapped again, because
+    // reads unwrap such records into their payload (ItemDecoder below).
     const bool as_is =
-        IsTorchSaveArchive(data.bytes) && !TorchSaveBytesPayload(data.bytes, &payload);
+        IsTorchSaveArchive(data.bytes) &&
+        (data.bytes_are_torch_record || !TorchSaveBytesPayload(data.bytes, &payload));
     const std::string wrapped = as_is ? std::string() : TorchSaveOfBytes(data.bytes);
     const std::string_view record = as_is ? data.bytes : std::string_view(wrapped);
     out.Append(record.data(), record.size());

@@ -13,6 +13,8 @@ fi
 rm -rf "$work" && mkdir -p "$work"
 export PYTHONPATH="$pythonpath${PYTHONPATH:+:$PYTHONPATH}"
 port() { "$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# Occurrences, not lines: the processes' lines may run together on one line of the log.
+count() { grep -o "$1" "$2" | wc -l; }
 # --redirects/--tee 2: see tests/torch/torchrun_check.sh (torch 1.13 on Python 3.11).
 run() {
   n=$1
@@ -21,17 +23,26 @@ run() {
     --master_addr=127.0.0.1 --master_port="$(port)" --redirects 2 --tee 2 "$@"
 }
 run 4 "$here/python_job.py" save "$work/ckpt"
+# torch.distributed.checkpoint through dcp.torch.Writer/Reader (tests/python/torch_plugin_job.py).
+run 4 "$here/torch_plugin_job.py" save "$work/plugin" "$work/ckpt" "$here/../fixtures/pytorch-dcp-2.11" |
+  tee "$work/plugin-save.log"
+want=24
+[ -n "${DCP_TEST_S3_ENDPOINT:-}" ] && want=28 && echo "torch plug-in: s3:// at $DCP_TEST_S3_ENDPOINT too"
+test "$(count 'bit-exact\|raised AlreadyExistsError\|replaced the checkpoint' "$work/plugin-save.log")" -eq $want
+run 2 "$here/torch_plugin_job.py" load "$work/plugin" | tee "$work/plugin-load.log"
+test "$(count 'column-sharded at 2 by [a-zA-Z._]*, bit-exact' "$work/plugin-load.log")" -eq 8
+test "$(count 'CorruptionError naming the file' "$work/plugin-load.log")" -eq 2
 run 2 "$here/python_job.py" load "$work/ckpt" | tee "$work/load.log"
-test "$(grep -c 'loaded bit-exact, resharded' "$work/load.log")" -eq 2
-test "$(grep -c 'a load of a missing checkpoint raised CollectiveNotFoundError' "$work/load.log")" -eq 2
+test "$(count 'loaded bit-exact, resharded' "$work/load.log")" -eq 2
+test "$(count 'a load of a missing checkpoint raised CollectiveNotFoundError' "$work/load.log")" -eq 2
 run 4 "$here/python_job.py" manager+preempt "$work/managed" | tee "$work/manager.log"
-test "$(grep -c 'manager restored step 4 from memory, bit-exact' "$work/manager.log")" -eq 4
-test "$(grep -c 'preempted, step 3 drained in .*restored 3, bit-exact' "$work/manager.log")" -eq 4
+test "$(count 'manager restored step 4 from memory, bit-exact' "$work/manager.log")" -eq 4
+test "$(count 'preempted, step 3 drained in [0-9.]* s ([0-9.]* s of the window left), restored 3, bit-exact' "$work/manager.log")" -eq 4
 run 2 "$here/readme_example.py" "$work/readme" >"$work/readme.log" 2>&1 || { cat "$work/readme.log"; exit 1; }
-test "$(grep -c 'readme example: rank . of 2 OK' "$work/readme.log")" -eq 2
+test "$(count 'readme example: rank . of 2 OK' "$work/readme.log")" -eq 2
 timeout -k 10 120 "$python" "$here/python_job.py" errors "$work/one" | tee "$work/errors.log"
 grep -q 'errors: as named' "$work/errors.log"
 # The background-save benchmark runs (tools/python/dcp_python_bench.py; figures: docs/BENCHMARKS.md).
 "$python" "$here/../../tools/python/dcp_python_bench.py" --mib 8 --repeats 1 --seconds 0.2 \
   --dir "$work/bench" | grep -q 'compute loop slowdown'
-echo "python: saved at 4 processes, loaded at 2, bit-exact; a manager restored from memory; a SIGTERM drained; errors as dcp's exceptions"
+echo "python: saved at 4 processes, loaded at 2, bit-exact; torch.distributed.checkpoint through dcp.torch both ways; a manager restored from memory; a SIGTERM drained; errors as dcp's exceptions"
