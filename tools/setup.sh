@@ -11,7 +11,7 @@
 #                           (all but LibTorch, $DCP_BUILD_DIR-clang16) that runs each fuzzer
 #                           (metadata, PyTorch input, safetensors headers, safetensors indexes with
 #                           their files) for $DCP_FUZZ_SECONDS (default
-#                           40) and the unit, fault and MPI tests; the LibTorch adapter's tests
+#                           30) and the unit, fault and MPI tests; the LibTorch adapter's tests
 #                           under g++'s ASan+UBSan ($DCP_BUILD_DIR-asan); and the threaded parts
 #                           (async save, protocol, communicators, readers, executor) under TSan
 #                           ($DCP_BUILD_DIR-tsan, built without the s3:// backend: its s3 tests
@@ -163,11 +163,11 @@ case "$mode" in
     fuzz_targets=(dcp_metadata_fuzz:corpus dcp_torch_metadata_fuzz:torch_corpus
       dcp_safetensors_fuzz:safetensors_corpus dcp_safetensors_index_fuzz:safetensors_index_corpus
       dcp_metadata_v2_fuzz:metadata_v2_corpus)
-    log "fuzzing with ${fuzz_targets[*]%%:*} for ${DCP_FUZZ_SECONDS:-40} s, side by side"
+    log "fuzzing with ${fuzz_targets[*]%%:*} for ${DCP_FUZZ_SECONDS:-30} s, side by side"
     for target in "${fuzz_targets[@]}"; do
       mkdir "$fuzz_out/${target%%:*}"
       cp "$root/tests/fuzz/${target#*:}"/* "$fuzz_out/${target%%:*}"/
-      "$clang16/${target%%:*}" -max_total_time="${DCP_FUZZ_SECONDS:-40}" -rss_limit_mb=2048 \
+      "$clang16/${target%%:*}" -max_total_time="${DCP_FUZZ_SECONDS:-30}" -rss_limit_mb=2048 \
         -print_final_stats=1 "$fuzz_out/${target%%:*}" >"$fuzz_out/${target%%:*}.log" 2>&1 &
       fuzz_pids+=($!)
     done

@@ -14,6 +14,22 @@ execute_process(COMMAND ${CMAKE_COMMAND} "-DDIRS=${libdirs};${WORK_DIR}/prefix/b
 if(rc)
   message(FATAL_ERROR "installed run paths are wrong")
 endif()
+# The Python package (where it was built): `import dcp` from the prefix alone, its module on dcp's
+# installed libraries, not the build tree's; a save and a load_all through it.
+if(DCP_PYTHON AND DCP_PYTHON_INSTALL_DIR)
+  set(pydir ${WORK_DIR}/prefix/${DCP_PYTHON_INSTALL_DIR})
+  execute_process(COMMAND ${CMAKE_COMMAND} -DDIRS=${pydir}/dcp -DFORBID=${BINARY_DIR}
+    -P ${SOURCE_DIR}/tests/runpath_check.cmake RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "the installed Python module's run path is wrong")
+  endif()
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env --unset=PYTHONPATH PYTHONPATH=${pydir}
+    ${DCP_PYTHON} ${SOURCE_DIR}/tests/package/python_installed.py ${WORK_DIR}/prefix
+    ${WORK_DIR}/python-ckpt RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "the installed Python package does not work: ${rc}")
+  endif()
+endif()
 # The installed package is relocatable: its exported targets name dependencies by target (torch,
 # MPI::MPI_CXX, ...), never by a library path of the machine that built it.
 file(GLOB target_files ${WORK_DIR}/prefix/lib*/cmake/dcp/dcpTargets*.cmake)

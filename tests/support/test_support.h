@@ -22,6 +22,15 @@
 #define DCP_UNDER_SANITIZER 1
 #endif
 #endif
+// ThreadSanitizer alone: for tests that check what the I/O does (counts, sizes) rather than its
+// threads, and that it slows most (the main and ASan builds run them).
+#if defined(__SANITIZE_THREAD__)
+#define DCP_UNDER_THREAD_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define DCP_UNDER_THREAD_SANITIZER 1
+#endif
+#endif
 
 namespace dcp::testing {
 
