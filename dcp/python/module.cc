@@ -189,7 +189,14 @@ py::dict Load(const py::list& entries, const std::string& uri) {
   return BlobsOf(sd);
 }
 
-// Every stored item of the checkpoint, whole: key -> (dtype name, shape, bytes) or bytes (blobs).
+// A loaded tensor's memory as a writable byte buffer (Python's buffer protocol); owns the view,
+// whose owner keeps the memory.
+struct LoadedBytes {
+  dcp::TensorView view;
+};
+
+// Every stored item of the checkpoint, whole: key -> (dtype name, shape, LoadedBytes) or bytes
+// (blobs).
 py::dict LoadAll(const std::string& uri) {
   Session& s = Require();
   dcp::StateDict sd = Call([&] { return dcp::LoadAll(uri, *s.comm); });
@@ -201,9 +208,10 @@ py::dict LoadAll(const std::string& uri) {
     for (const auto& [key, value] : dict->items()) {
       const std::string name = prefix.empty() ? key : prefix + "." + key;
       if (const auto* v = std::get_if<dcp::TensorView>(&value)) {
+        // The loaded memory itself (LoadAll's own, contiguous, host): the Python half views it
+        // as a tensor (torch.frombuffer), which keeps this object, and so the memory, alive.
         out[py::str(name)] =
-            py::make_tuple(std::string(dcp::DTypeName(v->dtype)), v->shape,
-                           py::bytes(static_cast<const char*>(v->data), v->nbytes()));
+            py::make_tuple(std::string(dcp::DTypeName(v->dtype)), v->shape, LoadedBytes{*v});
       } else if (const auto* b = std::get_if<dcp::Blob>(&value)) {
         out[py::str(name)] = py::bytes(b->bytes);
       } else if (const auto* d = std::get_if<std::shared_ptr<dcp::StateDict>>(&value)) {
@@ -336,6 +344,12 @@ PYBIND11_MODULE(_dcp, m) {
   m.def("load_all", &LoadAll, py::arg("uri"));
   m.def("notify_preemption", [] { dcp::NotifyPreemption(); });
   dcp_python::BindTorchPlugin(m);
+  py::class_<LoadedBytes>(m, "LoadedBytes", py::buffer_protocol())
+      .def_buffer([](LoadedBytes& b) {
+        return py::buffer_info(b.view.data, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.view.nbytes())}, {py::ssize_t{1}});
+      })
+      .def("__len__", [](const LoadedBytes& b) { return b.view.nbytes(); });
   py::class_<Manager>(m, "Manager")
       .def(py::init<const std::string&, const py::dict&>())
       .def("save", &Manager::Save)

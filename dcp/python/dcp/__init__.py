@@ -235,7 +235,8 @@ def _put_blobs(state, prefix, blobs):
 
 def load_all(uri):
     """Every item of the checkpoint at ``uri``, whole, on the CPU, on every process: a flat dict
-    of key -> torch.Tensor (or bytes). Collective."""
+    of key -> torch.Tensor (or bytes). The tensors are the memory dcp loaded into (no copy).
+    Collective."""
     import torch
 
     out = {}
@@ -244,7 +245,8 @@ def load_all(uri):
             out[key] = value
             continue
         dtype, shape, data = value
-        t = torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)) if data else \
+        # The memory dcp loaded into, not a copy: the tensor keeps it alive.
+        t = torch.frombuffer(data, dtype=getattr(torch, dtype)) if len(data) else \
             torch.empty(0, dtype=getattr(torch, dtype))
         out[key] = t.reshape(shape)
     return out
