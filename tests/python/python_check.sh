@@ -45,4 +45,6 @@ grep -q 'errors: as named' "$work/errors.log"
 # The background-save benchmark runs (tools/python/dcp_python_bench.py; figures: docs/BENCHMARKS.md).
 "$python" "$here/../../tools/python/dcp_python_bench.py" --mib 8 --repeats 1 --seconds 0.2 \
   --dir "$work/bench" | grep -q 'compute loop slowdown'
+"$python" "$here/../../tools/python/dcp_torch_plugin_bench.py" --mib 4 --repeats 1 \
+  --dir "$work/plugin-bench" | grep -c 'dcp.torch/torch' | grep -q 2
 echo "python: saved at 4 processes, loaded at 2, bit-exact; torch.distributed.checkpoint through dcp.torch both ways; a manager restored from memory; a SIGTERM drained; errors as dcp's exceptions"
