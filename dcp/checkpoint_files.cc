@@ -12,7 +12,8 @@
 
 namespace dcp {
 
-bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted) {
+bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted,
+                           const std::set<std::string>& keep) {
   std::shared_ptr<Store> store = OpenStore(uri);
   auto [scheme, location] = SplitUri(uri);
   if (!DetectLayout(*store) && store->List().empty() && store->ListIncomplete().empty()) {
@@ -27,12 +28,18 @@ bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted) {
   const CheckpointLayout* layout = DetectLayout(*store);
   if (only_if_uncommitted && layout) return false;
   if (layout) store->Remove(layout->metadata_name());
+  bool kept = false;
   for (const auto& name : store->List()) {
-    if (name != kLockObjectName) store->Remove(name);
+    if (keep.count(name)) {
+      kept = true;
+    } else if (name != kLockObjectName) {
+      store->Remove(name);
+    }
   }
   // A crashed save's unfinished uploads (s3://): their parts stay billed until discarded.
   for (const auto& name : store->ListIncomplete()) store->DiscardIncomplete(name);
   if (lock) lock->Release();
+  if (kept) return false;
   if (scheme == "file") {
     std::error_code ec;
     std::filesystem::remove(location, ec);  // the now-empty directory; absent is fine

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <functional>
+#include <set>
 #include <string>
 
 #include "dcp/communicator.h"
@@ -12,9 +13,11 @@ namespace dcp {
 // Under the location's writer lock, so a checkpoint another job is writing right now (a step
 // without metadata yet, e.g. a requeued job overlapping its predecessor) is never taken for
 // dead: LockedError instead. With `only_if_uncommitted`, the metadata's absence is checked again
-// under the lock (a save may have committed since the caller looked). Returns whether the
-// location is now empty.
-bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted = false);
+// under the lock (a save may have committed since the caller looked). Objects named in `keep`
+// stay (data files that later incremental checkpoints share). Returns whether the location is
+// now empty.
+bool RemoveCheckpointFiles(const std::string& uri, bool only_if_uncommitted = false,
+                           const std::set<std::string>& keep = {});
 
 // Run `fn` on rank 0 and broadcast its result or its error, so every rank agrees. The error
 // keeps its code (a refused step is kInvalidArgument or kAlreadyExists on every rank). A rank

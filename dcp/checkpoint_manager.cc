@@ -151,6 +151,12 @@ CheckpointManager::CheckpointManager(std::string root, Communicator& comm,
         "ManagerOptions::save.storage.overwrite: the manager replaces a step only with "
         "ManagerOptions::allow_replacing_steps");
   }
+  if (options_.incremental) {
+    // The same checks a save would make, before the first step.
+    StorageOptions probe = options_.save.storage;
+    probe.content_hashes = true;
+    LayoutFor(probe.format).ValidateWriteOptions(probe, root_);
+  }
   if (options_.memory_tier) {
     if (options_.memory_every < 1 || options_.durable_every < 1) {
       throw InvalidArgumentError("ManagerOptions::memory_every and durable_every must be >= 1");
@@ -220,9 +226,12 @@ CheckpointManager::StepScan CheckpointManager::Scan() {
       OnCoordinator(*comm_, "manager/scan", [&] { return ScanSteps().Encode(); }));
 }
 
-void CheckpointManager::RemoveStep(int64_t step, bool only_if_uncommitted) {
-  if (!RemoveCheckpointFiles(PathFor(step), only_if_uncommitted)) {
-    return;  // it committed meanwhile: a checkpoint now, its index entry stays
+void CheckpointManager::RemoveStep(int64_t step, bool only_if_uncommitted,
+                                   const std::set<std::string>& shared) {
+  if (!RemoveCheckpointFiles(PathFor(step), only_if_uncommitted, shared)) {
+    // It committed meanwhile (a checkpoint now), or kept steps share some of its files: its
+    // index entry stays, so a later retention finds it again.
+    return;
   }
   OpenStore(root_)->Remove(StepName(step) + kMarkerSuffix);  // last: the step stays findable
 }
@@ -260,6 +269,21 @@ void CheckpointManager::AfterSaveEnded(int64_t step) {
   }
 }
 
+std::map<std::string, std::set<std::string>> CheckpointManager::SharedFiles(
+    const std::vector<int64_t>& steps) const {
+  std::map<std::string, std::set<std::string>> shared;
+  for (int64_t s : steps) {
+    for (const DataFile& f : ReadMetadata(PathFor(s)).files) {
+      for (const DataFileReference& r : f.references) {
+        // "../<step>/<file>" (validated when the metadata was read).
+        const size_t slash = r.name.find('/', 3);
+        shared[r.name.substr(3, slash - 3)].insert(r.name.substr(slash + 1));
+      }
+    }
+  }
+  return shared;
+}
+
 void CheckpointManager::Retain(int64_t step) {
   const std::string reply = OnCoordinator(*comm_, StepTag("manager/retention", step), [&] {
     const StepScan scan = ScanSteps();
@@ -268,13 +292,28 @@ void CheckpointManager::Retain(int64_t step) {
     // after trying them all. A step another writer holds locked is live, not an error.
     std::string first_error;
     int failed = 0;
-    auto remove = [&](int64_t s, bool only_if_uncommitted) {
+    // Data files that kept steps share (incremental steps) stay when their own step goes. With
+    // an unreadable step (whose references are unknown) every removed step keeps its data.
+    // `retire_only`: remove the step's metadata (it stops being a checkpoint), not its data.
+    std::map<std::string, std::set<std::string>> shared;
+    bool keep_all_data = !scan.unreadable.empty();
+    auto remove = [&](int64_t s, bool only_if_uncommitted, bool retire_only) {
       try {
-        RemoveStep(s, only_if_uncommitted);
+        std::set<std::string> keep;
+        if (keep_all_data || retire_only) {
+          for (const auto& name : OpenStore(PathFor(s))->List()) {
+            if (IsAnyDataFile(name)) keep.insert(name);
+          }
+        } else if (auto it = shared.find(StepName(s)); it != shared.end()) {
+          keep = it->second;
+        }
+        RemoveStep(s, only_if_uncommitted, keep);
+        return true;
       } catch (const LockedError&) {
       } catch (const Error& e) {
         if (failed++ == 0) first_error = e.what();
       }
+      return false;
     };
     if (!complete.empty()) {
       const int64_t newest = complete.back();
@@ -301,12 +340,32 @@ void CheckpointManager::Retain(int64_t step) {
       for (int64_t s : complete) {
         if (options_.keep_every > 0 && s % options_.keep_every == 0) keep.insert(s);
       }
+      // Two passes, so that no data file goes while a checkpoint that shares it remains: first
+      // the metadata of every step that goes (one whose metadata could not be removed stays a
+      // checkpoint, and what it shares stays with it), then the data files that the remaining
+      // checkpoints do not share. (A save in flight shares only its base's files and what its
+      // base shares, and its base is the newest complete step: kept.)
+      std::set<int64_t> remaining = keep;
+      std::vector<int64_t> retired;
       for (int64_t s : complete) {
-        if (!keep.count(s) && s != in_flight_step_) remove(s, false);
+        if (keep.count(s) || s == in_flight_step_) continue;
+        if (remove(s, false, /*retire_only=*/true)) {
+          retired.push_back(s);
+        } else {
+          remaining.insert(s);
+        }
       }
-      // Leftovers of crashed saves: provably without metadata, older than the newest commit.
+      try {
+        shared = SharedFiles({remaining.begin(), remaining.end()});
+      } catch (const Error& e) {
+        keep_all_data = true;  // a remaining step's references are unknown: no data file goes
+        if (failed++ == 0) first_error = std::string("reading a kept step: ") + e.what();
+      }
+      for (int64_t s : retired) remove(s, true, false);
+      // Leftovers of crashed saves (provably without metadata, older than the newest commit),
+      // and the data files of earlier retired steps.
       for (int64_t s : scan.absent) {
-        if (s < newest && s != in_flight_step_) remove(s, true);
+        if (s < newest && s != in_flight_step_) remove(s, true, false);
       }
     }
     std::string removal_error;
@@ -336,9 +395,9 @@ void CheckpointManager::Retain(int64_t step) {
   if (!message.empty()) throw IoError(message, /*retryable=*/true);
 }
 
-void CheckpointManager::BeginStep(int64_t step) {
+std::string CheckpointManager::BeginStep(int64_t step) {
   try {
-    BeginStepOnCoordinator(step);
+    return BeginStepOnCoordinator(step);
   } catch (const CollectiveError&) {
     // Out of step with rank 0 (or poisoned before): the peers' background savers start this
     // step's save without this rank; tell them too, as BeginStep told the job's communicator.
@@ -348,10 +407,10 @@ void CheckpointManager::BeginStep(int64_t step) {
   }
 }
 
-void CheckpointManager::BeginStepOnCoordinator(int64_t step) {
+std::string CheckpointManager::BeginStepOnCoordinator(int64_t step) {
   // The step's index entry goes in before any of its data, so that a crash leaves a step the
   // next retention can find and remove on every backend (a Store cannot list "folders").
-  OnCoordinator(*comm_, StepTag("manager/begin", step), [&] {
+  return OnCoordinator(*comm_, StepTag("manager/begin", step), [&] {
     // Steps increase across restarts: what the store holds counts, not only this process.
     // Only steps at or after this one are read (usually none), newest first.
     const std::vector<int64_t> known = KnownSteps();
@@ -381,6 +440,17 @@ void CheckpointManager::BeginStepOnCoordinator(int64_t step) {
     std::shared_ptr<Store> root = OpenStore(root_);
     root->CreateRoot();
     root->PublishAtomically(StepName(step) + kMarkerSuffix, PathFor(step) + "\n");
+    if (!options_.incremental) return std::string();
+    // The base: the newest complete step before this one (a step whose metadata does not read
+    // is passed over; the save then shares with an older one, or with none).
+    for (auto it = known.rbegin(); it != known.rend(); ++it) {
+      if (*it >= step) continue;
+      try {
+        ReadMetadata(PathFor(*it));
+        return StepName(*it);
+      } catch (const Error&) {
+      }
+    }
     return std::string();
   });
 }
@@ -398,11 +468,15 @@ std::shared_ptr<AsyncSave> CheckpointManager::Save(int64_t step, const StateDict
 }
 
 std::shared_ptr<AsyncSave> CheckpointManager::SaveToRoot(int64_t step, const StateDict& state) {
-  BeginStep(step);
+  const std::string base = BeginStep(step);
   last_step_ = step;
   SaveOptions so = options_.save;
   so.storage.overwrite = true;  // checked by BeginStep: only a crashed attempt is overwritten
   so.step = step;
+  if (options_.incremental) {
+    so.storage.content_hashes = true;
+    so.storage.incremental_base = base;
+  }
   if (AsyncCheckpointer* saver = background_saver()) {
     in_flight_step_ = step;
     in_flight_ = saver->Save(state, PathFor(step), so);
@@ -458,7 +532,7 @@ std::shared_ptr<AsyncSave> CheckpointManager::SaveThroughTier(int64_t step,
     return SaveToRoot(step, state);
   }
   last_step_ = step;
-  if (durable) BeginStep(step);
+  const std::string base = durable ? BeginStep(step) : std::string();
   // The tier writes dcp's own layout to shared memory, laid out as the root's would be (files
   // per rank, metadata version) so that a copy of it is the durable checkpoint.
   SaveOptions so = options_.save;
@@ -468,6 +542,12 @@ std::shared_ptr<AsyncSave> CheckpointManager::SaveThroughTier(int64_t step,
   SaveOptions durable_options = options_.save;
   durable_options.storage.overwrite = true;  // checked by BeginStep (allow_replacing_steps)
   durable_options.step = step;
+  if (options_.incremental) {
+    // The durable copy is a save of the state against the previous durable step (a copy of
+    // the tier's files would hold every item): MemoryTier::DrainCopies says no.
+    durable_options.storage.content_hashes = true;
+    durable_options.storage.incremental_base = base;
+  }
   const std::string drain_to = durable ? PathFor(step) : std::string();
   in_flight_step_ = durable ? step : -1;
   in_flight_in_tier_ = true;
@@ -669,10 +749,9 @@ void CheckpointManager::DrainOnPreemption(Communicator& comm,
                               "grace period",
                               false});
     } else if (all[r] != all[0]) {
-      disagreement.push_back({r, ErrorCode::kInternal,
-                              "reports newest committed step " + all[r] + " where rank 0 reports " +
-                                  all[0],
-                              false});
+      disagreement.push_back(
+          {r, ErrorCode::kInternal,
+           "reports newest committed step " + all[r] + " where rank 0 reports " + all[0], false});
     }
   }
   if (!disagreement.empty()) throw CollectiveError("manager/preempt", std::move(disagreement));

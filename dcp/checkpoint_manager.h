@@ -21,9 +21,9 @@
 // there as any durable step, within PreemptionOptions::grace_period. Rank 0 says on stderr how
 // long it took and how much of the window was left; preemption_report() says the same on every
 // rank. Saves the job starts after the notice fail on every rank alike with PreemptedError
-// (at Save, or at Wait and the next Save when asynchronous) and leave no step: the job stops. Every rank must be notified (schedulers
-// signal every process; mpirun and torchrun forward SIGTERM): a rank that is not is named when
-// the window runs out.
+// (at Save, or at Wait and the next Save when asynchronous) and leave no step: the job stops. Every
+// rank must be notified (schedulers signal every process; mpirun and torchrun forward SIGTERM): a
+// rank that is not is named when the window runs out.
 //
 // All ranks construct the manager and call its methods in the same order (SPMD); decisions
 // (which step is latest) are made by rank 0 and broadcast; files are removed by rank 0 only.
@@ -33,8 +33,10 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -52,13 +54,13 @@ void NotifyPreemption() noexcept;
 
 /// What a manager's preemption handler did (CheckpointManager::preemption_report).
 struct PreemptionReport {
-  bool noticed = false;  // a notice arrived
-  bool done = false;     // the handler ended (see error)
-  int64_t step = -1;     // the step agreed on; -1: the tier committed none in this process
-  bool drained = false;  // the handler copied it to the root (false: it was durable already)
-  std::string where;     // the step's durable location ("" when step is -1)
-  uint64_t bytes = 0;    // bytes this rank copied
-  double seconds = 0;    // from the notice to the end
+  bool noticed = false;      // a notice arrived
+  bool done = false;         // the handler ended (see error)
+  int64_t step = -1;         // the step agreed on; -1: the tier committed none in this process
+  bool drained = false;      // the handler copied it to the root (false: it was durable already)
+  std::string where;         // the step's durable location ("" when step is -1)
+  uint64_t bytes = 0;        // bytes this rank copied
+  double seconds = 0;        // from the notice to the end
   double window_left_s = 0;  // what was left of the grace period at the end
   std::string error;         // why it failed; "" when it did not
 };
@@ -117,7 +119,8 @@ class CheckpointManager {
   /// asynchronous saver's (required when the manager saves asynchronously, ignored otherwise);
   /// the old saver is closed first (its error, if it was never reported, is raised after the
   /// replacement is done). A preemption handler ends (call HandlePreemption again with a
-  /// communicator of the new group). `comm` must outlive the manager. InvalidArgumentError when closed.
+  /// communicator of the new group). `comm` must outlive the manager. InvalidArgumentError when
+  /// closed.
   void ReplaceCommunicator(Communicator& comm, std::unique_ptr<Communicator> background_comm = {});
   /// Directory of a step.
   std::string PathFor(int64_t step) const;
@@ -156,9 +159,14 @@ class CheckpointManager {
   std::vector<int64_t> KnownSteps() const;  // rank 0 only: index entries and step dirs
   StepScan ScanSteps() const;               // rank 0 only
   StepScan Scan();                          // collective: rank 0's scan, broadcast
-  void RemoveStep(int64_t step, bool only_if_uncommitted);  // rank 0 only
-  void BeginStep(int64_t step);  // collective: checks the step, writes the index entry
-  void BeginStepOnCoordinator(int64_t step);
+  // rank 0 only; `shared`: files of the step that kept (incremental) steps share
+  void RemoveStep(int64_t step, bool only_if_uncommitted, const std::set<std::string>& shared);
+  // Collective: checks the step, writes the index entry; returns the incremental base's name
+  // (ManagerOptions::incremental: the newest complete step before it; "" when none or off).
+  std::string BeginStep(int64_t step);
+  std::string BeginStepOnCoordinator(int64_t step);
+  // Rank 0: by step name, the data files of it that `steps` share (their incremental references).
+  std::map<std::string, std::set<std::string>> SharedFiles(const std::vector<int64_t>& steps) const;
   std::shared_ptr<AsyncSave> SaveThroughTier(int64_t step, const StateDict& state);
   std::shared_ptr<AsyncSave> SaveToRoot(int64_t step, const StateDict& state);
   // The saver of asynchronous saves to the root: the manager's, or the tier's (a tier that
@@ -169,8 +177,7 @@ class CheckpointManager {
   friend class PreemptionWatcher;
   // The handler's work after a notice, on its thread and communicator.
   void DrainOnPreemption(Communicator& comm, std::chrono::steady_clock::time_point commits_until,
-                         std::chrono::steady_clock::time_point deadline,
-                         PreemptionReport& report);
+                         std::chrono::steady_clock::time_point deadline, PreemptionReport& report);
   void StopPreemptionHandler() noexcept;
   std::string root_;
   Communicator* comm_;

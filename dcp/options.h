@@ -176,6 +176,17 @@ struct ManagerOptions {
   std::optional<MemoryTierOptions> memory_tier;
   int memory_every = 1;   // with memory_tier: every n-th step to memory (>= 1)
   int durable_every = 1;  // with memory_tier: every k-th step also to the root (>= 1)
+  /// Incremental steps (docs/GUIDE.md, "Incremental checkpoints"): every step records its items'
+  /// content hashes (StorageOptions::content_hashes) and is saved with the newest complete step
+  /// before it as its StorageOptions::incremental_base, so it writes only the items whose bytes
+  /// changed (and does not even hash those under save.storage.frozen_prefixes). Each step still
+  /// loads on its own. Retention counts the references: a removed step's data files that a kept
+  /// step shares stay (its metadata goes, so it is no longer a checkpoint) until no kept step
+  /// shares them. The dcp format, metadata version 2. With memory_tier, the durable steps are
+  /// incremental (each a save of the state against the previous durable step, not a copy of
+  /// the tier's files); the tier's own steps in memory stay whole. A step a preemption drains
+  /// is a copy of the tier's files: whole, and the next durable step shares nothing with it.
+  bool incremental = false;
 };
 
 }  // namespace dcp

@@ -1,6 +1,9 @@
 #include "dcp/proto/checksum.h"
 
 #include <isa-l/crc.h>
+#include <xxhash.h>
+
+#include "dcp/proto/error.h"
 
 namespace dcp {
 
@@ -83,6 +86,31 @@ uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
 
 uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
   return MultModP<kIeeeReflected>(X2nModP<kIeeeReflected>(len_b, 3), crc_a) ^ crc_b;
+}
+
+struct ContentHasher::State {
+  XXH3_state_t* xxh = nullptr;
+  ~State() { XXH3_freeState(xxh); }
+};
+
+ContentHasher::ContentHasher() : state_(std::make_unique<State>()) {
+  state_->xxh = XXH3_createState();
+  if (state_->xxh == nullptr) throw InternalError("XXH3_createState failed (out of memory)");
+  Reset();
+}
+ContentHasher::~ContentHasher() = default;
+ContentHasher::ContentHasher(ContentHasher&&) noexcept = default;
+ContentHasher& ContentHasher::operator=(ContentHasher&&) noexcept = default;
+
+void ContentHasher::Reset() { XXH3_128bits_reset(state_->xxh); }
+
+void ContentHasher::Add(const void* data, size_t len) {
+  XXH3_128bits_update(state_->xxh, data, len);
+}
+
+ContentHash ContentHasher::Digest() const {
+  const XXH128_hash_t h = XXH3_128bits_digest(state_->xxh);
+  return ContentHash{h.low64, h.high64};
 }
 
 }  // namespace dcp

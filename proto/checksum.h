@@ -4,8 +4,29 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+
+#include "dcp/proto/plan.h"
 
 namespace dcp {
+
+/// XXH3-128 (libxxhash) of a stream of bytes: the content hash incremental saves compare items
+/// by (docs/FORMAT.md, version 3). ~20 GB/s from cache. One hasher per thread; movable.
+class ContentHasher {
+ public:
+  ContentHasher();
+  ~ContentHasher();
+  ContentHasher(ContentHasher&&) noexcept;
+  ContentHasher& operator=(ContentHasher&&) noexcept;
+  void Add(const void* data, size_t len);
+  /// The hash of everything added since construction or the last Reset.
+  ContentHash Digest() const;
+  void Reset();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 /// CRC32C of `len` bytes; pass the previous result as `crc` to extend a running checksum
 /// (start with 0). Crc32c(0, "123456789", 9) == 0xE3069283.

@@ -18,6 +18,13 @@ namespace dcp {
 /// Names one stored item: a tensor chunk (fqn + the chunk's offsets in the global shape) or a
 /// byte entry (fqn, no offsets). `index` is a lookup hint (position in TensorMetadata::chunks)
 /// and takes no part in comparisons.
+/// A 128-bit content hash of an item's raw bytes (XXH3-128; version 3).
+struct ContentHash {
+  uint64_t low = 0;
+  uint64_t high = 0;
+  bool operator==(const ContentHash&) const = default;
+};
+
 struct MetadataIndex {
   std::string fqn;
   Shape offset;
@@ -123,6 +130,9 @@ struct StorageInfo {
   /// Write side: the CRC32C of each block of a raw item longer than one block, as the encoder
   /// computed them (never encoded; the data file's block table records them).
   std::vector<uint32_t> block_crc32c;
+  /// Version 3: the XXH3-128 of the raw bytes, as the index records it (write side: computed by
+  /// the encoder; read side: from the index).
+  std::optional<ContentHash> content_hash = std::nullopt;
 };
 
 /// The checksum `info` stores for its bytes: the zip CRC-32 of a torch.save record's storage, else
@@ -136,6 +146,9 @@ struct WriteResult {
   MetadataIndex index;
   uint64_t size_in_bytes = 0;
   StorageInfo storage;
+  /// Version 3, write side: when the item was kept in a sibling checkpoint's file
+  /// (storage.relative_path "../<checkpoint>/<file>"), that file's size (never encoded).
+  uint64_t reference_size = 0;
 };
 
 /// Which splitting rule cuts a regularly sharded tensor (along dimension d of extent n, world w,
@@ -216,8 +229,18 @@ std::string ClippedName(const std::string& name);
 
 /// The newest on-disk format version this library reads and writes (see docs/FORMAT.md):
 /// 1 records every stored item in the metadata; 2 records rules, a file table and writer ranks,
-/// and keeps where each item lies in an index at the end of each data file.
-inline constexpr uint32_t kFormatVersion = 2;
+/// and keeps where each item lies in an index at the end of each data file; 3 is version 2 whose
+/// indexes record each item's content hash and may point items at data files of sibling
+/// checkpoints (incremental saves, docs/FORMAT.md section 5b).
+inline constexpr uint32_t kFormatVersion = 3;
+
+/// Version 3: a data file of a sibling checkpoint (same parent location) that items of a file's
+/// index point at. `name` is "../<checkpoint>/<file>", both plain names; `size` its length.
+struct DataFileReference {
+  std::string name;
+  uint64_t size = 0;
+  bool operator==(const DataFileReference&) const = default;
+};
 
 /// Version 2: one data file of a checkpoint (Metadata::files). The items it holds are listed by
 /// its index, written by the rank that wrote the file: bytes [index_offset, +index_length).
@@ -236,6 +259,9 @@ struct DataFile {
   uint64_t block_table_offset = 0;
   uint64_t block_table_length = 0;
   uint32_t block_table_crc32c = 0;
+  /// Version 3: the files of sibling checkpoints that items of this file's index lie in (an
+  /// index item's reference k >= 1 is references[k - 1]).
+  std::vector<DataFileReference> references = {};
   bool operator==(const DataFile&) const = default;
 };
 

@@ -13,9 +13,9 @@
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
 #include "dcp/storage/builtin.h"
+#include "dcp/storage/sibling_store.h"
 
 namespace dcp {
-
 
 namespace {
 
@@ -48,19 +48,29 @@ void RegisterInto(Registry& reg, StorageBackend backend, bool replace) {
 // The store a reader of `location` reads: a location naming one object that is a checkpoint by
 // itself is a read-only view of its parent holding only that object (the layout decides:
 // CheckpointLayout::OpenSingleObject); anything else is the store at `location`.
+// The store at `location`, reaching the checkpoints beside it (version 3's sibling references,
+// storage/sibling_store.h) through the same opener and options.
+std::shared_ptr<Store> OpenWithSiblings(const StoreOpener& open, const std::string& location,
+                                        const BackendOptionMap& options) {
+  return std::make_shared<SiblingStore>(open(location, options),
+                                        [open, location, options](const std::string& name) {
+                                          return open(SiblingLocation(location, name), options);
+                                        });
+}
+
 std::shared_ptr<Store> OpenForReading(const StoreOpener& open, const std::string& scheme,
                                       const std::string& location,
                                       const BackendOptionMap& options) {
   auto open_at = [&](const std::string& where) { return open(where, options); };
   if (auto view = OpenSingleObjectCheckpoint(open_at, scheme, location)) return view;
-  return open(location, options);
+  return OpenWithSiblings(open, location, options);
 }
 
 void RegisterStoreInto(Registry& reg, const std::string& scheme, StoreOpener open, bool replace) {
   StorageBackend b;
   b.scheme = scheme;
   b.make_writer = [open](const std::string& loc, const StorageOptions& o) {
-    return MakeStoreWriter(open(loc, o.backend), o);
+    return MakeStoreWriter(OpenWithSiblings(open, loc, o.backend), o);
   };
   b.make_reader = [open, scheme](const std::string& loc, const StorageOptions& o) {
     return MakeStoreReader(OpenForReading(open, scheme, loc, o.backend), o);
@@ -68,7 +78,6 @@ void RegisterStoreInto(Registry& reg, const std::string& scheme, StoreOpener ope
   RegisterInto(reg, std::move(b), replace);
   reg.stores[scheme] = std::move(open);
 }
-
 
 // Built-ins are registered on first use rather than by static initialisers, so they exist
 // whatever the link order and however the library is loaded.
@@ -303,7 +312,7 @@ std::pair<Resolved, StoreOpener> StoreOpenerFor(const std::string& uri,
 
 std::shared_ptr<Store> OpenStore(const std::string& uri, const BackendOptionMap& options) {
   auto [r, open] = StoreOpenerFor(uri, options);
-  return open(r.location, r.options.backend);
+  return OpenWithSiblings(open, r.location, r.options.backend);
 }
 
 std::shared_ptr<Store> OpenStoreForReading(const std::string& uri,

@@ -120,6 +120,29 @@ struct StorageOptions {
   /// 1 lists every stored item in the metadata (what dcp before version 2 reads). Other formats
   /// and readers ignore it (a reader reads both versions).
   uint32_t metadata_version = 2;
+  /// Writers of the dcp format, metadata version 2: record each item's XXH3-128 (of its raw
+  /// bytes, computed in the pass that computes its CRC32C) in the data files' indexes, which
+  /// makes the checkpoint format version 3 (docs/FORMAT.md, section 5b; dcp before it refuses
+  /// to read one). What incremental saves compare items by: a checkpoint that a later save
+  /// names as its incremental_base needs them. Implied by incremental_base.
+  bool content_hashes = false;
+  /// Incremental save: a committed checkpoint beside this one (the same parent location; its
+  /// name, e.g. "step_0000000100" for ".../run/step_0000000200") whose items this save may
+  /// keep where they are instead of writing them again. An item is kept when the base holds it
+  /// (same entry, same chunk, same dtype and raw size, stored raw unless compression is on,
+  /// with a content hash) and its bytes hash the same, or without hashing when its key is
+  /// under one of `frozen_prefixes`. The new checkpoint's indexes then point at the base's
+  /// files (or at the files the base itself shares), so removing the base by hand breaks it:
+  /// CheckpointManager counts these references in its retention (docs/GUIDE.md). Empty: a
+  /// self-contained checkpoint. InvalidArgumentError for a name that is not a plain name;
+  /// a base that is absent, unreadable or saved without content hashes shares nothing (said
+  /// on stderr once per save by rank 0). The dcp format, metadata version 2, only.
+  std::string incremental_base;
+  /// Incremental saves: state-dict keys (an entry's fqn or a prefix ending at a key boundary,
+  /// "model.base" covers "model.base.w" but not "model.baseline") whose items are kept from
+  /// incremental_base without hashing them again, when the base holds them as above. Declare
+  /// only what the job never changes (frozen weights): a changed frozen item is not noticed.
+  std::vector<std::string> frozen_prefixes;
   /// Settings of the URI's backend, as key -> value strings (registry.h lists the built-in
   /// ones: file:// and s3://). A URI's query (`s3://bucket/ckpt?part_size_mib=16`) adds to
   /// them. A key the backend does not know fails the save or load with InvalidArgumentError
@@ -204,6 +227,10 @@ class StorageWriter {
   /// metadata as it is: a writer fills it only within its share of kMetadataIndexCopyBytes
   /// (proto/schema/codec.h), or leaves it empty.
   virtual std::vector<DataFile> TakeDataFiles() { return {}; }
+  /// With WritesFileIndexes: the format version of the indexes this writer writes, 2, or 3 when
+  /// they record content hashes and references (StorageOptions::content_hashes); the commit
+  /// records it as the metadata's. It must answer alike on every rank. Default 2.
+  virtual uint32_t FileIndexFormatVersion() const { return 2; }
 };
 
 /// Cooperative reads (planner/coop_reads.h): how the owner of a stored item reads it once,

@@ -24,6 +24,20 @@
 //     same repeat (1.0: as fast as dcp). One load of the safetensors checkpoint is checked
 //     bit-exact.
 //
+//   dcp-bench --incremental [--size-mib N] [--repeats R] [--dir DIR] [--json]
+//     A LoRA-shaped state: N MiB (default 2048) of frozen bf16 weights in 16 matrices, trainable
+//     adapters of 1% of their parameters (two bf16 matrices per layer) and Adam's two moments for
+//     them (bf16): 3% of the weights' bytes change per step. 10 synchronous saves through a
+//     CheckpointManager (incremental, keep_last 1, the weights declared frozen), each after a
+//     training step that rewrites the adapters and moments; then step 10 loaded bit-exact once
+//     retention removed steps 1-9. incremental_bytes_ratio: the most bytes any of saves 2-10
+//     wrote over save 1's; incremental_time_ratio: the same for time. The same 10 saves without
+//     declaring the weights frozen (every item hashed): incremental_time_ratio_hashed. Then the
+//     hash's cost where nothing repeats: R pairs of a save with content hashes against the
+//     previous save of that kind (every item changed: each one's first block differs) and a
+//     plain save of the same bytes, interleaved; incremental_hash_overhead is the median of
+//     (hashed time / plain time - 1).
+//
 //   dcp-bench --async [--size-mib N] [--repeats R] [--dir DIR] [--json]
 //     Blocking time of an asynchronous save against a plain memcpy of the same bytes into warm
 //     buffers; a synchronous save of the same state; and how much a compute loop slows down while
@@ -598,6 +612,198 @@ int RunDisk(size_t total, int repeats, const std::string& dir, int files_per_ran
 
 // ---- safetensors mode --------------------------------------------------------------------------
 
+// --incremental (see the header comment).
+struct LoraBenchState {
+  std::vector<TensorView> base, trainable;  // trainable: adapters and Adam moments
+  StateDict sd;
+  uint64_t base_bytes = 0, trainable_bytes = 0;
+
+  explicit LoraBenchState(size_t total) {
+    constexpr int kLayers = 16;
+    constexpr int64_t kCols = 4096;
+    const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(total / kLayers / 2 / kCols));
+    // Rank r of A (r x cols) and B (rows x r) with 2 r (rows + cols) = 1% of rows x cols... per
+    // matrix, as parameters; its two Adam moments the same shapes.
+    const int64_t rank = std::max<int64_t>(1, rows * kCols / 100 / (rows + kCols));
+    for (int l = 0; l < kLayers; ++l) {
+      TensorView w = AlignedTensor(DType::kBFloat16, {rows, kCols});
+      tools::FillRandomBytes(w.data, w.nbytes(), 1000 + static_cast<uint64_t>(l));
+      base.push_back(w);
+      base_bytes += w.nbytes();
+      const std::string layer = "layers." + std::to_string(l);
+      sd.Nested("base").Nested(layer).Set("weight", w);
+      StateDict& lora = sd.Nested("lora").Nested(layer);
+      StateDict& adam = sd.Nested("optim").Nested(layer);
+      for (const char* name : {"a", "b"}) {
+        const Shape shape = name[0] == 'a' ? Shape{rank, kCols} : Shape{rows, rank};
+        for (StateDict* d : {&lora, &adam.Nested("exp_avg"), &adam.Nested("exp_avg_sq")}) {
+          TensorView t = AlignedTensor(DType::kBFloat16, shape);
+          d->Set(name, t);
+          trainable.push_back(t);
+          trainable_bytes += t.nbytes();
+        }
+      }
+    }
+    Train(0);
+  }
+  // A training step: every adapter and moment changes.
+  void Train(int64_t step) {
+    for (size_t i = 0; i < trainable.size(); ++i) {
+      tools::FillRandomBytes(trainable[i].data, trainable[i].nbytes(),
+                             static_cast<uint64_t>(step) * 7919 + i);
+    }
+  }
+  // A new value in every 4 KiB of the weights: nothing repeats, every item's first block
+  // differs (as after any dense update).
+  void Perturb(uint64_t round) {
+    for (TensorView& t : base) {
+      auto* p = static_cast<char*>(t.data);
+      for (size_t off = 0; off + 8 <= t.nbytes(); off += 4096) {
+        std::memcpy(p + off, &round, 8);
+      }
+    }
+  }
+};
+
+struct IncrementalRun {
+  std::vector<uint64_t> bytes;
+  std::vector<double> seconds;
+  bool step10_exact = false;
+  bool retention_ok = false;
+};
+
+IncrementalRun RunIncrementalSaves(LoraBenchState& s, const std::string& root, bool frozen) {
+  IncrementalRun run;
+  std::filesystem::remove_all(root);
+  LocalCommunicator comm;
+  ManagerOptions o;
+  o.incremental = true;
+  o.keep_last = 1;
+  if (frozen) o.save.storage.frozen_prefixes = {"base"};
+  std::string step10;
+  {
+    CheckpointManager m(root, comm, nullptr, o);
+    for (int64_t step = 1; step <= 10; ++step) {
+      s.Train(step);
+      const auto t0 = Clock::now();
+      auto h = m.Save(step, s.sd);
+      run.seconds.push_back(Since(t0));
+      run.bytes.push_back(h->metrics().bytes_written);
+    }
+    run.retention_ok = m.CompleteSteps() == std::vector<int64_t>{10};
+    step10 = m.PathFor(10);
+    m.CloseOrThrow();
+  }
+  // Step 10 alone, into zeroed copies.
+  std::vector<TensorView> got;
+  StateDict back;
+  std::function<void(const StateDict&, StateDict&)> copy = [&](const StateDict& from,
+                                                               StateDict& to) {
+    for (const auto& [key, value] : from.items()) {
+      if (const auto* t = std::get_if<TensorView>(&value)) {
+        TensorView z = AlignedTensor(t->dtype, t->shape);
+        std::memset(z.data, 0, z.nbytes());
+        got.push_back(z);
+        to.Set(key, z);
+      } else if (const auto* d = std::get_if<std::shared_ptr<StateDict>>(&value)) {
+        copy(**d, to.Nested(key));
+      }
+    }
+  };
+  copy(s.sd, back);
+  Load(back, step10);
+  std::vector<TensorView> want;
+  std::function<void(const StateDict&)> collect = [&](const StateDict& d) {
+    for (const auto& [key, value] : d.items()) {
+      if (const auto* t = std::get_if<TensorView>(&value)) want.push_back(*t);
+      if (const auto* n = std::get_if<std::shared_ptr<StateDict>>(&value)) collect(**n);
+    }
+  };
+  collect(s.sd);
+  run.step10_exact = SameBytes(want, got);
+  return run;
+}
+
+int RunIncremental(size_t total, int repeats, const std::string& dir, bool json) {
+  LoraBenchState s(total);
+  const double changed = static_cast<double>(s.trainable_bytes) /
+                         static_cast<double>(s.base_bytes + s.trainable_bytes);
+  std::printf(
+      "dcp-bench --incremental: %.1f MiB frozen bf16 weights, %.1f MiB adapters + Adam "
+      "(%.2f%% of a save changes per step), %u cores\n",
+      s.base_bytes / 1048576.0, s.trainable_bytes / 1048576.0, changed * 100,
+      std::thread::hardware_concurrency());
+  const IncrementalRun frozen = RunIncrementalSaves(s, dir + "/frozen", true);
+  const IncrementalRun hashed = RunIncrementalSaves(s, dir + "/hashed", false);
+  auto worst = [](const IncrementalRun& r, bool time) {
+    double most = 0;
+    for (size_t i = 1; i < r.bytes.size(); ++i) {
+      most =
+          std::max(most, time ? r.seconds[i] / r.seconds[0]
+                              : static_cast<double>(r.bytes[i]) / static_cast<double>(r.bytes[0]));
+    }
+    return most;
+  };
+  for (const auto* r : {&frozen, &hashed}) {
+    std::printf(
+        "  %s: save 1 %.3f s %.1f MiB; saves 2-10 at most %.3f s %.2f MiB (bytes %.4f, "
+        "time %.4f of save 1); step 10 after retention %s\n",
+        r == &frozen ? "weights frozen  " : "everything hashed", r->seconds[0],
+        r->bytes[0] / 1048576.0, *std::max_element(r->seconds.begin() + 1, r->seconds.end()),
+        *std::max_element(r->bytes.begin() + 1, r->bytes.end()) / 1048576.0, worst(*r, false),
+        worst(*r, true), r->step10_exact && r->retention_ok ? "bit-exact" : "MISMATCH");
+  }
+  // Where nothing repeats: a save with content hashes (against the previous such save, whose
+  // every item changed) against a plain save of the same bytes.
+  std::vector<double> overhead, hashed_s, plain_s;
+  SaveOptions plain;
+  plain.storage.overwrite = true;
+  SaveOptions with_hash = plain;
+  with_hash.storage.content_hashes = true;
+  const std::string nr = dir + "/norepeat";
+  std::filesystem::create_directories(nr);
+  for (int r = 0; r < repeats + 1; ++r) {
+    s.Perturb(static_cast<uint64_t>(r) + 1);
+    s.Train(100 + r);
+    with_hash.storage.incremental_base = r == 0 ? "" : (r % 2 ? "h0" : "h1");
+    // Each pair in the other order than the last, so that neither save always follows the
+    // other (the disk's state after a 2 GiB write differs from after a pause).
+    double h = 0, p = 0;
+    for (int k = 0; k < 2; ++k) {
+      const bool hashed = (k == 0) == (r % 2 == 0);
+      const auto t0 = Clock::now();
+      Save(s.sd, hashed ? nr + (r % 2 ? "/h1" : "/h0") : nr + "/plain", hashed ? with_hash : plain);
+      (hashed ? h : p) = Since(t0);
+    }
+    if (r == 0) continue;  // the first pair has no base (and warms the page cache alike)
+    hashed_s.push_back(h);
+    plain_s.push_back(p);
+    overhead.push_back(h / p - 1);
+  }
+  const double overhead_med = Median(overhead);
+  std::printf(
+      "  nothing repeats: hashed save %.3f s, plain save %.3f s: hash overhead %+.1f%% "
+      "(median of %d pairs)\n",
+      Median(hashed_s), Median(plain_s), overhead_med * 100, repeats);
+  const bool ok =
+      frozen.step10_exact && frozen.retention_ok && hashed.step10_exact && hashed.retention_ok;
+  if (json) {
+    nlohmann::json j = {{"base_bytes", s.base_bytes},
+                        {"trainable_bytes", s.trainable_bytes},
+                        {"changed_fraction", changed},
+                        {"save1_bytes", frozen.bytes[0]},
+                        {"save1_s", frozen.seconds[0]},
+                        {"incremental_bytes_ratio", worst(frozen, false)},
+                        {"incremental_time_ratio", worst(frozen, true)},
+                        {"incremental_bytes_ratio_hashed", worst(hashed, false)},
+                        {"incremental_time_ratio_hashed", worst(hashed, true)},
+                        {"incremental_hash_overhead", overhead_med},
+                        {"step10_bit_exact", frozen.step10_exact && hashed.step10_exact}};
+    std::printf("%s\n", j.dump().c_str());
+  }
+  return ok ? 0 : 1;
+}
+
 int RunSafetensors(size_t total, int repeats, const std::string& dir, const std::vector<int>& ranks,
                    bool json) {
   std::vector<TensorView> src = MakeMixedTensors(total), dst;
@@ -662,7 +868,9 @@ int main(int argc, char** argv) {
   int files_per_rank = 1;
   std::string dir, python = "/usr/bin/python3", torch_peer = DefaultTorchPeer();
   app.add_flag("--async", async_mode, "measure async-save blocking time against memcpy");
-  bool st_mode = false;
+  bool st_mode = false, incremental_mode = false;
+  app.add_flag("--incremental", incremental_mode,
+               "incremental saves of a LoRA-shaped state, and the hash's cost");
   std::vector<int> st_ranks = {2, 4};
   app.add_flag("--safetensors", st_mode, "N-rank safetensors save against a dcp save");
   app.add_option("--ranks", st_ranks, "rank counts of --safetensors (default 2,4)")
@@ -690,6 +898,11 @@ int main(int argc, char** argv) {
     if (::mkdtemp(tmpl.data()) == nullptr) return 2;
     dir = tmpl;
     remove_dir = true;
+  }
+  if (incremental_mode) {
+    const int rc = RunIncremental(static_cast<size_t>(size_mib) << 20, repeats, dir, json);
+    if (remove_dir) std::filesystem::remove_all(dir);
+    return rc;
   }
   if (st_mode) {
     const int rc =

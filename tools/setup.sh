@@ -29,7 +29,7 @@ jobs=$(nproc 2>/dev/null || echo 2)
 
 packages=(
   build-essential cmake ninja-build pkg-config
-  libprotobuf-dev protobuf-compiler libisal-dev libzstd-dev libzip-dev liburing-dev
+  libprotobuf-dev protobuf-compiler libisal-dev libxxhash-dev libzstd-dev libzip-dev liburing-dev
   libcli11-dev nlohmann-json3-dev catch2
   libopenmpi-dev openmpi-bin
   libtorch-dev libgloo-dev   # LibTorch; Gloo's headers for c10d's ProcessGroupGloo (torchrun jobs)

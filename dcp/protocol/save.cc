@@ -504,7 +504,7 @@ class SaveOperation {
                                      .count();
     global_md_.library_version = DCP_VERSION_STRING;
     if (writer_.WritesFileIndexes()) {
-      global_md_.format_version = 2;
+      global_md_.format_version = writer_.FileIndexFormatVersion();
       global_md_.files.clear();
       for (size_t r = 0; r < locals.size(); ++r) {
         // The items each rank's indexes list must be those its plan gave it (a count check:
@@ -513,7 +513,7 @@ class SaveOperation {
         uint64_t items = 0;
         for (DataFile& f : DecodeDataFiles(locals[r], static_cast<int>(r))) {
           items += (f.index_length - std::min(f.index_length, kFileIndexHeaderBytes)) /
-                   kFileIndexItemBytes;
+                   FileIndexItemBytes(global_md_.format_version);
           global_md_.files.push_back(std::move(f));
         }
         if (r < expected_items_.size() && items != expected_items_[r]) {

@@ -239,6 +239,8 @@ class Manager {
     dcp::ManagerOptions options;
     options.keep_last = o["keep_last"].cast<int>();
     options.keep_every = o["keep_every"].cast<int>();
+    options.incremental = o["incremental"].cast<bool>();
+    options.save.storage.frozen_prefixes = o["frozen"].cast<std::vector<std::string>>();
     if (!o["memory_tier"].is_none()) {
       dcp::MemoryTierOptions tier;
       tier.name = o["memory_tier"].cast<std::string>();

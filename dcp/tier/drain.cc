@@ -179,7 +179,9 @@ void RemoveReplacedFiles(DrainTarget& target, const std::string& encoded, int64_
 }  // namespace
 
 bool MemoryTier::DrainCopies(const StorageOptions& options) {
-  return options.format == CheckpointFormat::kDcp && options.compression == Compression::kNone;
+  // (Content hashes and incremental bases change what the files hold: a save, not a copy.)
+  return options.format == CheckpointFormat::kDcp && options.compression == Compression::kNone &&
+         !options.content_hashes && options.incremental_base.empty();
 }
 
 void MemoryTier::Drain(int64_t step, const std::string& uri, const StorageOptions& options) {

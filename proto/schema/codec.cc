@@ -78,6 +78,11 @@ void ToPb(const DataFile& f, pb::DataFile* out) {
     out->set_block_table_length(f.block_table_length);
     out->set_block_table_crc32c(f.block_table_crc32c);
   }
+  for (const DataFileReference& r : f.references) {
+    pb::DataFileReference* ref = out->add_references();
+    ref->set_name(r.name);
+    ref->set_size(r.size);
+  }
 }
 
 DataFile FromPb(const pb::DataFile& f) {
@@ -86,6 +91,8 @@ DataFile FromPb(const pb::DataFile& f) {
   out.block_table_offset = f.block_table_offset();
   out.block_table_length = f.block_table_length();
   out.block_table_crc32c = f.block_table_crc32c();
+  out.references.reserve(static_cast<size_t>(f.references_size()));
+  for (const auto& r : f.references()) out.references.push_back({r.name(), r.size()});
   return out;
 }
 

@@ -80,9 +80,16 @@ inline constexpr uint64_t kMaxZstdExpansion = 32768;
 /// "DCPIDX01", u32 item count, 4 zero bytes), then kFileIndexItemBytes per item, little-endian:
 /// u64 FqnHash(fqn), u32 chunk ordinal (0 for a byte entry), u64 offset, u64 length,
 /// u64 raw_length, u32 crc32c, u8 flags (bit 0: crc32c present; bit 1: zstd), sorted by
-/// (hash, chunk) without repeats.
+/// (hash, chunk) without repeats. Version 3 (magic "DCPIDX02", kFileIndexItemBytesV3 per item):
+/// the same 41 bytes, then u32 reference (0: this file; k >= 1: the file's references[k - 1]),
+/// u64 + u64 XXH3-128 of the item's raw bytes (low, high half).
 inline constexpr uint64_t kFileIndexHeaderBytes = 16;
 inline constexpr uint64_t kFileIndexItemBytes = 41;
+inline constexpr uint64_t kFileIndexItemBytesV3 = 61;
+/// The bytes per index item of a checkpoint of `format_version` (2 or 3).
+inline constexpr uint64_t FileIndexItemBytes(uint32_t format_version) {
+  return format_version >= 3 ? kFileIndexItemBytesV3 : kFileIndexItemBytes;
+}
 
 /// Version 2: the most bytes of index copies a metadata carries (DataFile::index_copy). Each of
 /// a save's W ranks copies its files' indexes into the metadata only when they take at most
@@ -94,6 +101,14 @@ inline constexpr uint64_t kMetadataIndexCopyBytes = 256 << 10;
 /// finalizer. Stable across versions (it is on disk).
 uint64_t FqnHash(std::string_view fqn);
 
+/// A name of an object in a checkpoint's root: not empty, ".", "..", nor holding '/', '\\' or
+/// NUL (the layout is flat).
+bool IsPlainObjectName(std::string_view name);
+/// Version 3: "../<checkpoint>/<file>", both plain names: a data file of a sibling checkpoint.
+bool IsSiblingReference(std::string_view name);
+/// The "../<checkpoint>/<file>" reference of `file` in sibling checkpoint `checkpoint`.
+std::string SiblingReference(std::string_view checkpoint, std::string_view file);
+
 struct FileIndexItem {
   uint64_t fqn_hash = 0;
   uint32_t chunk = 0;
@@ -102,18 +117,26 @@ struct FileIndexItem {
   uint64_t raw_length = 0;
   std::optional<uint32_t> crc32c;
   bool zstd = false;
+  /// Version 3: 0 when the bytes are in this file, k >= 1 when in the file's references[k - 1].
+  uint32_t ref = 0;
+  /// Version 3: XXH3-128 of the raw bytes.
+  std::optional<ContentHash> hash;
   /// Where the item's CRCs start in its file's block table (set from the table, not the index).
   uint32_t first_block = 0;
 };
 
-/// Encode `items` (sorted here) as a file index. InternalError for a repeated (hash, chunk):
-/// two items of one file with one key.
-std::string EncodeFileIndex(std::vector<FileIndexItem> items);
-/// Decode and check an index read from `file` (untrusted): magic, length, sorted unique keys,
-/// every item inside [0, index_offset), no two overlapping, raw items raw_length == length and
-/// zstd ones at most kMaxZstdExpansion x length, no unknown flag. CorruptionError naming `file`.
+/// Encode `items` (sorted here) as a file index of `format_version` (2: DCPIDX01; 3: DCPIDX02,
+/// every item with its hash). InternalError for a repeated (hash, chunk): two items of one file
+/// with one key; or, in version 2, an item with a reference.
+std::string EncodeFileIndex(std::vector<FileIndexItem> items, uint32_t format_version = 2);
+/// Decode and check an index read from `file` (untrusted), of a checkpoint of `format_version`:
+/// magic (of that version), length, sorted unique keys, every item of this file inside
+/// [0, index_offset) and no two of them overlapping, every referenced item inside its
+/// reference (`reference_sizes[k - 1]`), raw items raw_length == length and zstd ones at most
+/// kMaxZstdExpansion x length, no unknown flag. CorruptionError naming `file`.
 std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t index_offset,
-                                           const std::string& file);
+                                           const std::string& file, uint32_t format_version = 2,
+                                           const std::vector<uint64_t>& reference_sizes = {});
 
 /// Version 2: the block table of a data file (docs/FORMAT.md), just before its index. 16 header
 /// bytes (magic "DCPBLK01", u32 log2 of the block size, u32 block count), then a u32 CRC32C per
@@ -130,7 +153,8 @@ struct BlockTable {
 };
 
 /// The blocks of 2^log2 bytes the block table lists for `item`: ceil(length / 2^log2) for a raw
-/// item with a crc32c longer than one block, else 0 (its crc32c is its one block).
+/// item of this file (no reference) with a crc32c longer than one block, else 0 (its crc32c is
+/// its one block, or it lies in another file).
 uint64_t TableBlocksOf(const FileIndexItem& item, uint32_t log2);
 /// Encode a block table (crcs in the order above).
 std::string EncodeBlockTable(uint32_t log2, const std::vector<uint32_t>& crcs);

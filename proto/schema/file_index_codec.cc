@@ -22,6 +22,7 @@ uint64_t GetLe64(const char* p, int bytes) {
   return v;
 }
 constexpr char kIndexMagic[8] = {'D', 'C', 'P', 'I', 'D', 'X', '0', '1'};
+constexpr char kIndexMagicV3[8] = {'D', 'C', 'P', 'I', 'D', 'X', '0', '2'};
 constexpr char kBlockMagic[8] = {'D', 'C', 'P', 'B', 'L', 'K', '0', '1'};
 
 }  // namespace
@@ -37,14 +38,32 @@ uint64_t FqnHash(std::string_view fqn) {
   return h ^ (h >> 31);
 }
 
-std::string EncodeFileIndex(std::vector<FileIndexItem> items) {
+bool IsPlainObjectName(std::string_view p) {
+  return !p.empty() && p != "." && p != ".." && p.find('/') == std::string_view::npos &&
+         p.find('\\') == std::string_view::npos && p.find('\0') == std::string_view::npos;
+}
+
+bool IsSiblingReference(std::string_view p) {
+  if (p.substr(0, 3) != "../") return false;
+  p.remove_prefix(3);
+  const size_t slash = p.find('/');
+  return slash != std::string_view::npos && IsPlainObjectName(p.substr(0, slash)) &&
+         IsPlainObjectName(p.substr(slash + 1));
+}
+
+std::string SiblingReference(std::string_view checkpoint, std::string_view file) {
+  return "../" + std::string(checkpoint) + "/" + std::string(file);
+}
+
+std::string EncodeFileIndex(std::vector<FileIndexItem> items, uint32_t format_version) {
+  const bool v3 = format_version >= 3;
   std::sort(items.begin(), items.end(), [](const FileIndexItem& a, const FileIndexItem& b) {
     return a.fqn_hash != b.fqn_hash ? a.fqn_hash < b.fqn_hash : a.chunk < b.chunk;
   });
-  std::string out(kIndexMagic, sizeof(kIndexMagic));
+  std::string out(v3 ? kIndexMagicV3 : kIndexMagic, sizeof(kIndexMagic));
   PutLe64(out, items.size(), 4);
   PutLe64(out, 0, 4);
-  out.reserve(kFileIndexHeaderBytes + items.size() * kFileIndexItemBytes);
+  out.reserve(kFileIndexHeaderBytes + items.size() * FileIndexItemBytes(format_version));
   for (size_t i = 0; i < items.size(); ++i) {
     const FileIndexItem& it = items[i];
     if (i > 0 && it.fqn_hash == items[i - 1].fqn_hash && it.chunk == items[i - 1].chunk) {
@@ -58,27 +77,39 @@ std::string EncodeFileIndex(std::vector<FileIndexItem> items) {
     PutLe64(out, it.raw_length, 8);
     PutLe64(out, it.crc32c.value_or(0), 4);
     PutLe64(out, (it.crc32c ? 1u : 0u) | (it.zstd ? 2u : 0u), 1);
+    if (!v3) {
+      if (it.ref != 0) throw InternalError("file index: a reference needs format version 3");
+      continue;
+    }
+    if (!it.hash) throw InternalError("file index: a version-3 item without its content hash");
+    PutLe64(out, it.ref, 4);
+    PutLe64(out, it.hash->low, 8);
+    PutLe64(out, it.hash->high, 8);
   }
   return out;
 }
 
 std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t index_offset,
-                                           const std::string& file) {
+                                           const std::string& file, uint32_t format_version,
+                                           const std::vector<uint64_t>& reference_sizes) {
   auto fail = [&](const std::string& what) -> CorruptionError {
     return CorruptionError("index of data file '" + file + "': " + what);
   };
+  const bool v3 = format_version >= 3;
+  const uint64_t item_bytes = FileIndexItemBytes(format_version);
   if (bytes.size() < kFileIndexHeaderBytes ||
-      std::memcmp(bytes.data(), kIndexMagic, sizeof(kIndexMagic)) != 0) {
-    throw fail("bad magic or too short (" + std::to_string(bytes.size()) + " bytes)");
+      std::memcmp(bytes.data(), v3 ? kIndexMagicV3 : kIndexMagic, sizeof(kIndexMagic)) != 0) {
+    throw fail("bad magic or too short (" + std::to_string(bytes.size()) + " bytes) for format " +
+               "version " + std::to_string(format_version));
   }
   const uint64_t count = GetLe64(bytes.data() + 8, 4);
   if (GetLe64(bytes.data() + 12, 4) != 0) throw fail("reserved bytes are not zero");
-  if (bytes.size() != kFileIndexHeaderBytes + count * kFileIndexItemBytes) {
+  if (bytes.size() != kFileIndexHeaderBytes + count * item_bytes) {
     throw fail(std::to_string(count) + " items in " + std::to_string(bytes.size()) + " bytes");
   }
   std::vector<FileIndexItem> items(static_cast<size_t>(count));
   const char* p = bytes.data() + kFileIndexHeaderBytes;
-  for (size_t i = 0; i < items.size(); ++i, p += kFileIndexItemBytes) {
+  for (size_t i = 0; i < items.size(); ++i, p += item_bytes) {
     FileIndexItem& it = items[i];
     it.fqn_hash = GetLe64(p, 8);
     it.chunk = static_cast<uint32_t>(GetLe64(p + 8, 4));
@@ -96,10 +127,20 @@ std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t inde
         throw fail("items are not sorted by key, or repeat one (item " + std::to_string(i) + ")");
       }
     }
-    if (it.offset > index_offset || it.length > index_offset - it.offset) {
+    uint64_t end = index_offset;  // where the bytes of the item's file end
+    if (v3) {
+      it.ref = static_cast<uint32_t>(GetLe64(p + 41, 4));
+      it.hash = ContentHash{GetLe64(p + 45, 8), GetLe64(p + 53, 8)};
+      if (it.ref > reference_sizes.size()) {
+        throw fail("item " + std::to_string(i) + " points at reference " + std::to_string(it.ref) +
+                   " of " + std::to_string(reference_sizes.size()));
+      }
+      if (it.ref != 0) end = reference_sizes[it.ref - 1];
+    }
+    if (it.offset > end || it.length > end - it.offset) {
       throw fail("item " + std::to_string(i) + " [" + std::to_string(it.offset) + ", +" +
-                 std::to_string(it.length) + ") runs past the data (" +
-                 std::to_string(index_offset) + " bytes)");
+                 std::to_string(it.length) + ") runs past the data (" + std::to_string(end) +
+                 " bytes" + (it.ref != 0 ? " of its reference" : "") + ")");
     }
     if (!it.zstd && it.raw_length != it.length) {
       throw fail("item " + std::to_string(i) + " is raw but records " +
@@ -114,7 +155,7 @@ std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t inde
   std::vector<std::pair<uint64_t, uint64_t>> spans;
   spans.reserve(items.size());
   for (const auto& it : items) {
-    if (it.length > 0) spans.emplace_back(it.offset, it.length);
+    if (it.length > 0 && it.ref == 0) spans.emplace_back(it.offset, it.length);
   }
   std::sort(spans.begin(), spans.end());
   for (size_t i = 1; i < spans.size(); ++i) {
@@ -127,7 +168,7 @@ std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t inde
 
 uint64_t TableBlocksOf(const FileIndexItem& item, uint32_t log2) {
   const uint64_t block = uint64_t{1} << log2;
-  if (item.zstd || !item.crc32c || item.length <= block) return 0;
+  if (item.zstd || !item.crc32c || item.ref != 0 || item.length <= block) return 0;
   return (item.length + block - 1) >> log2;
 }
 

@@ -181,11 +181,12 @@ class ChunkOffsetIndex {
 };
 
 // Where a stored item lies and what it may expand to.
-void CheckStoredBytes(const MetadataIndex& index, const StorageInfo& info, const std::string& src) {
-  // The format is flat (docs/FORMAT.md): a data object is a plain name in the root.
+void CheckStoredBytes(const MetadataIndex& index, const StorageInfo& info, const std::string& src,
+                      bool allow_references) {
+  // The format is flat (docs/FORMAT.md): a data object is a plain name in the root, or in
+  // version 3 one in a sibling checkpoint ("../<checkpoint>/<file>").
   const std::string& p = info.relative_path;
-  if (p.empty() || p == "." || p == ".." || p.find('/') != std::string::npos ||
-      p.find('\\') != std::string::npos || p.find('\0') != std::string::npos) {
+  if (!IsPlainObjectName(p) && !(allow_references && IsSiblingReference(p))) {
     FailValidation(src, "stored item " + index.ToString() + " has an invalid path '" + p +
                             "' (a data file is a plain name in the checkpoint's root)");
   }
@@ -226,7 +227,7 @@ void ValidateStoredItems(const Metadata& md, const std::string& src) {
     } else if (!index.offset.empty()) {
       FailValidation(src, "stored item " + index.ToString() + " of a byte entry has chunk offsets");
     }
-    CheckStoredBytes(index, info, src);
+    CheckStoredBytes(index, info, src, md.format_version >= 3);
   }
 }
 
@@ -238,10 +239,18 @@ void ValidateFileTable(const Metadata& md, const std::string& src) {
   names.reserve(md.files.size());
   for (const auto& f : md.files) {
     const std::string& p = f.name;
-    if (p.empty() || p == "." || p == ".." || p.find('/') != std::string::npos ||
-        p.find('\\') != std::string::npos || p.find('\0') != std::string::npos) {
+    if (!IsPlainObjectName(p)) {
       FailValidation(
           src, "data file " + ClippedName(p) + " is not a plain name in the checkpoint's root");
+    }
+    if (!f.references.empty() && md.format_version < 3) {
+      FailValidation(src, "data file '" + p + "' has references, which need format version 3");
+    }
+    for (const DataFileReference& r : f.references) {
+      if (!IsSiblingReference(r.name) || r.size > (uint64_t{1} << 62)) {
+        FailValidation(src, "data file '" + p + "': reference " + ClippedName(r.name) +
+                                " is not \"../<checkpoint>/<file>\" of plain names with a size");
+      }
     }
     if (!names.insert(p).second) FailValidation(src, "data file '" + p + "' is listed twice");
     if (f.writer < 0 || f.writer >= md.world_size) {
@@ -255,7 +264,7 @@ void ValidateFileTable(const Metadata& md, const std::string& src) {
                               std::to_string(f.size) + " bytes");
     }
     if (f.index_length < kFileIndexHeaderBytes ||
-        (f.index_length - kFileIndexHeaderBytes) % kFileIndexItemBytes != 0) {
+        (f.index_length - kFileIndexHeaderBytes) % FileIndexItemBytes(md.format_version) != 0) {
       FailValidation(src, "data file '" + p + "': an index of " + std::to_string(f.index_length) +
                               " bytes is no whole number of items");
     }
@@ -297,7 +306,8 @@ void ValidateItemCounts(const Metadata& md, const std::string& src) {
   std::unordered_map<int32_t, std::vector<const DataFile*>> file_of;
   stored.reserve(md.files.size());
   for (const DataFile& f : md.files) {
-    const uint64_t n = (f.index_length - kFileIndexHeaderBytes) / kFileIndexItemBytes;
+    const uint64_t n =
+        (f.index_length - kFileIndexHeaderBytes) / FileIndexItemBytes(md.format_version);
     if (n == 0) {
       // A writer creates a file for items only; a row that holds none is referenced by nothing
       // (and would cost a size query per row).

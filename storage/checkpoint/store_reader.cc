@@ -651,24 +651,39 @@ class StoreReader : public StorageReader {
   void CheckFileTable(const Metadata& md, const Listed& listed) const {
     std::vector<const std::string*> files;
     std::vector<uint64_t> needed;
+    std::vector<int32_t> writers;
+    // Version 3: the files of earlier checkpoints that items point at, each once.
+    std::set<std::string_view> references;
     for (const DataFile& f : md.files) {
       files.push_back(&f.name);
       needed.push_back(f.size);
+      writers.push_back(f.writer);
+      for (const DataFileReference& r : f.references) {
+        if (!references.insert(r.name).second) continue;
+        files.push_back(&r.name);
+        needed.push_back(r.size);
+        writers.push_back(f.writer);
+      }
     }
     const std::vector<std::optional<uint64_t>> sizes = SizesOf(files, needed, listed);
     uint64_t stored = 0;
-    for (size_t i = 0; i < md.files.size(); ++i) {
-      const DataFile& f = md.files[i];
-      const std::string where = store_->uri() + "/" + f.name;
+    for (size_t i = 0; i < files.size(); ++i) {
+      const std::string& name = *files[i];
+      const bool shared = IsSiblingReference(name);
+      const std::string what =
+          "data file '" + store_->uri() + "/" + name + "'" +
+          (shared ? " (of the earlier checkpoint '" + name.substr(3, name.find('/', 3) - 3) +
+                        "', which this one shares)"
+                  : "");
       if (!sizes[i]) {
-        throw NotFoundError("data file '" + where + "' is missing: the items of rank " +
-                            std::to_string(f.writer) + " it holds cannot be read");
+        throw NotFoundError(what + " is missing: the items of rank " + std::to_string(writers[i]) +
+                            " it holds cannot be read");
       }
-      if (*sizes[i] < f.size) {
-        throw CorruptionError("truncated data file '" + where + "' (" + std::to_string(*sizes[i]) +
-                              " bytes, the metadata records " + std::to_string(f.size) + ")");
+      if (*sizes[i] < needed[i]) {
+        throw CorruptionError("truncated " + what + " (" + std::to_string(*sizes[i]) +
+                              " bytes, the metadata records " + std::to_string(needed[i]) + ")");
       }
-      stored += f.index_offset;
+      stored += needed[i];
     }
     const uint64_t most =
         stored > UINT64_MAX / kMaxZstdExpansion ? UINT64_MAX : stored * kMaxZstdExpansion;

@@ -156,6 +156,17 @@ class StoreWriter : public StorageWriter {
       }
     }
     return Spawn([this, &plan, &planner, buckets = std::move(buckets)] {
+             base_.reset();
+             if (!options_.incremental_base.empty()) {
+               base_ = std::make_unique<IncrementalBase>(*store_, options_, plan);
+               if (!base_->why_not().empty() && ctx_.is_coordinator) {
+                 std::fprintf(stderr,
+                              "dcp: incremental save to %s writes every item: its base '%s' "
+                              "cannot be shared (%s)\n",
+                              store_->uri().c_str(), options_.incremental_base.c_str(),
+                              base_->why_not().c_str());
+               }
+             }
              // Writers run concurrently as far as the memory budget allows, each taking the next
              // file; after a failure no further file is started.
              std::vector<size_t> to_write;
@@ -191,6 +202,7 @@ class StoreWriter : public StorageWriter {
   }
 
   bool WritesFileIndexes() const override { return layout_.WritesFileIndexes(options_); }
+  uint32_t FileIndexFormatVersion() const override { return WritesContentHashes(options_) ? 3 : 2; }
 
   std::vector<DataFile> TakeDataFiles() override {
     std::lock_guard<std::mutex> lock(files_mutex_);
@@ -487,6 +499,19 @@ class StoreWriter : public StorageWriter {
       const ResolvedData data = planner.ResolveData(item);
       WriteResult r;
       r.index = item.index;
+      if (const BaseItem* kept = base_ ? base_->Find(i) : nullptr) {
+        // The base holds it: kept there when frozen or when its bytes hash the same (a hash
+        // computed for that is not computed again if it is written after all).
+        if (item.is_tensor()) CheckUnchanged(item, data);
+        std::optional<ContentHash> hash;
+        if (base_->Unchanged(i, item, data, hash)) {
+          r.storage = kept->info;
+          r.reference_size = kept->reference_size;
+          results.push_back(std::move(r));
+          continue;
+        }
+        r.storage.content_hash = hash;
+      }
       r.storage.relative_path = name;
       r.storage.offset = out->size();
       encoder->Append(*out, item, data, r.storage);
@@ -517,13 +542,14 @@ class StoreWriter : public StorageWriter {
     std::vector<std::string> names, unfinished;  // List(), ListIncomplete() after the publish
     std::string error;                           // why they failed, if they did
   };
-  Listing listing_;                 // coordinator: what the clean-up after the commit judges
-  bool committed_ = false;          // coordinator: Finish committed; clean-up pending
-  bool replacing_ = false;          // metadata existed at SetUp (an overwrite)
-  std::string metadata_version_;    // its version then (Store::SizeAndVersion), "" if none
-  std::set<std::string> replaced_;  // unlocked overwrite: files of the replaced checkpoint
-  std::mutex files_mutex_;          // guards files_ (files are written in parallel)
-  std::vector<DataFile> files_;     // this rank's files of the current save (FinishDataFile)
+  Listing listing_;                        // coordinator: what the clean-up after the commit judges
+  bool committed_ = false;                 // coordinator: Finish committed; clean-up pending
+  bool replacing_ = false;                 // metadata existed at SetUp (an overwrite)
+  std::string metadata_version_;           // its version then (Store::SizeAndVersion), "" if none
+  std::set<std::string> replaced_;         // unlocked overwrite: files of the replaced checkpoint
+  std::unique_ptr<IncrementalBase> base_;  // incremental saves: what the base holds of the plan
+  std::mutex files_mutex_;                 // guards files_ (files are written in parallel)
+  std::vector<DataFile> files_;            // this rank's files of the current save (FinishDataFile)
 };
 
 }  // namespace

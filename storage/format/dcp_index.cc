@@ -46,8 +46,16 @@ std::string ReadFileIndexBytes(Store& store, const DataFile& f) {
 
 }  // namespace
 
-std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f) {
-  return DecodeFileIndex(ReadFileIndexBytes(store, f), DataEnd(f), store.uri() + "/" + f.name);
+std::vector<uint64_t> ReferenceSizes(const DataFile& f) {
+  std::vector<uint64_t> sizes;
+  sizes.reserve(f.references.size());
+  for (const DataFileReference& r : f.references) sizes.push_back(r.size);
+  return sizes;
+}
+
+std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f, uint32_t format_version) {
+  return DecodeFileIndex(ReadFileIndexBytes(store, f), DataEnd(f), store.uri() + "/" + f.name,
+                         format_version, ReferenceSizes(f));
 }
 
 FileIndexResolver::FileIndexResolver(Store& store, const Metadata& md)
@@ -87,7 +95,8 @@ void FileIndexResolver::LoadWriters(const std::vector<int32_t>& writers, bool to
             throw CorruptionError("the metadata's copy of the index of data file '" + where +
                                   "' does not match its checksum");
           }
-          indexes[i] = DecodeFileIndex(f.index_copy, DataEnd(f), where);
+          indexes[i] = DecodeFileIndex(f.index_copy, DataEnd(f), where, md_.format_version,
+                                       ReferenceSizes(f));
           return;
         }
         const std::string bytes = ReadFileIndexBytes(store_, f);
@@ -101,7 +110,8 @@ void FileIndexResolver::LoadWriters(const std::vector<int32_t>& writers, bool to
                                 "' differs from the file's own index (a load would read what "
                                 "the copy says): the metadata is damaged or forged");
         }
-        indexes[i] = DecodeFileIndex(bytes, DataEnd(f), store_.uri() + "/" + f.name);
+        indexes[i] = DecodeFileIndex(bytes, DataEnd(f), store_.uri() + "/" + f.name,
+                                     md_.format_version, ReferenceSizes(f));
       },
       std::min<size_t>(std::max<size_t>(todo.size(), 1), kIndexReadsInFlight));
   for (size_t i = 0; i < todo.size(); ++i) {
@@ -188,7 +198,9 @@ StorageInfo FileIndexResolver::InfoFor(const MetadataIndex& index, const std::st
                           " bytes but its index records " + std::to_string(item.raw_length));
   }
   StorageInfo info;
-  info.relative_path = found->file->name;
+  info.relative_path =
+      item.ref == 0 ? found->file->name : found->file->references[item.ref - 1].name;
+  info.content_hash = item.hash;
   info.offset = item.offset;
   info.length = item.length;
   info.raw_length = item.raw_length;
@@ -265,9 +277,11 @@ void FileIndexResolver::Resolve(Store& store, Metadata& md, bool tolerate_lost_f
 // tensor's chunks apart.
 DataFile AppendFileIndex(WritableObject& out, const std::string& name,
                          const std::vector<WriteResult>& results, int32_t rank,
-                         uint64_t block_bytes) {
+                         uint64_t block_bytes, uint32_t format_version) {
   std::vector<std::pair<FileIndexItem, const std::vector<uint32_t>*>> index;
   index.reserve(results.size());
+  DataFile f;
+  std::map<std::string, uint32_t> reference_of;  // name -> its reference number (from 1)
   for (const WriteResult& r : results) {
     if (!r.index.index || *r.index.index < 0) {
       throw InvalidArgumentError(
@@ -287,6 +301,21 @@ DataFile AppendFileIndex(WritableObject& out, const std::string& name,
       throw InternalError("item " + r.index.ToString() + ": a transform an index cannot record");
     }
     it.zstd = !r.storage.transforms.empty();
+    it.hash = r.storage.content_hash;
+    if (r.storage.relative_path != name) {
+      // An item an incremental save kept where an earlier step stored it (and its size as
+      // the writer found it: the reader's bound for the item).
+      if (format_version < 3 || !IsSiblingReference(r.storage.relative_path) ||
+          !r.storage.block_crc32c.empty()) {
+        throw InternalError("item " + r.index.ToString() + " of data file '" + name +
+                            "' lies in '" + r.storage.relative_path +
+                            "', which its index cannot record");
+      }
+      auto [ref, added] = reference_of.try_emplace(r.storage.relative_path,
+                                                   static_cast<uint32_t>(f.references.size() + 1));
+      if (added) f.references.push_back({r.storage.relative_path, r.reference_size});
+      it.ref = ref->second;
+    }
     index.emplace_back(it, &r.storage.block_crc32c);
   }
   // The block table lists the items' blocks in index order (EncodeFileIndex's).
@@ -294,7 +323,6 @@ DataFile AppendFileIndex(WritableObject& out, const std::string& name,
     return a.first.fqn_hash != b.first.fqn_hash ? a.first.fqn_hash < b.first.fqn_hash
                                                 : a.first.chunk < b.first.chunk;
   });
-  DataFile f;
   f.name = name;
   f.writer = rank;
   if (block_bytes != 0) {
@@ -319,7 +347,7 @@ DataFile AppendFileIndex(WritableObject& out, const std::string& name,
   std::vector<FileIndexItem> items;
   items.reserve(index.size());
   for (const auto& entry : index) items.push_back(entry.first);
-  const std::string bytes = EncodeFileIndex(std::move(items));
+  const std::string bytes = EncodeFileIndex(std::move(items), format_version);
   f.index_offset = out.size();
   f.index_length = bytes.size();
   f.index_crc32c = Crc32c(0, bytes.data(), bytes.size());

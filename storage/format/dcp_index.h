@@ -89,8 +89,11 @@ class FileIndexResolver : public ItemLocator {
 /// without a table). Its index lists no item past it (DecodeFileIndex checks this).
 uint64_t DataEnd(const DataFile& f);
 
-/// Version 2: read and decode the index of data file `f` in `store`, checking its CRC32C.
-std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f);
+/// Version 2: read and decode the index of data file `f` of a checkpoint of `format_version`
+/// in `store`, checking its CRC32C.
+std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f, uint32_t format_version);
+/// Version 3: the sizes of `f`'s references, in order (DecodeFileIndex's bounds).
+std::vector<uint64_t> ReferenceSizes(const DataFile& f);
 
 /// Version 2: append the index of data file `name` to `out`, after the file's last item, so that
 /// it is in the file when the file appears; `results` describe the file's items (each needs its
@@ -98,11 +101,14 @@ std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f);
 /// (a power of two, StorageOptions::checksum_block_bytes) the file's block table goes first,
 /// from the items' StorageInfo::block_crc32c. Returns the file's entry for the metadata's file
 /// table: written by `rank`, its size, where its block table and index lie, and the index bytes
-/// as index_copy. InvalidArgumentError for an item without a chunk ordinal; InternalError for a
-/// transform an index cannot record (anything but one zstd) or an item whose block CRCs do not
-/// fit its length.
+/// as index_copy. `format_version` 3 writes the version-3 index: every item with its
+/// StorageInfo::content_hash, and an item whose relative_path is not `name` (a sibling
+/// reference, "../<checkpoint>/<file>", of WriteResult::reference_size bytes) pointing at the
+/// file's reference to it. InvalidArgumentError for an item without a chunk ordinal;
+/// InternalError for a transform an index cannot record (anything but one zstd), an item whose
+/// block CRCs do not fit its length, or a reference version 2 (or the name) cannot hold.
 DataFile AppendFileIndex(WritableObject& out, const std::string& name,
                          const std::vector<WriteResult>& results, int32_t rank,
-                         uint64_t block_bytes);
+                         uint64_t block_bytes, uint32_t format_version = 2);
 
 }  // namespace dcp

@@ -27,8 +27,10 @@ struct ItemCrcs {
   uint32_t open = 0;   // of the open block's bytes so far
   uint64_t open_len = 0;
   std::vector<uint32_t> blocks;
+  ContentHasher* hasher = nullptr;  // the item's content hash, in the same pass (version 3)
 
   void Add(const void* data, size_t n) {
+    if (hasher != nullptr) hasher->Add(data, n);
     if (block == 0) {
       item = Crc32c(item, data, n);
       return;
@@ -86,7 +88,8 @@ class DcpItemEncoder : public ItemEncoder {
  public:
   explicit DcpItemEncoder(const StorageOptions& options)
       : compressor_(options),
-        block_bytes_(options.metadata_version >= 2 ? options.checksum_block_bytes : 0) {}
+        block_bytes_(options.metadata_version >= 2 ? options.checksum_block_bytes : 0),
+        hashes_(WritesContentHashes(options)) {}
 
   void Append(WritableObject& out, const WriteItem& item, const ResolvedData& data,
               StorageInfo& info) override {
@@ -94,9 +97,15 @@ class DcpItemEncoder : public ItemEncoder {
     if (item.is_tensor()) CheckUnchanged(item, data);
     // The item's raw bytes into `sink` (the data file, or the compressor feeding it).
     ItemCrcs crcs;
+    // A hash the writer computed already (to compare with an earlier step's) is not redone.
+    const bool hash = hashes_ && !info.content_hash;
     auto append = [&](WritableObject& sink) {
       crcs = ItemCrcs{};
       crcs.block = block_bytes_;
+      if (hash) {
+        hasher_.Reset();
+        crcs.hasher = &hasher_;
+      }
       if (item.is_tensor()) {
         try {
           AppendTensor(sink, data.tensor, crcs);
@@ -122,11 +131,14 @@ class DcpItemEncoder : public ItemEncoder {
     info.length = out.size() - start;
     info.raw_length = raw;
     info.crc32c = crc;
+    if (hash) info.content_hash = hasher_.Digest();
   }
 
  private:
   ZstdItemCompressor compressor_;  // stores items raw unless options.compression
   uint64_t block_bytes_;           // of the block CRCs (0: none; version 1 has no table)
+  bool hashes_;                    // version 3: every item's content hash
+  ContentHasher hasher_;
 };
 
 // The metadata file's bytes, its header checked first: a file that is not metadata (or a size
@@ -179,7 +191,8 @@ class DcpLayoutImpl : public CheckpointLayout {
                                          const StorageOptions& options,
                                          int32_t rank) const override {
     if (!WritesFileIndexes(options)) return std::nullopt;
-    return AppendFileIndex(out, name, results, rank, options.checksum_block_bytes);
+    return AppendFileIndex(out, name, results, rank, options.checksum_block_bytes,
+                           WritesContentHashes(options) ? 3 : 2);
   }
   std::unique_ptr<ItemDecoder> NewItemDecoder(const LoadContext& ctx) const override {
     return NewZstdItemDecoder(ctx);
@@ -190,6 +203,11 @@ class DcpLayoutImpl : public CheckpointLayout {
 };
 
 }  // namespace
+
+bool WritesContentHashes(const StorageOptions& options) {
+  return options.metadata_version >= 2 &&
+         (options.content_hashes || !options.incremental_base.empty());
+}
 
 bool IsDataObjectName(const std::string& name) {
   return name.rfind("data-", 0) == 0 && name.size() > 10 &&

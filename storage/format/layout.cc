@@ -48,6 +48,19 @@ void CheckpointLayout::ValidateWriteOptions(const StorageOptions& options,
     throw InvalidArgumentError("StorageOptions::checksum_block_bytes = " + std::to_string(block) +
                                ": must be 0 (no block CRCs) or a power of two from 4096 to 2^30");
   }
+  const bool incremental = options.content_hashes || !options.incremental_base.empty() ||
+                           !options.frozen_prefixes.empty();
+  if (incremental && (format() != CheckpointFormat::kDcp || options.metadata_version < 2)) {
+    throw InvalidArgumentError(
+        "content hashes and incremental saves (StorageOptions::content_hashes, incremental_base, "
+        "frozen_prefixes) need the dcp format with metadata version 2; " +
+        uri + " would be " + std::string(display_name()) + ", metadata version " +
+        std::to_string(options.metadata_version));
+  }
+  if (!options.incremental_base.empty() && !IsPlainObjectName(options.incremental_base)) {
+    throw InvalidArgumentError("StorageOptions::incremental_base '" + options.incremental_base +
+                               "' is not the plain name of a checkpoint beside " + uri);
+  }
   CheckWriteOptions(options, uri);
 }
 

@@ -206,4 +206,60 @@ size_t ScratchLimit(const StorageOptions& options);
 /// A tensor must still have the dtype and shape it was planned with (InvalidArgumentError).
 void CheckUnchanged(const WriteItem& item, const ResolvedData& data);
 
+// ---- Incremental saves (StorageOptions::incremental_base, docs/FORMAT.md section 5b): which
+// items of a rank's save plan its base checkpoint holds, and where, so that the writer keeps them
+// there instead of writing them again (format/incremental.cc). One per rank's save; read-only
+// once built (Find and Frozen may be called from the writer threads).
+
+/// True when a dcp-format save with `options` records content hashes (format version 3):
+/// metadata version 2 with content_hashes or an incremental_base.
+bool WritesContentHashes(const StorageOptions& options);
+
+/// An item of the base: where it lies, named from the new checkpoint ("../<checkpoint>/<file>",
+/// StorageInfo::relative_path), with its content hash, and that file's size.
+struct BaseItem {
+  StorageInfo info;
+  uint64_t reference_size = 0;
+  /// The CRC32C of the item's first `head_bytes` bytes (its first block, from the base's block
+  /// table), when the base has one: an item whose head differs changed, known after reading
+  /// one block instead of hashing the whole item. head_bytes 0: none.
+  uint32_t head_crc32c = 0;
+  uint64_t head_bytes = 0;
+};
+
+class IncrementalBase {
+ public:
+  /// The base of a save into `store` (a SiblingStore, registry.h) with `options`, for the items
+  /// of `plan`. Never throws for the base's state: a base that is absent, unreadable, damaged,
+  /// or saved without content hashes keeps nothing, and `why_not` says why (the save then
+  /// writes every item).
+  IncrementalBase(Store& store, const StorageOptions& options, const SavePlan& plan);
+
+  /// The base's copy of plan item `i` when it may be kept (same entry, chunk, dtype and raw
+  /// size; raw unless compression is on; with a content hash), else nullptr.
+  const BaseItem* Find(size_t i) const {
+    return i < items_.size() && items_[i] ? &*items_[i] : nullptr;
+  }
+  /// True when `fqn` is under one of StorageOptions::frozen_prefixes: kept without hashing.
+  bool Frozen(const std::string& fqn) const;
+  /// Whether plan item `i` (Find(i) not null; `data` its bytes) is unchanged: frozen, or its
+  /// bytes hash as the base's. When it changed, `hash` receives its content hash if it was
+  /// computed on the way (the encoder then does not compute it again). A head that differs
+  /// (BaseItem::head_crc32c) answers without hashing.
+  bool Unchanged(size_t i, const WriteItem& item, const ResolvedData& data,
+                 std::optional<ContentHash>& hash) const;
+  /// Why nothing is kept ("" when the base was read).
+  const std::string& why_not() const { return why_not_; }
+
+ private:
+  void Read(Store& store, const StorageOptions& options, const SavePlan& plan);
+  std::vector<std::optional<BaseItem>> items_;  // by plan item
+  std::vector<std::string> frozen_;
+  std::string why_not_;
+};
+
+/// XXH3-128 of an item's raw bytes (a tensor's elements in row-major order, any device or
+/// strides; a blob's bytes), as the encoder records it.
+ContentHash HashItemBytes(const WriteItem& item, const ResolvedData& data);
+
 }  // namespace dcp

@@ -44,12 +44,44 @@ def contains(out, *needles):
         check(n in out, f"expected {n!r} in:\n{out}")
 
 
-def fresh(name, changed=False, zstd=False):
+def fresh(name, changed=False, zstd=False, extra=()):
     path = os.path.join(args.workdir, name)
     shutil.rmtree(path, ignore_errors=True)
     run(args.fixture, path, *(["--changed"] if changed else []), *(["--zstd"] if zstd else []),
-        expect=0)
+        *extra, expect=0)
     return path
+
+
+def test_incremental():
+    """Format version 3 (issue 46): inspect shows what a checkpoint shares and with which
+    checkpoint, verify names a missing shared file, convert writes a self-contained copy."""
+    a = fresh("inc_a", extra=["--hashes"])
+    b = fresh("inc_b", changed=True, extra=["--base", "inc_a"])
+    _, out = dcp("inspect", b)
+    contains(out, "format version 3", "in the files of the earlier checkpoint inc_a")
+    j = inspect_json(b)
+    check(j["format_version"] == 3, f"format_version {j['format_version']}")
+    check(len(j["shared"]) == 1 and j["shared"][0]["checkpoint"] == "inc_a"
+          and j["shared"][0]["items"] > 0, f"shared: {j['shared']}")
+    files = {c["file"] for e in j["entries"] for c in e["chunks"]}
+    check(any(f.startswith("../inc_a/data-") for f in files), f"files: {files}")
+    check(all(len(c.get("xxh3_128", "")) == 32 for e in j["entries"] for c in e["chunks"]),
+          "every item has its xxh3_128")
+    dcp("verify", b)
+    # The values are the changed fixture's, shared items included.
+    conv = os.path.join(args.workdir, "inc_conv")
+    shutil.rmtree(conv, ignore_errors=True)
+    dcp("convert", b, conv)
+    jc = inspect_json(conv)
+    check(jc["shared"] == [] and jc["format_version"] == 2, "convert writes a self-contained copy")
+    _, diff = dcp("diff", b, conv, "--values")
+    # A shared file removed by hand: verify names it (and the checkpoint it belongs to).
+    for name in os.listdir(a):
+        if name.startswith("data-"):
+            os.remove(os.path.join(a, name))
+    code, out = run(args.dcp, "verify", b)
+    check(code != 0, "verify fails once a shared file is gone")
+    contains(out, "../inc_a/data-")
 
 
 def inspect_json(path, *extra):
@@ -1163,7 +1195,7 @@ def test_s3():
 def main():
     global args
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=["basic", "safetensors", "torch", "plugin", "s3"])
+    p.add_argument("part", choices=["basic", "safetensors", "torch", "plugin", "s3", "incremental"])
     p.add_argument("--dcp", required=True)
     p.add_argument("--fixture", required=True)
     p.add_argument("--plugin", default="")

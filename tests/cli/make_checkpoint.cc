@@ -4,7 +4,10 @@
 // independently.
 //
 //   dcp_cli_fixture DIR [--changed] [--zstd] [--hostile KIND]
+//   dcp_cli_fixture DIR [--hashes] [--base SIBLING]
 //   --changed: model.w[1][2] += 0.5; --zstd: compress every item that gets smaller (a mix)
+//   --hashes: record content hashes (format version 3); --base SIBLING: an incremental save
+//   sharing unchanged items with the checkpoint SIBLING beside DIR
 //   --hostile KIND: then rewrite the metadata (or add files) as an attacker could; KIND is
 //     blob-8g (the blob claims 8 GiB), zstd-8g (a zstd blob with raw_length 8 GiB),
 //     alloc-2g (the blob claims 2 GiB, backed by a sparse data file), rot13, zstd-zstd,
@@ -182,6 +185,10 @@ int main(int argc, char** argv) {
       so.storage.compression = Compression::kZstd;
       so.storage.compression_min_bytes = 0;  // the items are tiny: compress whatever shrinks
       so.storage.compression_max_ratio = 1;
+    } else if (std::strcmp(argv[i], "--hashes") == 0) {
+      so.storage.content_hashes = true;  // format version 3
+    } else if (std::strcmp(argv[i], "--base") == 0 && i + 1 < argc) {
+      so.storage.incremental_base = argv[++i];  // share unchanged items with that sibling
     } else if (std::strcmp(argv[i], "--hostile") == 0 && i + 1 < argc) {
       hostile = argv[++i];
       // Most attacks edit the items version 1 lists; the v2- ones the file table and rules.

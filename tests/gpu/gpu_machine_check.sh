@@ -40,6 +40,7 @@ for f in "$debs"/*.deb; do
   case $(basename "$f") in
     libprotobuf* | libprotoc* | protobuf-compiler*) command -v protoc >/dev/null && continue ;;
     libzstd-dev*) [ -f /usr/include/zstd.h ] && continue ;;
+    libxxhash*) [ -f /usr/include/xxhash.h ] && continue ;;
   esac
   dpkg -x "$f" "$prefix"
 done

@@ -37,6 +37,7 @@ test "$(count 'loaded bit-exact, resharded' "$work/load.log")" -eq 2
 test "$(count 'a load of a missing checkpoint raised CollectiveNotFoundError' "$work/load.log")" -eq 2
 run 4 "$here/python_job.py" manager+preempt "$work/managed" | tee "$work/manager.log"
 test "$(count 'manager restored step 4 from memory, bit-exact' "$work/manager.log")" -eq 4
+test "$(count 'incremental step 3 restored bit-exact' "$work/manager.log")" -eq 4
 test "$(count 'preempted, step 3 drained in [0-9.]* s ([0-9.]* s of the window left), restored 3, bit-exact' "$work/manager.log")" -eq 4
 run 2 "$here/readme_example.py" "$work/readme" >"$work/readme.log" 2>&1 || { cat "$work/readme.log"; exit 1; }
 test "$(count 'readme example: rank . of 2 OK' "$work/readme.log")" -eq 2
@@ -47,4 +48,4 @@ grep -q 'errors: as named' "$work/errors.log"
   --dir "$work/bench" | grep -q 'compute loop slowdown'
 "$python" "$here/../../tools/python/dcp_torch_plugin_bench.py" --mib 4 --repeats 1 \
   --dir "$work/plugin-bench" | grep -c 'dcp.torch/torch' | grep -q 2
-echo "python: saved at 4 processes, loaded at 2, bit-exact; torch.distributed.checkpoint through dcp.torch both ways; a manager restored from memory; a SIGTERM drained; errors as dcp's exceptions"
+echo "python: saved at 4 processes, loaded at 2, bit-exact; torch.distributed.checkpoint through dcp.torch both ways; a manager restored from memory; incremental steps shared a frozen tensor; a SIGTERM drained; errors as dcp's exceptions"

@@ -116,8 +116,33 @@ def run(mode, where, rank, world):
             source = m.restore_source
         ok = first is None and step == 4 and source == "memory" and back["note"] == "step 4"
         ok = ok and torch.equal(back["model"]["w"].tensor, sd["model"]["w"].tensor)
-        print("rank %d of %d: manager restored step %s from %s%s"
-              % (rank, world, step, source, ", bit-exact" if ok else ", NOT as saved"))
+        # Incremental steps: a frozen 4 MiB tensor is written once; steps 2-3 write the rest.
+        inc = where + "-incremental"
+        frozen = torch.arange(1 << 20, dtype=torch.float32)
+        sd["frozen"] = frozen
+        with dcp.CheckpointManager(inc, keep_last=1, incremental=True, frozen=["frozen"],
+                                   async_save=False) as m:
+            for inc_step in range(1, 4):
+                sd["model"]["w"].tensor.add_(1.0)
+                m.save(inc_step, sd)
+        sizes = {}
+        for d in sorted(os.listdir(inc)):
+            if os.path.isdir(os.path.join(inc, d)):
+                sizes[d] = sum(os.path.getsize(os.path.join(inc, d, f))
+                               for f in os.listdir(os.path.join(inc, d)))
+        back = state(rank, world, by_rows=True, fill=False)
+        back["frozen"] = torch.zeros(1 << 20)
+        with dcp.CheckpointManager(inc, keep_last=1, incremental=True) as m:
+            inc_step = m.restore(back)
+        inc_ok = inc_step == 3 and torch.equal(back["frozen"], frozen)
+        inc_ok = inc_ok and torch.equal(back["model"]["w"].tensor, sd["model"]["w"].tensor)
+        # Step 1 keeps only the data step 3 shares (the frozen tensor), step 3 the rest.
+        step1, step3 = sizes.get("step-0000000001", 0), sizes.get("step-0000000003", 0)
+        inc_ok = inc_ok and step1 >= frozen.numel() * 4 and step3 < step1 and len(sizes) == 2
+        ok = ok and inc_ok
+        print("rank %d of %d: manager restored step %s from %s%s; incremental step %s%s"
+              % (rank, world, step, source, ", bit-exact" if ok else ", NOT as saved", inc_step,
+                 " restored bit-exact (sizes %s)" % sizes if inc_ok else " WRONG (sizes %s)" % sizes))
         return 0 if ok else 1
     elif mode == "preempt":
         # Steps only to memory; SIGTERM to every process after step 3: the handler drains step 3

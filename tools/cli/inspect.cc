@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -31,8 +32,36 @@ std::string Transforms(const Metadata& md, const std::string& fqn) {
 
 std::set<std::string> ReferencedFiles(const Metadata& md) {
   std::set<std::string> files;
-  for (const auto& [idx, info] : md.storage) files.insert(info.relative_path);
+  for (const auto& [idx, info] : md.storage) {
+    if (info.relative_path.rfind("../", 0) != 0) files.insert(info.relative_path);  // own
+  }
   return files;
+}
+
+// Version 3 (incremental saves): what the checkpoint keeps in earlier checkpoints' files, by
+// checkpoint: items and stored bytes.
+struct Shared {
+  size_t items = 0;
+  uint64_t bytes = 0;
+};
+std::map<std::string, Shared> SharedWith(const Metadata& md) {
+  std::map<std::string, Shared> out;
+  for (const auto& [idx, info] : md.storage) {
+    const std::string& p = info.relative_path;
+    if (p.rfind("../", 0) != 0) continue;
+    Shared& s = out[p.substr(3, p.find('/', 3) - 3)];
+    ++s.items;
+    s.bytes += info.length;
+  }
+  return out;
+}
+
+std::string HashHex(const std::optional<ContentHash>& h) {
+  if (!h) return "";
+  char buf[33];
+  std::snprintf(buf, sizeof(buf), "%016llx%016llx", static_cast<unsigned long long>(h->high),
+                static_cast<unsigned long long>(h->low));
+  return buf;
 }
 
 bool Selected(const std::string& filter, const std::string& fqn) {
@@ -70,6 +99,7 @@ ordered_json EntryJson(const Metadata& md, const std::string& fqn, const EntryMe
                        {"crc32c", info.crc32c ? ordered_json(*info.crc32c) : ordered_json()},
                        {"raw_length", info.raw_length},
                        {"transforms", info.transforms}});
+      if (info.content_hash) items.back()["xxh3_128"] = HashHex(info.content_hash);
     }
   } else {
     je["kind"] = "bytes";
@@ -80,6 +110,7 @@ ordered_json EntryJson(const Metadata& md, const std::string& fqn, const EntryMe
                      {"crc32c", info.crc32c ? ordered_json(*info.crc32c) : ordered_json()},
                      {"raw_length", info.raw_length},
                      {"transforms", info.transforms}});
+    if (info.content_hash) items.back()["xxh3_128"] = HashHex(info.content_hash);
   }
   je["bytes"] = StoredBytesOf(md, fqn);
   je["transform"] = Transforms(md, fqn);
@@ -113,6 +144,11 @@ void PrintJson(const Checkpoint& c, const Counts& n, const std::string& filter) 
       {"files", n.files},
       {"tensors", n.tensors},
       {"blobs", n.blobs}};
+  ordered_json shared = ordered_json::array();
+  for (const auto& [name, sh] : SharedWith(md)) {
+    shared.push_back({{"checkpoint", name}, {"items", sh.items}, {"bytes", sh.bytes}});
+  }
+  j["shared"] = std::move(shared);
   ordered_json entries = ordered_json::array();
   for (const auto& [fqn, e] : md.entries) {
     if (Selected(filter, fqn)) entries.push_back(EntryJson(md, fqn, e));
@@ -138,6 +174,10 @@ void PrintSummary(const Checkpoint& c, const Counts& n) {
   std::printf("stored          %s (%llu bytes) in %zu files\n",
               FormatBytes(md.TotalStoredBytes()).c_str(),
               static_cast<unsigned long long>(md.TotalStoredBytes()), n.files);
+  for (const auto& [name, sh] : SharedWith(md)) {
+    std::printf("shared          %s (%zu items) in the files of the earlier checkpoint %s\n",
+                FormatBytes(sh.bytes).c_str(), sh.items, Printable(name).c_str());
+  }
   std::printf("entries         %zu tensors, %zu blobs\n\n", n.tensors, n.blobs);
 }
 

@@ -268,14 +268,19 @@ class CheckpointManager:
     replica on another node (``shm_root``, ``ranks_per_node`` to simulate nodes on one host),
     every ``memory_every``-th step there and every ``durable_every``-th also under ``root``;
     ``free_on_close`` frees the tier's memory at close (else the next run restores from it).
+    ``incremental=True``: each step writes only the items whose bytes changed since the step
+    before it and shares the rest with it (ManagerOptions::incremental; not with
+    ``memory_tier``); ``frozen``: key prefixes ("model.base") kept from the previous step
+    without even hashing them (declare only what never changes).
     Steps must increase, across restarts too. Every method is collective; errors raise as for
     ``dcp.save``. Needs ``dcp.init()`` first.
     """
 
     def __init__(self, root, keep_last=3, keep_every=0, async_save=True, memory_tier=None,
                  memory_every=1, durable_every=1, shm_root="/dev/shm", ranks_per_node=0,
-                 free_on_close=False):
+                 free_on_close=False, incremental=False, frozen=()):
         self._m = _dcp.Manager(str(root), {
+            "incremental": bool(incremental), "frozen": [str(p) for p in frozen],
             "keep_last": int(keep_last), "keep_every": int(keep_every),
             "async_save": bool(async_save), "memory_tier": memory_tier,
             "memory_every": int(memory_every), "durable_every": int(durable_every),
