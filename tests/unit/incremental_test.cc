@@ -155,11 +155,18 @@ TEST_CASE("incremental: manager steps write what changed and load alone after re
     CHECK(m.Restore(again.sd) == 10);
     CHECK(again.Same(s));
   }
+  // The root moved whole stays loadable (references are relative, within the root).
+  TempDir moved("incr-moved");
+  std::filesystem::copy(dir.path(), moved / "run", std::filesystem::copy_options::recursive);
   // A shared file removed by hand: the load names it and the step it belongs to.
   std::filesystem::remove(dir / ("step-0000000001/" + left.at(0)));
   LoraState broken = LoraState::Empty(s);
   const std::string why = MessageOf<Error>([&] { Load(broken.sd, step10); });
   CHECK_THAT(why, Contains(left.at(0)) && Contains("step-0000000001") && Contains("shares"));
+  // The copy still loads: its references are to its own files.
+  LoraState copy = LoraState::Empty(s);
+  Load(copy.sd, moved / "run/step-0000000010");
+  CHECK(copy.Same(s));
 }
 
 TEST_CASE(
@@ -241,7 +248,8 @@ TEST_CASE("incremental: with a memory tier the durable steps write what changed"
     for (const auto& name : Names(d)) n += std::filesystem::file_size(d + "/" + name);
     return n;
   };
-  const uint64_t step2 = bytes_in(dir / "step-0000000002"), step6 = bytes_in(dir / "step-0000000006");
+  const uint64_t step2 = bytes_in(dir / "step-0000000002"),
+                 step6 = bytes_in(dir / "step-0000000006");
   CHECK_FALSE(std::filesystem::exists(dir / "step-0000000002/metadata.dcp"));
   CHECK_FALSE(std::filesystem::exists(dir / "step-0000000004"));
   const LoraState& s = states[0];
@@ -311,6 +319,44 @@ TEST_CASE("incremental: a flipped byte in a shared file fails every later step t
   LoraState got = LoraState::Empty(s);
   const std::string why = MessageOf<Error>([&] { Load(got.sd, dir / "s2"); });
   CHECK_THAT(why, Contains("s2/../s1/data-") && Contains("checksum mismatch"));
+}
+
+TEST_CASE("incremental: compressed items are shared and a plain save does not keep them",
+          "[incremental]") {
+  TempDir dir("incr6");
+  LoraState s;
+  std::memset(s.base[0].data, 0, s.base[0].nbytes());  // compresses
+  s.Build();
+  SaveOptions inc;
+  inc.storage.content_hashes = true;
+  inc.storage.compression = Compression::kZstd;
+  s.Train(1);
+  const uint64_t first = Save(s.sd, dir / "z1", inc).metadata.TotalStoredBytes();
+  inc.storage.incremental_base = "z1";
+  s.Train(2);
+  const uint64_t second = Save(s.sd, dir / "z2", inc).metadata.TotalStoredBytes();
+  CHECK(second * 4 < first);
+  bool zstd_shared = false;
+  for (const auto& [index, info] : ReadMetadata(dir / "z2").storage) {
+    zstd_shared |= index.fqn == "base.w0" && !info.transforms.empty() &&
+                   info.relative_path.rfind("../z1/", 0) == 0;
+  }
+  CHECK(zstd_shared);
+  LoraState got = LoraState::Empty(s);
+  Load(got.sd, dir / "z2");
+  CHECK(got.Same(s));
+  // Without compression the base's zstd items are not what this save would write: rewritten.
+  inc.storage.compression = Compression::kNone;
+  inc.storage.incremental_base = "z2";
+  Save(s.sd, dir / "raw", inc);
+  int checked = 0;
+  for (const auto& [index, info] : ReadMetadata(dir / "raw").storage) {
+    if (index.fqn != "base.w0") continue;
+    CHECK(info.transforms.empty());
+    CHECK(info.relative_path.rfind("../", 0) != 0);
+    ++checked;
+  }
+  CHECK(checked == 1);
 }
 
 TEST_CASE("incremental: a frozen prefix is kept from the base without reading it",
