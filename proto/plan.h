@@ -142,13 +142,32 @@ std::optional<uint32_t> StoredCrc(const StorageInfo& info);
 /// when `info` carries a zip CRC-32, else CRC32C.
 uint32_t ItemCrc(const StorageInfo& info, uint32_t crc, const void* data, size_t n);
 
+/// Version 3: a data file of a sibling checkpoint (same parent location) that items of a file's
+/// index point at. `name` is "../<checkpoint>/<file>", both plain names; `size` its length.
+/// The other fields are where that file's index and block table lie (copied from the sibling's
+/// own file table by the save that made the reference), so that a partial read of an item there
+/// verifies only the blocks it touches; all 0 (references written before them, or a file
+/// without a block table): such items are verified whole.
+struct DataFileReference {
+  std::string name;
+  uint64_t size = 0;
+  uint64_t index_offset = 0;
+  uint64_t index_length = 0;
+  uint32_t index_crc32c = 0;
+  uint64_t block_table_offset = 0;
+  uint64_t block_table_length = 0;
+  uint32_t block_table_crc32c = 0;
+  bool operator==(const DataFileReference&) const = default;
+};
+
 struct WriteResult {
   MetadataIndex index;
   uint64_t size_in_bytes = 0;
   StorageInfo storage;
   /// Version 3, write side: when the item was kept in a sibling checkpoint's file
-  /// (storage.relative_path "../<checkpoint>/<file>"), that file's size (never encoded).
-  uint64_t reference_size = 0;
+  /// (storage.relative_path "../<checkpoint>/<file>"), that file (reference.name is the same
+  /// name; never encoded here: the file table records it).
+  DataFileReference reference = {};
 };
 
 /// Which splitting rule cuts a regularly sharded tensor (along dimension d of extent n, world w,
@@ -233,14 +252,6 @@ std::string ClippedName(const std::string& name);
 /// indexes record each item's content hash and may point items at data files of sibling
 /// checkpoints (incremental saves, docs/FORMAT.md section 5b).
 inline constexpr uint32_t kFormatVersion = 3;
-
-/// Version 3: a data file of a sibling checkpoint (same parent location) that items of a file's
-/// index point at. `name` is "../<checkpoint>/<file>", both plain names; `size` its length.
-struct DataFileReference {
-  std::string name;
-  uint64_t size = 0;
-  bool operator==(const DataFileReference&) const = default;
-};
 
 /// Version 2: one data file of a checkpoint (Metadata::files). The items it holds are listed by
 /// its index, written by the rank that wrote the file: bytes [index_offset, +index_length).

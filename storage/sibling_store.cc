@@ -62,7 +62,11 @@ std::optional<std::vector<std::pair<std::string, uint64_t>>> SiblingStore::ListS
 void SiblingStore::RemoveMany(const std::vector<std::string>& names) { target_->RemoveMany(names); }
 
 std::shared_ptr<Store> SiblingOf(Store& store, const std::string& name) {
-  if (auto* s = dynamic_cast<SiblingStore*>(&store)) return s->Sibling(name);
+  if (auto* s = dynamic_cast<SiblingStore*>(&store)) {
+    // The sibling's own references ("../<checkpoint>/<file>") name children of the same parent:
+    // it reaches them through the same opener.
+    return std::make_shared<SiblingStore>(s->Sibling(name), s->open_sibling_);
+  }
   throw InvalidArgumentError("the store of " + store.uri() +
                              " reaches no checkpoint beside it (open it through the registry)");
 }

@@ -37,14 +37,16 @@ class SiblingStore : public ForwardingStore {
   std::shared_ptr<Store> Sibling(const std::string& name);
 
  private:
+  friend std::shared_ptr<Store> SiblingOf(Store& store, const std::string& name);
   std::function<std::shared_ptr<Store>(const std::string&)> open_sibling_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<Store>> siblings_;
 };
 
-/// The store of checkpoint `name` beside `store`'s location: SiblingStore::Sibling when `store`
-/// is one, else InvalidArgumentError naming `store`'s URI (a store made without the registry
-/// reaches no sibling).
+/// The store of checkpoint `name` beside `store`'s location, itself a SiblingStore (so that the
+/// references of that checkpoint resolve too; its own siblings are opened anew on first use)
+/// when `store` is one, else InvalidArgumentError naming `store`'s URI (a store made without the
+/// registry reaches no sibling).
 std::shared_ptr<Store> SiblingOf(Store& store, const std::string& name);
 
 /// `location` (a backend's location: a path, bucket/prefix) with its last component replaced

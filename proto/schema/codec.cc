@@ -82,6 +82,14 @@ void ToPb(const DataFile& f, pb::DataFile* out) {
     pb::DataFileReference* ref = out->add_references();
     ref->set_name(r.name);
     ref->set_size(r.size);
+    if (r.block_table_length != 0) {
+      ref->set_index_offset(r.index_offset);
+      ref->set_index_length(r.index_length);
+      ref->set_index_crc32c(r.index_crc32c);
+      ref->set_block_table_offset(r.block_table_offset);
+      ref->set_block_table_length(r.block_table_length);
+      ref->set_block_table_crc32c(r.block_table_crc32c);
+    }
   }
 }
 
@@ -92,7 +100,11 @@ DataFile FromPb(const pb::DataFile& f) {
   out.block_table_length = f.block_table_length();
   out.block_table_crc32c = f.block_table_crc32c();
   out.references.reserve(static_cast<size_t>(f.references_size()));
-  for (const auto& r : f.references()) out.references.push_back({r.name(), r.size()});
+  for (const auto& r : f.references()) {
+    out.references.push_back({r.name(), r.size(), r.index_offset(), r.index_length(),
+                              r.index_crc32c(), r.block_table_offset(), r.block_table_length(),
+                              r.block_table_crc32c()});
+  }
   return out;
 }
 

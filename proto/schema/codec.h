@@ -134,9 +134,13 @@ std::string EncodeFileIndex(std::vector<FileIndexItem> items, uint32_t format_ve
 /// [0, index_offset) and no two of them overlapping, every referenced item inside its
 /// reference (`reference_sizes[k - 1]`), raw items raw_length == length and zstd ones at most
 /// kMaxZstdExpansion x length, no unknown flag. CorruptionError naming `file`.
+/// `references_unknown`: the file's own references are not known to the caller (a sibling's file
+/// read for its block table): its referenced items are decoded without bounds, and must not be
+/// read through this index.
 std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t index_offset,
                                            const std::string& file, uint32_t format_version = 2,
-                                           const std::vector<uint64_t>& reference_sizes = {});
+                                           const std::vector<uint64_t>& reference_sizes = {},
+                                           bool references_unknown = false);
 
 /// Version 2: the block table of a data file (docs/FORMAT.md), just before its index. 16 header
 /// bytes (magic "DCPBLK01", u32 log2 of the block size, u32 block count), then a u32 CRC32C per

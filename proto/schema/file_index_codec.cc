@@ -91,7 +91,8 @@ std::string EncodeFileIndex(std::vector<FileIndexItem> items, uint32_t format_ve
 
 std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t index_offset,
                                            const std::string& file, uint32_t format_version,
-                                           const std::vector<uint64_t>& reference_sizes) {
+                                           const std::vector<uint64_t>& reference_sizes,
+                                           bool references_unknown) {
   auto fail = [&](const std::string& what) -> CorruptionError {
     return CorruptionError("index of data file '" + file + "': " + what);
   };
@@ -131,11 +132,11 @@ std::vector<FileIndexItem> DecodeFileIndex(std::string_view bytes, uint64_t inde
     if (v3) {
       it.ref = static_cast<uint32_t>(GetLe64(p + 41, 4));
       it.hash = ContentHash{GetLe64(p + 45, 8), GetLe64(p + 53, 8)};
-      if (it.ref > reference_sizes.size()) {
+      if (!references_unknown && it.ref > reference_sizes.size()) {
         throw fail("item " + std::to_string(i) + " points at reference " + std::to_string(it.ref) +
                    " of " + std::to_string(reference_sizes.size()));
       }
-      if (it.ref != 0) end = reference_sizes[it.ref - 1];
+      if (it.ref != 0) end = references_unknown ? UINT64_MAX : reference_sizes[it.ref - 1];
     }
     if (it.offset > end || it.length > end - it.offset) {
       throw fail("item " + std::to_string(i) + " [" + std::to_string(it.offset) + ", +" +

@@ -231,6 +231,44 @@ void ValidateStoredItems(const Metadata& md, const std::string& src) {
   }
 }
 
+// A data file's index and block table as the metadata records them (a file table row, or a
+// sibling's file that a reference points at); `what` names it in messages.
+struct FileGeometry {
+  std::string what;
+  uint64_t size, index_offset, index_length, block_table_offset, block_table_length;
+  uint32_t block_table_crc32c;
+};
+
+// The index lies inside the file and is a whole number of items of `format_version`; the block
+// table lies just before the index, so it is outside every item, which DecodeFileIndex keeps
+// below the table's start.
+void CheckFileGeometry(const FileGeometry& g, uint32_t format_version, const std::string& src) {
+  if (g.size > (uint64_t{1} << 62) || g.index_offset > g.size ||
+      g.index_length > g.size - g.index_offset) {
+    FailValidation(src, g.what + ": its index [" + std::to_string(g.index_offset) + ", +" +
+                            std::to_string(g.index_length) + ") lies outside its " +
+                            std::to_string(g.size) + " bytes");
+  }
+  if (g.index_length < kFileIndexHeaderBytes ||
+      (g.index_length - kFileIndexHeaderBytes) % FileIndexItemBytes(format_version) != 0) {
+    FailValidation(src, g.what + ": an index of " + std::to_string(g.index_length) +
+                            " bytes is no whole number of items");
+  }
+  if (g.block_table_length == 0) {
+    if (g.block_table_offset != 0 || g.block_table_crc32c != 0) {
+      FailValidation(src, g.what + ": an empty block table with an offset or checksum");
+    }
+  } else if (g.block_table_length > g.index_offset ||
+             g.block_table_offset != g.index_offset - g.block_table_length ||
+             g.block_table_length < kBlockTableHeaderBytes ||
+             (g.block_table_length - kBlockTableHeaderBytes) % 4 != 0) {
+    FailValidation(src, g.what + ": its block table [" + std::to_string(g.block_table_offset) +
+                            ", +" + std::to_string(g.block_table_length) +
+                            ") is not a whole table ending where its index starts (" +
+                            std::to_string(g.index_offset) + ")");
+  }
+}
+
 // Version 2: the file table. A row's index lies inside its file and its length is what its item
 // count takes (storage/format/dcp_index.h), so an index claims no more items than its bytes
 // hold; names are plain and distinct; writers are ranks of the save.
@@ -251,46 +289,32 @@ void ValidateFileTable(const Metadata& md, const std::string& src) {
         FailValidation(src, "data file '" + p + "': reference " + ClippedName(r.name) +
                                 " is not \"../<checkpoint>/<file>\" of plain names with a size");
       }
+      // Where the sibling file's index and block table lie: recorded together or not at all.
+      if (r.block_table_length != 0) {
+        CheckFileGeometry(
+            {"data file '" + p + "': reference '" + r.name + "'", r.size, r.index_offset,
+             r.index_length, r.block_table_offset, r.block_table_length, r.block_table_crc32c},
+            3, src);
+      } else if (r.index_offset != 0 || r.index_length != 0 || r.index_crc32c != 0 ||
+                 r.block_table_offset != 0 || r.block_table_crc32c != 0) {
+        FailValidation(src, "data file '" + p + "': reference '" + r.name +
+                                "' records where its index lies but no block table");
+      }
     }
     if (!names.insert(p).second) FailValidation(src, "data file '" + p + "' is listed twice");
     if (f.writer < 0 || f.writer >= md.world_size) {
       FailValidation(src, "data file '" + p + "' names writer rank " + std::to_string(f.writer) +
                               " in a checkpoint saved by " + std::to_string(md.world_size));
     }
-    if (f.size > (uint64_t{1} << 62) || f.index_offset > f.size ||
-        f.index_length > f.size - f.index_offset) {
-      FailValidation(src, "data file '" + p + "': its index [" + std::to_string(f.index_offset) +
-                              ", +" + std::to_string(f.index_length) + ") lies outside its " +
-                              std::to_string(f.size) + " bytes");
-    }
-    if (f.index_length < kFileIndexHeaderBytes ||
-        (f.index_length - kFileIndexHeaderBytes) % FileIndexItemBytes(md.format_version) != 0) {
-      FailValidation(src, "data file '" + p + "': an index of " + std::to_string(f.index_length) +
-                              " bytes is no whole number of items");
-    }
+    CheckFileGeometry({"data file '" + p + "'", f.size, f.index_offset, f.index_length,
+                       f.block_table_offset, f.block_table_length, f.block_table_crc32c},
+                      md.format_version, src);
     if (!f.index_copy.empty() &&
         (f.index_copy.size() != f.index_length ||
          Crc32c(0, f.index_copy.data(), f.index_copy.size()) != f.index_crc32c)) {
       FailValidation(src, "data file '" + p +
                               "': the metadata's copy of its index does not match the index's "
                               "recorded length and checksum");
-    }
-    // The block table lies just before the index, so it is outside every item, which
-    // DecodeFileIndex keeps below the table's start.
-    if (f.block_table_length == 0) {
-      if (f.block_table_offset != 0 || f.block_table_crc32c != 0) {
-        FailValidation(src,
-                       "data file '" + p + "': an empty block table with an offset or checksum");
-      }
-    } else if (f.block_table_length > f.index_offset ||
-               f.block_table_offset != f.index_offset - f.block_table_length ||
-               f.block_table_length < kBlockTableHeaderBytes ||
-               (f.block_table_length - kBlockTableHeaderBytes) % 4 != 0) {
-      FailValidation(src, "data file '" + p + "': its block table [" +
-                              std::to_string(f.block_table_offset) + ", +" +
-                              std::to_string(f.block_table_length) +
-                              ") is not a whole table ending where its index starts (" +
-                              std::to_string(f.index_offset) + ")");
     }
   }
 }

@@ -506,7 +506,7 @@ class StoreWriter : public StorageWriter {
         std::optional<ContentHash> hash;
         if (base_->Unchanged(i, item, data, hash)) {
           r.storage = kept->info;
-          r.reference_size = kept->reference_size;
+          r.reference = kept->reference;
           results.push_back(std::move(r));
           continue;
         }

@@ -53,6 +53,19 @@ std::vector<uint64_t> ReferenceSizes(const DataFile& f) {
   return sizes;
 }
 
+std::vector<FileIndexItem> ReadReferencedIndex(Store& store, const DataFileReference& r) {
+  DataFile f;
+  f.name = r.name;
+  f.size = r.size;
+  f.index_offset = r.index_offset;
+  f.index_length = r.index_length;
+  f.index_crc32c = r.index_crc32c;
+  f.block_table_offset = r.block_table_offset;
+  f.block_table_length = r.block_table_length;
+  return DecodeFileIndex(ReadFileIndexBytes(store, f), DataEnd(f), store.uri() + "/" + f.name, 3,
+                         {}, /*references_unknown=*/true);
+}
+
 std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f, uint32_t format_version) {
   return DecodeFileIndex(ReadFileIndexBytes(store, f), DataEnd(f), store.uri() + "/" + f.name,
                          format_version, ReferenceSizes(f));
@@ -306,14 +319,14 @@ DataFile AppendFileIndex(WritableObject& out, const std::string& name,
       // An item an incremental save kept where an earlier step stored it (and its size as
       // the writer found it: the reader's bound for the item).
       if (format_version < 3 || !IsSiblingReference(r.storage.relative_path) ||
-          !r.storage.block_crc32c.empty()) {
+          r.reference.name != r.storage.relative_path || !r.storage.block_crc32c.empty()) {
         throw InternalError("item " + r.index.ToString() + " of data file '" + name +
                             "' lies in '" + r.storage.relative_path +
                             "', which its index cannot record");
       }
       auto [ref, added] = reference_of.try_emplace(r.storage.relative_path,
                                                    static_cast<uint32_t>(f.references.size() + 1));
-      if (added) f.references.push_back({r.storage.relative_path, r.reference_size});
+      if (added) f.references.push_back(r.reference);
       it.ref = ref->second;
     }
     index.emplace_back(it, &r.storage.block_crc32c);

@@ -38,6 +38,11 @@ class FileIndexResolver : public ItemLocator {
   /// ItemLocator::ResolveBlocks: each block table is read at most once (in parallel), checked
   /// against the file table's CRC32C, its count against the items its file's index lists, and
   /// an item's blocks against its crc32c (the CRCs combine to it) before they are attached.
+  /// Version 3: an item that lies in a sibling's file (a reference recording where that file's
+  /// index and block table lie) takes its blocks from that file's table, after that file's
+  /// index (checked against the reference's CRC32C) is found to hold the item exactly where,
+  /// and with the crc32c, this checkpoint's index records; CorruptionError naming the sibling's
+  /// file otherwise.
   void ResolveBlocks(const std::vector<MetadataIndex>& partial,
                      std::map<MetadataIndex, StorageInfo>& out) override;
 
@@ -83,6 +88,15 @@ class FileIndexResolver : public ItemLocator {
   void CheckBlockTables();
   std::unordered_map<const DataFile*, BlockTable> tables_;
   std::unordered_map<std::string, const DataFile*> by_name_;
+  // Version 3: the sibling files that references point at, read for their block tables
+  // (dcp_blocks.cc): each one's index (first_block set) and table, by reference name.
+  struct ReferencedFile {
+    std::vector<FileIndexItem> items;
+    BlockTable table;
+  };
+  void LoadReferencedFiles(const std::vector<const DataFileReference*>& references);
+  std::unordered_map<std::string, const DataFileReference*> references_by_name_;
+  std::unordered_map<std::string, ReferencedFile> referenced_;
 };
 
 /// Version 2: where the items of data file `f` end: its block table's start (or its index's,
@@ -92,6 +106,10 @@ uint64_t DataEnd(const DataFile& f);
 /// Version 2: read and decode the index of data file `f` of a checkpoint of `format_version`
 /// in `store`, checking its CRC32C.
 std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f, uint32_t format_version);
+/// Version 3: read and decode the index of sibling file `r` (a reference that records where its
+/// index lies), checking its CRC32C; its own references are unknown here (DecodeFileIndex's
+/// references_unknown).
+std::vector<FileIndexItem> ReadReferencedIndex(Store& store, const DataFileReference& r);
 /// Version 3: the sizes of `f`'s references, in order (DecodeFileIndex's bounds).
 std::vector<uint64_t> ReferenceSizes(const DataFile& f);
 
@@ -103,7 +121,7 @@ std::vector<uint64_t> ReferenceSizes(const DataFile& f);
 /// table: written by `rank`, its size, where its block table and index lie, and the index bytes
 /// as index_copy. `format_version` 3 writes the version-3 index: every item with its
 /// StorageInfo::content_hash, and an item whose relative_path is not `name` (a sibling
-/// reference, "../<checkpoint>/<file>", of WriteResult::reference_size bytes) pointing at the
+/// reference, "../<checkpoint>/<file>", recorded as WriteResult::reference) pointing at the
 /// file's reference to it. InvalidArgumentError for an item without a chunk ordinal;
 /// InternalError for a transform an index cannot record (anything but one zstd), an item whose
 /// block CRCs do not fit its length, or a reference version 2 (or the name) cannot hold.

@@ -65,11 +65,24 @@ void IncrementalBase::Read(Store& store, const StorageOptions& options, const Sa
   // The items' first-block CRCs, where the base's files have block tables (one small read per
   // file): what tells most changed items apart without hashing them.
   resolver.ResolveBlocks(wanted, found);
-  // Sizes of the files the base's items lie in, by the name the new checkpoint gives them.
-  std::unordered_map<std::string, uint64_t> sizes;
+  // The files the base's items lie in, as the new checkpoint references them: the base's own
+  // (where their indexes and block tables lie, so that partial reads verify blocks), and the
+  // base's references as it recorded them (siblings share the parent, so the names hold).
+  std::unordered_map<std::string, DataFileReference> references;
   for (const DataFile& f : md.files) {
-    sizes[SiblingReference(name, f.name)] = f.size;
-    for (const DataFileReference& r : f.references) sizes[r.name] = r.size;
+    DataFileReference r;
+    r.name = SiblingReference(name, f.name);
+    r.size = f.size;
+    if (f.block_table_length != 0) {
+      r.index_offset = f.index_offset;
+      r.index_length = f.index_length;
+      r.index_crc32c = f.index_crc32c;
+      r.block_table_offset = f.block_table_offset;
+      r.block_table_length = f.block_table_length;
+      r.block_table_crc32c = f.block_table_crc32c;
+    }
+    references[r.name] = r;
+    for (const DataFileReference& kept : f.references) references[kept.name] = kept;
   }
   items_.assign(plan.items.size(), std::nullopt);
   for (size_t w = 0; w < wanted.size(); ++w) {
@@ -79,9 +92,9 @@ void IncrementalBase::Read(Store& store, const StorageOptions& options, const Sa
     if (!IsSiblingReference(info.relative_path)) {
       info.relative_path = SiblingReference(name, info.relative_path);
     }
-    auto size = sizes.find(info.relative_path);
-    if (size == sizes.end()) continue;
-    BaseItem kept{std::move(info), size->second};
+    auto reference = references.find(info.relative_path);
+    if (reference == references.end()) continue;
+    BaseItem kept{std::move(info), reference->second};
     if (kept.info.blocks.crcs != nullptr && kept.info.blocks.count > 0) {
       kept.head_crc32c = kept.info.blocks.crcs[0];
       kept.head_bytes = uint64_t{1} << kept.info.blocks.log2;

@@ -216,10 +216,11 @@ void CheckUnchanged(const WriteItem& item, const ResolvedData& data);
 bool WritesContentHashes(const StorageOptions& options);
 
 /// An item of the base: where it lies, named from the new checkpoint ("../<checkpoint>/<file>",
-/// StorageInfo::relative_path), with its content hash, and that file's size.
+/// StorageInfo::relative_path), with its content hash, and that file as the new checkpoint's
+/// file table will reference it (its size, and where its index and block table lie).
 struct BaseItem {
   StorageInfo info;
-  uint64_t reference_size = 0;
+  DataFileReference reference;
   /// The CRC32C of the item's first `head_bytes` bytes (its first block, from the base's block
   /// table), when the base has one: an item whose head differs changed, known after reading
   /// one block instead of hashing the whole item. head_bytes 0: none.

@@ -13,7 +13,9 @@
 #include "dcp/proto/schema/codec.h"
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
+#include "dcp/storage/format/dcp_index.h"
 #include "dcp/storage/format/dcp_layout.h"
+#include "dcp/storage/sibling_store.h"
 #include "dcp/storage/store.h"
 #include "support/test_support.h"
 
@@ -104,10 +106,11 @@ struct Box {
   int64_t r0, r1, c0, c1;
 };
 
-// Load the boxes of "w" in one load on one read thread; returns the data bytes read.
-uint64_t LoadBoxes(const std::string& name, const std::vector<Box>& boxes,
-                   std::vector<TensorView>& out, StorageOptions so = {}) {
-  auto store = std::make_shared<CountingStore>(MakeMemStore(name));
+// Load the boxes of "w" from `store` in one load on one read thread; returns the data bytes
+// `counted` recorded.
+uint64_t LoadBoxesFrom(std::shared_ptr<Store> store, const std::vector<Box>& boxes,
+                       std::vector<TensorView>& out, StorageOptions so,
+                       const std::function<uint64_t()>& counted) {
   so.read_threads = 1;
   out.clear();
   std::vector<Shard> shards;
@@ -129,7 +132,31 @@ uint64_t LoadBoxes(const std::string& name, const std::vector<Box>& boxes,
     }
   }));
   if (error) std::rethrow_exception(error);
-  return store->data_read;
+  return counted();
+}
+
+uint64_t LoadBoxes(const std::string& name, const std::vector<Box>& boxes,
+                   std::vector<TensorView>& out, StorageOptions so = {}) {
+  auto store = std::make_shared<CountingStore>(MakeMemStore(name));
+  return LoadBoxesFrom(store, boxes, out, so, [&] { return store->data_read; });
+}
+
+// LoadBoxes from checkpoint "<parent>/<name>" whose data files may lie in its siblings': the
+// bytes read from its own data files and its siblings' together.
+uint64_t LoadBoxesWithSiblings(const std::string& parent, const std::string& name,
+                               const std::vector<Box>& boxes, std::vector<TensorView>& out,
+                               StorageOptions so = {}) {
+  auto own = std::make_shared<CountingStore>(MakeMemStore(parent + "/" + name));
+  std::vector<std::shared_ptr<CountingStore>> siblings;
+  auto store = std::make_shared<SiblingStore>(own, [&](const std::string& sibling) {
+    siblings.push_back(std::make_shared<CountingStore>(MakeMemStore(parent + "/" + sibling)));
+    return siblings.back();
+  });
+  return LoadBoxesFrom(store, boxes, out, so, [&] {
+    uint64_t n = own->data_read;
+    for (const auto& s : siblings) n += s->data_read;
+    return n;
+  });
 }
 
 bool Touches(const Box& b, uint64_t block) {
@@ -349,4 +376,134 @@ TEST_CASE("block CRCs: a damaged or forged block table is corruption naming the 
     CHECK_THROWS_WITH(ReadMetadata("mem://" + name), Contains("disagrees with the crc32c"));
   }
   ClearMemStore(name);
+}
+
+TEST_CASE(
+    "block CRCs: a partial read of an item kept in an earlier checkpoint verifies only its blocks",
+    "[block-crc][reader][incremental]") {
+  const std::string parent = "blockcrc-incremental";
+  StorageOptions first = SmallBlocks();
+  first.content_hashes = true;
+  const TensorView ref = SaveW(parent + "/s1", first);
+  StorageOptions next = SmallBlocks();
+  next.incremental_base = "s1";
+  SaveW(parent + "/s2", next);  // the same bytes: "w" is kept in s1's file
+  const std::string s1_file = DataFileOf(parent + "/s1");
+  const DataFile f1 = RawMetadata(parent + "/s1").files.at(0);
+  const Metadata md2 = RawMetadata(parent + "/s2");
+  REQUIRE(md2.files.size() == 1);
+  REQUIRE(md2.files[0].references.size() == 1);
+  const DataFileReference& r = md2.files[0].references[0];
+  CHECK(r.name == "../s1/" + s1_file);
+  CHECK(r.size == f1.size);
+  CHECK(r.index_offset == f1.index_offset);
+  CHECK(r.index_length == f1.index_length);
+  CHECK(r.index_crc32c == f1.index_crc32c);
+  CHECK(r.block_table_offset == f1.block_table_offset);
+  CHECK(r.block_table_length == f1.block_table_length);
+  CHECK(r.block_table_crc32c == f1.block_table_crc32c);
+  const std::vector<Box> boxes = {{1, 3, 0, kCols},   {3, 9, 0, kCols},    {13, 18, 0, kCols},
+                                  {6, 7, 5, 9},       {5, 11, 64, 128},    {0, kRows, 0, 64},
+                                  {10, 11, 0, kCols}, {0, kRows, 0, kCols}};
+  // A partial read reads its runs, at most a block of slack at each end, and s1's table and
+  // index (read with the known size, not counted here).
+  for (const Box& b : boxes) {
+    std::vector<TensorView> out;
+    const uint64_t read = LoadBoxesWithSiblings(parent, "s2", {b}, out);
+    CHECK(SameElements(out[0], ref.Narrow({b.r0, b.c0}, {b.r1 - b.r0, b.c1 - b.c0})));
+    if (b.c1 - b.c0 == kCols && b.r1 - b.r0 < kRows) {
+      CHECK(read <= (b.r1 - b.r0) * kRow + 2 * kBlock);
+      CHECK(read < kItem);
+    }
+  }
+  // A flipped byte in s1's file fails exactly the partial reads of s2 that touch its block.
+  const std::string good = MakeMemStore(parent + "/s1")->ReadAll(s1_file, UINT64_MAX);
+  for (uint64_t block = 0; block < 5; ++block) {
+    std::string bad = good;
+    bad[block * kBlock + 100] ^= 0x20;  // the item starts the file
+    Rewrite(parent + "/s1", s1_file, bad);
+    for (const Box& b : boxes) {
+      DYNAMIC_SECTION("flip in block " << block << " box rows " << b.r0 << "-" << b.r1 << " cols "
+                                       << b.c0 << "-" << b.c1) {
+        std::vector<TensorView> out;
+        if (Touches(b, block)) {
+          CHECK_THROWS_WITH(LoadBoxesWithSiblings(parent, "s2", {b}, out),
+                            Contains("checksum mismatch") && Contains("w") && Contains(s1_file));
+        } else {
+          LoadBoxesWithSiblings(parent, "s2", {b}, out);
+          CHECK(SameElements(out[0], ref.Narrow({b.r0, b.c0}, {b.r1 - b.r0, b.c1 - b.c0})));
+        }
+      }
+    }
+  }
+  std::string bad = good;
+  bad[kItem - 1] ^= 1;  // block 4
+  Rewrite(parent + "/s1", s1_file, bad);
+  const Box far{1, 3, 0, kCols};
+  SECTION("a reference written before it recorded the sibling's table: verified whole") {
+    Metadata md = md2;
+    DataFileReference& old = md.files[0].references[0];
+    DataFileReference plain;
+    plain.name = old.name;
+    plain.size = old.size;
+    old = plain;
+    Publish(parent + "/s2", md);
+    std::vector<TensorView> out;
+    CHECK_THROWS_WITH(LoadBoxesWithSiblings(parent, "s2", {far}, out),
+                      Contains("checksum mismatch"));
+    Rewrite(parent + "/s1", s1_file, good);
+    CHECK(LoadBoxesWithSiblings(parent, "s2", {far}, out) >= kItem);
+    CHECK(SameElements(out[0], ref.Narrow({far.r0, 0}, {far.r1 - far.r0, kCols})));
+  }
+  SECTION("the sibling's table fails its recorded checksum") {
+    Metadata md = md2;
+    md.files[0].references[0].block_table_crc32c ^= 1;
+    Publish(parent + "/s2", md);
+    std::vector<TensorView> out;
+    CHECK_THROWS_WITH(
+        LoadBoxesWithSiblings(parent, "s2", {far}, out),
+        Contains("block table") && Contains("does not match its checksum") && Contains(s1_file));
+  }
+  SECTION("the sibling's index fails its recorded checksum") {
+    Metadata md = md2;
+    md.files[0].references[0].index_crc32c ^= 1;
+    Publish(parent + "/s2", md);
+    std::vector<TensorView> out;
+    CHECK_THROWS_WITH(LoadBoxesWithSiblings(parent, "s2", {far}, out),
+                      Contains("index of data file") && Contains(s1_file));
+  }
+  SECTION("a recorded table that does not end at the recorded index is refused") {
+    Metadata md = md2;
+    md.files[0].references[0].block_table_offset -= 4;
+    Publish(parent + "/s2", md);
+    std::vector<TensorView> out;
+    CHECK_THROWS_WITH(LoadBoxesWithSiblings(parent, "s2", {far}, out),
+                      Contains("reference '../s1/" + s1_file + "'") && Contains("block table"));
+  }
+  SECTION("a sibling index that holds the item elsewhere is corruption naming it") {
+    // s2's index says the item lies 4 bytes further on in s1's file (its own index rewritten,
+    // with the metadata's CRC of it): s1's index, and its table, disagree.
+    Rewrite(parent + "/s1", s1_file, good);
+    Metadata md = md2;
+    DataFile& f2 = md.files[0];
+    const std::string s2_file = f2.name;
+    std::string bytes = MakeMemStore(parent + "/s2")->ReadAll(s2_file, UINT64_MAX);
+    std::string index = bytes.substr(f2.index_offset, f2.index_length);
+    std::vector<FileIndexItem> items =
+        DecodeFileIndex(index, f2.index_offset, s2_file, 3, ReferenceSizes(f2));
+    REQUIRE(items.size() == 1);
+    items[0].offset += 4;
+    index = EncodeFileIndex(items, 3);
+    REQUIRE(index.size() == f2.index_length);
+    bytes.replace(f2.index_offset, f2.index_length, index);
+    Rewrite(parent + "/s2", s2_file, bytes);
+    f2.index_crc32c = Crc32c(0, index.data(), index.size());
+    f2.index_copy.clear();
+    Publish(parent + "/s2", md);
+    std::vector<TensorView> out;
+    CHECK_THROWS_WITH(LoadBoxesWithSiblings(parent, "s2", {far}, out),
+                      Contains("does not hold 'w'") && Contains(s1_file));
+  }
+  ClearMemStore(parent + "/s1");
+  ClearMemStore(parent + "/s2");
 }
