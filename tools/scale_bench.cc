@@ -190,6 +190,8 @@ struct LoadSide {
   bool cooperative = false;        // the schedule says the load reads cooperatively
   double read_phase_s = 0;         // walk_s, plus coop_ask_s when cooperative
   double read_phase_mib = 0;       // walk_mib, or coop_ask_mib when cooperative and larger
+  double read_data_bytes = 0;      // the bytes of its pieces' boxes (what it loads)
+  double read_index_bytes = 0;     // the indexes of the data files they lie in (not in metadata)
   double gathered_bytes = 0;       // the N summaries the coordinator gathers
   double coordinator_s = 0;        // decoding them and scheduling read-once (wall)
   double coordinator_mib = 0;      // its peak extra memory doing so
@@ -262,6 +264,36 @@ Row Isolated(Run run) {
   return row;
 }
 
+// What a follower's read phase then reads (not timed): its pieces' bytes, and the indexes of the
+// data files they lie in, which a reader that resolves its own items reads whole (a load that
+// reads cooperatively reads the indexes of the files it owns instead), unless the metadata holds
+// copies of them.
+void ReadVolume(const LoadPlan& plan, const Metadata& md, int world, LoadSide& side) {
+  std::vector<char> writers(static_cast<size_t>(world), 0);
+  double data = 0;
+  const std::string* last = nullptr;
+  const TensorMetadata* t = nullptr;
+  ForEachExpandedPart(plan, md, kMaxExpandedItems, [&](const LoadPlan& part) {
+    for (const ReadItem& item : part.items) {
+      if (last == nullptr || *last != item.storage_index.fqn) {
+        last = &item.storage_index.fqn;
+        t = std::get_if<TensorMetadata>(&md.entries.at(*last));
+      }
+      if (t == nullptr || !item.storage_index.index) continue;
+      data += static_cast<double>(NumElements(item.lengths) * ElementSize(t->dtype));
+      const int32_t w = ChunkWriter(*t, static_cast<size_t>(*item.storage_index.index));
+      if (w >= 0 && w < world) writers[static_cast<size_t>(w)] = 1;
+    }
+  });
+  side.read_data_bytes = data;
+  side.read_index_bytes = 0;
+  for (const DataFile& f : md.files) {
+    if (f.index_copy.empty() && f.writer >= 0 && f.writer < world && writers[f.writer]) {
+      side.read_index_bytes += static_cast<double>(f.index_length);
+    }
+  }
+}
+
 // What a follower's load/read costs before it reads a byte, as dcp::Load's Read runs it on its
 // plan `plan` (rank `rank` of `world`): with cooperative reads (CoopRead::Ask), its requests to
 // the owners, built and encoded (not sent); then its plan walked a bounded part at a time
@@ -317,6 +349,7 @@ void ReadPhase(const LoadPlan& plan, const Metadata& md, int rank, int world, Pe
   side.walk_mib = meter.PeakMiB();
   side.read_parts = static_cast<double>(parts);
   g_sink = elements;
+  ReadVolume(plan, md, world, side);
 }
 
 Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int replicated,
@@ -764,17 +797,21 @@ int main(int argc, char** argv) {
       "reshard: < 256 MiB and < 0.2 s of CPU). coop: its cooperative requests built and encoded "
       "(asks, bytes to all owners); walk: its plan expanded a part of <= %zu items at a time, "
       "each item touched; read: the walk, and the requests when the load reads cooperatively "
-      "(coop? y):\n%6s %8s | %10s %6s %8s %8s | %10s %9s %8s %8s %5s | %8s %8s\n",
+      "(coop? y). Then (not timed) it reads its pieces' bytes (data MiB) and, reading alone, the "
+      "indexes of the files they lie in (index MiB):\n%6s %8s | %10s %6s %8s %8s | %10s %9s %8s "
+      "%8s %5s | %8s %8s | %9s %9s\n",
       kMaxExpandedItems, "N", "load", "pieces", "parts", "walk s", "walk MiB", "coop asks",
-      "requests", "coop s", "coop MiB", "coop?", "read s", "read MiB");
+      "requests", "coop s", "coop MiB", "coop?", "read s", "read MiB", "data MiB", "index MiB");
   for (const Row& r : rows) {
     for (const auto& [name, side] :
          {std::pair{"resume", r.resume}, std::pair{"reshard", r.reshard}}) {
       std::printf(
-          "%6d %8s | %10.0f %6.0f %8.3f %8.1f | %10.0f %8.1fK %8.3f %8.1f %5s | %8.3f %8.1f\n", r.n,
-          name, side.pieces, side.read_parts, side.walk_s, side.walk_mib, side.coop_asks,
+          "%6d %8s | %10.0f %6.0f %8.3f %8.1f | %10.0f %8.1fK %8.3f %8.1f %5s | %8.3f %8.1f | "
+          "%9.1f %9.1f\n",
+          r.n, name, side.pieces, side.read_parts, side.walk_s, side.walk_mib, side.coop_asks,
           side.coop_request_bytes / 1024, side.coop_ask_s, side.coop_ask_mib,
-          side.cooperative ? "y" : "n", side.read_phase_s, side.read_phase_mib);
+          side.cooperative ? "y" : "n", side.read_phase_s, side.read_phase_mib,
+          MiB(side.read_data_bytes), MiB(side.read_index_bytes));
     }
   }
   std::printf("\ngrowth exponent k (cost ~ N^k) between consecutive N:\n");
@@ -814,7 +851,9 @@ int main(int argc, char** argv) {
                               {"coop_waste_s", l.coop_waste_s},
                               {"cooperative", l.cooperative},
                               {"read_phase_cpu_s", l.read_phase_s},
-                              {"read_phase_peak_mib", l.read_phase_mib}};
+                              {"read_phase_peak_mib", l.read_phase_mib},
+                              {"read_data_mib", MiB(l.read_data_bytes)},
+                              {"read_index_mib", MiB(l.read_index_bytes)}};
       };
       out.push_back({{"ranks", r.n},
                      {"metadata_version", g_metadata_version},
