@@ -16,25 +16,27 @@
 namespace dcp {
 
 namespace {
+
 constexpr size_t kTableReadsInFlight = 16;  // as index reads: on an object store, round trips
+
+// The block table of data file `f` (of this checkpoint, or a sibling's through a reference),
+// checked against its recorded CRC32C and decoded.
+BlockTable ReadBlockTable(Store& store, const DataFile& f) {
+  const std::string where = store.uri() + "/" + f.name;
+  std::string bytes(static_cast<size_t>(f.block_table_length), '\0');
+  store.OpenKnownSize(f.name, f.size)->ReadAt(f.block_table_offset, bytes.data(), bytes.size());
+  if (Crc32c(0, bytes.data(), bytes.size()) != f.block_table_crc32c) {
+    throw CorruptionError("block table of data file '" + where + "' does not match its checksum");
+  }
+  return DecodeBlockTable(bytes, where);
+}
+
 }  // namespace
 
 void FileIndexResolver::LoadBlockTables(const std::vector<const DataFile*>& files) {
   std::vector<BlockTable> tables(files.size());
   ParallelFor(
-      files.size(),
-      [&](size_t i) {
-        const DataFile& f = *files[i];
-        const std::string where = store_.uri() + "/" + f.name;
-        std::string bytes(static_cast<size_t>(f.block_table_length), '\0');
-        store_.OpenKnownSize(f.name, f.size)
-            ->ReadAt(f.block_table_offset, bytes.data(), bytes.size());
-        if (Crc32c(0, bytes.data(), bytes.size()) != f.block_table_crc32c) {
-          throw CorruptionError("block table of data file '" + where +
-                                "' does not match its checksum");
-        }
-        tables[i] = DecodeBlockTable(bytes, where);
-      },
+      files.size(), [&](size_t i) { tables[i] = ReadBlockTable(store_, *files[i]); },
       std::min<size_t>(std::max<size_t>(files.size(), 1), kTableReadsInFlight));
   // Each item's first block: the tables list the items' blocks in index order, which is the
   // (hash, chunk) order of items_ restricted to one file.
@@ -93,18 +95,11 @@ void FileIndexResolver::LoadReferencedFiles(const std::vector<const DataFileRefe
   ParallelFor(
       refs.size(),
       [&](size_t i) {
-        const DataFileReference& r = *refs[i];
-        const std::string where = store_.uri() + "/" + r.name;
+        const DataFile f = ReferencedDataFile(*refs[i]);
+        const std::string where = store_.uri() + "/" + f.name;
         ReferencedFile& rf = files[i];
-        rf.items = ReadReferencedIndex(store_, r);
-        std::string bytes(static_cast<size_t>(r.block_table_length), '\0');
-        store_.OpenKnownSize(r.name, r.size)
-            ->ReadAt(r.block_table_offset, bytes.data(), bytes.size());
-        if (Crc32c(0, bytes.data(), bytes.size()) != r.block_table_crc32c) {
-          throw CorruptionError("block table of data file '" + where +
-                                "' does not match its checksum");
-        }
-        rf.table = DecodeBlockTable(bytes, where);
+        rf.items = ReadReferencedIndex(store_, f);
+        rf.table = ReadBlockTable(store_, f);
         // The table lists the blocks of the index's items in index order.
         uint64_t next = 0;
         for (FileIndexItem& item : rf.items) {

@@ -53,7 +53,7 @@ std::vector<uint64_t> ReferenceSizes(const DataFile& f) {
   return sizes;
 }
 
-std::vector<FileIndexItem> ReadReferencedIndex(Store& store, const DataFileReference& r) {
+DataFile ReferencedDataFile(const DataFileReference& r) {
   DataFile f;
   f.name = r.name;
   f.size = r.size;
@@ -62,6 +62,26 @@ std::vector<FileIndexItem> ReadReferencedIndex(Store& store, const DataFileRefer
   f.index_crc32c = r.index_crc32c;
   f.block_table_offset = r.block_table_offset;
   f.block_table_length = r.block_table_length;
+  f.block_table_crc32c = r.block_table_crc32c;
+  return f;
+}
+
+DataFileReference ReferenceTo(const std::string& name, const DataFile& f) {
+  DataFileReference r;
+  r.name = name;
+  r.size = f.size;
+  if (f.block_table_length != 0) {
+    r.index_offset = f.index_offset;
+    r.index_length = f.index_length;
+    r.index_crc32c = f.index_crc32c;
+    r.block_table_offset = f.block_table_offset;
+    r.block_table_length = f.block_table_length;
+    r.block_table_crc32c = f.block_table_crc32c;
+  }
+  return r;
+}
+
+std::vector<FileIndexItem> ReadReferencedIndex(Store& store, const DataFile& f) {
   return DecodeFileIndex(ReadFileIndexBytes(store, f), DataEnd(f), store.uri() + "/" + f.name, 3,
                          {}, /*references_unknown=*/true);
 }

@@ -106,10 +106,16 @@ uint64_t DataEnd(const DataFile& f);
 /// Version 2: read and decode the index of data file `f` of a checkpoint of `format_version`
 /// in `store`, checking its CRC32C.
 std::vector<FileIndexItem> ReadFileIndex(Store& store, const DataFile& f, uint32_t format_version);
-/// Version 3: read and decode the index of sibling file `r` (a reference that records where its
-/// index lies), checking its CRC32C; its own references are unknown here (DecodeFileIndex's
+/// Version 3: a sibling's data file as reference `r` records it (its name, size, and where its
+/// index and block table lie; no writer, no references).
+DataFile ReferencedDataFile(const DataFileReference& r);
+/// Version 3: a reference named `name` ("../<checkpoint>/<file>") to data file `f` of a sibling,
+/// recording where its index and block table lie when it has a table.
+DataFileReference ReferenceTo(const std::string& name, const DataFile& f);
+/// Version 3: read and decode the index of a sibling's data file `f` (ReferencedDataFile),
+/// checking its CRC32C; its own references are unknown here (DecodeFileIndex's
 /// references_unknown).
-std::vector<FileIndexItem> ReadReferencedIndex(Store& store, const DataFileReference& r);
+std::vector<FileIndexItem> ReadReferencedIndex(Store& store, const DataFile& f);
 /// Version 3: the sizes of `f`'s references, in order (DecodeFileIndex's bounds).
 std::vector<uint64_t> ReferenceSizes(const DataFile& f);
 

@@ -70,17 +70,7 @@ void IncrementalBase::Read(Store& store, const StorageOptions& options, const Sa
   // base's references as it recorded them (siblings share the parent, so the names hold).
   std::unordered_map<std::string, DataFileReference> references;
   for (const DataFile& f : md.files) {
-    DataFileReference r;
-    r.name = SiblingReference(name, f.name);
-    r.size = f.size;
-    if (f.block_table_length != 0) {
-      r.index_offset = f.index_offset;
-      r.index_length = f.index_length;
-      r.index_crc32c = f.index_crc32c;
-      r.block_table_offset = f.block_table_offset;
-      r.block_table_length = f.block_table_length;
-      r.block_table_crc32c = f.block_table_crc32c;
-    }
+    const DataFileReference r = ReferenceTo(SiblingReference(name, f.name), f);
     references[r.name] = r;
     for (const DataFileReference& kept : f.references) references[kept.name] = kept;
   }
