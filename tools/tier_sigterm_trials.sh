@@ -63,7 +63,9 @@ for ((t = 1; t <= trials; ++t)); do
   # The grace window, then SIGKILL to what is left.
   timeout "$grace" tail --pid="$job" -f /dev/null
   kill -9 "${ranks[@]}" 2>/dev/null
-  timeout 60 tail --pid="$job" -f /dev/null || kill -9 "$job" 2>/dev/null
+  # mpirun outlives its killed ranks by up to a minute when they die in its start-up; with
+  # every rank gone there is nothing left for it to report, so it goes too.
+  timeout 10 tail --pid="$job" -f /dev/null || kill -9 "$job" 2>/dev/null
   wait "$job" 2>/dev/null
   report=$(grep -m1 "^preempt: \(step\|nothing\|FAILED\)" "$work/run.log")
   case "$report" in
