@@ -107,6 +107,14 @@ struct LoadStats {
   uint64_t coop_bytes_sent = 0;
   uint64_t coop_bytes_received = 0;
   uint64_t coop_items_received = 0;
+  /// Rule exchange (a reshard between two rules, planner/rule_reads.h): its rounds (0: none),
+  /// the bytes this rank sent as an owner and received, the reads it completed, and those it
+  /// read itself instead because an owner could not serve them.
+  uint64_t rule_rounds = 0;
+  uint64_t rule_bytes_sent = 0;
+  uint64_t rule_bytes_received = 0;
+  uint64_t rule_items = 0;
+  uint64_t rule_items_fallen_back = 0;
 };
 
 /// What a save returns (the same metadata on every rank; stats are this rank's).

@@ -66,7 +66,10 @@ struct LoadOptions {
   /// rounds bounded by storage.memory_budget_bytes. Only on communicators that exchange bytes
   /// directly (MPI, in-process; not NCCL) and readers with an item streamer (every built-in
   /// format; zstd items are read by each rank as before). A load whose ranks read whole items
-  /// (same layout) runs no extra collective.
+  /// (same layout) runs no extra collective. When both the saved and the requested layout of a
+  /// tensor are rules (each rank's slice along one dimension), the owners send every rank its
+  /// pieces with no request at all (rule exchange: one collective per round; docs/PROTOCOL.md).
+  /// An owner that cannot read a chunk leaves it to each rank's own read, which names it.
   bool read_once = true;
   /// Skip state dict keys the checkpoint lacks instead of failing (default planner only; a
   /// custom planner with it set is refused). PyTorch DCP's name; Lightning's `strict` is its

@@ -298,9 +298,12 @@ std::string EncodeReadRequestSummary(const ReadRequestSummary& summary) {
       std::all_of(summary.reads.begin(), summary.reads.end(), [](bool b) { return b; });
   std::string out;
   const bool coop = summary.coop_waste > 0;
-  out.push_back(static_cast<char>((summary.can_share ? 1 : 0) | (all ? 2 : 0) | (coop ? 4 : 0)));
+  const bool rule = summary.rule_hash != 0;
+  out.push_back(static_cast<char>((summary.can_share ? 1 : 0) | (all ? 2 : 0) | (coop ? 4 : 0) |
+                                  (rule ? 8 : 0)));
   PutU64(out, summary.plan_bytes);
   if (coop) PutU64(out, summary.coop_waste);
+  if (rule) PutU64(out, summary.rule_hash);
   if (summary.can_share && !all) {
     std::string bits((summary.reads.size() + 7) / 8, '\0');
     for (size_t c = 0; c < summary.reads.size(); ++c) {
@@ -315,10 +318,11 @@ ReadRequestSummary DecodeReadRequestSummary(std::string_view bytes, size_t candi
   Cursor in(bytes, "the load request of rank " + std::to_string(rank));
   ReadRequestSummary s;
   const uint8_t flags = in.U8();
-  if (flags > 7) in.Fail("unknown flags");
+  if (flags > 15) in.Fail("unknown flags");
   s.can_share = (flags & 1) != 0;
   s.plan_bytes = in.U64();
   if ((flags & 4) != 0) s.coop_waste = in.U64();
+  if ((flags & 8) != 0) s.rule_hash = in.U64();
   if (s.can_share) {
     s.reads.assign(candidates, true);
     if ((flags & 2) == 0) {
@@ -397,7 +401,11 @@ std::string EncodeShareSchedule(const ShareSchedule& schedule) {
     PutU32(out, static_cast<uint32_t>(b.candidates.size()));
     for (int32_t c : b.candidates) PutU32(out, static_cast<uint32_t>(c));
   }
-  if (schedule.cooperative) out.push_back(1);  // absent: not cooperative
+  // Absent: neither cooperative nor rule exchange; else bit 0 and bit 1 say which.
+  if (schedule.cooperative || schedule.rule_exchange) {
+    out.push_back(
+        static_cast<char>((schedule.cooperative ? 1 : 0) | (schedule.rule_exchange ? 2 : 0)));
+  }
   return out;
 }
 
@@ -421,9 +429,10 @@ ShareSchedule DecodeShareSchedule(std::string_view bytes, size_t candidates) {
     }
   }
   if (in.left() > 0) {
-    const uint8_t coop = in.U8();
-    if (coop != 1) in.Fail("unknown cooperative flag");
-    s.cooperative = true;
+    const uint8_t flags = in.U8();
+    if (flags == 0 || flags > 3) in.Fail("unknown cooperative flags");
+    s.cooperative = (flags & 1) != 0;
+    s.rule_exchange = (flags & 2) != 0;
   }
   in.End();
   return s;

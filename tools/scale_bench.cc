@@ -21,10 +21,13 @@
 //               rank's summary is computed up to --full-load-max ranks, beyond that the
 //               coordinator gets N copies of a follower's. What gathering every plan (the protocol
 //               before) would have moved is printed beside it.
-//   load/read:  what a follower's read phase does before the reader gets a byte: its
+//   load/read:  what a follower's read phase does before the reader gets a byte: its rule
+//               reads found and cut into rounds (when the schedule says rule exchange), its
 //               cooperative requests to the owners (when the schedule says cooperative), and the
-//               walk of its plan a bounded part at a time (ForEachExpandedPart), CPU and peak
-//               memory of each.
+//               walk of the rest of its plan a bounded part at a time (ForEachExpandedPart), CPU
+//               and peak memory of each. With rule exchange, also the CPU of its two copies per
+//               piece (as an owner, packing every rank's pieces of its chunks; as a receiver,
+//               placing every owner's pieces), on synthetic bytes.
 //
 // The layout is FSDP/TP-like: --params parameters of mixed sizes (attention and MLP matrices,
 // norms, biases) row-sharded over all ranks, Adam's exp_avg and exp_avg_sq sharded the same way,
@@ -61,9 +64,12 @@
 #include "dcp/planner/coop_reads.h"
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/read_sharing.h"
+#include "dcp/planner/rule_reads.h"
 #include "dcp/proto/checksum.h"
 #include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
+#include "dcp/proto/staging.h"
+#include "dcp/storage/storage.h"
 
 using namespace dcp;
 
@@ -179,23 +185,36 @@ struct LoadSide {
   double expand_s = 0;    // CPU of expanding them all at once (into one plan)
   // load/read before the reader gets a byte (dcp::Load's Read): cooperative requests, then the
   // walk of the plan a bounded part at a time.
-  double walk_s = 0;               // CPU of ForEachExpandedPart over the plan (kMaxExpandedItems)
-  double walk_mib = 0;             // its peak extra memory
-  double read_parts = 0;           // the parts it hands to the reader
-  double coop_asks = 0;            // the follower's cooperative requests (CoopAsks)
-  double coop_request_bytes = 0;   // encoded, to all owners
-  double coop_ask_s = 0;           // CPU of building and encoding them
-  double coop_ask_mib = 0;         // its peak extra memory
-  double coop_waste_s = 0;         // CPU of its coop_waste for the summary (part of follower_s)
-  bool cooperative = false;        // the schedule says the load reads cooperatively
-  double read_phase_s = 0;         // walk_s, plus coop_ask_s when cooperative
-  double read_phase_mib = 0;       // walk_mib, or coop_ask_mib when cooperative and larger
-  double read_data_bytes = 0;      // the bytes of its pieces' boxes (what it loads)
-  double read_index_bytes = 0;     // the indexes of the data files they lie in (not in metadata)
-  double gathered_bytes = 0;       // the N summaries the coordinator gathers
-  double coordinator_s = 0;        // decoding them and scheduling read-once (wall)
-  double coordinator_mib = 0;      // its peak extra memory doing so
-  double schedule_bytes = 0;       // the one reply every rank receives
+  double walk_s = 0;              // CPU of ForEachExpandedPart over the plan (kMaxExpandedItems)
+  double walk_mib = 0;            // its peak extra memory
+  double read_parts = 0;          // the parts it hands to the reader
+  double coop_asks = 0;           // the follower's cooperative requests (CoopAsks)
+  double coop_request_bytes = 0;  // encoded, to all owners
+  double coop_ask_s = 0;          // CPU of building and encoding them
+  double coop_ask_mib = 0;        // its peak extra memory
+  double coop_waste_s = 0;        // CPU of its coop_waste for the summary (part of follower_s)
+  bool cooperative = false;       // the schedule says the load reads cooperatively
+  double read_phase_s = 0;        // walk_s, plus coop_ask_s when cooperative
+  double read_phase_mib = 0;      // walk_mib, or coop_ask_mib when cooperative and larger
+  double read_data_bytes = 0;     // the bytes of its pieces' boxes (what it loads)
+  double read_index_bytes = 0;    // the indexes of the data files they lie in (not in metadata)
+  // Rule exchange (planner/rule_reads.h), when the schedule says so.
+  bool rule_exchange = false;
+  double rule_reads = 0;  // the follower's reads it serves
+  double rule_rounds = 0;
+  double rule_plan_s = 0;  // CPU of FindRuleReads and RuleRounds
+  double rest_walk_s = 0;  // the walk of the rest of the plan (ForEachExpandedPart)
+  double rest_walk_mib = 0;
+  double rule_pieces_in = 0;    // pieces it receives (from every owner)
+  double rule_pieces_out = 0;   // pieces it sends as an owner
+  double rule_place_s = 0;      // receiver: sizing every owner's message, placing its pieces
+  double rule_pack_s = 0;       // owner: sizing every rank's message, packing its pieces
+  double rule_data_mib = 0;     // its messages of one round, in and out, at most (pooled)
+  double rule_index_bytes = 0;  // indexes it reads: its rest's files and those it owns (not timed)
+  double gathered_bytes = 0;    // the N summaries the coordinator gathers
+  double coordinator_s = 0;     // decoding them and scheduling read-once (wall)
+  double coordinator_mib = 0;   // its peak extra memory doing so
+  double schedule_bytes = 0;    // the one reply every rank receives
   double full_gather_mib_est = 0;  // what gathering every plan (the protocol before) would move
   bool exact = false;              // every rank's summary computed (else N copies of one)
 };
@@ -292,6 +311,109 @@ void ReadVolume(const LoadPlan& plan, const Metadata& md, int world, LoadSide& s
       side.read_index_bytes += static_cast<double>(f.index_length);
     }
   }
+}
+
+// Rule exchange as dcp::Load runs it (dcp/protocol/rule_exchange.cc) for rank `rank` of `world`:
+// its table and rounds (planning), the rest of its plan walked as the load reads it, then per
+// round the two copies every piece costs, on synthetic bytes: as a receiver, every owner's
+// message sized and its pieces placed into the rank's slices; as an owner, every rank's message
+// sized and packed from its chunks. The slices (the state dict's) and one chunk buffer (the
+// streamer's slab) exist before the timing, as do the messages' pooled buffers after a first load.
+void RulePhase(const LoadPlan& plan, const Metadata& md, int rank, int world, PeakMeter& meter,
+               LoadSide& side) {
+  const uint64_t round_bytes = CoopRoundBytes(StorageOptions{}.memory_budget_bytes);
+  meter.Reset();
+  double c0 = CpuSeconds();
+  const RuleReadTable table = FindRuleReads(plan, md, rank, world, round_bytes);
+  const std::vector<size_t> rounds = RuleRounds(table.reads, md.world_size, world, round_bytes);
+  side.rule_plan_s = CpuSeconds() - c0;
+  side.rule_reads = static_cast<double>(table.reads.size());
+  side.rule_rounds = static_cast<double>(rounds.size());
+  std::vector<char> ruled(plan.items.size(), 0);
+  for (const RuleRead& r : table.reads) ruled[r.item] = 1;
+  meter.Reset();
+  c0 = CpuSeconds();
+  size_t items = 0;
+  ForEachExpandedPart(WithoutItems(plan, ruled), md, kMaxExpandedItems,
+                      [&](const LoadPlan& part) { items += part.items.size(); });
+  side.rest_walk_s = CpuSeconds() - c0;
+  side.rest_walk_mib = meter.PeakMiB();
+  g_sink = items;
+  if (table.reads.empty()) return;
+  // The indexes it then reads: those of the rest's files, and of the files whose chunks it owns.
+  {
+    LoadSide rest;
+    ReadVolume(WithoutItems(plan, ruled), md, world, rest);
+    side.rule_index_bytes = rest.read_index_bytes;
+    const RuleOwnerMap owners(md.world_size, world);
+    const auto [w0, w1] = owners.WritersOf(rank, md.world_size);
+    for (const DataFile& f : md.files) {
+      if (f.index_copy.empty() && f.writer >= w0 && f.writer < w1) {
+        side.rule_index_bytes += static_cast<double>(f.index_length);
+      }
+    }
+  }
+
+  const RuleOwnerMap owners(md.world_size, world);
+  std::vector<std::vector<char>> slices(table.reads.size());
+  uint64_t largest_chunk = 0;
+  for (size_t i = 0; i < table.reads.size(); ++i) {
+    const RuleRead& read = table.reads[i];
+    slices[i].resize(NumElements(plan.items[read.item].lengths) * read.esize);
+    const auto [w0, w1] = owners.WritersOf(rank, read.chunks);
+    for (int64_t w = w0; w < w1; ++w) {
+      largest_chunk = std::max<uint64_t>(
+          largest_chunk,
+          NumElements(ChunkAt(*read.saved, static_cast<size_t>(w)).sizes) * read.esize);
+    }
+  }
+  std::vector<char> chunk(largest_chunk, 1);
+  HostBuffer in(round_bytes), out(round_bytes);
+  double place = 0, pack = 0, messages = 0;
+  for (size_t r = 0; r < rounds.size(); ++r) {
+    const size_t b = rounds[r], e = r + 1 < rounds.size() ? rounds[r + 1] : table.reads.size();
+    c0 = CpuSeconds();
+    std::vector<uint64_t> at(world + 1, 0);
+    const std::vector<uint64_t> in_sizes =
+        RuleMessageBytes(table.reads, b, e, owners, -1, rank, world);
+    std::copy(in_sizes.begin(), in_sizes.end(), at.begin() + 1);
+    for (int o = 0; o < world; ++o) at[o + 1] += at[o];
+    const double in_bytes = static_cast<double>(at[world]);
+    in.Reserve(at[world]);
+    for (size_t i = b; i < e; ++i) {
+      for (int o = 0; o < world; ++o) {
+        ForEachRulePiece(table.reads[i], owners, o, rank, [&](const RulePiece& p) {
+          CopyRulePiece(table.reads[i], p, slices[i].data(), false, in.data() + at[o], false);
+          at[o] += p.bytes;
+          side.rule_pieces_in += 1;
+        });
+      }
+    }
+    place += CpuSeconds() - c0;
+    c0 = CpuSeconds();
+    std::fill(at.begin(), at.end(), 0);
+    const std::vector<uint64_t> out_sizes =
+        RuleMessageBytes(table.reads, b, e, owners, rank, -1, world);
+    std::copy(out_sizes.begin(), out_sizes.end(), at.begin() + 1);
+    for (int f = 0; f < world; ++f) at[f + 1] += at[f];
+    messages = std::max(messages, in_bytes + static_cast<double>(at[world]));
+    out.Reserve(at[world]);
+    for (size_t i = b; i < e; ++i) {
+      const RuleRead& read = table.reads[i];
+      const auto [w0, w1] = owners.WritersOf(rank, read.chunks);
+      for (int64_t w = w0; w < w1; ++w) {
+        ForEachPieceOfChunk(read, w, [&](const RulePiece& p) {
+          CopyRulePiece(read, p, chunk.data(), true, out.data() + at[p.f], true);
+          at[p.f] += p.bytes;
+          side.rule_pieces_out += 1;
+        });
+      }
+    }
+    pack += CpuSeconds() - c0;
+  }
+  side.rule_place_s = place;
+  side.rule_pack_s = pack;
+  side.rule_data_mib = MiB(messages);
 }
 
 // What a follower's load/read costs before it reads a byte, as dcp::Load's Read runs it on its
@@ -630,8 +752,15 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
       ReadRequestSummary mine = SummarizeRequest(plan, items, follower_md, true);
       // As dcp::Load with a reader that streams items and a communicator that exchanges
       // directly: how much partial reads would waste, enough of it for ShouldCooperate.
+      // Its rule reads (planner/rule_reads.h) leave what cooperative reads weigh.
       const double w0 = CpuSeconds();
-      mine.coop_waste = CoopWaste(plan, follower_md, CoopOwners(follower_md, n), /*verify=*/true,
+      const RuleReadTable table = FindRuleReads(
+          plan, follower_md, r, n, CoopRoundBytes(StorageOptions{}.memory_budget_bytes));
+      mine.rule_hash = table.hash;
+      std::vector<char> ruled(plan.items.size(), 0);
+      for (const RuleRead& rr : table.reads) ruled[rr.item] = 1;
+      mine.coop_waste = CoopWaste(table.reads.empty() ? plan : WithoutItems(plan, ruled),
+                                  follower_md, CoopOwners(follower_md, n), /*verify=*/true,
                                   std::max(kCoopMinWaste, mine.plan_bytes / 16));
       const double waste_s = CpuSeconds() - w0;
       std::string msg = EncodeReadRequestSummary(mine);
@@ -641,6 +770,7 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
         side.plan_items = static_cast<double>(plan.items.size());
         *plan_mib = MiB(EncodeLoadPlan(plan).size());
         ReadPhase(plan, follower_md, r, n, meter, side);
+        RulePhase(plan, follower_md, r, n, meter, side);
       }
       return msg;
     };
@@ -652,6 +782,18 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
     std::vector<std::string> gathered(n);
     side.exact = n <= full_load_max;
     for (int r = 0; r < n; ++r) gathered[r] = side.exact ? summary(r, nullptr, nullptr) : one;
+    // N copies of one summary agree by construction: check the rule tables of a few other ranks
+    // against it, as the coordinator would.
+    bool same_rule_tables = true;
+    if (!side.exact) {
+      const uint64_t h = DecodeReadRequestSummary(one, candidates.size(), 1).rule_hash;
+      for (int r : {0, n / 2, n - 1}) {
+        same_rule_tables =
+            same_rule_tables &&
+            DecodeReadRequestSummary(summary(r, nullptr, nullptr), candidates.size(), r)
+                    .rule_hash == h;
+      }
+    }
     for (const auto& g : gathered) side.gathered_bytes += static_cast<double>(g.size());
     meter.Reset();
     t0 = WallSeconds();
@@ -663,14 +805,20 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
     ShareSchedule scheduled =
         ScheduleCandidates(got, CandidateBytes(candidates, follower_md), 256 << 20);
     scheduled.cooperative = ShouldCooperate(got);
+    scheduled.rule_exchange = ShouldExchangeByRule(got) && same_rule_tables;
     const std::string schedule = EncodeShareSchedule(scheduled);
     side.coordinator_s = WallSeconds() - t0;
     side.coordinator_mib = meter.PeakMiB();
     side.schedule_bytes = static_cast<double>(schedule.size());
     // The follower's read phase asks owners only when the load reads cooperatively.
     side.cooperative = scheduled.cooperative;
-    side.read_phase_s = side.walk_s + (side.cooperative ? side.coop_ask_s : 0);
-    side.read_phase_mib = std::max(side.walk_mib, side.cooperative ? side.coop_ask_mib : 0);
+    // With rule exchange: its planning and the walk of the rest (the cooperative requests, if
+    // any, counted for the whole plan: an upper bound).
+    side.rule_exchange = scheduled.rule_exchange;
+    const double walk_s = side.rule_exchange ? side.rule_plan_s + side.rest_walk_s : side.walk_s;
+    const double walk_mib = side.rule_exchange ? side.rest_walk_mib : side.walk_mib;
+    side.read_phase_s = walk_s + (side.cooperative ? side.coop_ask_s : 0);
+    side.read_phase_mib = std::max(walk_mib, side.cooperative ? side.coop_ask_mib : 0);
   }
   return row;
 }
@@ -814,6 +962,25 @@ int main(int argc, char** argv) {
           MiB(side.read_data_bytes), MiB(side.read_index_bytes));
     }
   }
+  std::printf(
+      "\nrule exchange (rule?: the schedule exchanges the follower's rule reads; read s above is "
+      "then its planning and the rest of its walk): reads and rounds, their planning, the walk of "
+      "the rest of the plan, then the copies per piece on synthetic bytes: as a receiver placing "
+      "every owner's pieces, as an owner packing every rank's, and their messages of one round "
+      "at most (in and out, pooled buffers):\n%6s %8s | %5s %7s %6s | %8s %8s | %10s %10s %8s %8s "
+      "%8s\n",
+      "N", "load", "rule?", "reads", "rounds", "plan s", "rest s", "pieces in", "pieces out",
+      "place s", "pack s", "msg MiB");
+  for (const Row& r : rows) {
+    for (const auto& [name, side] :
+         {std::pair{"resume", r.resume}, std::pair{"reshard", r.reshard}}) {
+      std::printf(
+          "%6d %8s | %5s %7.0f %6.0f | %8.4f %8.4f | %10.0f %10.0f %8.3f %8.3f %8.1f | %9.1f\n",
+          r.n, name, side.rule_exchange ? "y" : "n", side.rule_reads, side.rule_rounds,
+          side.rule_plan_s, side.rest_walk_s, side.rule_pieces_in, side.rule_pieces_out,
+          side.rule_place_s, side.rule_pack_s, side.rule_data_mib, MiB(side.rule_index_bytes));
+    }
+  }
   std::printf("\ngrowth exponent k (cost ~ N^k) between consecutive N:\n");
   std::printf("%6s %6s | %7s %7s %8s %8s %7s %9s %9s %9s\n", "from", "to", "plan s", "write s",
               "plan MiB", "md out", "md MiB", "f.md s", "f.resume", "f.reshard");
@@ -853,7 +1020,18 @@ int main(int argc, char** argv) {
                               {"read_phase_cpu_s", l.read_phase_s},
                               {"read_phase_peak_mib", l.read_phase_mib},
                               {"read_data_mib", MiB(l.read_data_bytes)},
-                              {"read_index_mib", MiB(l.read_index_bytes)}};
+                              {"read_index_mib", MiB(l.read_index_bytes)},
+                              {"rule_exchange", l.rule_exchange},
+                              {"rule_reads", l.rule_reads},
+                              {"rule_rounds", l.rule_rounds},
+                              {"rule_plan_s", l.rule_plan_s},
+                              {"rule_rest_walk_s", l.rest_walk_s},
+                              {"rule_pieces_in", l.rule_pieces_in},
+                              {"rule_pieces_out", l.rule_pieces_out},
+                              {"rule_place_s", l.rule_place_s},
+                              {"rule_pack_s", l.rule_pack_s},
+                              {"rule_message_mib", l.rule_data_mib},
+                              {"rule_index_mib", MiB(l.rule_index_bytes)}};
       };
       out.push_back({{"ranks", r.n},
                      {"metadata_version", g_metadata_version},

@@ -110,23 +110,6 @@ class SlabQueue {
   std::exception_ptr error_;
 };
 
-// What a failed bulk exchange may still touch: ExchangeBytes' contract leaves the buffers to the
-// transport until the communicator is destroyed (a posted MPI receive may still land), which
-// this code cannot see. So they are kept for the life of the process, never returned to the pool
-// or the heap where another lease or allocation would get them. At most once per communicator:
-// a poisoned one exchanges nothing more. (The destinations received into in place are the
-// caller's tensors: docs/PROTOCOL.md, "Cooperative reads".)
-void KeepForever(HostBuffer in, HostBuffer out, std::vector<uint64_t> status) {
-  struct Kept {
-    HostBuffer in, out;
-    std::vector<uint64_t> status;
-  };
-  static std::mutex mu;
-  static auto* kept = new std::vector<Kept>;  // never destroyed: reachable, not leaked
-  std::lock_guard<std::mutex> lock(mu);
-  kept->push_back({std::move(in), std::move(out), std::move(status)});
-}
-
 class CoopRead {
  public:
   CoopRead(const LoadPlan& plan, const Metadata& md, StorageReader& reader, LoadPlanner& planner,
@@ -646,6 +629,23 @@ class CoopRead {
 };
 
 }  // namespace
+
+// What a failed bulk exchange may still touch: ExchangeBytes' contract leaves the buffers to the
+// transport until the communicator is destroyed (a posted MPI receive may still land), which
+// this code cannot see. So they are kept for the life of the process, never returned to the pool
+// or the heap where another lease or allocation would get them. At most once per communicator:
+// a poisoned one exchanges nothing more. (The destinations received into in place are the
+// caller's tensors: docs/PROTOCOL.md, "Cooperative reads".)
+void KeepForever(HostBuffer in, HostBuffer out, std::vector<uint64_t> status) {
+  struct Kept {
+    HostBuffer in, out;
+    std::vector<uint64_t> status;
+  };
+  static std::mutex mu;
+  static auto* kept = new std::vector<Kept>;  // never destroyed: reachable, not leaked
+  std::lock_guard<std::mutex> lock(mu);
+  kept->push_back({std::move(in), std::move(out), std::move(status)});
+}
 
 std::string CoopItemKey(const ReadItem& item) {
   std::string id = item.dest_index.ToString() + "@";

@@ -9,8 +9,10 @@
 #include <exception>
 #include <string>
 #include <unordered_set>
+#include <vector>
 
 #include "dcp/checkpoint.h"  // LoadStats
+#include "dcp/proto/staging.h"
 #include "dcp/storage/storage.h"
 
 namespace dcp::protocol {
@@ -24,6 +26,10 @@ struct CoopReadResult {
   /// it once its own reads (and their collectives) are done. Nothing unverified was committed.
   std::exception_ptr error;
 };
+
+/// What a failed bulk exchange (Communicator::ExchangeBytes) may still touch, kept for the life
+/// of the process: its staging buffers and status words.
+void KeepForever(HostBuffer in, HostBuffer out, std::vector<uint64_t> status);
 
 /// The identity of a plain read item: its destination and its box in the stored item.
 std::string CoopItemKey(const ReadItem& item);

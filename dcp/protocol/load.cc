@@ -7,12 +7,14 @@
 #include "dcp/planner/coop_reads.h"
 #include "dcp/planner/default_planner.h"
 #include "dcp/planner/read_sharing.h"
+#include "dcp/planner/rule_reads.h"
 #include "dcp/proto/error.h"
 #include "dcp/proto/executor.h"
 #include "dcp/proto/schema/codec.h"
 #include "dcp/protocol/coop_read.h"
 #include "dcp/protocol/phase.h"
 #include "dcp/protocol/read_once.h"
+#include "dcp/protocol/rule_exchange.h"
 
 namespace dcp::protocol {
 
@@ -99,9 +101,23 @@ class LoadOperation {
           summary_ = SummarizeRequest(local_, candidate_items_, md_, can_share_);
           // Cooperative reads pay only where partial reads fetch far more than their boxes; a
           // rank reports how much more (enough of it to pass the bar, ShouldCooperate).
+          // A reshard between two rules is exchanged by arithmetic (rule_reads.h), never asked
+          // for piece by piece: those reads leave what cooperative reads weigh.
           if (can_share_ && comm_.ExchangesDirectly() && reader_.item_streamer() != nullptr) {
+            rule_table_ = FindRuleReads(local_, md_, rank_, size_,
+                                        CoopRoundBytes(options_.storage.memory_budget_bytes));
+            if (!CanServeRuleReads(rule_table_, reader_.item_streamer(), rank_, size_,
+                                   md_.world_size)) {
+              rule_table_ = RuleReadTable();
+            }
+            summary_.rule_hash = rule_table_.hash;
+            std::vector<char> ruled(local_.items.size(), 0);
+            for (const RuleRead& r : rule_table_.reads) ruled[r.item] = 1;
+            const LoadPlan rest =
+                rule_table_.reads.empty() ? LoadPlan() : WithoutItems(local_, ruled);
             summary_.coop_waste =
-                CoopWaste(local_, md_, CoopOwners(md_, size_), options_.storage.verify_checksums,
+                CoopWaste(rule_table_.reads.empty() ? local_ : rest, md_, CoopOwners(md_, size_),
+                          options_.storage.verify_checksums,
                           std::max(kCoopMinWaste, summary_.plan_bytes / 16));
           }
           return CountPlanMessage(TagString(Tag::kRequestSummary) +
@@ -118,6 +134,7 @@ class LoadOperation {
         DecodeShareSchedule(std::string_view(reply).substr(1), candidates_.size());
     batches_ = BatchesFor(schedule, summary_, candidate_items_, rank_);
     cooperative_ = schedule.cooperative;
+    rule_exchange_ = schedule.rule_exchange;
     central_ = std::move(local_);
   }
 
@@ -148,6 +165,7 @@ class LoadOperation {
       schedule = ScheduleCandidates(got, CandidateBytes(candidates_, md_),
                                     options_.storage.memory_budget_bytes);
       schedule.cooperative = ShouldCooperate(got);
+      schedule.rule_exchange = ShouldExchangeByRule(got);
     }
     return {TagString(Tag::kShareSchedule) + EncodeShareSchedule(schedule)};
   }
@@ -195,11 +213,20 @@ class LoadOperation {
         comm_, "load/read",
         [&] {
           const LoadPlan plan = planner_.FinishPlan(std::move(central_));
-          // Cooperative reads first: what owners serve, this rank does not read itself. Its
-          // error waits until this rank has joined the collectives below.
+          // Rule exchange, then cooperative reads: what owners serve, this rank does not read
+          // itself. Their errors wait until this rank has joined the collectives below.
+          RuleExchangeResult ruled;
+          if (rule_exchange_) {
+            ruled = ExchangeByRule(plan, md_, rule_table_, reader_, planner_, comm_,
+                                   options_.storage, stats_);
+          }
+          const bool any_ruled =
+              std::find(ruled.served.begin(), ruled.served.end(), 1) != ruled.served.end();
+          const LoadPlan rest_of_plan = any_ruled ? WithoutItems(plan, ruled.served) : LoadPlan();
+          const LoadPlan& rest = any_ruled ? rest_of_plan : plan;
           CoopReadResult coop;
           if (cooperative_) {
-            coop = ReadCooperatively(plan, md_, reader_, planner_, comm_, options_.storage, stats_);
+            coop = ReadCooperatively(rest, md_, reader_, planner_, comm_, options_.storage, stats_);
           }
           std::function<bool(const ReadItem&)> skip;
           if (!coop.served.empty()) {
@@ -208,7 +235,7 @@ class LoadOperation {
           if (batches_.empty()) {
             // Readers see plain items only: spans become one item per stored chunk here, a
             // bounded part at a time (each part's indexes are read before the next expands).
-            ForEachExpandedPart(plan, md_, kMaxExpandedItems, [&](const LoadPlan& pieces) {
+            ForEachExpandedPart(rest, md_, kMaxExpandedItems, [&](const LoadPlan& pieces) {
               if (!skip) return reader_.ReadData(pieces, planner_).get();
               LoadPlan rest;
               rest.storage_data = pieces.storage_data;
@@ -220,8 +247,9 @@ class LoadOperation {
             });
           } else {
             ReadWithSharing(plan, md_, batches_, reader_, planner_, comm_,
-                            options_.storage.memory_budget_bytes, stats_, skip);
+                            options_.storage.memory_budget_bytes, stats_, skip, ruled.served);
           }
+          if (ruled.error) std::rethrow_exception(ruled.error);
           if (coop.error) std::rethrow_exception(coop.error);
           return std::string();
         },
@@ -245,7 +273,9 @@ class LoadOperation {
   std::vector<int32_t> candidate_items_;   // which item of local_ reads each, or -1
   ReadRequestSummary summary_;
   std::vector<SharedReadBatch> batches_;
-  bool cooperative_ = false;  // the schedule says every rank reads cooperatively
+  bool cooperative_ = false;    // the schedule says every rank reads cooperatively
+  RuleReadTable rule_table_;    // this rank's rule reads (rule_reads.h), items of local_
+  bool rule_exchange_ = false;  // the schedule says every rank exchanges them
   LoadStats stats_;
 };
 

@@ -172,9 +172,12 @@ void ReceiveBatch(const std::string& msg, const SharedReadBatch& batch, const Lo
 void ReadWithSharing(const LoadPlan& plan, const Metadata& md,
                      const std::vector<SharedReadBatch>& batches, StorageReader& reader,
                      LoadPlanner& planner, Communicator& comm, uint64_t budget, LoadStats& stats,
-                     const std::function<bool(const ReadItem&)>& served) {
+                     const std::function<bool(const ReadItem&)>& served,
+                     const std::vector<char>& served_items) {
   const int rank = comm.rank();
-  std::vector<char> skip(plan.items.size(), 0);  // received, or read for others later
+  // Received, read for others later, or served already.
+  std::vector<char> skip(plan.items.size(), 0);
+  for (size_t i = 0; i < served_items.size() && i < skip.size(); ++i) skip[i] = served_items[i];
   std::vector<bool> early(batches.size(), false);
   CapturingPlanner capture(planner);
   uint64_t held = 0;

@@ -483,50 +483,58 @@ TEST_CASE("mpi: read-once reads replicated entries from storage once, over MPI",
 }
 
 TEST_CASE("mpi: a rows-to-columns reshard reads each stored byte once (cooperative reads)",
-          "[mpi][coop]") {
-  const std::string dir = SharedDir("coop");
+          "[mpi][coop][rule-exchange]") {
   const int w = Comm().size(), me = Comm().rank();
-  auto store = std::make_shared<FaultInjectionStore>(MakeFileStore(dir));
-  RegisterFaultScheme("mpicoop", store);
   const Shape shape{512, 1024};  // rows of 4 KiB, 2 MiB
   const TensorView full = RandomTensor(DType::kFloat32, shape, 77);
   auto [rb, re] = RowRange(shape[0], me, w);
-  StateDict saved;
-  saved.Set("w", ShardedTensor{DType::kFloat32,
-                               shape,
-                               {{Clone(full.Narrow({rb, 0}, {re - rb, shape[1]})), {rb, 0}}}});
-  Save(saved, "mpicoop://x", Comm());
-  auto load = [&](bool columns) {
-    const size_t d = columns ? 1 : 0;
-    auto [b, e] = RowRange(shape[d], me, w);
-    Shape off{0, 0}, len = shape;
-    off[d] = b;
-    len[d] = e - b;
-    TensorView part = TensorView::Allocate(DType::kFloat32, len);
-    StateDict sd;
-    sd.Set("w", ShardedTensor{DType::kFloat32, shape, {{part, off}}});
-    store->Reset();
-    const LoadStats stats = Load(sd, "mpicoop://x", Comm()).stats;
-    CHECK(SameElements(part, full.Narrow(off, len)));
-    uint64_t total = 0;
-    for (const auto& n : Comm().AllGather(std::to_string(store->BytesRead()), "test/bytes"))
-      total += std::stoull(n);
-    return std::make_pair(total, stats);
-  };
-  const auto [same, same_stats] = load(false);
-  const auto [cols, cols_stats] = load(true);
-  if (me == 0) {
-    std::printf("cooperative reshard at %d ranks: %llu bytes read (same layout: %llu)\n", w,
-                static_cast<unsigned long long>(cols), static_cast<unsigned long long>(same));
+  // Version 2 stores the rows by a rule: the columns are exchanged by rule, with no request.
+  // Version 1 lists the chunks: owners scatter them piece by piece.
+  for (uint32_t version : {2u, 1u}) {
+    const std::string dir = SharedDir("coop" + std::to_string(version));
+    auto store = std::make_shared<FaultInjectionStore>(MakeFileStore(dir));
+    RegisterFaultScheme("mpicoop", store);
+    StateDict saved;
+    saved.Set("w", ShardedTensor{DType::kFloat32,
+                                 shape,
+                                 {{Clone(full.Narrow({rb, 0}, {re - rb, shape[1]})), {rb, 0}}}});
+    SaveOptions so;
+    so.storage.metadata_version = version;
+    Save(saved, "mpicoop://x", Comm(), so);
+    auto load = [&](bool columns) {
+      const size_t d = columns ? 1 : 0;
+      auto [b, e] = RowRange(shape[d], me, w);
+      Shape off{0, 0}, len = shape;
+      off[d] = b;
+      len[d] = e - b;
+      TensorView part = TensorView::Allocate(DType::kFloat32, len);
+      StateDict sd;
+      sd.Set("w", ShardedTensor{DType::kFloat32, shape, {{part, off}}});
+      store->Reset();
+      const LoadStats stats = Load(sd, "mpicoop://x", Comm()).stats;
+      CHECK(SameElements(part, full.Narrow(off, len)));
+      uint64_t total = 0;
+      for (const auto& n : Comm().AllGather(std::to_string(store->BytesRead()), "test/bytes"))
+        total += std::stoull(n);
+      return std::make_pair(total, stats);
+    };
+    const auto [same, same_stats] = load(false);
+    const auto [cols, cols_stats] = load(true);
+    if (me == 0) {
+      std::printf("version %u reshard at %d ranks: %llu bytes read (same layout: %llu)\n", version,
+                  w, static_cast<unsigned long long>(cols), static_cast<unsigned long long>(same));
+    }
+    CHECK(same_stats.coop_rounds + same_stats.rule_rounds == 0);
+    CHECK(cols <= same + full.nbytes() / 20);
+    const uint64_t rounds = version == 2 ? cols_stats.rule_rounds : cols_stats.coop_rounds;
+    const uint64_t sent = version == 2 ? cols_stats.rule_bytes_sent : cols_stats.coop_bytes_sent;
+    if (w > 1) CHECK(rounds > 0);
+    if (w > 1 && 512 % w == 0) {
+      // Each owner keeps its own columns of its chunk and sends the rest.
+      CHECK(sent == full.nbytes() / w * (w - 1) / w);
+    }
+    RemoveSharedDir(dir);
   }
-  CHECK(same_stats.coop_rounds == 0);
-  CHECK(cols <= same + full.nbytes() / 20);
-  if (w > 1) CHECK(cols_stats.coop_rounds > 0);
-  if (w > 1 && 512 % w == 0) {
-    // Each owner keeps its own columns of its chunk and sends the rest.
-    CHECK(cols_stats.coop_bytes_sent == full.nbytes() / w * (w - 1) / w);
-  }
-  RemoveSharedDir(dir);
 }
 
 // MpiCommunicator::ExchangeBytes sends each piece straight from the caller's buffer: every rank

@@ -207,13 +207,18 @@ TEST_CASE("coop: requests and grants round-trip, malformed ones are refused", "[
   CHECK(back.coop_waste == s.coop_waste);
   CHECK(back.reads == s.reads);
   std::string bad_flags = EncodeReadRequestSummary(s);
-  bad_flags[0] = 8;
+  bad_flags[0] = 16;
   CHECK_THROWS_AS(DecodeReadRequestSummary(bad_flags, 2, 0), CorruptionError);
+  s.rule_hash = 0x1234;
+  CHECK(DecodeReadRequestSummary(EncodeReadRequestSummary(s), 2, 0).rule_hash == 0x1234);
   ShareSchedule sched;
   sched.cooperative = true;
   CHECK(DecodeShareSchedule(EncodeShareSchedule(sched), 0).cooperative);
+  CHECK_FALSE(DecodeShareSchedule(EncodeShareSchedule(sched), 0).rule_exchange);
   CHECK_FALSE(DecodeShareSchedule(EncodeShareSchedule(ShareSchedule{}), 0).cooperative);
-  CHECK_THROWS_AS(DecodeShareSchedule(EncodeShareSchedule(ShareSchedule{}) + "\x02", 0),
+  sched.rule_exchange = true;
+  CHECK(DecodeShareSchedule(EncodeShareSchedule(sched), 0).rule_exchange);
+  CHECK_THROWS_AS(DecodeShareSchedule(EncodeShareSchedule(ShareSchedule{}) + "\x04", 0),
                   CorruptionError);
 }
 
@@ -271,7 +276,7 @@ class CountingCommunicator : public Communicator {
   void ExchangeBytes(const std::vector<BulkSend>& s, const std::vector<BulkReceive>& r,
                      std::string_view w) override {
     Count(w);
-    if (fail_exchange && w == "load/coop-data") {  // as a transport that timed out
+    if (fail_exchange && (w == "load/coop-data" || w == "load/rule-data")) {  // timed out
       inner_.Poison("injected: the bulk exchange timed out");
       throw CollectiveError(std::string(w), {{rank(), ErrorCode::kTimeout,
                                               "injected: the bulk exchange timed out", false}});
@@ -280,11 +285,15 @@ class CountingCommunicator : public Communicator {
   }
   bool ExchangesDirectly() const override { return direct && inner_.ExchangesDirectly(); }
   int coop = 0;
+  int rule = 0;
   bool direct = true;  // false: as NcclCommunicator, no direct AllToAll or ExchangeBytes
   bool fail_exchange = false;
 
  private:
-  void Count(std::string_view w) { coop += w.substr(0, 10) == "load/coop-"; }
+  void Count(std::string_view w) {
+    coop += w.substr(0, 10) == "load/coop-";
+    rule += w == "load/rule-data";
+  }
   Communicator& inner_;
 };
 
@@ -343,6 +352,7 @@ struct Run {
   uint64_t bytes = 0;
   std::vector<LoadStats> stats;
   std::vector<int> coop_collectives;
+  std::vector<int> rule_collectives;
 };
 Run LoadColumns(FaultInjectionStore& store, int world, LoadOptions lo, bool columns = true,
                 bool direct = true) {
@@ -350,6 +360,7 @@ Run LoadColumns(FaultInjectionStore& store, int world, LoadOptions lo, bool colu
   Run run;
   run.stats.resize(world);
   run.coop_collectives.resize(world);
+  run.rule_collectives.resize(world);
   std::vector<Loaded> loaded(world);
   RequireNoErrors(RunRanks(world, [&](int r, Communicator& comm) {
     loaded[r] = ColumnState(r, world, columns);
@@ -357,6 +368,7 @@ Run LoadColumns(FaultInjectionStore& store, int world, LoadOptions lo, bool colu
     counting.direct = direct;
     run.stats[r] = Load(loaded[r].sd, "coop://x", counting, lo).stats;
     run.coop_collectives[r] = counting.coop;
+    run.rule_collectives[r] = counting.rule;
   }));
   CheckValues(loaded);
   run.bytes = store.BytesRead();
@@ -377,61 +389,84 @@ TEST_CASE("coop: a 4-rank rows-to-columns reshard reads each stored byte once",
   // What a same-layout load reads (every item once, the metadata, any index), the baseline.
   const Run same = LoadColumns(*store, 4, LoadOptions{}, /*columns=*/false);
   CHECK(same.bytes >= StoredBytes());
-  for (int n : same.coop_collectives) CHECK(n == 0);  // same layout: no extra collective
-  for (const auto& st : same.stats) CHECK(st.coop_rounds == 0);
+  for (int r = 0; r < 4; ++r) {  // same layout: no extra collective
+    CHECK(same.coop_collectives[r] + same.rule_collectives[r] == 0);
+    CHECK(same.stats[r].coop_rounds + same.stats[r].rule_rounds == 0);
+  }
 
   LoadOptions off;
   off.read_once = false;
   const Run alone = LoadColumns(*store, 4, off);
-  const Run coop = LoadColumns(*store, 4, LoadOptions{});
+  // Both layouts are rules: the matrices are exchanged by rule (planner/rule_reads.h), with no
+  // request or grant; the vector is read as saved.
+  const Run ruled = LoadColumns(*store, 4, LoadOptions{});
   INFO("stored " << StoredBytes() << ", same layout " << same.bytes << ", columns alone "
-                 << alone.bytes << ", cooperative " << coop.bytes);
+                 << alone.bytes << ", by rule " << ruled.bytes);
   // Alone, every rank streams every row of every matrix.
   CHECK(alone.bytes >= 3 * StoredBytes());
-  CHECK(coop.bytes <= same.bytes + StoredBytes() / 20);
+  CHECK(ruled.bytes <= same.bytes + StoredBytes() / 20);
   uint64_t sent = 0, received = 0, items = 0;
   for (int r = 0; r < 4; ++r) {
-    CHECK(coop.stats[r].coop_rounds > 0);
-    CHECK(coop.coop_collectives[r] == 3 + static_cast<int>(coop.stats[r].coop_rounds));
-    sent += coop.stats[r].coop_bytes_sent;
-    received += coop.stats[r].coop_bytes_received;
-    items += coop.stats[r].coop_items_received;
+    CHECK(ruled.stats[r].rule_rounds == 1);
+    CHECK(ruled.rule_collectives[r] == 1);
+    CHECK(ruled.coop_collectives[r] == 0);
+    CHECK(ruled.stats[r].rule_items_fallen_back == 0);
+    sent += ruled.stats[r].rule_bytes_sent;
+    received += ruled.stats[r].rule_bytes_received;
+    items += ruled.stats[r].rule_items;
   }
   // Each matrix chunk: its owner keeps a quarter, three quarters cross the communicator.
   const uint64_t matrices = (256 * 1024 + 512 * 256) * 4;
   CHECK(sent == matrices * 3 / 4);
   CHECK(received == sent);
-  CHECK(items == 2 * 4 * 3);  // 2 matrices x 4 chunks x 3 other ranks
+  CHECK(items == 2 * 4);  // 2 matrices on each of 4 ranks
 
   SECTION("4 -> 2 ranks") {
     const Run two = LoadColumns(*store, 2, LoadOptions{});
     INFO("4 -> 2: " << two.bytes);
     CHECK(two.bytes <= same.bytes + StoredBytes() / 20);
-    CHECK(two.stats[0].coop_bytes_sent + two.stats[1].coop_bytes_sent == matrices / 2);
+    CHECK(two.stats[0].rule_bytes_sent + two.stats[1].rule_bytes_sent == matrices / 2);
   }
-  SECTION("a tiny budget gives more rounds, the same bytes and values") {
+  SECTION("a budget of two rounds: the same bytes and values") {
+    LoadOptions two_rounds;  // rounds of 256 KiB: w0's chunks fill one, w1's the next
+    two_rounds.storage.memory_budget_bytes = 2 << 20;
+    const Run small = LoadColumns(*store, 4, two_rounds);
+    CHECK(small.stats[0].rule_rounds == 2);
+    CHECK(small.bytes == ruled.bytes);
+  }
+  SECTION("a tiny budget: chunks over a round are scattered piece by piece, each byte once") {
     LoadOptions tiny;
     tiny.storage.memory_budget_bytes = 64 << 10;
     const Run small = LoadColumns(*store, 4, tiny);
-    CHECK(small.stats[0].coop_rounds > 4 * coop.stats[0].coop_rounds);
-    CHECK(small.bytes == coop.bytes);
+    CHECK(small.stats[0].rule_rounds == 0);
+    CHECK(small.stats[0].coop_rounds > 4);
+    CHECK(small.bytes <= same.bytes + StoredBytes() / 20);
   }
   SECTION("a communicator without a direct exchange (NCCL) reads as before") {
     const Run nccl = LoadColumns(*store, 4, LoadOptions{}, true, /*direct=*/false);
-    for (int n : nccl.coop_collectives) CHECK(n == 0);
+    for (int r = 0; r < 4; ++r) CHECK(nccl.coop_collectives[r] + nccl.rule_collectives[r] == 0);
     CHECK(nccl.bytes == alone.bytes);
   }
   SECTION("checksums off: the same single read") {
     LoadOptions unchecked;
     unchecked.storage.verify_checksums = false;
-    CHECK(LoadColumns(*store, 4, unchecked).bytes == coop.bytes);
+    CHECK(LoadColumns(*store, 4, unchecked).bytes == ruled.bytes);
   }
-  SECTION("version 1 (owners by data file)") {
+  SECTION("version 1 (listed chunks, owners by data file): piece by piece") {
     auto v1 = SaveRows("coop-columns-v1", 1);
     const Run same1 = LoadColumns(*v1, 4, LoadOptions{}, false);
     const Run coop1 = LoadColumns(*v1, 4, LoadOptions{});
     CHECK(coop1.bytes <= same1.bytes + StoredBytes() / 20);
-    CHECK(coop1.stats[0].coop_rounds > 0);
+    uint64_t sent1 = 0, items1 = 0;
+    for (int r = 0; r < 4; ++r) {
+      CHECK(coop1.stats[r].rule_rounds == 0);
+      CHECK(coop1.stats[r].coop_rounds > 0);
+      CHECK(coop1.coop_collectives[r] == 3 + static_cast<int>(coop1.stats[r].coop_rounds));
+      sent1 += coop1.stats[r].coop_bytes_sent;
+      items1 += coop1.stats[r].coop_items_received;
+    }
+    CHECK(sent1 == matrices * 3 / 4);
+    CHECK(items1 == 2 * 4 * 3);  // 2 matrices x 4 chunks x 3 other ranks
   }
 }
 
@@ -458,7 +493,7 @@ void CheckSameFailure(const std::vector<std::exception_ptr>& errors, const std::
 
 TEST_CASE("coop: a flipped bit in an owner's item fails every rank, naming the item",
           "[coop][read-once]") {
-  auto store = SaveRows("coop-corrupt");
+  auto store = SaveRows("coop-corrupt", 1);  // piece by piece: rule exchange is below
   Metadata md = ReadMetadata("coop://x");
   ReadAllStoredItems(*store->inner(), md);
   const StorageInfo& info = md.storage.at({"w0", {128, 0}, std::nullopt});  // rank 2's chunk
@@ -490,7 +525,7 @@ TEST_CASE("coop: a flipped bit in an owner's item fails every rank, naming the i
 
 TEST_CASE("coop: an owner that cannot read fails every rank with the same error",
           "[coop][read-once]") {
-  auto store = SaveRows("coop-io");
+  auto store = SaveRows("coop-io", 1);
   // The metadata (with the indexes' copies) is read first; the owners' reads follow.
   store->FailNth(FaultOp::kRead, 3);
   std::vector<Loaded> loaded(4);

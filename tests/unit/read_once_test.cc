@@ -508,16 +508,16 @@ TEST_CASE("load planning: an all-to-all reshard plans on every rank alone and se
   for (int r = 0; r < kWorld; ++r) {
     CHECK(many[r].rank_local_plan);
     CHECK(many[r].plan_rounds == 1);
-    // A summary (nothing is stored whole here: a flag and a byte count), the same size for 1
-    // matrix as for 24: 4 reads each, 96 reads in all.
+    // A summary (nothing is stored whole here: a flag, a byte count and the hash of the rule
+    // reads' table), the same size for 1 matrix as for 24: 4 reads each, 96 reads in all.
     CHECK(many[r].plan_bytes_sent == few[r].plan_bytes_sent);
-    CHECK(many[r].plan_bytes_sent <= 16);
+    CHECK(many[r].plan_bytes_sent <= 24);
   }
   // A custom planner at the coordinator has its global step: every plan goes to it.
   const auto full = load("ranklocalmany://x", kMatrices, 0);
   for (int r = 0; r < kWorld; ++r) {
     CHECK_FALSE(full[r].rank_local_plan);
     CHECK(full[r].plan_rounds == 2);
-    CHECK(full[r].plan_bytes_sent > 100 * many[r].plan_bytes_sent);
+    CHECK(full[r].plan_bytes_sent > 50 * many[r].plan_bytes_sent);
   }
 }
