@@ -1,5 +1,4 @@
 #include "dcp/planner/planner.h"
-
 #include "dcp/proto/error.h"
 
 namespace dcp {

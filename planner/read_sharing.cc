@@ -299,11 +299,13 @@ std::string EncodeReadRequestSummary(const ReadRequestSummary& summary) {
   std::string out;
   const bool coop = summary.coop_waste > 0;
   const bool rule = summary.rule_hash != 0;
+  const bool ceil = summary.rule_hash_ceil_first != summary.rule_hash;  // sent only if another
   out.push_back(static_cast<char>((summary.can_share ? 1 : 0) | (all ? 2 : 0) | (coop ? 4 : 0) |
-                                  (rule ? 8 : 0)));
+                                  (rule ? 8 : 0) | (ceil ? 16 : 0)));
   PutU64(out, summary.plan_bytes);
   if (coop) PutU64(out, summary.coop_waste);
   if (rule) PutU64(out, summary.rule_hash);
+  if (ceil) PutU64(out, summary.rule_hash_ceil_first);
   if (summary.can_share && !all) {
     std::string bits((summary.reads.size() + 7) / 8, '\0');
     for (size_t c = 0; c < summary.reads.size(); ++c) {
@@ -318,11 +320,12 @@ ReadRequestSummary DecodeReadRequestSummary(std::string_view bytes, size_t candi
   Cursor in(bytes, "the load request of rank " + std::to_string(rank));
   ReadRequestSummary s;
   const uint8_t flags = in.U8();
-  if (flags > 15) in.Fail("unknown flags");
+  if (flags > 31) in.Fail("unknown flags");
   s.can_share = (flags & 1) != 0;
   s.plan_bytes = in.U64();
   if ((flags & 4) != 0) s.coop_waste = in.U64();
   if ((flags & 8) != 0) s.rule_hash = in.U64();
+  s.rule_hash_ceil_first = (flags & 16) != 0 ? in.U64() : s.rule_hash;
   if (s.can_share) {
     s.reads.assign(candidates, true);
     if ((flags & 2) == 0) {
@@ -401,10 +404,12 @@ std::string EncodeShareSchedule(const ShareSchedule& schedule) {
     PutU32(out, static_cast<uint32_t>(b.candidates.size()));
     for (int32_t c : b.candidates) PutU32(out, static_cast<uint32_t>(c));
   }
-  // Absent: neither cooperative nor rule exchange; else bit 0 and bit 1 say which.
+  // Absent: neither cooperative nor rule exchange; else bit 0 and bit 1 say which, and bit 2 that
+  // rule exchange goes by the table found checking kRuleCeil first.
   if (schedule.cooperative || schedule.rule_exchange) {
-    out.push_back(
-        static_cast<char>((schedule.cooperative ? 1 : 0) | (schedule.rule_exchange ? 2 : 0)));
+    out.push_back(static_cast<char>((schedule.cooperative ? 1 : 0) |
+                                    (schedule.rule_exchange ? 2 : 0) |
+                                    (schedule.rule_exchange && schedule.rule_ceil_first ? 4 : 0)));
   }
   return out;
 }
@@ -430,9 +435,10 @@ ShareSchedule DecodeShareSchedule(std::string_view bytes, size_t candidates) {
   }
   if (in.left() > 0) {
     const uint8_t flags = in.U8();
-    if (flags == 0 || flags > 3) in.Fail("unknown cooperative flags");
+    if (flags == 0 || flags > 7 || (flags & 6) == 4) in.Fail("unknown cooperative flags");
     s.cooperative = (flags & 1) != 0;
     s.rule_exchange = (flags & 2) != 0;
+    s.rule_ceil_first = (flags & 4) != 0;
   }
   in.End();
   return s;

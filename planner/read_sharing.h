@@ -62,8 +62,10 @@ struct ReadRequestSummary {
   /// Cooperative reads (coop_reads.h): the bytes its partial reads would fetch beyond their
   /// boxes, over the items worth a request (0: it does not take part in cooperative reads).
   uint64_t coop_waste = 0;
-  /// Rule exchange (rule_reads.h): the hash of its rule-read table (0: none).
+  /// Rule exchange (rule_reads.h): the hash of its rule-read table (0: none), found checking
+  /// kRuleBalanced first, and found checking kRuleCeil first.
   uint64_t rule_hash = 0;
+  uint64_t rule_hash_ceil_first = 0;
 };
 /// A rank's summary: `items` from CandidateItems, the sizes from the metadata.
 ReadRequestSummary SummarizeRequest(const LoadPlan& plan, const std::vector<int32_t>& items,
@@ -89,6 +91,7 @@ struct ShareSchedule {
   /// The load exchanges its rule reads (rule_reads.h): every rank that may share found the same
   /// non-empty table.
   bool rule_exchange = false;
+  bool rule_ceil_first = false;  // by the table found checking kRuleCeil first
 };
 /// Coordinator: share each candidate that at least two sharing ranks read (its bytes,
 /// `candidate_bytes`, non-zero and at most `max_batch_bytes`), with the same roots and batches

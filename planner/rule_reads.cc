@@ -55,11 +55,16 @@ std::optional<size_t> OnlyCutDimension(const Shape& shape, const Shape& lo, cons
 
 }  // namespace
 
-bool ShouldExchangeByRule(const std::vector<ReadRequestSummary>& summaries) {
-  if (summaries.size() < 2 || summaries[0].rule_hash == 0) return false;
-  return std::all_of(summaries.begin(), summaries.end(), [&](const ReadRequestSummary& s) {
-    return s.can_share && s.rule_hash == summaries[0].rule_hash;
-  });
+std::optional<RegularRule> RuleExchangeOrder(const std::vector<ReadRequestSummary>& summaries) {
+  auto all_equal = [&](uint64_t ReadRequestSummary::*hash) {
+    const uint64_t h = summaries.empty() ? 0 : summaries[0].*hash;
+    return summaries.size() >= 2 && h != 0 &&
+           std::all_of(summaries.begin(), summaries.end(),
+                       [&](const ReadRequestSummary& s) { return s.can_share && s.*hash == h; });
+  };
+  if (all_equal(&ReadRequestSummary::rule_hash)) return kRuleBalanced;
+  if (all_equal(&ReadRequestSummary::rule_hash_ceil_first)) return kRuleCeil;
+  return std::nullopt;
 }
 
 LoadPlan WithoutItems(const LoadPlan& plan, const std::vector<char>& served) {
@@ -140,7 +145,7 @@ uint64_t RuleOwnerBoundBytes(const RuleRead& read, int64_t saved_world, int worl
 }
 
 RuleReadTable FindRuleReads(const LoadPlan& plan, const Metadata& md, int rank, int world,
-                            uint64_t round_bytes) {
+                            uint64_t round_bytes, RegularRule first) {
   RuleReadTable table;
   if (md.format_version < 2 || world < 2 || md.world_size <= 0) return table;
   std::unordered_map<std::string_view, uint32_t> ordinal;
@@ -165,7 +170,8 @@ RuleReadTable FindRuleReads(const LoadPlan& plan, const Metadata& md, int rank, 
     const std::optional<size_t> d = OnlyCutDimension(t->shape, lo, item.lengths);
     if (!d) continue;
     std::optional<RegularRule> rule;
-    for (RegularRule r : {kRuleBalanced, kRuleCeil}) {
+    const RegularRule second = first == kRuleBalanced ? kRuleCeil : kRuleBalanced;
+    for (RegularRule r : {first, second}) {
       if (EverySliceHolds(t->shape[*d], world, r) &&
           RegularSlice(t->shape[*d], rank, world, r) ==
               std::make_pair(lo[*d], lo[*d] + item.lengths[*d])) {
@@ -174,6 +180,10 @@ RuleReadTable FindRuleReads(const LoadPlan& plan, const Metadata& md, int rank, 
       }
     }
     if (!rule) continue;
+    // Where both rules cut every rank alike (the extent divides, or leaves one short slice), the
+    // table says kRuleBalanced whichever was checked first: the two tables then hash alike.
+    const int64_t extra = t->shape[*d] % world;
+    if (extra == 0 || extra == world - 1) rule = kRuleBalanced;
     const RegularLayout load{static_cast<int32_t>(*d), *rule, world};
     const auto ds = static_cast<size_t>(t->regular->dim);
     if (load == *t->regular || (ds == *d && LeadingUnits(t->shape, ds))) continue;

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -86,17 +87,20 @@ struct RuleReadTable {
 /// The reads of `plan` (rank `rank` of `world`) that rule exchange serves. A tensor read (a span
 /// or a plain item) qualifies when the metadata is version 2 or later and stores the tensor
 /// under a rule; its box is, along exactly one dimension d, the rank's slice under one rule at
-/// `world` (kRuleBalanced checked first) and whole elsewhere, with every rank's slice non-empty;
+/// `world` (`first` checked first: a slice both rules produce says nothing of the others')
+/// and whole elsewhere, with every rank's slice non-empty;
 /// the stored layout differs from that one; a partial read of it would not be one contiguous
 /// range of each chunk (d or the stored dimension is not the first non-unit one, or they
 /// differ); and what one owner holds of it (RuleOwnerBoundBytes) fits `round_bytes`. An entry
 /// read by more than one item takes part with its first only.
 RuleReadTable FindRuleReads(const LoadPlan& plan, const Metadata& md, int rank, int world,
-                            uint64_t round_bytes);
+                            uint64_t round_bytes, RegularRule first = kRuleBalanced);
 
-/// Coordinator, from every rank's summary: whether the load exchanges its rule reads (every rank
-/// may share, and all found the same non-empty table).
-bool ShouldExchangeByRule(const std::vector<ReadRequestSummary>& summaries);
+/// Coordinator, from every rank's summary: whether the load exchanges its rule reads, and by which
+/// table: every rank may share, and all found the same non-empty table checking kRuleBalanced
+/// first (rule_hash), or else all did checking kRuleCeil first (rule_hash_ceil_first: a load cut
+/// as torch.chunk cuts, whose rank 0 cannot tell). The rule checked first, or nullopt.
+std::optional<RegularRule> RuleExchangeOrder(const std::vector<ReadRequestSummary>& summaries);
 
 /// `plan` without the items `served` marks (one flag per item).
 LoadPlan WithoutItems(const LoadPlan& plan, const std::vector<char>& served);

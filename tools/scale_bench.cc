@@ -757,6 +757,10 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
       const RuleReadTable table = FindRuleReads(
           plan, follower_md, r, n, CoopRoundBytes(StorageOptions{}.memory_budget_bytes));
       mine.rule_hash = table.hash;
+      mine.rule_hash_ceil_first =
+          FindRuleReads(plan, follower_md, r, n,
+                        CoopRoundBytes(StorageOptions{}.memory_budget_bytes), kRuleCeil)
+              .hash;
       std::vector<char> ruled(plan.items.size(), 0);
       for (const RuleRead& rr : table.reads) ruled[rr.item] = 1;
       mine.coop_waste = CoopWaste(table.reads.empty() ? plan : WithoutItems(plan, ruled),
@@ -805,7 +809,7 @@ Row RunOne(int n, const std::vector<std::pair<std::string, Shape>>& params, int 
     ShareSchedule scheduled =
         ScheduleCandidates(got, CandidateBytes(candidates, follower_md), 256 << 20);
     scheduled.cooperative = ShouldCooperate(got);
-    scheduled.rule_exchange = ShouldExchangeByRule(got) && same_rule_tables;
+    scheduled.rule_exchange = RuleExchangeOrder(got).has_value() && same_rule_tables;
     const std::string schedule = EncodeShareSchedule(scheduled);
     side.coordinator_s = WallSeconds() - t0;
     side.coordinator_mib = meter.PeakMiB();

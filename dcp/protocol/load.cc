@@ -99,26 +99,8 @@ class LoadOperation {
           candidates_ = ShareCandidates(md_);
           candidate_items_ = CandidateItems(local_, candidates_, md_);
           summary_ = SummarizeRequest(local_, candidate_items_, md_, can_share_);
-          // Cooperative reads pay only where partial reads fetch far more than their boxes; a
-          // rank reports how much more (enough of it to pass the bar, ShouldCooperate).
-          // A reshard between two rules is exchanged by arithmetic (rule_reads.h), never asked
-          // for piece by piece: those reads leave what cooperative reads weigh.
           if (can_share_ && comm_.ExchangesDirectly() && reader_.item_streamer() != nullptr) {
-            rule_table_ = FindRuleReads(local_, md_, rank_, size_,
-                                        CoopRoundBytes(options_.storage.memory_budget_bytes));
-            if (!CanServeRuleReads(rule_table_, reader_.item_streamer(), rank_, size_,
-                                   md_.world_size)) {
-              rule_table_ = RuleReadTable();
-            }
-            summary_.rule_hash = rule_table_.hash;
-            std::vector<char> ruled(local_.items.size(), 0);
-            for (const RuleRead& r : rule_table_.reads) ruled[r.item] = 1;
-            const LoadPlan rest =
-                rule_table_.reads.empty() ? LoadPlan() : WithoutItems(local_, ruled);
-            summary_.coop_waste =
-                CoopWaste(rule_table_.reads.empty() ? local_ : rest, md_, CoopOwners(md_, size_),
-                          options_.storage.verify_checksums,
-                          std::max(kCoopMinWaste, summary_.plan_bytes / 16));
+            SummarizeExchanges();
           }
           return CountPlanMessage(TagString(Tag::kRequestSummary) +
                                   EncodeReadRequestSummary(summary_));
@@ -135,7 +117,34 @@ class LoadOperation {
     batches_ = BatchesFor(schedule, summary_, candidate_items_, rank_);
     cooperative_ = schedule.cooperative;
     rule_exchange_ = schedule.rule_exchange;
+    rule_table_ = std::move(rule_tables_[schedule.rule_ceil_first ? 1 : 0]);
+    rule_tables_[0] = rule_tables_[1] = RuleReadTable();
     central_ = std::move(local_);
+  }
+
+  // A reshard between two rules is exchanged by arithmetic (rule_reads.h), never asked for piece
+  // by piece: the summary carries the hashes of this rank's rule-read tables (found checking
+  // either rule first), and those reads leave what cooperative reads weigh. Cooperative reads
+  // pay only where partial reads fetch far more than their boxes; the rank reports how much more
+  // (enough of it to pass the bar, ShouldCooperate).
+  void SummarizeExchanges() {
+    const uint64_t round = CoopRoundBytes(options_.storage.memory_budget_bytes);
+    for (const RegularRule first : {kRuleBalanced, kRuleCeil}) {
+      RuleReadTable& table = rule_tables_[first == kRuleCeil];
+      table = FindRuleReads(local_, md_, rank_, size_, round, first);
+      if (!CanServeRuleReads(table, reader_.item_streamer(), rank_, size_, md_.world_size)) {
+        table = RuleReadTable();
+      }
+    }
+    summary_.rule_hash = rule_tables_[0].hash;
+    summary_.rule_hash_ceil_first = rule_tables_[1].hash;
+    const std::vector<RuleRead>& ruled_reads = rule_tables_[0].reads;  // the same items in both
+    std::vector<char> ruled(local_.items.size(), 0);
+    for (const RuleRead& r : ruled_reads) ruled[r.item] = 1;
+    const LoadPlan rest = ruled_reads.empty() ? LoadPlan() : WithoutItems(local_, ruled);
+    summary_.coop_waste = CoopWaste(ruled_reads.empty() ? local_ : rest, md_,
+                                    CoopOwners(md_, size_), options_.storage.verify_checksums,
+                                    std::max(kCoopMinWaste, summary_.plan_bytes / 16));
   }
 
   std::string CountPlanMessage(std::string msg) {
@@ -165,7 +174,9 @@ class LoadOperation {
       schedule = ScheduleCandidates(got, CandidateBytes(candidates_, md_),
                                     options_.storage.memory_budget_bytes);
       schedule.cooperative = ShouldCooperate(got);
-      schedule.rule_exchange = ShouldExchangeByRule(got);
+      const std::optional<RegularRule> order = RuleExchangeOrder(got);
+      schedule.rule_exchange = order.has_value();
+      schedule.rule_ceil_first = order == kRuleCeil;
     }
     return {TagString(Tag::kShareSchedule) + EncodeShareSchedule(schedule)};
   }
@@ -273,9 +284,11 @@ class LoadOperation {
   std::vector<int32_t> candidate_items_;   // which item of local_ reads each, or -1
   ReadRequestSummary summary_;
   std::vector<SharedReadBatch> batches_;
-  bool cooperative_ = false;    // the schedule says every rank reads cooperatively
-  RuleReadTable rule_table_;    // this rank's rule reads (rule_reads.h), items of local_
-  bool rule_exchange_ = false;  // the schedule says every rank exchanges them
+  bool cooperative_ = false;      // the schedule says every rank reads cooperatively
+  RuleReadTable rule_tables_[2];  // this rank's rule reads (rule_reads.h), kRuleBalanced or
+                                  // kRuleCeil checked first; items of local_
+  RuleReadTable rule_table_;      // the one the schedule chose
+  bool rule_exchange_ = false;    // the schedule says every rank exchanges them
   LoadStats stats_;
 };
 

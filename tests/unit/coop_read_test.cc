@@ -207,10 +207,14 @@ TEST_CASE("coop: requests and grants round-trip, malformed ones are refused", "[
   CHECK(back.coop_waste == s.coop_waste);
   CHECK(back.reads == s.reads);
   std::string bad_flags = EncodeReadRequestSummary(s);
-  bad_flags[0] = 16;
+  bad_flags[0] = 32;
   CHECK_THROWS_AS(DecodeReadRequestSummary(bad_flags, 2, 0), CorruptionError);
   s.rule_hash = 0x1234;
   CHECK(DecodeReadRequestSummary(EncodeReadRequestSummary(s), 2, 0).rule_hash == 0x1234);
+  CHECK(DecodeReadRequestSummary(EncodeReadRequestSummary(s), 2, 0).rule_hash_ceil_first == 0);
+  s.rule_hash_ceil_first = 0x1234;  // the same: not sent twice
+  CHECK(EncodeReadRequestSummary(s).size() == 1 + 8 * 3 + 1);
+  CHECK(DecodeReadRequestSummary(EncodeReadRequestSummary(s), 2, 0).rule_hash_ceil_first == 0x1234);
   ShareSchedule sched;
   sched.cooperative = true;
   CHECK(DecodeShareSchedule(EncodeShareSchedule(sched), 0).cooperative);
@@ -218,6 +222,10 @@ TEST_CASE("coop: requests and grants round-trip, malformed ones are refused", "[
   CHECK_FALSE(DecodeShareSchedule(EncodeShareSchedule(ShareSchedule{}), 0).cooperative);
   sched.rule_exchange = true;
   CHECK(DecodeShareSchedule(EncodeShareSchedule(sched), 0).rule_exchange);
+  sched.rule_ceil_first = true;
+  CHECK(DecodeShareSchedule(EncodeShareSchedule(sched), 0).rule_ceil_first);
+  CHECK_THROWS_AS(DecodeShareSchedule(EncodeShareSchedule(ShareSchedule{}) + "\x05", 0),
+                  CorruptionError);  // ceil first without rule exchange
   CHECK_THROWS_AS(DecodeShareSchedule(EncodeShareSchedule(ShareSchedule{}) + "\x04", 0),
                   CorruptionError);
 }

@@ -509,7 +509,8 @@ TEST_CASE("load planning: an all-to-all reshard plans on every rank alone and se
     CHECK(many[r].rank_local_plan);
     CHECK(many[r].plan_rounds == 1);
     // A summary (nothing is stored whole here: a flag, a byte count and the hash of the rule
-    // reads' table), the same size for 1 matrix as for 24: 4 reads each, 96 reads in all.
+    // reads' table, one: both rules cut these alike), the same size for 1 matrix as for 24: 4
+    // reads each, 96 reads in all.
     CHECK(many[r].plan_bytes_sent == few[r].plan_bytes_sent);
     CHECK(many[r].plan_bytes_sent <= 24);
   }

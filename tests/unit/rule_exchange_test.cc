@@ -37,17 +37,18 @@ Metadata OneTensor(const Shape& shape, RegularLayout saved) {
 
 // Rank `rank`'s read of its slice [lo, hi) along `d` of "m", as the default planner lists it: one
 // span over the stored chunks the box meets.
-ReadItem SliceRead(const Metadata& md, size_t d, int64_t lo, int64_t hi) {
-  const auto& t = std::get<TensorMetadata>(md.entries.at("m"));
+ReadItem SliceRead(const Metadata& md, size_t d, int64_t lo, int64_t hi,
+                   const std::string& fqn = "m") {
+  const auto& t = std::get<TensorMetadata>(md.entries.at(fqn));
   const size_t ds = static_cast<size_t>(t.regular->dim);
   Shape box_lo(t.shape.size(), 0), len = t.shape;
   box_lo[d] = lo;
   len[d] = hi - lo;
   const auto [c0, c1] = RegularChunkRange(t, box_lo[ds], box_lo[ds] + len[ds]);
   ReadItem item;
-  item.dest_index = {"m", box_lo, std::nullopt};
+  item.dest_index = {fqn, box_lo, std::nullopt};
   item.dest_offsets = Shape(t.shape.size(), 0);
-  item.storage_index = {"m", ChunkAt(t, c0).offsets, static_cast<int32_t>(c0)};
+  item.storage_index = {fqn, ChunkAt(t, c0).offsets, static_cast<int32_t>(c0)};
   item.storage_offsets = box_lo;
   item.storage_offsets[ds] -= ChunkAt(t, c0).offsets[ds];
   item.lengths = len;
@@ -328,5 +329,45 @@ TEST_CASE("rule exchange: a damaged chunk fails every rank naming it and a faile
     uint64_t fallen_back = 0;
     for (const LoadStats& s : LoadResharded(4)) fallen_back += s.rule_items_fallen_back;
     CHECK(fallen_back > 0);
+  }
+}
+
+TEST_CASE("rule exchange: a load cut as torch.chunk cuts (ceil) whose first ranks cannot tell",
+          "[rule-exchange][read-once]") {
+  // 10 columns at 4 ranks: torch.chunk gives 3, 3, 3, 1 and numpy.array_split 3, 3, 2, 2, so ranks
+  // 0 and 1 hold a slice of both rules. Checking balanced first they disagree with ranks 2 and 3;
+  // checking ceil first every rank finds the same table, and the coordinator takes that one.
+  const Shape shape{30, 10};
+  const TensorView full = RandomTensor(DType::kFloat32, shape, 5);
+  ClearMemStore("rule-ceil");
+  RegisterFaultScheme("ruleceil", std::make_shared<FaultInjectionStore>(MakeMemStore("rule-ceil")));
+  RequireNoErrors(RunRanks(4, [&](int r, Communicator& comm) {
+    StateDict sd;
+    const auto [off, len] = SliceOf(shape, 0, r, 4);
+    sd.Set("c", ShardedTensor{DType::kFloat32, shape, {{Clone(full.Narrow(off, len)), off}}});
+    Save(sd, "ruleceil://x", comm);
+  }));
+  const Metadata md = ReadMetadata("ruleceil://x");
+  std::vector<LoadStats> stats(4);
+  std::vector<std::pair<TensorView, TensorView>> got(4);
+  RequireNoErrors(RunRanks(4, [&](int r, Communicator& comm) {
+    const auto [lo, hi] = RegularSlice(10, r, 4, kRuleCeil);
+    TensorView part = TensorView::Allocate(DType::kFloat32, {30, hi - lo});
+    got[r] = {part, full.Narrow({0, lo}, {30, hi - lo})};
+    StateDict sd;
+    sd.Set("c", ShardedTensor{DType::kFloat32, shape, {{part, {0, lo}}}});
+    stats[r] = Load(sd, "ruleceil://x", comm).stats;
+    if (r == 0) {  // rank 0's two tables: the same read, the rule it checked first
+      LoadPlan plan;
+      plan.items.push_back(SliceRead(md, 1, lo, hi, "c"));
+      CHECK(FindRuleReads(plan, md, 0, 4, 1 << 20).reads.at(0).load.rule == kRuleBalanced);
+      CHECK(FindRuleReads(plan, md, 0, 4, 1 << 20, kRuleCeil).reads.at(0).load.rule == kRuleCeil);
+    }
+  }));
+  for (int r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    CHECK(SameElements(got[r].first, got[r].second));
+    CHECK(stats[r].rule_rounds == 1);
+    CHECK(stats[r].rule_items == 1);
   }
 }
