@@ -153,7 +153,8 @@ case "$mode" in
       CC=clang-16 CXX=clang++-16 "$cmake_new" -S "$root" -B "$clang16" -G Ninja \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
         -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-        -DDCP_SANITIZE=address -DDCP_TESTS_OPTIMIZE=-O0 -DDCP_FUZZ=ON -DDCP_WITH_CUDA=OFF
+        -DDCP_SANITIZE=address -DDCP_TESTS_OPTIMIZE=-O0 -DDCP_FUZZ=ON -DDCP_WITH_CUDA=OFF \
+        -DDCP_BUILD_BENCHMARKS=OFF
     fi
     "$cmake_new" --build "$clang16" -j "$jobs"
     # Metadata is untrusted input: fuzz its decoding and validation for a bounded time: dcp's
