@@ -50,8 +50,8 @@
 #include <condition_variable>
 #include <cstdint>
 #include <map>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -143,6 +143,7 @@ class MemoryTier {
   /// copy is fetched over it. Throws CollectiveError when a load fails, or (kCorruption, naming
   /// each file and what is wrong with each copy) when a file the load reads has no intact copy on
   /// any node: the step is then not restored (CheckpointManager falls back to the durable root).
+  /// A restored step may be drained like a saved one (Drain, the preemption handler).
   std::optional<int64_t> Restore(StateDict& state, const LoadOptions& options = {});
 
   /// Committed steps any node holds whose every file survives somewhere, ascending (collective).
@@ -152,10 +153,11 @@ class MemoryTier {
   /// the location's writer lock, each rank copies the files it wrote, then rank 0 publishes the
   /// metadata, only after every copy succeeded. With options.overwrite a checkpoint there is
   /// replaced (it stays loadable until the new metadata is in place; its files go after);
-  /// without it, a checkpoint there fails the drain (kAlreadyExists). Only steps saved by this
-  /// tier object (it knows which files each rank wrote) and options the copy honours
-  /// (DrainCopies); InvalidArgumentError otherwise. CollectiveError on failure, with nothing
-  /// committed at `uri` and the files copied removed again.
+  /// without it, a checkpoint there fails the drain (kAlreadyExists). Only steps saved or
+  /// restored by this tier object (it knows which files each rank copies: after a restore, each
+  /// file's writer if its node holds it, else a rank of a node that does) and options the copy
+  /// honours (DrainCopies); InvalidArgumentError otherwise. CollectiveError on failure, with
+  /// nothing committed at `uri` and the files copied removed again.
   void Drain(int64_t step, const std::string& uri, const StorageOptions& options = {});
   /// Whether a copy of the tier's files is a checkpoint written with `options`: the dcp format,
   /// uncompressed (the tier writes no other). Other options need a save of the state.
@@ -199,13 +201,14 @@ class MemoryTier {
   /// BeginPreemption's window (commits are refused from now on).
   void WaitForCommitAfter(int64_t step, std::chrono::steady_clock::time_point until);
   bool preempting() const noexcept { return preempting_.load(); }
-  /// After BeginPreemption: waits until no commit or drain is under way on this rank (at most
-  /// until `deadline`; `settled` says whether it got there), then returns the newest step this
-  /// tier object committed and, when a drain of it succeeded, where to. No commit can start
-  /// after BeginPreemption's commits_until, so once settled after it the answer is final.
+  /// After BeginPreemption: waits until no commit, drain or restore (up to the point where it
+  /// recorded its step) is under way on this rank (at most until `deadline`; `settled` says
+  /// whether it got there), then returns the newest step this tier object committed or restored
+  /// and, when a drain of it succeeded, where to. No commit can start after BeginPreemption's
+  /// commits_until, so once settled after it the answer is final.
   struct SettledStep {
     bool settled = false;
-    int64_t step = -1;  // -1: this tier object committed no step (that it still keeps)
+    int64_t step = -1;  // -1: this tier object committed or restored no step it still keeps
     std::string drained_to;
   };
   SettledStep SettleForPreemption(std::chrono::steady_clock::time_point deadline);
@@ -220,8 +223,8 @@ class MemoryTier {
   using Pairs = tier_detail::Pairs;
   // Collectives on `comm`: the job's (comm_) or, for SaveAsync, the background one.
   std::vector<StepReport> GatherReports(Communicator& comm);
-  // Marks a commit or drain under way on this rank for SettleForPreemption, from Enter() to
-  // its destruction.
+  // Marks a commit, drain or restore under way on this rank for SettleForPreemption, from Enter()
+  // to its destruction.
   class BusyScope;
   // `pairs`: the ranks this one sends to and receives from, when both sides know them (a
   // save's partners); null: any rank may send any other (an AllToAll of the file headers).
@@ -241,6 +244,10 @@ class MemoryTier {
                const StorageOptions& options, TierStats& stats, bool vetoed);
   void BeginSave(int64_t step, const SaveOptions& options);
   void Retain(int64_t newest);
+  // After a restore: records `step` (its metadata, and `files`, those this rank copies in a
+  // drain) as the tier's own step, on every rank or none (collective); nullopt: on none.
+  void KeepForDrain(int64_t step, const std::string& encoded,
+                    std::optional<std::vector<std::string>> files);
   bool leader() const { return rank_ == nodes_[node_].front(); }
   void ReleaseNodeLock() noexcept;
   // The user's tier directory, the job's and this node's (created, or checked: see the header
@@ -257,13 +264,17 @@ class MemoryTier {
   std::string root_;                  // this node's directory
   int node_lock_fd_ = -1;  // node leader: holds the flock of root_/LOCK while the tier lives
   int64_t next_step_ = 0;  // the least step the next save may have
-  // Guards written_, metadata_, drained_ and busy_ (the preemption handler's thread reads them).
+  // Guards written_, metadata_, drained_, busy_ and settled_for_preemption_ (the preemption
+  // handler's thread reads them).
   mutable std::mutex mu_;
   std::condition_variable settled_;
-  std::map<int64_t, std::vector<std::string>> written_;  // step -> this rank's own files
-  std::map<int64_t, std::string> metadata_;              // step -> encoded metadata.dcp
-  std::map<int64_t, std::string> drained_;               // step -> where a drain committed it
-  int busy_ = 0;  // commits and drains under way on this rank (BusyScope)
+  // step -> the files this rank copies in a drain: those it wrote, or after a restore those
+  // assigned to it (KeepForDrain)
+  std::map<int64_t, std::vector<std::string>> written_;
+  std::map<int64_t, std::string> metadata_;  // step -> encoded metadata.dcp
+  std::map<int64_t, std::string> drained_;   // step -> where a drain committed it
+  int busy_ = 0;  // commits, drains and restores under way on this rank (BusyScope)
+  bool settled_for_preemption_ = false;  // SettleForPreemption returned: its answer is given
   std::atomic<bool> preempting_{false};
   // BeginPreemption's commits_until (steady_clock ticks since its epoch).
   std::atomic<int64_t> commits_until_{0};

@@ -6,9 +6,11 @@
 # a drain, retention, or between saves; in half of the trials after the restore), and SIGKILL
 # after the grace window to whatever still runs, as a scheduler does. In half of the trials the
 # nodes' shared memory goes with the job (preempted machines), so the restart can only find what
-# was drained to the root. The restart (--verify) must restore exactly the step the handler
-# reported drained (or found durable), bit-exact; when the handler reported nothing committed
-# since its start, the step the trial before restored.
+# was drained to the root. One trial in four is a crash instead (SIGKILL only, memory kept): the
+# next job restores a step only memory holds, and its preemption must drain that step. The
+# restart (--verify) must restore exactly the step the handler reported drained (or found
+# durable), bit-exact; when the handler reported nothing committed since its start, the step the
+# trial before restored; after a crash, the newest step memory holds, never older than before.
 #
 #   tools/tier_sigterm_trials.sh BUILD_DIR [TRIALS=200] [WORK_DIR] [DURABLE_ROOT] [GRACE_S=5]
 # DURABLE_ROOT: any dcp location (default WORK_DIR/durable, emptied first; a fresh
@@ -31,7 +33,7 @@ mkdir -p "$work"
 tier_glob="/dev/shm/dcp-tier-u$(id -u)/$name-"
 trap 'rm -rf "$tier_glob"*' EXIT
 
-fail=0 drained=0 durable_already=0 nothing=0 wiped=0 expected=-1
+fail=0 drained=0 durable_already=0 nothing=0 wiped=0 crashes=0 expected=-1 expected_durable=1
 times=()
 for ((t = 1; t <= trials; ++t)); do
   mpirun -np 4 "$train" "${args[@]}" --resume --steps 100000000 --preempt-grace "$grace" \
@@ -59,40 +61,56 @@ for ((t = 1; t <= trials; ++t)); do
     echo "trial $t: the job's 4 ranks were not found (${#ranks[@]}):"; tail -5 "$work/run.log"
     fail=$((fail + 1)); kill -9 "${ranks[@]}" "$job" 2>/dev/null; wait "$job"; continue
   fi
-  kill -TERM "${ranks[@]}" 2>/dev/null
-  # The grace window, then SIGKILL to what is left.
-  timeout "$grace" tail --pid="$job" -f /dev/null
-  kill -9 "${ranks[@]}" 2>/dev/null
+  # One trial in four is a crash instead (SIGKILL, no notice, the memory kept): the next job
+  # restores a step that only memory holds, which its own preemption must then drain.
+  crash=$((RANDOM % 4 == 0))
+  if ((crash)); then
+    kill -9 "${ranks[@]}" 2>/dev/null
+  else
+    kill -TERM "${ranks[@]}" 2>/dev/null
+    # The grace window, then SIGKILL to what is left.
+    timeout "$grace" tail --pid="$job" -f /dev/null
+    kill -9 "${ranks[@]}" 2>/dev/null
+  fi
   # mpirun outlives its killed ranks by up to a minute when they die in its start-up; with
   # every rank gone there is nothing left for it to report, so it goes too.
   timeout 10 tail --pid="$job" -f /dev/null || kill -9 "$job" 2>/dev/null
   wait "$job" 2>/dev/null
   report=$(grep -m1 "^preempt: \(step\|nothing\|FAILED\)" "$work/run.log")
+  ((crash)) && report="crash" && crashes=$((crashes + 1))
+  drained_nothing=0
   case "$report" in
+    crash) ;;
     *drained*|*"already durable"*)
       expected=$(sed -n 's/^preempt: step \([0-9]*\).*/\1/p' <<<"$report")
+      expected_durable=1
       if [[ "$report" == *drained* ]]; then
         drained=$((drained + 1))
         times+=("$(sed -n 's/.* in \([0-9.]*\) s (.*/\1/p' <<<"$report")")
       else
         durable_already=$((durable_already + 1))
       fi ;;
-    *nothing*) nothing=$((nothing + 1)) ;;
+    *nothing*) nothing=$((nothing + 1)) drained_nothing=1 ;;
     *FAILED*)
       echo "trial $t FAILED: $report"; tail -5 "$work/run.log"; fail=$((fail + 1)) ;;
     *)
       # No report: SIGTERM came before the handler was installed (during MPI's start-up), which
       # ends the job before it committed anything. (A drain that went unreported would show
       # at the restart: it restores a step other than the one expected.)
-      nothing=$((nothing + 1)) ;;
+      nothing=$((nothing + 1)) drained_nothing=1 ;;
   esac
-  if ((RANDOM % 2 == 0)); then  # the preempted machines' memory is gone
+  # The preempted machines' memory is gone, in half of the trials: not after a crash, nor when
+  # the handler drained nothing while the step to restore may be in memory only (restored after
+  # a crash, and the notice came before the job could drain it: in MPI's start-up).
+  if ((!crash && (!drained_nothing || expected_durable) && RANDOM % 2 == 0)); then
     rm -rf "$tier_glob"*; wiped=$((wiped + 1))
   fi
   out=$(timeout 120 mpirun -np 4 "$train" "${args[@]}" --verify 2>&1)
   rc=$?
   line=$(grep -m1 "^verify: restored" <<<"$out")
   got=$(sed -n 's/^verify: restored step \(-\?[0-9]*\).*/\1/p' <<<"$line")
+  # After a crash: whatever memory holds newest, never older than what was durable.
+  ((crash)) && [[ -n "$got" ]] && ((got >= expected)) && expected=$got && expected_durable=0
   if ((rc != 0)) || [[ "$line" != *bit-exact* ]] || [[ "${got:-x}" != "$expected" ]]; then
     echo "trial $t FAILED (rc $rc): expected step $expected, got '${got:-?}': $report"
     echo "$out" | tail -6
@@ -102,7 +120,7 @@ for ((t = 1; t <= trials; ++t)); do
   [[ -n "$got" ]] && expected=$got
 done
 median=$(printf '%s\n' "${times[@]:-}" | sort -n | awk 'NF { a[n++] = $1 } END { if (n) print a[int((n - 1) / 2)]; else print "-" }')
-echo "tier sigterm trials: $trials trials ($wiped wiping every node's memory): drained $drained" \
+echo "tier sigterm trials: $trials trials ($crashes crashes, $wiped wiping every node's memory): drained $drained" \
   "(median $median s), already durable $durable_already, nothing committed yet $nothing;" \
   "failures $fail"
 ((fail == 0))

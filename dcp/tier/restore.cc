@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <variant>
@@ -301,6 +303,55 @@ FetchPlan PlanFetches(const std::vector<std::vector<bool>>& need,
   return plan;
 }
 
+// Which of a restored step's files this rank copies when the step is drained (Drain, or the
+// preemption handler's), now that each node holds what it fetched (`need`) besides its intact
+// copies (`holders`): each file once, by its writer when the writer's node holds it (as after a
+// save; version 2 names writers, at the world size the step was saved at), else by a rank of the
+// holding node with the fewest bytes to copy so far, its ranks in turns. Alike on every rank.
+// nullopt when a file has no copy left (the step cannot be drained whole).
+std::optional<std::vector<std::string>> FilesToDrain(
+    const Metadata& md, const std::vector<std::string>& names,
+    const std::map<std::string, uint64_t>& referenced,
+    const std::map<std::string, std::vector<int>>& holders,
+    const std::vector<std::vector<bool>>& need, const std::vector<std::vector<int>>& nodes,
+    int rank) {
+  int world = 0;
+  for (const auto& ranks : nodes) world += static_cast<int>(ranks.size());
+  std::vector<int> node_of(world, -1);
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    for (int r : nodes[n]) node_of[r] = static_cast<int>(n);
+  }
+  std::map<std::string, int> writer;
+  if (md.world_size == world) {
+    for (const DataFile& f : md.files) {
+      if (f.writer >= 0 && f.writer < world) writer[f.name] = f.writer;
+    }
+  }
+  std::vector<uint64_t> to_copy(nodes.size(), 0);
+  std::vector<size_t> turn(nodes.size(), 0);
+  std::vector<std::string> mine;
+  for (size_t i = 0; i < names.size(); ++i) {
+    auto h = holders.find(names[i]);
+    if (h == holders.end() || h->second.empty()) return std::nullopt;
+    auto holds = [&](int n) {
+      return need[n][i] || std::find(h->second.begin(), h->second.end(), n) != h->second.end();
+    };
+    int drainer = -1;
+    if (auto w = writer.find(names[i]); w != writer.end() && holds(node_of[w->second])) {
+      drainer = w->second;
+    } else {
+      int best = -1;
+      for (int n = 0; n < static_cast<int>(nodes.size()); ++n) {
+        if (holds(n) && (best < 0 || to_copy[n] < to_copy[best])) best = n;
+      }
+      drainer = nodes[best][turn[best]++ % nodes[best].size()];
+    }
+    to_copy[node_of[drainer]] += referenced.at(names[i]);
+    if (drainer == rank) mine.push_back(names[i]);
+  }
+  return mine;
+}
+
 // Every file is in: a node that did not hold the step commits its copy (its first rank).
 void CommitLocalCopy(Communicator& comm, bool commit, const std::string& dir,
                      const std::string& encoded) {
@@ -332,6 +383,27 @@ void LoadLocal(StateDict& state, const LoadOptions& options, Communicator& comm,
 
 }  // namespace
 
+// A restored step becomes one the tier may drain, as if this process had saved it: a job
+// restarted from memory and preempted before its next commit drains the step it restored, which
+// may be newer than any durable one. Registered on every rank or on none, so that every
+// handler reports the same newest step: a rank whose preemption handler settled before its
+// restore began says so, and then no rank registers; a handler that settles later waits for
+// the restore's BusyScope to end, after this.
+void MemoryTier::KeepForDrain(int64_t step, const std::string& encoded,
+                              std::optional<std::vector<std::string>> files) {
+  bool can = files.has_value();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    can = can && !settled_for_preemption_;
+  }
+  for (const auto& said : comm_.AllGather(can ? "1" : "0", "tier/recover-drainable")) {
+    if (said != "1") return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  written_[step] = std::move(*files);
+  metadata_[step] = encoded;
+}
+
 std::vector<int64_t> MemoryTier::CompleteSteps() {
   Wait();
   std::set<int64_t> steps;
@@ -344,6 +416,10 @@ std::vector<int64_t> MemoryTier::CompleteSteps() {
 std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& options) {
   if (closed_) throw InvalidArgumentError("memory tier: Restore after Close");
   Wait();
+  // A preemption handler that settles during the restore waits until the restored step is
+  // recorded for a drain (KeepForDrain), so a notice during a restart's restore drains it.
+  auto restoring = std::make_unique<BusyScope>(*this);
+  restoring->Enter();
   stats_ = {};
   const uint64_t mapped_before = pool_->bytes_mapped();
   auto t0 = std::chrono::steady_clock::now();
@@ -421,6 +497,9 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   }
   Vote(comm_, error, "tier/recover-received");
   CommitLocalCopy(comm_, leader() && !committed_here, dir, encoded);
+  KeepForDrain(step, encoded,
+               FilesToDrain(md, names, referenced, source.holders, need, nodes_, rank_));
+  restoring.reset();
   stats_.recover_s = SecondsSince(t0);
 
   auto t1 = std::chrono::steady_clock::now();

@@ -299,7 +299,6 @@ void MemoryTier::Vote(Communicator& comm, const std::string& my_error, std::stri
   tier_detail::Vote(comm, my_error, phase);
 }
 
-
 int64_t MemoryTier::BeginPreemption(std::chrono::steady_clock::time_point commits_until) noexcept {
   commits_until_.store(commits_until.time_since_epoch().count());
   preempting_.store(true);
@@ -319,9 +318,10 @@ std::string MemoryTier::PreemptionVeto(std::string_view what) const {
   if (!preempting_.load()) return {};
   // Until commits_until the job's next step may still commit (its BusyScope was entered
   // before this check, so a handler settling after commits_until waits for it).
-  if (std::chrono::steady_clock::now().time_since_epoch().count() < commits_until_.load()) return {};
-  return std::to_string(static_cast<int>(ErrorCode::kPreempted)) + ":memory tier: " +
-         std::string(what) +
+  if (std::chrono::steady_clock::now().time_since_epoch().count() < commits_until_.load())
+    return {};
+  return std::to_string(static_cast<int>(ErrorCode::kPreempted)) +
+         ":memory tier: " + std::string(what) +
          " refused: the job is being preempted (the preemption handler drains the newest "
          "committed step)";
 }
@@ -331,6 +331,7 @@ MemoryTier::SettledStep MemoryTier::SettleForPreemption(
   std::unique_lock<std::mutex> lock(mu_);
   SettledStep out;
   out.settled = settled_.wait_until(lock, deadline, [&] { return busy_ == 0; });
+  settled_for_preemption_ = true;
   if (!metadata_.empty()) {
     out.step = metadata_.rbegin()->first;
     auto d = drained_.find(out.step);

@@ -134,7 +134,7 @@ std::vector<Candidate> Candidates(const std::vector<StepReport>& reports);
 
 namespace dcp {
 
-// Marks a commit or drain under way on this rank, from Enter() to its destruction
+// Marks a commit, drain or restore under way on this rank, from Enter() to its destruction
 // (MemoryTier::SettleForPreemption waits for none to be).
 class MemoryTier::BusyScope {
  public:

@@ -8,14 +8,18 @@
 
 #include <algorithm>
 #include <atomic>
-#include <csignal>
 #include <catch2/catch.hpp>
+#include <csignal>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "dcp/dcp.h"
 #include "dcp/storage/format/dcp_layout.h"
@@ -1154,8 +1158,7 @@ TEST_CASE(
       RequireNoErrors(RunRanks(
           kWorld,
           [&](int rank, Communicator& comm) {
-            CheckpointManager manager(where, comm, background ? std::move(bg[rank]) : nullptr,
-                                      mo);
+            CheckpointManager manager(where, comm, background ? std::move(bg[rank]) : nullptr, mo);
             PreemptionOptions po;
             po.grace_period = std::chrono::seconds(20);
             manager.HandlePreemption(std::move(handler_comms[rank]), po);
@@ -1296,6 +1299,175 @@ TEST_CASE(
       manager.Close();
     }));
   }
+}
+
+// A job restarted from memory and preempted before its next commit drains the step it restored,
+// which is newer than any durable one (it used to report nothing to drain, and a restart after
+// the nodes' loss went back to the older durable step). At the world size the step was saved at,
+// each writer copies its file; at 2 ranks (one node, holding every file) the node's ranks take
+// turns. A second restart finds the step durable and copies nothing. A notice before the restore
+// ends leaves every rank reporting the same (nothing).
+TEST_CASE(
+    "preempt: a step restored from memory and not yet durable is drained on the next notice at "
+    "the world size it was saved at and at another",
+    "[memory-tier][manager][preempt]") {
+  TempDir root("tier"), durable("durable");
+  ManagerOptions mo;
+  mo.memory_tier = Options(root, 2);
+  mo.durable_every = 2;  // step 2 goes to the root, step 3 only to memory
+  for (int world : {kWorld, 2}) {
+    DYNAMIC_SECTION("restarted at " << world << " ranks") {
+      const std::string where = durable / ("at" + std::to_string(world));
+      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+        CheckpointManager manager(where, comm, nullptr, mo);
+        for (int64_t s = 1; s <= 3; ++s) {
+          TierState state(rank, kWorld, s);
+          manager.Save(s, state.sd);
+        }
+        manager.Close();
+      }));
+      REQUIRE(CompleteCheckpoints(where) == std::vector<int64_t>{2});
+      // Three restarts: the notice before the restore (the handlers settled, nothing is kept
+      // for them: every rank reports nothing), after it (step 3 drained), and again (durable).
+      for (const char* restart : {"notice first", "drained", "durable"}) {
+        const bool notice_first = std::string(restart) == "notice first";
+        InProcessGroup handlers(world);
+        std::vector<std::unique_ptr<Communicator>> handler_comms;
+        for (int r = 0; r < world; ++r) handler_comms.push_back(handlers.Release(r));
+        std::vector<PreemptionReport> reports(world);
+        RequireNoErrors(RunRanks(world, [&](int rank, Communicator& comm) {
+          CheckpointManager manager(where, comm, nullptr, mo);
+          PreemptionOptions po;
+          po.on_sigterm = false;
+          po.grace_period = std::chrono::seconds(20);
+          manager.HandlePreemption(std::move(handler_comms[rank]), po);
+          comm.Barrier("test/handlers-installed");
+          if (notice_first) {
+            if (rank == 0) NotifyPreemption();
+            reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+          }
+          auto back = TierState::Empty(rank, world);
+          Expect(manager.Restore(back.sd) == 3, "step 3 restores");
+          Expect(manager.restore_source() == "memory", "from memory");
+          Expect(TierState::Holds(back.sd, 3), "step 3's values");
+          if (!notice_first) {
+            comm.Barrier("test/before-notice");
+            if (rank == 0) NotifyPreemption();
+            reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+          }
+          manager.Close();
+        }));
+        for (const auto& r : reports) {
+          INFO(restart << ": " << r.error);
+          CHECK(r.done);
+          CHECK(r.error.empty());
+          CHECK(r.step == (notice_first ? -1 : 3));
+          CHECK(r.drained == (std::string(restart) == "drained"));
+        }
+        CHECK(CompleteCheckpoints(where) ==
+              (notice_first ? std::vector<int64_t>{2} : std::vector<int64_t>{2, 3}));
+      }
+      // The nodes are gone with their memory: the restart restores step 3 from the root.
+      fs::remove_all(TierAnchor(root));
+      RequireNoErrors(RunRanks(world, [&](int rank, Communicator& comm) {
+        CheckpointManager manager(where, comm, nullptr, mo);
+        auto back = TierState::Empty(rank, world);
+        Expect(manager.Restore(back.sd) == 3, "step 3, drained on preemption");
+        Expect(manager.restore_source() == "durable", "from the root");
+        Expect(TierState::Holds(back.sd, 3), "step 3's values, from the root");
+        manager.Close();
+      }));
+      fs::remove_all(TierAnchor(root));
+    }
+  }
+}
+
+// The job's ranks as threads over shared mailboxes (the real collectives of
+// PointToPointCommunicator), whose rank 0 raises the preemption notice when it reaches the
+// restore's collective `notice_at`: by then every rank is inside the restore.
+class NoticeInRestoreComm : public PointToPointCommunicator {
+ public:
+  struct Mail {
+    std::mutex mu;
+    std::map<std::tuple<int, int, int>, std::deque<std::string>> boxes;
+  };
+  NoticeInRestoreComm(std::shared_ptr<Mail> mail, int rank, int size, std::string notice_at)
+      : mail_(std::move(mail)), rank_(rank), size_(size), notice_at_(std::move(notice_at)) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::vector<std::string> AllGather(std::string message, std::string_view what) override {
+    if (rank_ == 0 && what == notice_at_) {
+      NotifyPreemption();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the handlers wake first
+    }
+    return PointToPointCommunicator::AllGather(std::move(message), what);
+  }
+
+ protected:
+  void Send(int dest, int tag, std::string payload) override {
+    std::lock_guard<std::mutex> lock(mail_->mu);
+    mail_->boxes[{rank_, dest, tag}].push_back(std::move(payload));
+  }
+  std::optional<std::string> TryReceive(int source, int tag) override {
+    std::lock_guard<std::mutex> lock(mail_->mu);
+    auto it = mail_->boxes.find({source, rank_, tag});
+    if (it == mail_->boxes.end() || it->second.empty()) return std::nullopt;
+    std::string s = std::move(it->second.front());
+    it->second.pop_front();
+    return s;
+  }
+
+ private:
+  std::shared_ptr<Mail> mail_;
+  int rank_, size_;
+  std::string notice_at_;
+};
+
+// SIGTERM while a restarted job restores from memory: the handlers wait for the restore and drain
+// the step it restores, not older than the memory's newest (before, they reported nothing
+// committed at once, and a restart after the nodes' loss went back to the durable step).
+TEST_CASE("preempt: a notice during a restart's restore waits for it and drains the restored step",
+          "[memory-tier][manager][preempt]") {
+  TempDir root("tier"), durable("durable");
+  ManagerOptions mo;
+  mo.memory_tier = Options(root, 2);
+  mo.durable_every = 2;  // step 2 goes to the root, step 3 only to memory
+  const std::string where = durable / "restart";
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    CheckpointManager manager(where, comm, nullptr, mo);
+    for (int64_t s = 1; s <= 3; ++s) {
+      TierState state(rank, kWorld, s);
+      manager.Save(s, state.sd);
+    }
+    manager.Close();
+  }));
+  auto mail = std::make_shared<NoticeInRestoreComm::Mail>();
+  auto handler_comms = BackgroundCommunicators();
+  std::vector<PreemptionReport> reports(kWorld);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& barrier) {
+    NoticeInRestoreComm comm(mail, rank, kWorld, "tier/recover-needs");
+    CheckpointManager manager(where, comm, nullptr, mo);
+    PreemptionOptions po;
+    po.on_sigterm = false;
+    po.grace_period = std::chrono::seconds(20);
+    manager.HandlePreemption(std::move(handler_comms[rank]), po);
+    barrier.Barrier("test/handlers-installed");
+    auto back = TierState::Empty(rank, kWorld);
+    Expect(manager.Restore(back.sd) == 3, "step 3 restores");
+    Expect(manager.preempted(), "the notice came during the restore");
+    Expect(TierState::Holds(back.sd, 3), "step 3's values");
+    reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+    manager.Close();
+  }));
+  for (const auto& r : reports) {
+    INFO(r.error);
+    CHECK(r.done);
+    CHECK(r.error.empty());
+    CHECK(r.step == 3);
+    CHECK(r.drained);
+  }
+  CHECK(CompleteCheckpoints(where) == std::vector<int64_t>{2, 3});
+  fs::remove_all(TierAnchor(root));
 }
 
 TEST_CASE(
