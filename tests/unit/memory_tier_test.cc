@@ -1132,6 +1132,43 @@ TEST_CASE(
   }
 }
 
+// Steps 1 to `last` saved through a manager of kWorld ranks at `where`, then closed.
+void SaveManagedSteps(const std::string& where, const ManagerOptions& mo, int64_t last) {
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    CheckpointManager manager(where, comm, nullptr, mo);
+    for (int64_t s = 1; s <= last; ++s) {
+      TierState state(rank, kWorld, s);
+      manager.Save(s, state.sd);
+    }
+    manager.Close();
+  }));
+}
+
+// The preemption handler of a program whose own signal handler calls NotifyPreemption (SIGTERM
+// keeps its disposition), with a 20 s window.
+void HandleNotices(CheckpointManager& manager, std::unique_ptr<Communicator> comm) {
+  PreemptionOptions po;
+  po.on_sigterm = false;
+  po.grace_period = std::chrono::seconds(20);
+  manager.HandlePreemption(std::move(comm), po);
+}
+
+// The nodes are gone with their memory: a restart at `world` ranks restores `step` from the
+// root, bit-exact.
+void ExpectRestartFromRoot(const TempDir& root, const std::string& where, const ManagerOptions& mo,
+                           int64_t step, int world = kWorld) {
+  fs::remove_all(TierAnchor(root));
+  RequireNoErrors(RunRanks(world, [&](int rank, Communicator& comm) {
+    CheckpointManager manager(where, comm, nullptr, mo);
+    auto back = TierState::Empty(rank, world);
+    Expect(manager.Restore(back.sd) == step, "the step drained on preemption");
+    Expect(manager.restore_source() == "durable", "from the root");
+    Expect(TierState::Holds(back.sd, step), "its values, from the root");
+    manager.Close();
+  }));
+  fs::remove_all(TierAnchor(root));
+}
+
 // Preemption (issue 48, part 1). SIGTERM, raised on one rank's thread, reaches every rank's
 // handler (one process here, as under a scheduler every process gets it); each agrees on the
 // tier's newest committed step and drains it to the root, on its own communicator, while one
@@ -1210,17 +1247,7 @@ TEST_CASE(
       std::string latest;
       std::getline(std::ifstream(where + "/latest"), latest);
       CHECK(latest == "6");
-      // The nodes are gone with their memory: the restart restores step 6 from the root.
-      fs::remove_all(TierAnchor(root));
-      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
-        CheckpointManager manager(where, comm, nullptr, mo);
-        auto back = TierState::Empty(rank, kWorld);
-        Expect(manager.Restore(back.sd) == 6, "step 6, drained on preemption");
-        Expect(manager.restore_source() == "durable", "from the root");
-        Expect(TierState::Holds(back.sd, 6), "step 6's values");
-        manager.Close();
-      }));
-      fs::remove_all(TierAnchor(root));
+      ExpectRestartFromRoot(root, where, mo, 6);
     }
   }
 }
@@ -1318,14 +1345,7 @@ TEST_CASE(
   for (int world : {kWorld, 2}) {
     DYNAMIC_SECTION("restarted at " << world << " ranks") {
       const std::string where = durable / ("at" + std::to_string(world));
-      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
-        CheckpointManager manager(where, comm, nullptr, mo);
-        for (int64_t s = 1; s <= 3; ++s) {
-          TierState state(rank, kWorld, s);
-          manager.Save(s, state.sd);
-        }
-        manager.Close();
-      }));
+      SaveManagedSteps(where, mo, 3);
       REQUIRE(CompleteCheckpoints(where) == std::vector<int64_t>{2});
       // Three restarts: the notice before the restore (the handlers settled, nothing is kept
       // for them: every rank reports nothing), after it (step 3 drained), and again (durable).
@@ -1337,10 +1357,7 @@ TEST_CASE(
         std::vector<PreemptionReport> reports(world);
         RequireNoErrors(RunRanks(world, [&](int rank, Communicator& comm) {
           CheckpointManager manager(where, comm, nullptr, mo);
-          PreemptionOptions po;
-          po.on_sigterm = false;
-          po.grace_period = std::chrono::seconds(20);
-          manager.HandlePreemption(std::move(handler_comms[rank]), po);
+          HandleNotices(manager, std::move(handler_comms[rank]));
           comm.Barrier("test/handlers-installed");
           if (notice_first) {
             if (rank == 0) NotifyPreemption();
@@ -1367,17 +1384,7 @@ TEST_CASE(
         CHECK(CompleteCheckpoints(where) ==
               (notice_first ? std::vector<int64_t>{2} : std::vector<int64_t>{2, 3}));
       }
-      // The nodes are gone with their memory: the restart restores step 3 from the root.
-      fs::remove_all(TierAnchor(root));
-      RequireNoErrors(RunRanks(world, [&](int rank, Communicator& comm) {
-        CheckpointManager manager(where, comm, nullptr, mo);
-        auto back = TierState::Empty(rank, world);
-        Expect(manager.Restore(back.sd) == 3, "step 3, drained on preemption");
-        Expect(manager.restore_source() == "durable", "from the root");
-        Expect(TierState::Holds(back.sd, 3), "step 3's values, from the root");
-        manager.Close();
-      }));
-      fs::remove_all(TierAnchor(root));
+      ExpectRestartFromRoot(root, where, mo, 3, world);
     }
   }
 }
@@ -1433,24 +1440,14 @@ TEST_CASE("preempt: a notice during a restart's restore waits for it and drains 
   mo.memory_tier = Options(root, 2);
   mo.durable_every = 2;  // step 2 goes to the root, step 3 only to memory
   const std::string where = durable / "restart";
-  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
-    CheckpointManager manager(where, comm, nullptr, mo);
-    for (int64_t s = 1; s <= 3; ++s) {
-      TierState state(rank, kWorld, s);
-      manager.Save(s, state.sd);
-    }
-    manager.Close();
-  }));
+  SaveManagedSteps(where, mo, 3);
   auto mail = std::make_shared<NoticeInRestoreComm::Mail>();
   auto handler_comms = BackgroundCommunicators();
   std::vector<PreemptionReport> reports(kWorld);
   RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& barrier) {
     NoticeInRestoreComm comm(mail, rank, kWorld, "tier/recover-needs");
     CheckpointManager manager(where, comm, nullptr, mo);
-    PreemptionOptions po;
-    po.on_sigterm = false;
-    po.grace_period = std::chrono::seconds(20);
-    manager.HandlePreemption(std::move(handler_comms[rank]), po);
+    HandleNotices(manager, std::move(handler_comms[rank]));
     barrier.Barrier("test/handlers-installed");
     auto back = TierState::Empty(rank, kWorld);
     Expect(manager.Restore(back.sd) == 3, "step 3 restores");
@@ -1487,10 +1484,7 @@ TEST_CASE(
       std::vector<PreemptionReport> reports(kWorld);
       RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
         CheckpointManager manager(where, comm, nullptr, mo);
-        PreemptionOptions po;
-        po.on_sigterm = false;  // the user's own handler calls NotifyPreemption
-        po.grace_period = std::chrono::seconds(20);
-        manager.HandlePreemption(std::move(handler_comms[rank]), po);
+        HandleNotices(manager, std::move(handler_comms[rank]));
         struct sigaction now {};
         ::sigaction(SIGTERM, nullptr, &now);
         Expect(now.sa_handler == before.sa_handler,
