@@ -735,7 +735,7 @@ void CheckpointManager::DrainOnPreemption(Communicator& comm,
   if (commits_until > std::chrono::steady_clock::now()) {
     tier_->WaitForCommitAfter(before, commits_until);  // the next step boundary's commit
   }
-  const MemoryTier::SettledStep mine = tier_->SettleForPreemption(deadline);
+  MemoryTier::SettledStep mine = tier_->SettleForPreemption(deadline);
   comm.set_timeout(Left(deadline));
   const std::string said =
       !mine.settled ? std::string("unsettled")
@@ -755,18 +755,24 @@ void CheckpointManager::DrainOnPreemption(Communicator& comm,
     }
   }
   if (!disagreement.empty()) throw CollectiveError("manager/preempt", std::move(disagreement));
+  // Every rank settled on no step of its own: the job has not restored from memory yet (or its
+  // restore began too late to count), and the newest step the tier holds may be newer than any
+  // durable one.
+  if (mine.step < 0) mine = tier_->AdoptNewestHeld(comm);
   report.step = mine.step;
   if (mine.step < 0) return;
   report.where = PathFor(mine.step);
   if (!mine.drained_to.empty()) return;
   // Rank 0 enters the step in the root's index first, as every managed save does; a root that
-  // already holds this step or a newer one complete (an earlier run got further) is left alone.
-  const std::string state = OnCoordinator(comm, "manager/preempt-begin", [&] {
-    for (int64_t s : KnownSteps()) {
-      if (s < mine.step) continue;
+  // already holds this step or a newer one complete (an earlier run got further, or the job
+  // restored from the root a step newer than memory's) is left alone, and the report names the
+  // newest such step: the one a restart restores.
+  const std::string durable = OnCoordinator(comm, "manager/preempt-begin", [&] {
+    const std::vector<int64_t> known = KnownSteps();
+    for (auto s = known.rbegin(); s != known.rend() && *s >= mine.step; ++s) {
       try {
-        ReadMetadata(PathFor(s));
-        return "step " + std::to_string(s) + " is complete under " + root_;
+        ReadMetadata(PathFor(*s));
+        return std::to_string(*s);
       } catch (const Error&) {
       }
     }
@@ -775,7 +781,11 @@ void CheckpointManager::DrainOnPreemption(Communicator& comm,
     root->PublishAtomically(StepName(mine.step) + kMarkerSuffix, PathFor(mine.step) + "\n");
     return std::string();
   });
-  if (!state.empty()) return;  // durable already
+  if (!durable.empty()) {
+    report.step = std::stoll(durable);
+    report.where = PathFor(report.step);
+    return;
+  }
   StorageOptions storage = options_.save.storage;
   storage.overwrite = true;  // a failed earlier attempt of this step; never a complete one
   TierStats stats;

@@ -212,6 +212,14 @@ class MemoryTier {
     std::string drained_to;
   };
   SettledStep SettleForPreemption(std::chrono::steady_clock::time_point deadline);
+  /// After every rank's SettleForPreemption found no step (a notice before the job's restore, or
+  /// one whose restore began after it settled): the newest step complete across the nodes'
+  /// copies, as Restore would choose it, recorded for DrainForPreemption as a restore records its
+  /// step. Collective on `comm` (the handler's). Each rank checks the copies it would drain
+  /// (CRC32C) first; a damaged one is dropped and another node's copy drains that file. Returns
+  /// step -1 when no step is complete, or when some file has no intact copy (the same on every
+  /// rank). Throws what the collectives throw, and CorruptionError for unreadable metadata.
+  SettledStep AdoptNewestHeld(Communicator& comm);
   /// Drain over `comm` (the preemption handler's communicator), never refused by the preemption;
   /// its figures go to `stats`. Same contract as Drain otherwise.
   void DrainForPreemption(Communicator& comm, int64_t step, const std::string& uri,

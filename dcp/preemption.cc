@@ -170,7 +170,7 @@ class PreemptionWatcher {
       std::fprintf(stderr, "dcp: preemption: the drain failed after %.2f s (%.2f s of the %.1f s "
                    "window left): %s\n", r.seconds, r.window_left_s, window, r.error.c_str());
     } else if (r.step < 0) {
-      std::fprintf(stderr, "dcp: preemption: no step committed in memory by this job to drain "
+      std::fprintf(stderr, "dcp: preemption: no step complete in memory to drain "
                    "(%.2f s; %.2f s of the %.1f s window left)\n", r.seconds, r.window_left_s,
                    window);
     } else {

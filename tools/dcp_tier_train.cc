@@ -8,7 +8,7 @@
 //   mpirun -np 4 dcp-tier-train --verify         restore, check, print "restored step ..." and exit
 //   mpirun -np 4 dcp-tier-train --resume --preempt-grace 5 ...   SIGTERM drains the newest step
 //     (tools/tier_sigterm_trials.sh): rank 0 prints "preempt: step N drained ..." and the job
-//     ends; "preempt: nothing ..." when no step was committed since the start
+//     ends; "preempt: nothing ..." when memory holds no complete step
 //
 // Exit status: 0 ok, 1 a restore did not hold the values of the step it reported (or lost the
 // newest durable step), 2 usage or setup errors.
@@ -280,12 +280,13 @@ int main(int argc, char** argv) {
         if (!r.done || !r.error.empty()) {
           std::printf("preempt: FAILED: %s\n", r.done ? r.error.c_str() : "did not end in time");
         } else if (r.step < 0) {
-          std::printf("preempt: nothing committed in memory since the start\n");
+          std::printf("preempt: nothing complete in memory\n");
         } else {
-          std::printf("preempt: step %lld %s in %.3f s (%.3f s of the window left; %llu bytes "
-                      "copied by rank 0)\n",
-                      static_cast<long long>(r.step), r.drained ? "drained" : "already durable",
-                      r.seconds, r.window_left_s, static_cast<unsigned long long>(r.bytes));
+          std::printf(
+              "preempt: step %lld %s in %.3f s (%.3f s of the window left; %llu bytes "
+              "copied by rank 0)\n",
+              static_cast<long long>(r.step), r.drained ? "drained" : "already durable", r.seconds,
+              r.window_left_s, static_cast<unsigned long long>(r.bytes));
         }
         std::fflush(stdout);
       }

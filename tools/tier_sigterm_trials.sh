@@ -9,8 +9,10 @@
 # was drained to the root. One trial in four is a crash instead (SIGKILL only, memory kept): the
 # next job restores a step only memory holds, and its preemption must drain that step. The
 # restart (--verify) must restore exactly the step the handler reported drained (or found
-# durable), bit-exact; when the handler reported nothing committed since its start, the step the
-# trial before restored; after a crash, the newest step memory holds, never older than before.
+# durable), bit-exact; when the handler reported nothing complete in memory (or no report: the
+# notice came in MPI's start-up), the step the trial before restored; after a crash, the newest
+# step memory holds, never older than before. A handler that reports nothing while memory holds
+# the step to restore (a notice before the job's restore) fails the trial when the memory goes.
 #
 #   tools/tier_sigterm_trials.sh BUILD_DIR [TRIALS=200] [WORK_DIR] [DURABLE_ROOT] [GRACE_S=5]
 # DURABLE_ROOT: any dcp location (default WORK_DIR/durable, emptied first; a fresh
@@ -33,7 +35,7 @@ mkdir -p "$work"
 tier_glob="/dev/shm/dcp-tier-u$(id -u)/$name-"
 trap 'rm -rf "$tier_glob"*' EXIT
 
-fail=0 drained=0 durable_already=0 nothing=0 wiped=0 crashes=0 expected=-1 expected_durable=1
+fail=0 drained=0 durable_already=0 nothing=0 unreported_total=0 wiped=0 crashes=0 expected=-1 expected_durable=1
 times=()
 for ((t = 1; t <= trials; ++t)); do
   mpirun -np 4 "$train" "${args[@]}" --resume --steps 100000000 --preempt-grace "$grace" \
@@ -78,7 +80,7 @@ for ((t = 1; t <= trials; ++t)); do
   wait "$job" 2>/dev/null
   report=$(grep -m1 "^preempt: \(step\|nothing\|FAILED\)" "$work/run.log")
   ((crash)) && report="crash" && crashes=$((crashes + 1))
-  drained_nothing=0
+  unreported=0
   case "$report" in
     crash) ;;
     *drained*|*"already durable"*)
@@ -90,19 +92,19 @@ for ((t = 1; t <= trials; ++t)); do
       else
         durable_already=$((durable_already + 1))
       fi ;;
-    *nothing*) nothing=$((nothing + 1)) drained_nothing=1 ;;
+    *nothing*) nothing=$((nothing + 1)) ;;
     *FAILED*)
       echo "trial $t FAILED: $report"; tail -5 "$work/run.log"; fail=$((fail + 1)) ;;
     *)
       # No report: SIGTERM came before the handler was installed (during MPI's start-up), which
       # ends the job before it committed anything. (A drain that went unreported would show
       # at the restart: it restores a step other than the one expected.)
-      nothing=$((nothing + 1)) drained_nothing=1 ;;
+      unreported=1 ;;
   esac
   # The preempted machines' memory is gone, in half of the trials: not after a crash, nor when
-  # the handler drained nothing while the step to restore may be in memory only (restored after
-  # a crash, and the notice came before the job could drain it: in MPI's start-up).
-  if ((!crash && (!drained_nothing || expected_durable) && RANDOM % 2 == 0)); then
+  # no handler ran while the step to restore may be in memory only (restored after a crash, and
+  # the notice came in MPI's start-up, before the handler was installed).
+  if ((!crash && (!unreported || expected_durable) && RANDOM % 2 == 0)); then
     rm -rf "$tier_glob"*; wiped=$((wiped + 1))
   fi
   out=$(timeout 120 mpirun -np 4 "$train" "${args[@]}" --verify 2>&1)
@@ -116,11 +118,13 @@ for ((t = 1; t <= trials; ++t)); do
     echo "$out" | tail -6
     fail=$((fail + 1))
   fi
-  [[ -n "${VERBOSE:-}" ]] && echo "trial $t: $report | $line"
+  [[ -n "${VERBOSE:-}" ]] && echo "trial $t: ${report:-no report} | $line"
+  unreported_total=$((unreported_total + unreported))
   [[ -n "$got" ]] && expected=$got
 done
 median=$(printf '%s\n' "${times[@]:-}" | sort -n | awk 'NF { a[n++] = $1 } END { if (n) print a[int((n - 1) / 2)]; else print "-" }')
 echo "tier sigterm trials: $trials trials ($crashes crashes, $wiped wiping every node's memory): drained $drained" \
-  "(median $median s), already durable $durable_already, nothing committed yet $nothing;" \
+  "(median $median s), already durable $durable_already, nothing in memory $nothing," \
+  "no report (a notice in MPI's start-up) $unreported_total;" \
   "failures $fail"
 ((fail == 0))

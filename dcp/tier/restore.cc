@@ -404,6 +404,75 @@ void MemoryTier::KeepForDrain(int64_t step, const std::string& encoded,
   metadata_[step] = encoded;
 }
 
+// The handler of a notice that came before the job's restore (or before a restore that began
+// after the handler settled, which then records nothing) finds the step itself: the newest
+// complete one, which a restart would restore. Nothing is fetched; each file is drained from a
+// node holding it. The copies were written by an earlier process, so each is checked before it
+// is drained: a damaged one is dropped and the assignment made again, until every assigned copy
+// was checked intact (each round drops a copy, so the rounds end).
+MemoryTier::SettledStep MemoryTier::AdoptNewestHeld(Communicator& comm) {
+  SettledStep out;
+  out.settled = true;
+  const auto candidates = Candidates(GatherReports(comm));
+  const Candidate* chosen = Newest(candidates);
+  if (chosen == nullptr) return out;
+  const int64_t step = chosen->step;
+  const std::string dir = StepDirectory(step);
+  const std::string encoded = FetchMetadata(comm, nodes_[chosen->nodes.front()].front(), dir);
+  const Metadata md = DecodeMetadataFile(encoded, "tier://" + options_.name + "/" + StepName(step));
+  const auto referenced = ReferencedFiles(md);
+  std::vector<std::string> names;
+  for (const auto& [name, extent] : referenced) names.push_back(name);
+  const std::vector<std::vector<bool>> fetched(nodes_.size(), std::vector<bool>(names.size()));
+  auto holders = chosen->holders;
+  std::set<std::string> checked;
+  for (;;) {
+    auto files = FilesToDrain(md, names, referenced, holders, fetched, nodes_, rank_);
+    std::string damaged;  // this rank's damaged copies, as indexes into `names`
+    if (files) {
+      for (const auto& name : *files) {
+        if (!checked.insert(name).second) continue;
+        const std::string why = DamageIn(dir, md, name);
+        if (why.empty()) continue;
+        std::fprintf(stderr,
+                     "dcp: memory tier: step %lld: node %d's copy of %s is damaged (%s); the "
+                     "preemption drains another node's copy if one is intact\n",
+                     static_cast<long long>(step), node_, name.c_str(), why.c_str());
+        PutU64(damaged, static_cast<uint64_t>(std::lower_bound(names.begin(), names.end(), name) -
+                                              names.begin()));
+      }
+    }
+    bool any = false;
+    const auto all = comm.AllGather(std::move(damaged), "tier/preempt-check");
+    for (int r = 0; r < comm.size(); ++r) {
+      MessageReader in(all[r], "rank " + std::to_string(r));
+      while (!in.done()) {
+        const uint64_t i = in.U64();
+        if (i >= names.size()) {
+          throw CorruptionError("memory tier: rank " + std::to_string(r) +
+                                " reports damage in file " + std::to_string(i) + " of " +
+                                std::to_string(names.size()));
+        }
+        int node = 0;
+        while (node + 1 < static_cast<int>(nodes_.size()) &&
+               std::find(nodes_[node].begin(), nodes_[node].end(), r) == nodes_[node].end()) {
+          ++node;
+        }
+        auto& h = holders[names[i]];
+        h.erase(std::remove(h.begin(), h.end(), node), h.end());
+        any = true;
+      }
+    }
+    if (!files) return out;  // a file with no copy left: alike on every rank
+    if (any) continue;
+    std::lock_guard<std::mutex> lock(mu_);
+    written_[step] = std::move(*files);
+    metadata_[step] = encoded;
+    out.step = step;
+    return out;
+  }
+}
+
 std::vector<int64_t> MemoryTier::CompleteSteps() {
   Wait();
   std::set<int64_t> steps;

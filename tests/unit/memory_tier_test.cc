@@ -28,6 +28,7 @@
 using namespace dcp;
 using namespace dcp::testing;
 using Catch::Matchers::Contains;
+using Catch::Matchers::EndsWith;
 namespace fs = std::filesystem;
 
 namespace {
@@ -1328,65 +1329,159 @@ TEST_CASE(
   }
 }
 
-// A job restarted from memory and preempted before its next commit drains the step it restored,
-// which is newer than any durable one (it used to report nothing to drain, and a restart after
-// the nodes' loss went back to the older durable step). At the world size the step was saved at,
-// each writer copies its file; at 2 ranks (one node, holding every file) the node's ranks take
-// turns. A second restart finds the step durable and copies nothing. A notice before the restore
-// ends leaves every rank reporting the same (nothing).
+// A job restarted from memory and preempted before its next commit drains the newest step memory
+// holds, which is newer than any durable one (it used to report nothing to drain, and a restart
+// after the nodes' loss went back to the older durable step): after its restore, the step it
+// restored; before it, the step the handler finds in the tier itself (nothing else recorded it).
+// At the world size the step was saved at, each writer copies its file; at 2 ranks (one node,
+// holding every file) the node's ranks take turns. A second restart finds the step durable and
+// copies nothing.
 TEST_CASE(
-    "preempt: a step restored from memory and not yet durable is drained on the next notice at "
-    "the world size it was saved at and at another",
+    "preempt: a step restored from memory and not yet durable is drained on the next notice "
+    "before or after the restore at the world size it was saved at and at another",
     "[memory-tier][manager][preempt]") {
   TempDir root("tier"), durable("durable");
   ManagerOptions mo;
   mo.memory_tier = Options(root, 2);
   mo.durable_every = 2;  // step 2 goes to the root, step 3 only to memory
   for (int world : {kWorld, 2}) {
-    DYNAMIC_SECTION("restarted at " << world << " ranks") {
-      const std::string where = durable / ("at" + std::to_string(world));
-      SaveManagedSteps(where, mo, 3);
-      REQUIRE(CompleteCheckpoints(where) == std::vector<int64_t>{2});
-      // Three restarts: the notice before the restore (the handlers settled, nothing is kept
-      // for them: every rank reports nothing), after it (step 3 drained), and again (durable).
-      for (const char* restart : {"notice first", "drained", "durable"}) {
-        const bool notice_first = std::string(restart) == "notice first";
-        InProcessGroup handlers(world);
-        std::vector<std::unique_ptr<Communicator>> handler_comms;
-        for (int r = 0; r < world; ++r) handler_comms.push_back(handlers.Release(r));
-        std::vector<PreemptionReport> reports(world);
-        RequireNoErrors(RunRanks(world, [&](int rank, Communicator& comm) {
-          CheckpointManager manager(where, comm, nullptr, mo);
-          HandleNotices(manager, std::move(handler_comms[rank]));
-          comm.Barrier("test/handlers-installed");
-          if (notice_first) {
-            if (rank == 0) NotifyPreemption();
-            reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+    for (bool notice_first : {true, false}) {
+      DYNAMIC_SECTION("restarted at " << world << " ranks, the notice "
+                                      << (notice_first ? "before" : "after") << " the restore") {
+        const std::string where = durable / ("at" + std::to_string(world));
+        SaveManagedSteps(where, mo, 3);
+        REQUIRE(CompleteCheckpoints(where) == std::vector<int64_t>{2});
+        for (bool again : {false, true}) {
+          InProcessGroup handlers(world);
+          std::vector<std::unique_ptr<Communicator>> handler_comms;
+          for (int r = 0; r < world; ++r) handler_comms.push_back(handlers.Release(r));
+          std::vector<PreemptionReport> reports(world);
+          RequireNoErrors(RunRanks(world, [&](int rank, Communicator& comm) {
+            CheckpointManager manager(where, comm, nullptr, mo);
+            HandleNotices(manager, std::move(handler_comms[rank]));
+            comm.Barrier("test/handlers-installed");
+            if (notice_first) {
+              if (rank == 0) NotifyPreemption();
+              reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+            }
+            auto back = TierState::Empty(rank, world);
+            Expect(manager.Restore(back.sd) == 3, "step 3 restores");
+            Expect(manager.restore_source() == "memory", "from memory");
+            Expect(TierState::Holds(back.sd, 3), "step 3's values");
+            if (!notice_first) {
+              comm.Barrier("test/before-notice");
+              if (rank == 0) NotifyPreemption();
+              reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+            }
+            manager.Close();
+          }));
+          for (const auto& r : reports) {
+            INFO((again ? "second restart: " : "first restart: ") << r.error);
+            CHECK(r.done);
+            CHECK(r.error.empty());
+            CHECK(r.step == 3);
+            CHECK(r.drained == !again);
           }
-          auto back = TierState::Empty(rank, world);
-          Expect(manager.Restore(back.sd) == 3, "step 3 restores");
-          Expect(manager.restore_source() == "memory", "from memory");
-          Expect(TierState::Holds(back.sd, 3), "step 3's values");
-          if (!notice_first) {
-            comm.Barrier("test/before-notice");
-            if (rank == 0) NotifyPreemption();
-            reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
-          }
-          manager.Close();
-        }));
-        for (const auto& r : reports) {
-          INFO(restart << ": " << r.error);
-          CHECK(r.done);
-          CHECK(r.error.empty());
-          CHECK(r.step == (notice_first ? -1 : 3));
-          CHECK(r.drained == (std::string(restart) == "drained"));
+          CHECK(CompleteCheckpoints(where) == std::vector<int64_t>{2, 3});
         }
-        CHECK(CompleteCheckpoints(where) ==
-              (notice_first ? std::vector<int64_t>{2} : std::vector<int64_t>{2, 3}));
+        ExpectRestartFromRoot(root, where, mo, 3, world);
+        fs::remove_all(where);
       }
-      ExpectRestartFromRoot(root, where, mo, 3, world);
     }
   }
+}
+
+// A notice before the restart's restore: the handler drains the tier's newest step from copies
+// an earlier process wrote, so it checks each copy it drains. A writer's copy with a flipped byte
+// is dropped and the replica on the other node is drained instead (the root then holds step 3
+// intact); with both copies damaged, nothing is drained and the root keeps step 2.
+TEST_CASE(
+    "preempt: a notice before the restore drains the replica of a damaged copy and nothing when "
+    "no copy is intact",
+    "[memory-tier][manager][preempt]") {
+  TempDir root("tier"), durable("durable");
+  ManagerOptions mo;
+  mo.memory_tier = Options(root, 2);
+  mo.durable_every = 2;  // step 2 goes to the root, step 3 only to memory
+  for (bool replica_intact : {true, false}) {
+    DYNAMIC_SECTION((replica_intact ? "the replica is intact" : "both copies are damaged")) {
+      const std::string where = durable / "damaged";
+      SaveManagedSteps(where, mo, 3);
+      // The manager's tier directory: the job's name with a hash of its root appended.
+      std::vector<fs::path> jobs;
+      for (const auto& e : fs::directory_iterator(TierAnchor(root))) jobs.push_back(e.path());
+      REQUIRE(jobs.size() == 1);
+      const std::string step3 = "/step-0000000003";
+      FlipByte(WrittenBy((jobs[0] / "node-0").string() + step3, 0), 0);
+      if (!replica_intact) FlipByte(WrittenBy((jobs[0] / "node-1").string() + step3, 0), 0);
+      InProcessGroup handlers(kWorld);
+      std::vector<std::unique_ptr<Communicator>> handler_comms;
+      for (int r = 0; r < kWorld; ++r) handler_comms.push_back(handlers.Release(r));
+      std::vector<PreemptionReport> reports(kWorld);
+      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+        CheckpointManager manager(where, comm, nullptr, mo);
+        HandleNotices(manager, std::move(handler_comms[rank]));
+        comm.Barrier("test/handlers-installed");
+        if (rank == 0) NotifyPreemption();
+        reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+        manager.Close();
+      }));
+      for (const auto& r : reports) {
+        INFO(r.error);
+        CHECK(r.done);
+        CHECK(r.error.empty());
+        CHECK(r.step == (replica_intact ? 3 : -1));
+        CHECK(r.drained == replica_intact);
+      }
+      ExpectRestartFromRoot(root, where, mo, replica_intact ? 3 : 2);
+      fs::remove_all(where);
+    }
+  }
+}
+
+// Memory's newest step is older than the root's (the job went on saving without the tier): a
+// notice before the restore finds step 3 in memory, copies nothing and reports the root's step 5,
+// the one a restart restores.
+TEST_CASE(
+    "preempt: a notice before the restore reports the root's newest step when it is newer than "
+    "memory's",
+    "[memory-tier][manager][preempt]") {
+  TempDir root("tier"), durable("durable");
+  ManagerOptions mo;
+  mo.memory_tier = Options(root, 2);
+  mo.durable_every = 1;
+  const std::string where = durable / "newer";
+  SaveManagedSteps(where, mo, 3);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    CheckpointManager plain(where, comm);
+    for (int64_t s = 4; s <= 5; ++s) {
+      TierState state(rank, kWorld, s);
+      plain.Save(s, state.sd);
+    }
+    plain.Close();
+  }));
+  auto handler_comms = BackgroundCommunicators();
+  std::vector<PreemptionReport> reports(kWorld);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    CheckpointManager manager(where, comm, nullptr, mo);
+    HandleNotices(manager, std::move(handler_comms[rank]));
+    comm.Barrier("test/handlers-installed");
+    if (rank == 0) NotifyPreemption();
+    reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+    auto back = TierState::Empty(rank, kWorld);
+    Expect(manager.Restore(back.sd) == 5, "the root's step 5 restores");
+    Expect(manager.restore_source() == "durable", "from the root");
+    manager.Close();
+  }));
+  for (const auto& r : reports) {
+    INFO(r.error);
+    CHECK(r.done);
+    CHECK(r.error.empty());
+    CHECK(r.step == 5);
+    CHECK_FALSE(r.drained);
+    CHECK_THAT(r.where, EndsWith("step-0000000005"));
+  }
+  fs::remove_all(TierAnchor(root));
 }
 
 // The job's ranks as threads over shared mailboxes (the real collectives of
