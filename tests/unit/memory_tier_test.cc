@@ -1345,9 +1345,10 @@ TEST_CASE(
   mo.memory_tier = Options(root, 2);
   mo.durable_every = 2;  // step 2 goes to the root, step 3 only to memory
   for (int world : {kWorld, 2}) {
-    for (bool notice_first : {true, false}) {
-      DYNAMIC_SECTION("restarted at " << world << " ranks, the notice "
-                                      << (notice_first ? "before" : "after") << " the restore") {
+    for (const std::string notice : {"before", "racing", "after"}) {
+      const bool notice_first = notice == "before";
+      DYNAMIC_SECTION("restarted at " << world << " ranks, the notice " << notice
+                                      << " the restore") {
         const std::string where = durable / ("at" + std::to_string(world));
         SaveManagedSteps(where, mo, 3);
         REQUIRE(CompleteCheckpoints(where) == std::vector<int64_t>{2});
@@ -1364,11 +1365,16 @@ TEST_CASE(
               if (rank == 0) NotifyPreemption();
               reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
             }
+            // Racing: the handlers settle before, during or after the ranks' restores begin,
+            // and drain step 3 alike (found in the tier, or recorded by the restore).
+            if (notice == "racing" && rank == 0) NotifyPreemption();
             auto back = TierState::Empty(rank, world);
             Expect(manager.Restore(back.sd) == 3, "step 3 restores");
             Expect(manager.restore_source() == "memory", "from memory");
             Expect(TierState::Holds(back.sd, 3), "step 3's values");
-            if (!notice_first) {
+            if (notice == "racing") {
+              reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+            } else if (!notice_first) {
               comm.Barrier("test/before-notice");
               if (rank == 0) NotifyPreemption();
               reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
