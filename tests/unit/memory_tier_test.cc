@@ -14,6 +14,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -1170,6 +1171,40 @@ void ExpectRestartFromRoot(const TempDir& root, const std::string& where, const 
   fs::remove_all(TierAnchor(root));
 }
 
+// A restart at `world` ranks whose handlers get the notice before the job restores anything;
+// then `after` runs on each rank (the job's thread) before the manager closes. Returns each
+// rank's report.
+std::vector<PreemptionReport> NoticeBeforeRestore(
+    const std::string& where, const ManagerOptions& mo, int world,
+    const std::function<void(int, CheckpointManager&)>& after = {}) {
+  InProcessGroup handlers(world);
+  std::vector<std::unique_ptr<Communicator>> handler_comms;
+  for (int r = 0; r < world; ++r) handler_comms.push_back(handlers.Release(r));
+  std::vector<PreemptionReport> reports(world);
+  RequireNoErrors(RunRanks(world, [&](int rank, Communicator& comm) {
+    CheckpointManager manager(where, comm, nullptr, mo);
+    HandleNotices(manager, std::move(handler_comms[rank]));
+    comm.Barrier("test/handlers-installed");
+    if (rank == 0) NotifyPreemption();
+    reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+    if (after) after(rank, manager);
+    manager.Close();
+  }));
+  return reports;
+}
+
+// Every rank's handler ended without an error, reporting `step` (-1: none) and whether it
+// drained it.
+void ExpectReports(const std::vector<PreemptionReport>& reports, int64_t step, bool drained) {
+  for (size_t r = 0; r < reports.size(); ++r) {
+    INFO("rank " << r << ": " << reports[r].error);
+    CHECK(reports[r].done);
+    CHECK(reports[r].error.empty());
+    CHECK(reports[r].step == step);
+    CHECK(reports[r].drained == drained);
+  }
+}
+
 // Preemption (issue 48, part 1). SIGTERM, raised on one rank's thread, reaches every rank's
 // handler (one process here, as under a scheduler every process gets it); each agrees on the
 // tier's newest committed step and drains it to the root, on its own communicator, while one
@@ -1381,13 +1416,8 @@ TEST_CASE(
             }
             manager.Close();
           }));
-          for (const auto& r : reports) {
-            INFO((again ? "second restart: " : "first restart: ") << r.error);
-            CHECK(r.done);
-            CHECK(r.error.empty());
-            CHECK(r.step == 3);
-            CHECK(r.drained == !again);
-          }
+          INFO((again ? "the second restart" : "the first restart"));
+          ExpectReports(reports, 3, !again);
           CHECK(CompleteCheckpoints(where) == std::vector<int64_t>{2, 3});
         }
         ExpectRestartFromRoot(root, where, mo, 3, world);
@@ -1420,25 +1450,8 @@ TEST_CASE(
       const std::string step3 = "/step-0000000003";
       FlipByte(WrittenBy((jobs[0] / "node-0").string() + step3, 0), 0);
       if (!replica_intact) FlipByte(WrittenBy((jobs[0] / "node-1").string() + step3, 0), 0);
-      InProcessGroup handlers(kWorld);
-      std::vector<std::unique_ptr<Communicator>> handler_comms;
-      for (int r = 0; r < kWorld; ++r) handler_comms.push_back(handlers.Release(r));
-      std::vector<PreemptionReport> reports(kWorld);
-      RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
-        CheckpointManager manager(where, comm, nullptr, mo);
-        HandleNotices(manager, std::move(handler_comms[rank]));
-        comm.Barrier("test/handlers-installed");
-        if (rank == 0) NotifyPreemption();
-        reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
-        manager.Close();
-      }));
-      for (const auto& r : reports) {
-        INFO(r.error);
-        CHECK(r.done);
-        CHECK(r.error.empty());
-        CHECK(r.step == (replica_intact ? 3 : -1));
-        CHECK(r.drained == replica_intact);
-      }
+      ExpectReports(NoticeBeforeRestore(where, mo, kWorld), replica_intact ? 3 : -1,
+                    replica_intact);
       ExpectRestartFromRoot(root, where, mo, replica_intact ? 3 : 2);
       fs::remove_all(where);
     }
@@ -1466,27 +1479,13 @@ TEST_CASE(
     }
     plain.Close();
   }));
-  auto handler_comms = BackgroundCommunicators();
-  std::vector<PreemptionReport> reports(kWorld);
-  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
-    CheckpointManager manager(where, comm, nullptr, mo);
-    HandleNotices(manager, std::move(handler_comms[rank]));
-    comm.Barrier("test/handlers-installed");
-    if (rank == 0) NotifyPreemption();
-    reports[rank] = manager.WaitForPreemption(std::chrono::seconds(30));
+  const auto reports = NoticeBeforeRestore(where, mo, kWorld, [](int rank, CheckpointManager& m) {
     auto back = TierState::Empty(rank, kWorld);
-    Expect(manager.Restore(back.sd) == 5, "the root's step 5 restores");
-    Expect(manager.restore_source() == "durable", "from the root");
-    manager.Close();
-  }));
-  for (const auto& r : reports) {
-    INFO(r.error);
-    CHECK(r.done);
-    CHECK(r.error.empty());
-    CHECK(r.step == 5);
-    CHECK_FALSE(r.drained);
-    CHECK_THAT(r.where, EndsWith("step-0000000005"));
-  }
+    Expect(m.Restore(back.sd) == 5, "the root's step 5 restores");
+    Expect(m.restore_source() == "durable", "from the root");
+  });
+  ExpectReports(reports, 5, false);
+  for (const auto& r : reports) CHECK_THAT(r.where, EndsWith("step-0000000005"));
   fs::remove_all(TierAnchor(root));
 }
 
