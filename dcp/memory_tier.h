@@ -271,6 +271,10 @@ class MemoryTier {
   std::vector<int> replica_sources_;  // the ranks whose partner this one is
   std::string root_;                  // this node's directory
   int node_lock_fd_ = -1;  // node leader: holds the flock of root_/LOCK while the tier lives
+  // NodeLockIdentity of node_lock_fd_ (node leaders; set before any drain, then constant): put
+  // in a drain's lock holder, it lets a later process of this node take over that lock when
+  // the drain's process is gone.
+  std::string node_lock_identity_;
   int64_t next_step_ = 0;  // the least step the next save may have
   // Guards written_, metadata_, drained_, busy_ and settled_for_preemption_ (the preemption
   // handler's thread reads them).

@@ -1,6 +1,6 @@
-#include "dcp/storage/store.h"
-
 #include <utility>
+
+#include "dcp/storage/store.h"
 
 namespace dcp {
 
@@ -44,6 +44,11 @@ std::optional<uint64_t> ForwardingStore::SizeAndVersion(const std::string& name,
 void ForwardingStore::PublishReplacing(const std::string& name, std::string_view bytes,
                                        const std::string& version) {
   target_->PublishReplacing(name, bytes, version);
+}
+
+std::unique_ptr<StoreLock> ForwardingStore::TryLockOver(const std::string& holder,
+                                                        const std::string& gone_holder) {
+  return target_->TryLockOver(holder, gone_holder);
 }
 
 ForwardingWritableObject::ForwardingWritableObject(std::unique_ptr<WritableObject> target)

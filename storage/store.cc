@@ -104,6 +104,10 @@ void Store::PublishReplacing(const std::string& name, std::string_view bytes, co
 // No primitive by default: the writer then runs without exclusion (documented in store.h).
 std::unique_ptr<StoreLock> Store::TryLock(const std::string&) { return nullptr; }
 
+std::unique_ptr<StoreLock> Store::TryLockOver(const std::string& holder, const std::string&) {
+  return TryLock(holder);
+}
+
 // No write of these backends outlives its process unseen (store.h).
 std::vector<std::string> Store::ListIncomplete() { return {}; }
 void Store::DiscardIncomplete(const std::string&) {}

@@ -238,6 +238,15 @@ class Store {
   /// committed meanwhile. (Declared last.)
   virtual void PublishReplacing(const std::string& name, std::string_view bytes,
                                 const std::string& version);
+  /// TryLock, except that a lock held by exactly `gone_holder` (a LockedError's holder()) is
+  /// taken over even while its lease runs: the caller has proved that holder dead (the memory
+  /// tier's drain does, by holding the node lock its process held; see docs/MEMORY_TIER.md).
+  /// Any other holder is refused with LockedError as by TryLock. The default is TryLock: a
+  /// backend whose locks die with their holders (file://, mem://) has nothing to take over.
+  /// s3:// takes the lease over with the conditional write that takes an expired one over, so
+  /// a contender who took it first wins. Thread-safe. (Declared last.)
+  virtual std::unique_ptr<StoreLock> TryLockOver(const std::string& holder,
+                                                 const std::string& gone_holder);
 
   /// Reads a whole object whose size a file (or a server) states, so it may lie: its first
   /// bytes (up to 1 MiB, one request: ReadPrefix) go to `check_head` with the stated size,
@@ -304,6 +313,8 @@ class ForwardingStore : public Store {
   std::optional<uint64_t> SizeAndVersion(const std::string& name, std::string* version) override;
   void PublishReplacing(const std::string& name, std::string_view bytes,
                         const std::string& version) override;
+  std::unique_ptr<StoreLock> TryLockOver(const std::string& holder,
+                                         const std::string& gone_holder) override;
 
  protected:
   std::shared_ptr<Store> target_;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <iostream>
 #include <memory>
@@ -40,18 +41,42 @@ struct DrainTarget {
   std::set<std::string> replaced_files;
 };
 
-// Rank 0: opens `uri`, takes its lock and looks for a checkpoint there. Returns the failure as
-// ErrorText, or "".
+// The destination's writer lock for a drain of `step`. The holder names this node's tier lock
+// (`node_lock`, NodeLockIdentity; "" on a rank that holds none). An object store's lock is a
+// lease that outlives a killed holder: a drain killed midway would keep the step's location
+// locked for the lease's length, so a restart preempted meanwhile could not drain the step it
+// restored. A lock whose holder names the tier lock this process holds now is such a drain's:
+// its process held that flock and no longer does, so it is gone, and the lock is taken over.
+std::unique_ptr<StoreLock> LockForDrain(Store& dest, int64_t step, const std::string& uri,
+                                        const std::string& node_lock) {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "unknown-host");
+  const std::string mark = node_lock.empty() ? std::string() : " tier-lock=" + node_lock;
+  const std::string holder = std::string("host=") + host + " pid=" + std::to_string(::getpid()) +
+                             " memory-tier-drain step=" + std::to_string(step) + mark;
+  try {
+    return dest.TryLock(holder);
+  } catch (const LockedError& e) {
+    const std::string& other = e.holder();
+    const bool ours =
+        !mark.empty() && (other.find(mark + " ") != std::string::npos || other.ends_with(mark));
+    if (!ours) throw;
+    std::fprintf(stderr,
+                 "dcp: memory tier: %s is locked by a drain whose process is gone (%s; it held "
+                 "this node's tier lock, which this process holds now): taking the lock over\n",
+                 uri.c_str(), other.c_str());
+    return dest.TryLockOver(holder, other);
+  }
+}
+
+// Rank 0: opens `uri`, takes its lock (LockForDrain) and looks for a checkpoint there. Returns
+// the failure as ErrorText, or "".
 std::string OpenDestination(DrainTarget& target, int64_t step, const std::string& uri,
-                            const StorageOptions& options) {
+                            const StorageOptions& options, const std::string& node_lock) {
   try {
     target.dest = OpenStore(uri, options.backend);
     target.dest->CreateRoot();
-    char host[256] = {};
-    if (gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "unknown-host");
-    target.lock =
-        target.dest->TryLock(std::string("host=") + host + " pid=" + std::to_string(::getpid()) +
-                             " memory-tier-drain step=" + std::to_string(step));
+    target.lock = LockForDrain(*target.dest, step, uri, node_lock);
     if (target.dest->SizeAndVersion(TierMetadataName(), &target.replaced_version)) {
       if (!options.overwrite) {
         throw AlreadyExistsError("memory tier: " + uri +
@@ -222,7 +247,9 @@ void MemoryTier::DrainOn(Communicator& comm, int64_t step, const std::string& ur
   const std::string what = "the drain of step " + std::to_string(step) + " to " + uri;
   DrainTarget target;
   std::string error = vetoed ? PreemptionVeto(what) : std::string();
-  if (rank_ == 0 && error.empty()) error = OpenDestination(target, step, uri, options);
+  if (rank_ == 0 && error.empty()) {
+    error = OpenDestination(target, step, uri, options, node_lock_identity_);
+  }
   Vote(comm, error, "tier/drain-open");
   // Each rank copies the files it wrote; what it copied goes again if the drain fails.
   std::vector<std::string> copied;

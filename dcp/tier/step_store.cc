@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 
 #include "dcp/memory_tier.h"
@@ -191,6 +192,16 @@ int LockNodeDirectory(const std::string& node_dir, const std::string& name) {
     (void)ignored;
   }
   return fd;
+}
+
+std::string NodeLockIdentity(int fd) {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  std::getline(in, boot);
+  struct stat st {};
+  if (boot.empty() || ::fstat(fd, &st) != 0) return {};
+  return boot + ":" + std::to_string(static_cast<uint64_t>(st.st_dev)) + ":" +
+         std::to_string(static_cast<uint64_t>(st.st_ino));
 }
 
 std::map<std::string, uint64_t> ReferencedFiles(const Metadata& md) {

@@ -69,6 +69,13 @@ void ClaimJobDirectory(const std::string& job_dir, const std::string& owner);
 // crashed job's restart takes it at once) and records the holder in it. Returns the descriptor
 // that holds it; LockedError naming the holder when another process of the job holds it.
 int LockNodeDirectory(const std::string& node_dir, const std::string& name);
+
+// What identifies the node lock held on `fd` (LockNodeDirectory's) across processes of this
+// machine's current boot: "<boot id>:<device>:<inode>" of its file. A drain records it in its
+// lock's holder; a later process holding the same file's flock knows that drain's process is
+// gone (separate tmpfs mounts differ in device; a recreated file in inode). "" when the boot id
+// cannot be read (no proof is then ever made).
+std::string NodeLockIdentity(int fd);
 // The user's tier directory (job_dir's parent), the job's, claimed for `owner`, and the node's
 // `node_dir` in it: created, or checked.
 void MakeNodeDirectories(const std::string& job_dir, const std::string& owner,

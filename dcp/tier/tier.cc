@@ -257,6 +257,7 @@ MemoryTier::MemoryTier(Communicator& comm, MemoryTierOptions options,
       CheckSharedRoot(options_.shm_root);
       MakeNodeDirectories();
       node_lock_fd_ = LockNodeDirectory(root_, options_.name);
+      node_lock_identity_ = NodeLockIdentity(node_lock_fd_);
     } catch (const std::exception& e) {
       error = ErrorText(e);
     }

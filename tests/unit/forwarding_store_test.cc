@@ -1,9 +1,7 @@
 // ForwardingStore and the forwarding objects (storage/store.h): every call reaches the
-// target, the optional ones (TryLock, PublishNew, SizeAndVersion, PublishReplacing, Prefetch)
-// included, a subclass changes only what it overrides, and the checkpoint protocol runs through
-// one unchanged.
-#include "dcp/storage/store.h"
-
+// target, the optional ones (TryLock, TryLockOver, PublishNew, SizeAndVersion, PublishReplacing,
+// Prefetch) included, a subclass changes only what it overrides, and the checkpoint protocol runs
+// through one unchanged.
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cctype>
@@ -15,6 +13,7 @@
 #include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/registry.h"
+#include "dcp/storage/store.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -110,6 +109,10 @@ class SpyStore : public Store {
     Log("TryLock " + h);
     return mem_->TryLock(h);
   }
+  std::unique_ptr<StoreLock> TryLockOver(const std::string& h, const std::string& gone) override {
+    Log("TryLockOver " + h + " " + gone);
+    return mem_->TryLockOver(h, gone);
+  }
   void PublishNew(const std::string& n, std::string_view b) override {
     Log("PublishNew " + n);
     if (mem_->Size(n)) throw AlreadyExistsError(n + " exists");  // a conditional create
@@ -198,6 +201,7 @@ TEST_CASE("forwarding store: every Store call reaches the target", "[storage][fo
     auto lock = fwd.TryLock("job-a");
     CHECK(lock);
   }
+  CHECK(fwd.TryLockOver("job-b", "job-a"));
   fwd.PublishNew("n", "new");
   CHECK(fwd.ListIncomplete() == Calls{"upload"});
   fwd.DiscardIncomplete("upload");
@@ -207,8 +211,9 @@ TEST_CASE("forwarding store: every Store call reaches the target", "[storage][fo
   fwd.PublishReplacing("n", "newer", version);
   CHECK(spy->calls == Calls{"uri", "CreateRoot", "Size a", "Create a", "Append", "Close", "Size a",
                             "PublishAtomically m", "List", "Remove m", "TryLock job-a",
-                            "PublishNew n", "ListIncomplete", "DiscardIncomplete upload",
-                            "SizeAndVersion n", "PublishReplacing n v-new"});
+                            "TryLockOver job-b job-a", "PublishNew n", "ListIncomplete",
+                            "DiscardIncomplete upload", "SizeAndVersion n",
+                            "PublishReplacing n v-new"});
 
   // The target's own PublishNew (a conditional create) and PublishReplacing (a conditional
   // replace), not Store's defaults (an overwrite).

@@ -23,7 +23,10 @@
 #include <tuple>
 
 #include "dcp/dcp.h"
+#include "dcp/storage/backends/mem_store.h"
 #include "dcp/storage/format/dcp_layout.h"
+#include "dcp/storage/registry.h"
+#include "dcp/storage/store.h"
 #include "support/test_support.h"
 
 using namespace dcp;
@@ -1487,6 +1490,134 @@ TEST_CASE(
   ExpectReports(reports, 5, false);
   for (const auto& r : reports) CHECK_THAT(r.where, EndsWith("step-0000000005"));
   fs::remove_all(TierAnchor(root));
+}
+
+// An object store's writer lock, as a lease that outlives a killed holder: the mem:// store of
+// `lease://<name>`, whose lock stays when its holder is gone without releasing it (while
+// g_leases_linger is set: a killed process) until TryLockOver names that holder. Writes fail
+// while g_lease_writes_fail is set.
+std::mutex g_leases_mu;
+std::map<std::string, std::string> g_leases;  // location -> holder
+std::atomic<bool> g_leases_linger{false}, g_lease_writes_fail{false};
+
+class LeaseLock : public StoreLock {
+ public:
+  LeaseLock(std::string location, std::string holder)
+      : location_(std::move(location)), holder_(std::move(holder)) {}
+  ~LeaseLock() override { Release(); }
+  void Release() override {
+    if (released_ || g_leases_linger) return;
+    released_ = true;
+    std::lock_guard<std::mutex> lock(g_leases_mu);
+    auto it = g_leases.find(location_);
+    if (it != g_leases.end() && it->second == holder_) g_leases.erase(it);
+  }
+  std::string holder() const override { return holder_; }
+
+ private:
+  std::string location_, holder_;
+  bool released_ = false;
+};
+
+class LeaseStore : public ForwardingStore {
+ public:
+  explicit LeaseStore(const std::string& location)
+      : ForwardingStore(MakeMemStore("lease/" + location)), location_(location) {}
+  std::unique_ptr<StoreLock> TryLock(const std::string& holder) override {
+    return TryLockOver(holder, {});
+  }
+  std::unique_ptr<StoreLock> TryLockOver(const std::string& holder,
+                                         const std::string& gone) override {
+    std::lock_guard<std::mutex> lock(g_leases_mu);
+    auto it = g_leases.find(location_);
+    if (it != g_leases.end() && (gone.empty() || it->second != gone)) {
+      throw LockedError(uri(), it->second);
+    }
+    g_leases[location_] = holder;
+    return std::make_unique<LeaseLock>(location_, holder);
+  }
+  std::unique_ptr<WritableObject> Create(const std::string& name) override {
+    if (g_lease_writes_fail) throw IoError("injected write failure on " + name, false, EIO);
+    return ForwardingStore::Create(name);
+  }
+
+ private:
+  std::string location_;
+};
+
+void RegisterLeaseStore() {
+  static bool done = [] {
+    RegisterBackend("lease", [](const std::string& location) -> std::shared_ptr<Store> {
+      return std::make_shared<LeaseStore>(location);
+    });
+    return true;
+  }();
+  (void)done;
+}
+
+// A job killed while it drained step 3 to an object store leaves the step's location locked for
+// the lease's length. Its restart restores step 3 from memory and is preempted at once: the
+// handler takes the dead drain's lock over (its process held this node's tier lock, which the
+// restart holds now) and drains step 3. A lock held by another job's drain (no proof it is
+// gone) is not taken: the handler reports it, naming the holder, and the root keeps step 2.
+TEST_CASE(
+    "preempt: a drain killed midway on an object store leaves its lease and the restart's "
+    "handler takes it over but never another job's",
+    "[memory-tier][manager][preempt]") {
+  RegisterLeaseStore();
+  TempDir root("tier");
+  ManagerOptions mo;
+  mo.memory_tier = Options(root, 2);
+  mo.durable_every = 2;  // step 2 goes to the root, step 3 only to memory
+  for (bool ours : {true, false}) {
+    DYNAMIC_SECTION(
+        (ours ? "the lease of this job's killed drain" : "the lease of another job's drain")) {
+      const std::string where = std::string("lease://lease-") + (ours ? "ours" : "theirs");
+      const std::string step3 = where + "/step-0000000003";
+      SaveManagedSteps(where, mo, 3);
+      if (ours) {
+        // The killed drain: it locked step 3's location, its writes failed, its lease stays.
+        RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+          CheckpointManager manager(where, comm, nullptr, mo);
+          auto back = TierState::Empty(rank, kWorld);
+          Expect(manager.Restore(back.sd) == 3, "step 3 restores");
+          comm.Barrier("test/before-drain");
+          if (rank == 0) g_leases_linger = g_lease_writes_fail = true;
+          comm.Barrier("test/faults-on");
+          try {
+            manager.memory_tier()->Drain(3, step3, {});
+            Expect(false, "the drain fails");
+          } catch (const Error&) {
+          }
+          comm.Barrier("test/drain-failed");
+          if (rank == 0) g_leases_linger = g_lease_writes_fail = false;
+          manager.Close();
+        }));
+      } else {
+        g_leases_linger = true;
+        OpenStore(step3)->TryLock("host=elsewhere pid=1 memory-tier-drain step=3");
+        g_leases_linger = false;
+      }
+      {
+        std::lock_guard<std::mutex> lock(g_leases_mu);
+        REQUIRE(g_leases.count(step3.substr(std::string("lease://").size())) == 1);
+      }
+      const auto reports = NoticeBeforeRestore(where, mo, kWorld);
+      if (ours) {
+        ExpectReports(reports, 3, true);
+        ExpectRestartFromRoot(root, where, mo, 3);
+      } else {
+        for (const auto& r : reports) {
+          CHECK(r.done);
+          CHECK_THAT(r.error, Contains("locked by another save") && Contains("host=elsewhere"));
+          CHECK_FALSE(r.drained);
+        }
+        ExpectRestartFromRoot(root, where, mo, 2);
+      }
+      std::lock_guard<std::mutex> lock(g_leases_mu);
+      g_leases.clear();
+    }
+  }
 }
 
 // The job's ranks as threads over shared mailboxes (the real collectives of

@@ -433,6 +433,39 @@ TEST_CASE("s3 lease: a killed holder's lock is taken over one lease after its la
   CHECK(waited <= 3500);  // at most one lease after its last renewal, plus the polling
 }
 
+// Store::TryLockOver: a holder proved gone (the memory tier's drain proves it by its node lock)
+// is taken over at once, not one lease later; any other holder is still refused, and the holder
+// taken over learns it lost the lock at its next check.
+TEST_CASE("s3 lease: TryLockOver takes the named holder's lease over at once and no other's",
+          "[s3][lock]") {
+  if (!HaveServer()) return;
+  const std::string root = S3TestRoot("lockover");
+  LeaseGuard lease("60");
+  auto store = OpenStore(root);
+  auto gone = store->TryLock("killed-drain");
+  REQUIRE(gone);
+  std::string held_by;
+  try {
+    store->TryLock("next-drain");
+    FAIL("a held lock is refused");
+  } catch (const LockedError& e) {
+    held_by = e.holder();
+  }
+  CHECK_THAT(held_by, Contains("killed-drain"));
+  CHECK_THROWS_AS(store->TryLockOver("next-drain", "another-drain lock=0"), LockedError);
+  const auto start = Clock::now();
+  auto next = store->TryLockOver("next-drain", held_by);
+  REQUIRE(next);
+  CHECK(Ms(Clock::now() - start) < 10000);  // at once, not after the 60 s lease
+  CHECK_THROWS_AS(gone->CheckHeld(), LeaseLostError);
+  // The new holder's lease is not the one named: refused.
+  CHECK_THROWS_AS(OpenStore(root)->TryLockOver("third-drain", held_by), LockedError);
+  gone.reset();  // its release deletes only its own lock
+  CHECK_THROWS_AS(OpenStore(root)->TryLock("third-drain"), LockedError);
+  next->Release();
+  CHECK(OpenStore(root)->TryLock("third-drain"));
+}
+
 // Two jobs at once save repeatedly to one location, each save with its own values; both are
 // killed at random moments; the next trial's jobs find the killed ones' locks (taken over after
 // the 1 s lease) and their unfinished saves. After each trial the location must hold a whole

@@ -234,7 +234,8 @@ class S3Lock : public StoreLock {
 }  // namespace
 
 std::unique_ptr<StoreLock> AcquireLock(std::shared_ptr<Client> client, const std::string& location,
-                                       const std::string& key, const std::string& holder) {
+                                       const std::string& key, const std::string& holder,
+                                       const std::string& gone_holder) {
   const int64_t lease_ms = client->options().lock_lease_seconds * 1000;
   const std::string tail = holder + " lock=" + RandomHex(8);
   for (int round = 0; round < 5; ++round) {
@@ -265,8 +266,10 @@ std::unique_ptr<StoreLock> AcquireLock(std::shared_ptr<Client> client, const std
     // Ours: this call's write (of any round) whose answer was lost or had no ETag.
     if (LockTail(cur.body) == tail && cur.headers.count("etag")) return held(cur, expires);
     const std::string other = LockTail(cur.body);
-    if (expires > NowMs()) throw LockedError(location, other);
-    // Expired: take it over, unless someone else just did (If-Match on the ETag we read).
+    const bool gone = !gone_holder.empty() && other == gone_holder;
+    if (expires > NowMs() && !gone) throw LockedError(location, other);
+    // Expired, or its holder proved dead: take it over, unless someone else just did (If-Match
+    // on the ETag we read).
     Call take{"PUT", key};
     take.headers = {{"if-match", Unquote(cur.headers["etag"])}};
     take.body = record.data();

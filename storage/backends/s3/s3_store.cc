@@ -413,6 +413,12 @@ class S3Store : public Store {
     return AcquireLock(client_, uri(), Key(kLockObjectName), holder);
   }
 
+  std::unique_ptr<StoreLock> TryLockOver(const std::string& holder,
+                                         const std::string& gone_holder) override {
+    CreateRoot();
+    return AcquireLock(client_, uri(), Key(kLockObjectName), holder, gone_holder);
+  }
+
  private:
   static std::string ErrorCodeOf(const Response& r) { return Client::ErrorCode(r); }
 
