@@ -7,7 +7,10 @@
   - no format-specific header (storage/format/ beyond its interface, layout.h) included outside
     storage/format/, but by the LibTorch adapter;
   - at most MAX_INSTALLED_HEADERS installed headers (with --build-dir: installs into a scratch
-    prefix and counts).
+    prefix and counts);
+  - no Catch assertion (CHECK*, REQUIRE*) in the body of a lambda a test runs on another thread
+    (RunRanks, std::thread, std::jthread, std::async, a thread vector's emplace_back): Catch 2's
+    assertions are not thread-safe, and ranks asserting at once crash the test binary at random.
 
 Usage: house_check.py REPO_ROOT [--build-dir BUILD [--cmake CMAKE]]
 Functions are found by brace matching on code with comments and literals blanked out: a block at
@@ -189,6 +192,26 @@ def installed_headers(build_dir, cmake):
         return sorted(str(p.relative_to(include)) for p in include.rglob("*.h"))
 
 
+# A lambda handed to something that runs it on another thread.
+THREAD_LAMBDA = re.compile(
+    r"(\bRunRanks\(|\bstd::j?thread\b\s*[({]?|\bstd::async\(|\.emplace_back\()[^;\[]*?"
+    r"\[[^\]]*\]\s*(\([^)]*\))?\s*(mutable\s*)?(->\s*[\w:<>]+\s*)?\{")
+ASSERTION = re.compile(r"\b(REQUIRE|CHECK)\w*\s*\(")
+
+
+def assertions_on_threads(path):
+    """(line, assertion) of each Catch assertion inside a lambda run on another thread."""
+    text = blank_comments_and_literals(path.read_text())
+    for m in THREAD_LAMBDA.finditer(text):
+        start, depth = m.end() - 1, 0
+        for end in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        for a in ASSERTION.finditer(text, start, end):
+            yield text.count("\n", 0, a.start()) + 1, a.group(1)
+
+
 def main():
     root = Path(sys.argv[1]).resolve()
     def flag(name, default=None):
@@ -211,6 +234,11 @@ def main():
             if m and m.group(1) not in FORMAT_INTERFACE:
                 problems.append(f"{rel}:{line_no}: includes {m.group(1)}: outside storage/format/ "
                                 "only the format interface (layout.h) may be used")
+    for path in sorted((root / "tests").rglob("*.cc")):
+        for line_no, what in assertions_on_threads(path):
+            problems.append(f"{path.relative_to(root)}:{line_no}: {what} inside a lambda run on "
+                            "another thread: Catch's assertions are not thread-safe; record the "
+                            "result and check it after the threads join")
     edges = include_graph(root)
     for comp in cycles(edges):
         links = [f"{a} -> {b} ({edges[a][b]})" for a in comp for b in comp if b in edges.get(a, {})]
@@ -225,7 +253,7 @@ def main():
         print(p)
     if problems:
         sys.exit(f"house check: {len(problems)} problem(s)")
-    print("house check: files, functions, folder includes"
+    print("house check: files, functions, folder includes, test assertions"
           + (", installed headers" if build_dir else "") + ": all within bounds")
 
 

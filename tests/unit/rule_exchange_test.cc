@@ -357,13 +357,14 @@ TEST_CASE("rule exchange: a load cut as torch.chunk cuts (ceil) whose first rank
     StateDict sd;
     sd.Set("c", ShardedTensor{DType::kFloat32, shape, {{part, {0, lo}}}});
     stats[r] = Load(sd, "ruleceil://x", comm).stats;
-    if (r == 0) {  // rank 0's two tables: the same read, the rule it checked first
-      LoadPlan plan;
-      plan.items.push_back(SliceRead(md, 1, lo, hi, "c"));
-      CHECK(FindRuleReads(plan, md, 0, 4, 1 << 20).reads.at(0).load.rule == kRuleBalanced);
-      CHECK(FindRuleReads(plan, md, 0, 4, 1 << 20, kRuleCeil).reads.at(0).load.rule == kRuleCeil);
-    }
   }));
+  {  // rank 0's two tables: the same read, the rule it checked first
+    const auto [lo, hi] = RegularSlice(10, 0, 4, kRuleCeil);
+    LoadPlan plan;
+    plan.items.push_back(SliceRead(md, 1, lo, hi, "c"));
+    CHECK(FindRuleReads(plan, md, 0, 4, 1 << 20).reads.at(0).load.rule == kRuleBalanced);
+    CHECK(FindRuleReads(plan, md, 0, 4, 1 << 20, kRuleCeil).reads.at(0).load.rule == kRuleCeil);
+  }
   for (int r = 0; r < 4; ++r) {
     INFO("rank " << r);
     CHECK(SameElements(got[r].first, got[r].second));
