@@ -186,16 +186,18 @@ std::vector<std::vector<bool>> KeptByNode(const Metadata& md, const std::vector<
 // The copies of the step's files a restore may use, checked before it uses them (DamageIn):
 // starts from the nodes that hold each file (`holders`, by name) and returns them less the
 // damaged copies, whose damage goes into `damaged` ((node, file index) -> what is wrong), alike
-// on every rank. A node's copy is checked when its ranks read it (`wanted`), or when a node
-// that reads the file or keeps a replica of it (`kept`) lacks it (that copy may be sent); each
-// node's ranks share its checks in turns. Dropping a damaged copy can make a node lack a file,
-// so the checks go in rounds until no copy that may be used is unchecked.
+// on every rank, as the copies it checked go into `checked`. A node's copy is checked when its
+// ranks read it (`wanted`), or when a node that reads the file or keeps a replica of it (`kept`)
+// lacks it (that copy may be sent); each node's ranks share its checks in turns. Dropping a damaged
+// copy can make a node lack a file, so the checks go in rounds until no copy that may be used is
+// unchecked.
 std::map<std::string, std::vector<int>> CheckCopies(
     Communicator& comm, const Metadata& md, const std::string& dir,
     const std::vector<std::string>& names, const std::vector<std::vector<bool>>& wanted,
     const std::vector<std::vector<bool>>& kept, std::map<std::string, std::vector<int>> holders,
     const std::vector<std::vector<int>>& nodes, int node, int rank,
-    std::map<std::pair<int, size_t>, std::string>& damaged) {
+    std::map<std::pair<int, size_t>, std::string>& damaged,
+    std::set<std::pair<int, size_t>>& checked) {
   std::vector<int> node_of(comm.size(), -1);
   for (size_t n = 0; n < nodes.size(); ++n) {
     for (int r : nodes[n]) node_of[r] = static_cast<int>(n);
@@ -204,7 +206,6 @@ std::map<std::string, std::vector<int>> CheckCopies(
     const auto& h = holders[names[i]];
     return std::find(h.begin(), h.end(), n) != h.end();
   };
-  std::set<std::pair<int, size_t>> checked;
   for (;;) {
     std::vector<std::pair<int, size_t>> to_check;  // (node, file), in one order on every rank
     for (size_t i = 0; i < names.size(); ++i) {
@@ -352,6 +353,84 @@ std::optional<std::vector<std::string>> FilesToDrain(
   return mine;
 }
 
+// Which of the step's files this rank drains (FilesToDrain), each from a copy known intact. A
+// copy in `intact` ((node, file index): checked, or fetched from a checked copy) is trusted; any
+// other copy assigned is checked by the rank that would drain it (DamageIn), the ranks exchange
+// what is damaged, and a damaged copy is dropped (from `holders` and `need`) and the files
+// assigned again, until every assigned copy is known intact. Each round drops a copy, so the
+// rounds end. Alike on every rank; nullopt when some file has no intact copy left.
+std::optional<std::vector<std::string>> IntactFilesToDrain(
+    Communicator& comm, int64_t step, const Metadata& md, const std::string& dir,
+    const std::vector<std::string>& names, const std::map<std::string, uint64_t>& referenced,
+    std::map<std::string, std::vector<int>> holders, std::vector<std::vector<bool>> need,
+    std::set<std::pair<int, size_t>> intact, const std::vector<std::vector<int>>& nodes, int node,
+    int rank) {
+  std::vector<int> node_of(comm.size(), -1);
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    for (int r : nodes[n]) node_of[r] = static_cast<int>(n);
+  }
+  for (;;) {
+    auto files = FilesToDrain(md, names, referenced, holders, need, nodes, rank);
+    std::string damaged;  // this rank's damaged copies, as indexes into `names`
+    for (const auto& name : files ? *files : std::vector<std::string>()) {
+      const size_t i =
+          static_cast<size_t>(std::lower_bound(names.begin(), names.end(), name) - names.begin());
+      if (!intact.insert({node, i}).second) continue;
+      const std::string why = DamageIn(dir, md, name);
+      if (why.empty()) continue;
+      std::fprintf(stderr,
+                   "dcp: memory tier: step %lld: node %d's copy of %s is damaged (%s); a drain "
+                   "of the step copies another node's copy if one is intact\n",
+                   static_cast<long long>(step), node, name.c_str(), why.c_str());
+      PutU64(damaged, i);
+    }
+    bool any = false;
+    const auto all = comm.AllGather(std::move(damaged), "tier/drain-check");
+    for (int r = 0; r < comm.size(); ++r) {
+      MessageReader in(all[r], "rank " + std::to_string(r));
+      while (!in.done()) {
+        const uint64_t i = in.U64();
+        if (i >= names.size() || node_of[r] < 0) {
+          throw CorruptionError("memory tier: rank " + std::to_string(r) +
+                                " reports damage in file " + std::to_string(i) + " of " +
+                                std::to_string(names.size()));
+        }
+        auto& h = holders[names[i]];
+        h.erase(std::remove(h.begin(), h.end(), node_of[r]), h.end());
+        need[node_of[r]][i] = false;
+        intact.erase({node_of[r], i});
+        any = true;
+      }
+    }
+    if (!files || !any) return files;  // alike on every rank
+  }
+}
+
+// The files of a restored step this rank drains. With checks on, the copies the restore checked
+// intact (`intact`) and those its nodes fetched (from checked copies: a file a node needs and
+// its report, `report_of`, lacks) are trusted, and any other is checked before it is assigned
+// (IntactFilesToDrain). With checks off (LoadOptions::storage.verify_checksums), the restore
+// checked nothing and neither does this.
+std::optional<std::vector<std::string>> DrainableFiles(
+    Communicator& comm, int64_t step, const Metadata& md, const std::string& dir,
+    const std::vector<std::string>& names, const std::map<std::string, uint64_t>& referenced,
+    const std::map<std::string, std::vector<int>>& holders,
+    const std::vector<std::vector<bool>>& need, bool check, std::set<std::pair<int, size_t>> intact,
+    const std::map<int, const StepReport*>& report_of, const std::vector<std::vector<int>>& nodes,
+    int node, int rank) {
+  if (!check) return FilesToDrain(md, names, referenced, holders, need, nodes, rank);
+  for (size_t n = 0; n < need.size(); ++n) {
+    const auto rep = report_of.find(static_cast<int>(n));
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (need[n][i] && (rep == report_of.end() || !rep->second->present.count(names[i]))) {
+        intact.insert({static_cast<int>(n), i});
+      }
+    }
+  }
+  return IntactFilesToDrain(comm, step, md, dir, names, referenced, holders, need,
+                            std::move(intact), nodes, node, rank);
+}
+
 // Every file is in: a node that did not hold the step commits its copy (its first rank).
 void CommitLocalCopy(Communicator& comm, bool commit, const std::string& dir,
                      const std::string& encoded) {
@@ -408,8 +487,7 @@ void MemoryTier::KeepForDrain(int64_t step, const std::string& encoded,
 // after the handler settled, which then records nothing) finds the step itself: the newest
 // complete one, which a restart would restore. Nothing is fetched; each file is drained from a
 // node holding it. The copies were written by an earlier process, so each is checked before it
-// is drained: a damaged one is dropped and the assignment made again, until every assigned copy
-// was checked intact (each round drops a copy, so the rounds end).
+// is drained (IntactFilesToDrain).
 MemoryTier::SettledStep MemoryTier::AdoptNewestHeld(Communicator& comm) {
   SettledStep out;
   out.settled = true;
@@ -424,53 +502,14 @@ MemoryTier::SettledStep MemoryTier::AdoptNewestHeld(Communicator& comm) {
   std::vector<std::string> names;
   for (const auto& [name, extent] : referenced) names.push_back(name);
   const std::vector<std::vector<bool>> fetched(nodes_.size(), std::vector<bool>(names.size()));
-  auto holders = chosen->holders;
-  std::set<std::string> checked;
-  for (;;) {
-    auto files = FilesToDrain(md, names, referenced, holders, fetched, nodes_, rank_);
-    std::string damaged;  // this rank's damaged copies, as indexes into `names`
-    if (files) {
-      for (const auto& name : *files) {
-        if (!checked.insert(name).second) continue;
-        const std::string why = DamageIn(dir, md, name);
-        if (why.empty()) continue;
-        std::fprintf(stderr,
-                     "dcp: memory tier: step %lld: node %d's copy of %s is damaged (%s); the "
-                     "preemption drains another node's copy if one is intact\n",
-                     static_cast<long long>(step), node_, name.c_str(), why.c_str());
-        PutU64(damaged, static_cast<uint64_t>(std::lower_bound(names.begin(), names.end(), name) -
-                                              names.begin()));
-      }
-    }
-    bool any = false;
-    const auto all = comm.AllGather(std::move(damaged), "tier/preempt-check");
-    for (int r = 0; r < comm.size(); ++r) {
-      MessageReader in(all[r], "rank " + std::to_string(r));
-      while (!in.done()) {
-        const uint64_t i = in.U64();
-        if (i >= names.size()) {
-          throw CorruptionError("memory tier: rank " + std::to_string(r) +
-                                " reports damage in file " + std::to_string(i) + " of " +
-                                std::to_string(names.size()));
-        }
-        int node = 0;
-        while (node + 1 < static_cast<int>(nodes_.size()) &&
-               std::find(nodes_[node].begin(), nodes_[node].end(), r) == nodes_[node].end()) {
-          ++node;
-        }
-        auto& h = holders[names[i]];
-        h.erase(std::remove(h.begin(), h.end(), node), h.end());
-        any = true;
-      }
-    }
-    if (!files) return out;  // a file with no copy left: alike on every rank
-    if (any) continue;
-    std::lock_guard<std::mutex> lock(mu_);
-    written_[step] = std::move(*files);
-    metadata_[step] = encoded;
-    out.step = step;
-    return out;
-  }
+  auto files = IntactFilesToDrain(comm, step, md, dir, names, referenced, chosen->holders, fetched,
+                                  {}, nodes_, node_, rank_);
+  if (!files) return out;  // a file with no intact copy left: alike on every rank
+  std::lock_guard<std::mutex> lock(mu_);
+  written_[step] = std::move(*files);
+  metadata_[step] = encoded;
+  out.step = step;
+  return out;
 }
 
 std::vector<int64_t> MemoryTier::CompleteSteps() {
@@ -530,10 +569,12 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   }
   Candidate source = *chosen;
   const bool check = options.storage.verify_checksums;
+  std::set<std::pair<int, size_t>> checked;  // (node, file): copies checked, intact or not
   if (check) {
     std::map<std::pair<int, size_t>, std::string> damaged;
     source.holders = CheckCopies(comm_, md, dir, names, wanted, kept, chosen->holders, nodes_,
-                                 node_, rank_, damaged);
+                                 node_, rank_, damaged, checked);
+    for (const auto& [copy, why] : damaged) checked.erase(copy);
     stats_.damaged_copies = static_cast<int>(damaged.size());
     for (auto& rep : copies) {
       for (const auto& [copy, why] : damaged) {
@@ -567,7 +608,8 @@ std::optional<int64_t> MemoryTier::Restore(StateDict& state, const LoadOptions& 
   Vote(comm_, error, "tier/recover-received");
   CommitLocalCopy(comm_, leader() && !committed_here, dir, encoded);
   KeepForDrain(step, encoded,
-               FilesToDrain(md, names, referenced, source.holders, need, nodes_, rank_));
+               DrainableFiles(comm_, step, md, dir, names, referenced, source.holders, need, check,
+                              std::move(checked), report_of, nodes_, node_, rank_));
   restoring.reset();
   stats_.recover_s = SecondsSince(t0);
 

@@ -317,6 +317,50 @@ TEST_CASE(
   }
 }
 
+// A restart that loads part of the state ("w" only, at 2 ranks as 2 nodes) reads each file on
+// one node but may drain it from another (FilesToDrain spreads the copying over the nodes
+// holding each file), whose copy the restore never read. Node 0's replica of rank 2's file has a
+// flipped byte in rank 2's rows of "w", which node 0's rank does not read: the drain checks that
+// copy before it copies it, drops it, and copies node 1's intact one, so the durable step loads
+// bit-exact (before, it held the damaged file).
+TEST_CASE(
+    "memory tier: a drain of a restored step checks the copies the restore did not read and "
+    "copies an intact one",
+    "[memory-tier][preempt]") {
+  TempDir root("tier"), durable("durable");
+  SaveSteps(Options(root, 2), {2});
+  const std::string victim = WrittenBy(NodeDir(root, 0) + "/step-0000000002", 2);
+  const auto [first, end] = RowRange(kRows, 2, kWorld);
+  REQUIRE(RowRange(kRows, 0, 2).second <= first);  // node 0's rank reads none of them
+  const TensorView rows = Clone(TierState(0, 1, 2).full_w.Narrow({first, 0}, {end - first, kCols}));
+  const auto at = ReadFileBytes(victim).find(
+      std::string(static_cast<const char*>(rows.data), static_cast<size_t>(rows.nbytes())));
+  REQUIRE(at != std::string::npos);
+  FlipByte(victim, at + 5);
+  const std::string target = durable / "step-2";
+  std::vector<TierStats> stats(2);
+  RequireNoErrors(RunRanks(2, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, Options(root, 1));  // 2 ranks as 2 nodes, on the same directories
+    auto state = TierState::Empty(rank, 2);
+    StateDict weights;
+    weights.Set("w", *state.sd.Find("w"));
+    Expect(tier.Restore(weights) == 2, "step 2 restores");
+    Expect(TierState::Holds(state.sd.Set("b", TierState(0, 1, 2).b).Set("rng", Blob{"rng-state-2"}),
+                            2),
+           "bit-exact");
+    stats[rank] = tier.last_stats();
+    tier.Drain(2, target);
+  }));
+  CHECK(stats[0].damaged_copies == 0);  // the restore never read the damaged copy
+  RequireNoErrors(RunRanks(2, [&](int rank, Communicator& comm) {
+    auto state = TierState::Empty(rank, 2);
+    Load(state.sd, target, comm);
+    Expect(TierState::Holds(state.sd, 2), "the drained step loads bit-exact");
+  }));
+  CHECK(ReadFileBytes(target + "/" + fs::path(victim).filename().string()) ==
+        ReadFileBytes(WrittenBy(NodeDir(root, 1) + "/step-0000000002", 2)));
+}
+
 TEST_CASE(
     "memory tier: a step without its commit record or with a file lost everywhere is "
     "never recovered",
