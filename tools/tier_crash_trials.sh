@@ -27,10 +27,21 @@ for ((t = 1; t <= trials; ++t)); do
   mpirun -np 4 "$train" "${args[@]}" --resume --steps 100000000 >"$work/run.log" 2>&1 &
   job=$!
   sleep "$(awk -v s="$RANDOM" 'BEGIN { srand(s); printf "%.3f", 0.3 + 2.2 * rand() }')"
-  ranks=($(pgrep -P "$job" -f dcp-tier-train))
+  # A loaded machine starts the ranks late: wait for them (up to 30 s), never for the job, which
+  # trains until it is killed.
+  for ((i = 0; i < 300; ++i)); do
+    ranks=($(pgrep -P "$job" -f dcp-tier-train))
+    ((${#ranks[@]} > 0)) || ! kill -0 "$job" 2>/dev/null && break
+    sleep 0.1
+  done
   if ((${#ranks[@]} == 0)); then
-    echo "trial $t: the job ended before the kill:"; tail -5 "$work/run.log"; fail=$((fail + 1))
-    wait "$job"; continue
+    if kill -0 "$job" 2>/dev/null; then
+      echo "trial $t: no rank of the job started in 30 s:"
+    else
+      echo "trial $t: the job ended before the kill:"
+    fi
+    tail -5 "$work/run.log"; fail=$((fail + 1))
+    pkill -9 -P "$job" 2>/dev/null; kill -9 "$job" 2>/dev/null; wait "$job" 2>/dev/null; continue
   fi
   if ((RANDOM % 4 == 0)); then
     kill -9 "${ranks[@]}" 2>/dev/null; all_killed=$((all_killed + 1))
