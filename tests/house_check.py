@@ -8,9 +8,10 @@
     storage/format/, but by the LibTorch adapter;
   - at most MAX_INSTALLED_HEADERS installed headers (with --build-dir: installs into a scratch
     prefix and counts);
-  - no Catch assertion (CHECK*, REQUIRE*) in the body of a lambda a test runs on another thread
-    (RunRanks, std::thread, std::jthread, std::async, a thread vector's emplace_back): Catch 2's
-    assertions are not thread-safe, and ranks asserting at once crash the test binary at random.
+  - no Catch assertion or message (CHECK*, REQUIRE*, FAIL*, INFO, ...) in the body of a lambda a
+    test runs on another thread (RunRanks, std::thread, std::jthread, std::async, a thread
+    vector's emplace_back): Catch 2's assertions are not thread-safe, and ranks asserting at once
+    crash the test binary at random.
 
 Usage: house_check.py REPO_ROOT [--build-dir BUILD [--cmake CMAKE]]
 Functions are found by brace matching on code with comments and literals blanked out: a block at
@@ -196,7 +197,7 @@ def installed_headers(build_dir, cmake):
 THREAD_LAMBDA = re.compile(
     r"(\bRunRanks\(|\bstd::j?thread\b\s*[({]?|\bstd::async\(|\.emplace_back\()[^;\[]*?"
     r"\[[^\]]*\]\s*(\([^)]*\))?\s*(mutable\s*)?(->\s*[\w:<>]+\s*)?\{")
-ASSERTION = re.compile(r"\b(REQUIRE|CHECK)\w*\s*\(")
+ASSERTION = re.compile(r"\b(REQUIRE|CHECK|FAIL|INFO|UNSCOPED_INFO|CAPTURE|WARN|SUCCEED)\w*\s*\(")
 
 
 def assertions_on_threads(path):
