@@ -183,6 +183,37 @@ std::vector<std::vector<bool>> KeptByNode(const Metadata& md, const std::vector<
   return kept;
 }
 
+// A copy of one of the step's files that a rank found damaged: its node, the file (an index into
+// the step's sorted names) and what is wrong.
+struct DamagedCopy {
+  int node = 0;
+  size_t file = 0;
+  std::string why;
+};
+
+// Every rank's damaged copies (`mine`: PutU64 of the file's index, PutString of why, per copy),
+// gathered under `phase`, alike on every rank. CorruptionError for a report of a file that is
+// not among the step's `files`, or from a rank of no node (`node_of`: each rank's node).
+std::vector<DamagedCopy> GatherDamage(Communicator& comm, std::string mine, std::string_view phase,
+                                      size_t files, const std::vector<int>& node_of) {
+  std::vector<DamagedCopy> out;
+  const auto all = comm.AllGather(std::move(mine), phase);
+  for (int r = 0; r < comm.size(); ++r) {
+    MessageReader in(all[r], "rank " + std::to_string(r));
+    while (!in.done()) {
+      const uint64_t i = in.U64();
+      std::string why = in.String();
+      if (i >= files || node_of[r] < 0) {
+        throw CorruptionError("memory tier: rank " + std::to_string(r) +
+                              " reports damage in file " + std::to_string(i) + " of " +
+                              std::to_string(files));
+      }
+      out.push_back({node_of[r], static_cast<size_t>(i), std::move(why)});
+    }
+  }
+  return out;
+}
+
 // The copies of the step's files a restore may use, checked before it uses them (DamageIn):
 // starts from the nodes that hold each file (`holders`, by name) and returns them less the
 // damaged copies, whose damage goes into `damaged` ((node, file index) -> what is wrong), alike
@@ -229,21 +260,11 @@ std::map<std::string, std::vector<int>> CheckCopies(
         PutString(mine, why);
       }
     }
-    const auto all = comm.AllGather(std::move(mine), "tier/recover-check");
-    for (int r = 0; r < comm.size(); ++r) {
-      MessageReader in(all[r], "rank " + std::to_string(r));
-      while (!in.done()) {
-        const uint64_t i = in.U64();
-        std::string why = in.String();
-        if (i >= names.size() || node_of[r] < 0) {
-          throw CorruptionError("memory tier: rank " + std::to_string(r) +
-                                " reports damage in file " + std::to_string(i) + " of " +
-                                std::to_string(names.size()));
-        }
-        auto& h = holders[names[i]];
-        h.erase(std::remove(h.begin(), h.end(), node_of[r]), h.end());
-        damaged[{node_of[r], static_cast<size_t>(i)}] = std::move(why);
-      }
+    for (auto& d :
+         GatherDamage(comm, std::move(mine), "tier/recover-check", names.size(), node_of)) {
+      auto& h = holders[names[d.file]];
+      h.erase(std::remove(h.begin(), h.end(), d.node), h.end());
+      damaged[{d.node, d.file}] = std::move(d.why);
     }
   }
   return holders;
@@ -383,26 +404,17 @@ std::optional<std::vector<std::string>> IntactFilesToDrain(
                    "of the step copies another node's copy if one is intact\n",
                    static_cast<long long>(step), node, name.c_str(), why.c_str());
       PutU64(damaged, i);
+      PutString(damaged, why);
     }
-    bool any = false;
-    const auto all = comm.AllGather(std::move(damaged), "tier/drain-check");
-    for (int r = 0; r < comm.size(); ++r) {
-      MessageReader in(all[r], "rank " + std::to_string(r));
-      while (!in.done()) {
-        const uint64_t i = in.U64();
-        if (i >= names.size() || node_of[r] < 0) {
-          throw CorruptionError("memory tier: rank " + std::to_string(r) +
-                                " reports damage in file " + std::to_string(i) + " of " +
-                                std::to_string(names.size()));
-        }
-        auto& h = holders[names[i]];
-        h.erase(std::remove(h.begin(), h.end(), node_of[r]), h.end());
-        need[node_of[r]][i] = false;
-        intact.erase({node_of[r], i});
-        any = true;
-      }
+    const auto found =
+        GatherDamage(comm, std::move(damaged), "tier/drain-check", names.size(), node_of);
+    for (const auto& d : found) {
+      auto& h = holders[names[d.file]];
+      h.erase(std::remove(h.begin(), h.end(), d.node), h.end());
+      need[d.node][d.file] = false;
+      intact.erase({d.node, d.file});
     }
-    if (!files || !any) return files;  // alike on every rank
+    if (!files || found.empty()) return files;  // alike on every rank
   }
 }
 
