@@ -766,6 +766,8 @@ struct InProcessGroup::State {
   std::condition_variable cv;  // signalled at every arrival
   std::map<std::tuple<int, int, int>, std::deque<std::string>> mail;
   std::vector<uint64_t> arrived;  // messages sent to each rank so far
+  // Duplicate(): the k-th call of every rank gets duplicates[k] (the first to call makes it).
+  std::vector<std::shared_ptr<State>> duplicates;
 };
 
 namespace {
@@ -785,10 +787,12 @@ class InProcessCommunicator : public PointToPointCommunicator {
  public:
   void ExchangeBytes(const std::vector<BulkSend>& sends, const std::vector<BulkReceive>& receives,
                      std::string_view what) override;
+  std::unique_ptr<Communicator> Duplicate() override;
 
  private:
   std::shared_ptr<InProcessGroup::State> state_;
   int rank_;
+  size_t duplicates_made_ = 0;
 };
 }  // namespace
 
@@ -801,6 +805,22 @@ void InProcessCommunicator::Send(int dest, int tag, std::string payload) {
     ++state_->arrived.at(static_cast<size_t>(dest));
   }
   state_->cv.notify_all();
+}
+
+std::unique_ptr<Communicator> InProcessCommunicator::Duplicate() {
+  ThrowIfPoisoned("duplicate");
+  std::shared_ptr<InProcessGroup::State> group;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    auto& made = state_->duplicates;
+    if (made.size() <= duplicates_made_) {
+      made.push_back(std::make_shared<InProcessGroup::State>(state_->size));
+    }
+    group = made[duplicates_made_++];
+  }
+  auto copy = std::make_unique<InProcessCommunicator>(std::move(group), rank_);
+  copy->set_timeout(timeout());
+  return copy;
 }
 
 uint64_t InProcessCommunicator::MailMark() {

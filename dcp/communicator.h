@@ -138,6 +138,14 @@ class Communicator {
   /// ranks only then. Default false; PointToPointCommunicator (MPI, in-process) says true.
   /// (Declared last, like AllToAll.)
   virtual bool ExchangesDirectly() const { return false; }
+  /// A new communicator over the same ranks, with this one's timeout, whose messages never
+  /// match this one's: collective (every rank calls it, in the same order as this
+  /// communicator's other calls). The two may then be used from two threads at once where
+  /// ConcurrentUseProblem() is "" (the memory tier replicates on one while the save writes on
+  /// the other). nullptr, on every rank alike, where the backend cannot (the default).
+  /// MpiCommunicator duplicates its MPI communicator; InProcessGroup's ranks share a new group.
+  /// Throws what the backend's collectives throw. (Declared last, like AllToAll.)
+  virtual std::unique_ptr<Communicator> Duplicate() { return nullptr; }
 
  protected:
   /// Throw the poison error (a CollectiveError for `what`, naming this rank and the original

@@ -73,12 +73,16 @@ class MappingPool;
 
 /// What one tier call did on this rank (for metrics and benches).
 struct TierStats {
-  double write_s = 0;           // Save: the dcp save into shared memory (plan, write)
-  double replicate_s = 0;       // Save: sending and receiving replicas
+  double write_s = 0;  // Save: the dcp save into shared memory (plan, write)
+  // Save: sending and receiving replicas after the write (with MemoryTierOptions::overlap_files,
+  // what was left to send when the write ended, and the commit vote)
+  double replicate_s = 0;
   double commit_s = 0;          // Save: vote, metadata, retention
   uint64_t bytes_written = 0;   // this rank's own data files
   uint64_t bytes_sent = 0;      // replicas (Save) or fetched files (Restore) this rank sent
   uint64_t bytes_received = 0;  // ... and received
+  // Save: of bytes_sent, those sent while this rank's save was still writing (overlap_files)
+  uint64_t bytes_sent_while_writing = 0;
   // Save/Restore: bytes of the tier's files this rank mapped anew (0 for a save in the steady
   // state: freed steps' files come back with the mappings this rank kept).
   uint64_t bytes_mapped = 0;
@@ -239,9 +243,17 @@ class MemoryTier {
   // `commit`: a save's replication, whose final vote decides the commit: it is entered (before
   // the vote, so that a preemption noticed after the vote waits for the commit) and the vote
   // carries the preemption's refusal.
+  // `stats`: where its figures go (null: stats_). `carried_error`: a failure of this rank met
+  // before (the overlapped replication's), voted as this transfer's own.
   void TransferFiles(Communicator& comm, int64_t step, const std::vector<Transfer>& outgoing,
                      std::string_view what, std::vector<std::string>* received, const Pairs* pairs,
-                     BusyScope* commit = nullptr);
+                     BusyScope* commit = nullptr, TierStats* stats = nullptr,
+                     const std::string& carried_error = {});
+  // Sends a save's files to the partners as they are closed, on replication_comm_ and a thread
+  // of its own (MemoryTierOptions::overlap_files; dcp/tier/replicate.cc).
+  class Replicator;
+  // Whether every rank may overlap this save's replication (agreed in the prepare vote).
+  bool CanOverlap() const;
   // The preemption's refusal of `what` as a vote's error text, or "" when not preempting.
   std::string PreemptionVeto(std::string_view what) const;
   void Vote(Communicator& comm, const std::string& my_error, std::string_view phase);
@@ -294,6 +306,9 @@ class MemoryTier {
   std::string cannot_save_;  // why saves are refused (too few nodes for the replicas), if so
   TierStats stats_;
   std::shared_ptr<AsyncSave> in_flight_;
+  // A duplicate of comm_ for the overlapped replication (Replicator), or null. Used by one save
+  // at a time (saves are serialised by BeginSave); stopped by Close and the destructor.
+  std::unique_ptr<Communicator> replication_comm_;
   // This rank's mappings of the tier's files, kept across saves (dcp/tier/file_mapping.h).
   std::unique_ptr<tier_detail::MappingPool> pool_;
   // Last: destroyed first, so a save still running ends before the members it uses go.

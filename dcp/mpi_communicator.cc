@@ -116,6 +116,11 @@ std::string MpiCommunicator::ConcurrentUseProblem() const {
          "thread support";
 }
 
+std::unique_ptr<Communicator> MpiCommunicator::Duplicate() {
+  ThrowIfPoisoned("duplicate");
+  return std::make_unique<MpiCommunicator>(comm_, timeout());
+}
+
 MpiCommunicator::~MpiCommunicator() {
   {
     FailureLedger& l = Ledger();

@@ -46,6 +46,9 @@ class MpiCommunicator : public PointToPointCommunicator {
   /// its own, pieces over 1 GiB split), polled until done or timeout().
   void ExchangeBytes(const std::vector<BulkSend>& sends, const std::vector<BulkReceive>& receives,
                      std::string_view what) override;
+  /// Another MpiCommunicator over a duplicate of this one's MPI communicator (collective, as
+  /// the constructor); CollectiveError when this one is poisoned.
+  std::unique_ptr<Communicator> Duplicate() override;
 
  protected:
   void Send(int dest, int tag, std::string payload) override;

@@ -135,6 +135,14 @@ struct MemoryTierOptions {
   /// bytes go from the sender's mapped file straight into the receiver's (no staging); a round
   /// bounds the size of one transport message and how long a failure goes unnoticed.
   uint64_t transfer_chunk_bytes = 64ull << 20;
+  /// Replicate while writing: a save cuts each rank's data into this many files (at least; more
+  /// when storage.files_per_rank says so), written one after another, and each goes to the
+  /// partners as soon as it is closed, on a duplicate of the job's communicator
+  /// (Communicator::Duplicate) on a thread of its own, while the next one is written. 0 or 1:
+  /// the replicas are sent after the whole write. Only where the communicator can be
+  /// duplicated and used from two threads (MPI with MPI_THREAD_MULTIPLE, in-process groups);
+  /// elsewhere the replicas are sent after the write, as with 0.
+  int overlap_files = 4;
 };
 
 /// Saving on preemption (CheckpointManager::HandlePreemption): a scheduler that preempts a job

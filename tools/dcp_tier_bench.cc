@@ -14,6 +14,8 @@
 //               notice (CheckpointManager::HandlePreemption), from the notice to its commit,
 //               against a raw O_DIRECT write + fsync of the same bytes there
 // Every figure is the slowest rank's, median of --repeats. Restores are checked bit-exact.
+// With --cuda the state lives in CUDA tensors (the tier stages it to host; restores load into
+// CUDA tensors), and the memcpy baseline is a copy of it from the device into warm host buffers.
 //
 //   mpirun -np 4 dcp-tier-bench --mib 512 --ranks-per-node 2 --disk /tmp/dcp-tier-bench
 #include <mpi.h>
@@ -29,6 +31,7 @@
 
 #include "dcp/dcp.h"
 #include "dcp/mpi_communicator.h"
+#include "dcp/proto/device/device.h"
 #include "tools/bench_util.h"
 #include "tools/fill_random.h"
 
@@ -45,6 +48,12 @@ double MaxOverRanks(double v) {
   return out;
 }
 
+double MinOverRanks(double v) {
+  double out = 0;
+  MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+  return out;
+}
+
 bool AllRanks(bool v) {
   int in = v ? 1 : 0, out = 0;
   MPI_Allreduce(&in, &out, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
@@ -52,13 +61,47 @@ bool AllRanks(bool v) {
 }
 
 struct RankState {
-  std::vector<TensorView> tensors;  // this rank's shards
+  std::vector<TensorView> tensors;  // this rank's shards (on the host)
+  std::vector<TensorView> device;   // with --cuda: the same on the device, which sd holds
   StateDict sd;
 };
 
-// `tensors` row-sharded tensors of `rows_per_rank` x 4096 floats per rank, filled from `seed`.
+// With --cuda: the device the states live on (null: the host).
+std::shared_ptr<DeviceBackend> g_device;
+
+// Moves `s`'s state dict onto g_device (a copy of each host tensor), when there is one.
+void ToDevice(RankState& s) {
+  if (!g_device) return;
+  for (size_t t = 0; t < s.tensors.size(); ++t) {
+    const TensorView& h = s.tensors[t];
+    TensorView d = h;
+    d.device = Device{Device::Type::kCUDA, 0};
+    d.data = g_device->AllocDevice(0, h.nbytes());
+    d.owner = std::shared_ptr<void>(d.data, [dev = g_device](void* p) { dev->FreeDevice(0, p); });
+    CopyTensor(d, h);
+    const std::string name = "layer" + std::to_string(t) + ".weight";
+    auto st = std::get<ShardedTensor>(*s.sd.Find(name));
+    st.local_shards[0].view = d;
+    s.sd.Set(name, st);
+    s.device.push_back(d);
+  }
+}
+
+// Copies `from`'s state into `into`'s host tensors: a memcpy, or from the device with --cuda.
+void CopyState(const RankState& from, RankState& into) {
+  for (size_t i = 0; i < from.tensors.size(); ++i) {
+    if (from.device.empty()) {
+      std::memcpy(into.tensors[i].data, from.tensors[i].data, from.tensors[i].nbytes());
+    } else {
+      CopyTensor(into.tensors[i], from.device[i]);
+    }
+  }
+}
+
+// `tensors` row-sharded tensors of `rows_per_rank` x 4096 floats per rank, filled from `seed`;
+// `on_device`: its state dict on g_device (when set).
 RankState MakeState(int rank, int world, int tensors, int64_t rows_per_rank, uint64_t seed,
-                    bool fill) {
+                    bool fill, bool on_device = true) {
   RankState s;
   for (int t = 0; t < tensors; ++t) {
     TensorView v = dcp::bench::AlignedTensor(DType::kFloat32, {rows_per_rank, 4096});
@@ -68,10 +111,14 @@ RankState MakeState(int rank, int world, int tensors, int64_t rows_per_rank, uin
     s.sd.Set("layer" + std::to_string(t) + ".weight", st);
     s.tensors.push_back(v);
   }
+  if (on_device) ToDevice(s);
   return s;
 }
 
-bool Same(const RankState& a, const RankState& b) {
+// Whether `b` (a restore's or load's state, downloaded first when on the device) holds `a`'s
+// host values.
+bool Same(const RankState& a, RankState& b) {
+  for (size_t i = 0; i < b.device.size(); ++i) CopyTensor(b.tensors[i], b.device[i]);
   for (size_t i = 0; i < a.tensors.size(); ++i) {
     if (std::memcmp(a.tensors[i].data, b.tensors[i].data, a.tensors[i].nbytes()) != 0) {
       return false;
@@ -164,8 +211,22 @@ int main(int argc, char** argv) {
   app.add_flag("--no-async", no_async, "skip the background-save figures");
   bool no_preempt = false;
   app.add_flag("--no-preempt", no_preempt, "skip the preemption drain against a raw write");
+  bool cuda = false;
+  app.add_flag("--cuda", cuda, "the state in CUDA tensors on device 0 (exit 77 without one)");
+  int overlap_files = MemoryTierOptions{}.overlap_files;
+  app.add_option("--overlap-files", overlap_files,
+                 "MemoryTierOptions::overlap_files of the tier (a second tier, with 0, saves "
+                 "the same state for comparison)");
   CLI11_PARSE(app, argc, argv);
 
+  if (cuda) {
+    g_device = FindDeviceBackend(Device::Type::kCUDA);
+    if (!g_device || g_device->device_count() == 0) {
+      std::printf("dcp-tier-bench: no CUDA device: %s\n",
+                  g_device ? g_device->unavailable_reason().c_str() : "a build without CUDA");
+      return 77;
+    }
+  }
   int ret = 0;
   {
     MpiCommunicator comm(MPI_COMM_WORLD);
@@ -179,10 +240,17 @@ int main(int argc, char** argv) {
     to.ranks_per_node = per_node;
     to.keep = 1;
     to.free_on_close = true;
-    std::unique_ptr<MemoryTier> tier;
+    to.overlap_files = overlap_files;
+    std::unique_ptr<MemoryTier> tier, serial;
     try {
       tier = std::make_unique<MemoryTier>(
           comm, to, no_async ? nullptr : std::make_unique<MpiCommunicator>(MPI_COMM_WORLD));
+      if (overlap_files > 1) {
+        MemoryTierOptions after = to;
+        after.name = "bench-serial";
+        after.overlap_files = 0;
+        serial = std::make_unique<MemoryTier>(comm, after);
+      }
     } catch (const std::exception& e) {
       if (rank == 0) std::fprintf(stderr, "dcp-tier-bench: %s\n", e.what());
       return 2;
@@ -198,9 +266,9 @@ int main(int argc, char** argv) {
         if (partners[r] == rank) source = r;
       }
     }
-    RankState warm = MakeState(rank, world, tensors, rows, 0, true);  // warm destination
+    RankState warm = MakeState(rank, world, tensors, rows, 0, true, false);  // warm, host
     std::vector<double> t_memcpy, t_exchange, t_save, t_write, t_repl, t_restore, t_lost, t_disk,
-        t_block, t_async, t_restore_load, t_lost_load;
+        t_block, t_async, t_restore_load, t_lost_load, t_serial, t_overlapped;
     bool exact = true;
     int64_t step = 0;
     // The saves first, all repeats, as a loop that saves every step runs them: nothing between
@@ -210,14 +278,16 @@ int main(int argc, char** argv) {
     // memcpy baseline's buffers alike. The restores and disk loads below allocate and free.)
     // Two untimed saves first, so that the step freed before the timed ones left its pages to
     // be written over, and one untimed pass of each baseline.
-    for (int warmup = 0; warmup < 2; ++warmup) tier->Save(++step, state.sd);
+    int64_t serial_step = 0;
+    for (int warmup = 0; warmup < 2; ++warmup) {
+      tier->Save(++step, state.sd);
+      if (serial) serial->Save(++serial_step, state.sd);
+    }
     for (int rep = -1; rep < repeats; ++rep) {
       // memcpy into warm buffers.
       MPI_Barrier(MPI_COMM_WORLD);
       auto t0 = Clock::now();
-      for (size_t i = 0; i < state.tensors.size(); ++i) {
-        std::memcpy(warm.tensors[i].data, state.tensors[i].data, state.tensors[i].nbytes());
-      }
+      CopyState(state, warm);
       const double memcpy_s = MaxOverRanks(Since(t0));
       // One exchange of the same bytes with the partner (send to it, receive from the rank whose
       // partner this one is), into warm buffers.
@@ -225,6 +295,17 @@ int main(int argc, char** argv) {
       t0 = Clock::now();
       ExchangeWithPartner(state, warm, partner, source);
       const double exchange_s = MaxOverRanks(Since(t0));
+      // The same save with the replicas sent after the write (overlap_files 0), before the
+      // tier's own in every other repeat, so that neither always follows the other.
+      double serial_s = 0;
+      auto save_serially = [&] {
+        if (!serial) return;
+        MPI_Barrier(MPI_COMM_WORLD);
+        const auto start = Clock::now();
+        serial->Save(++serial_step, state.sd);
+        serial_s = MaxOverRanks(Since(start));
+      };
+      if (rep % 2 != 0) save_serially();
       // The tier's synchronous save in its steady state.
       MPI_Barrier(MPI_COMM_WORLD);
       t0 = Clock::now();
@@ -232,7 +313,13 @@ int main(int argc, char** argv) {
       const double save_s = MaxOverRanks(Since(t0));
       const double write_s = MaxOverRanks(tier->last_stats().write_s);
       const double replicate_s = MaxOverRanks(tier->last_stats().replicate_s);
+      const TierStats& st = tier->last_stats();
+      const double overlapped = MinOverRanks(
+          st.bytes_sent > 0 ? static_cast<double>(st.bytes_sent_while_writing) / st.bytes_sent : 0);
+      if (rep % 2 == 0) save_serially();
       if (rep >= 0) {
+        t_serial.push_back(serial_s);
+        t_overlapped.push_back(overlapped);
         t_memcpy.push_back(memcpy_s);
         t_exchange.push_back(exchange_s);
         t_save.push_back(save_s);
@@ -305,6 +392,7 @@ int main(int argc, char** argv) {
     }
     exact = AllRanks(exact);
     tier->Close();
+    if (serial) serial->Close();
     if (rank == 0) {
       const double gb = static_cast<double>(bytes) / 1e9;
       const double mc = Median(t_memcpy), ex = Median(t_exchange), sv = Median(t_save);
@@ -312,13 +400,22 @@ int main(int argc, char** argv) {
           "dcp-tier-bench: %d ranks, %d node(s), %.0f MiB per rank, %d repeats (medians, "
           "slowest rank)\n",
           world, tier->node_count(), bytes / 1048576.0, repeats);
-      std::printf("  %-34s %8.3f s  %6.2f GB/s per rank\n", "memcpy into warm buffers", mc,
+      std::printf("  %-34s %8.3f s  %6.2f GB/s per rank\n",
+                  cuda ? "copy from the device (warm buffers)" : "memcpy into warm buffers", mc,
                   gb / mc);
       std::printf("  %-34s %8.3f s  %6.2f GB/s per rank\n", "MPI exchange with the partner", ex,
                   gb / ex);
       std::printf("  %-34s %8.3f s  (write %.3f, replicate %.3f)  ratio %.2fx memcpy+exchange\n",
                   "tier save (sync, committed)", sv, Median(t_write), Median(t_repl),
                   sv / (mc + ex));
+      if (serial) {
+        const double se = Median(t_serial);
+        std::printf(
+            "  %-34s %8.3f s  ratio %.2fx memcpy+exchange; the overlapped save is %.2fx it (%.0f%% "
+            "of the replicas sent while writing)\n",
+            "tier save, replicas after the write", se, se / (mc + ex), sv / se,
+            100 * Median(t_overlapped));
+      }
       if (!t_block.empty()) {
         const double bl = Median(t_block);
         std::printf("  %-34s %8.3f s  ratio %.2fx memcpy (committed %.3f s after the call)\n",

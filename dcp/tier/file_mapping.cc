@@ -274,8 +274,9 @@ void ReserveExactly(int fd, uint64_t size, const std::string& path) {
   }
 }
 
-TierFileWriter::TierFileWriter(int fd, std::string path, MappingPool& pool)
-    : fd_(fd), path_(std::move(path)) {
+TierFileWriter::TierFileWriter(int fd, std::string path, MappingPool& pool,
+                               std::function<void(const std::string&)> on_closed)
+    : fd_(fd), path_(std::move(path)), on_closed_(std::move(on_closed)) {
   struct stat sb {};
   // Only a file whose every page exists is written through a mapping.
   if (::fstat(fd_, &sb) == 0 && sb.st_size > 0 &&
@@ -313,6 +314,7 @@ void TierFileWriter::Close() {
   const int fd = fd_;
   fd_ = -1;
   TruncateAndClose(fd, size_, path_);  // the pool's mapping is only touched below size_
+  if (on_closed_) on_closed_(path_);
 }
 
 }  // namespace dcp::tier_detail

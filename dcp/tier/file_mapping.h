@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -134,7 +135,9 @@ void ReserveExactly(int fd, uint64_t size, const std::string& path);
 // pages go through pwrite, where a full tmpfs is an error, not a SIGBUS. Owns `fd`.
 class TierFileWriter : public WritableObject {
  public:
-  TierFileWriter(int fd, std::string path, MappingPool& pool);
+  // `on_closed` (when set) is called with the path once Close has completed the file.
+  TierFileWriter(int fd, std::string path, MappingPool& pool,
+                 std::function<void(const std::string&)> on_closed = {});
   ~TierFileWriter() override;
   void Append(const void* data, size_t n) override;
   void Sync() override {}  // tmpfs: nothing to make durable
@@ -147,6 +150,7 @@ class TierFileWriter : public WritableObject {
   char* mapped_ = nullptr;  // the pool's, covering mapped_size_ bytes
   uint64_t mapped_size_ = 0;
   uint64_t size_ = 0;
+  std::function<void(const std::string&)> on_closed_;
 };
 
 }  // namespace dcp::tier_detail

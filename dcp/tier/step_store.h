@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -143,7 +144,15 @@ class TierStepStore : public ForwardingStore {
     }
     if (!IsPlainName(name)) return ForwardingStore::Create(name);  // refused there, named
     const std::string path = dir_ + "/" + name;
-    return std::make_unique<TierFileWriter>(OpenForOverwrite(recycle_, path, pool_), path, pool_);
+    std::function<void(const std::string&)> on_closed;
+    if (on_closed_) on_closed = [notify = on_closed_, name](const std::string&) { notify(name); };
+    return std::make_unique<TierFileWriter>(OpenForOverwrite(recycle_, path, pool_), path, pool_,
+                                            std::move(on_closed));
+  }
+  // Called with the name of each data file this store's writers complete (set before any is
+  // created; called on the writers' threads).
+  void NotifyClosed(std::function<void(const std::string&)> on_closed) {
+    on_closed_ = std::move(on_closed);
   }
   void PublishAtomically(const std::string& name, std::string_view bytes) override {
     if (Hold(name, bytes)) return;
@@ -169,6 +178,7 @@ class TierStepStore : public ForwardingStore {
   MappingPool& pool_;
   std::string dir_, recycle_, uri_;
   std::map<std::string, uint64_t> elsewhere_;
+  std::function<void(const std::string&)> on_closed_;
   mutable std::mutex mu_;
   std::set<std::string> created_;
   std::string metadata_;

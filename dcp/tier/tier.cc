@@ -21,6 +21,7 @@
 #include "dcp/proto/error.h"
 #include "dcp/storage/checkpoint/store_checkpoint.h"
 #include "dcp/tier/file_mapping.h"
+#include "dcp/tier/replicator.h"
 #include "dcp/tier/step_store.h"
 #include "dcp/tier/tier_internal.h"
 
@@ -122,6 +123,9 @@ std::string OptionsProblem(const MemoryTierOptions& options) {
   if (options.keep < 1) problem = "keep must be >= 1";
   if (options.shm_root.empty()) problem = "shm_root is empty";
   if (options.transfer_chunk_bytes < 4096) problem = "transfer_chunk_bytes must be >= 4096";
+  if (options.overlap_files < 0 || options.overlap_files > 4096) {
+    problem = "overlap_files must be within [0, 4096]";
+  }
   return problem;
 }
 
@@ -268,6 +272,16 @@ MemoryTier::MemoryTier(Communicator& comm, MemoryTierOptions options,
     ReleaseNodeLock();
     throw;
   }
+  // A duplicate of the job's communicator for replicating while writing, where every rank's
+  // may be used from two threads (else no rank makes one: Duplicate is collective).
+  if (options_.overlap_files > 1 && !partners_.empty()) {
+    bool concurrent = true;
+    for (const auto& ok :
+         comm.AllGather(comm.ConcurrentUseProblem().empty() ? "1" : "0", "tier/overlap")) {
+      concurrent = concurrent && ok == "1";
+    }
+    if (concurrent) replication_comm_ = comm.Duplicate();
+  }
   if (background_comm) {
     saver_ = std::make_unique<AsyncCheckpointer>(std::move(background_comm), std::move(async));
   }
@@ -275,7 +289,13 @@ MemoryTier::MemoryTier(Communicator& comm, MemoryTierOptions options,
 
 MemoryTier::~MemoryTier() {
   saver_.reset();  // a save still running ends before the lock goes
+  // No transport call from here on: the process may be past MPI_Finalize (Close frees it).
+  if (replication_comm_) replication_comm_->Stop("memory tier destroyed");
   ReleaseNodeLock();
+}
+
+bool MemoryTier::CanOverlap() const {
+  return replication_comm_ && !replication_comm_->poisoned() && !partners_.empty();
 }
 
 void MemoryTier::MakeNodeDirectories() const {
@@ -341,6 +361,25 @@ MemoryTier::SettledStep MemoryTier::SettleForPreemption(
   return out;
 }
 
+namespace {
+
+// The prepare vote of a save (`error`: this rank's failure to prepare, as ErrorText), which
+// also says whether every rank can replicate while writing: a rank whose duplicate
+// communicator failed an earlier save cannot, and then no rank does.
+bool AgreeOnPrepare(Communicator& comm, const std::string& error, bool can_overlap) {
+  auto all = comm.AllGather(std::string(can_overlap ? "1" : "0") + error, "tier/prepare");
+  bool overlap = true;
+  std::vector<RankFailure> failures;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    overlap = overlap && !all[r].empty() && all[r][0] == '1';
+    if (all[r].size() > 1) failures.push_back(DecodeFailure(r, all[r].substr(1)));
+  }
+  if (!failures.empty()) throw CollectiveError("tier/prepare", std::move(failures));
+  return overlap;
+}
+
+}  // namespace
+
 SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict& state,
                               const SaveOptions& options) {
   stats_ = {};
@@ -352,7 +391,7 @@ SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict&
     // restore from an older one) is replaced.
     error = FreshStepDirectory(dir, JobDirectory(options_), options_.owner, root_);
   }
-  Vote(comm, error, "tier/prepare");
+  const bool overlap = AgreeOnPrepare(comm, error, CanOverlap());
   pool_->Prune();  // the files the previous saves' retention removed
   const uint64_t mapped_before = pool_->bytes_mapped();
   auto store =
@@ -360,20 +399,45 @@ SaveResult MemoryTier::SaveOn(Communicator& comm, int64_t step, const StateDict&
                                       "tier://" + options_.name + "/" + StepName(step));
   SaveOptions o = options;
   o.step = step;
+  std::unique_ptr<Replicator> replicator;
+  if (overlap) {
+    // The files are written one after another (one writer), so each closes, and goes to the
+    // partners, while the next is written.
+    o.storage.files_per_rank = std::max(o.storage.files_per_rank, options_.overlap_files);
+    o.storage.memory_budget_bytes = std::min(o.storage.memory_budget_bytes, kWriterStagingBytes);
+    replicator = std::make_unique<Replicator>(*this, *replication_comm_, step);
+    store->NotifyClosed(replicator->Notifier());
+  }
   auto writer = MakeStoreWriter(store, o.storage);
-  SaveResult result = dcp::Save(state, *writer, comm, o);
+  SaveResult result = dcp::Save(state, *writer, comm, o);  // a failure: ~Replicator joins
   stats_.write_s = SecondsSince(t0);
 
   const auto own = OwnFiles(store->created(), result.metadata, dir, stats_.bytes_written);
   auto t1 = std::chrono::steady_clock::now();
+  std::set<std::string> sent;
+  std::string replication_error;
+  if (replicator) {
+    replicator->Finish();
+    sent = replicator->sent();
+    replication_error = replicator->error();
+    const TierStats& r = replicator->stats();
+    stats_.bytes_sent += r.bytes_sent;
+    stats_.bytes_received += r.bytes_received;
+    stats_.bytes_mapped += r.bytes_mapped;
+    stats_.bytes_sent_while_writing = r.bytes_sent_while_writing;
+  }
+  // What the overlapped rounds did not send (all of it without them), then the commit vote.
   std::vector<Transfer> outgoing;
   for (int partner : partners_) {
-    for (const auto& name : own) outgoing.push_back({partner, name});
+    for (const auto& name : own) {
+      if (replication_error.empty() && !sent.count(name)) outgoing.push_back({partner, name});
+    }
   }
   BusyScope commit(*this);
   try {
     const Pairs pairs{partners_, replica_sources_};
-    TransferFiles(comm, step, outgoing, "tier/replicate", nullptr, &pairs, &commit);
+    TransferFiles(comm, step, outgoing, "tier/replicate", nullptr, &pairs, &commit, nullptr,
+                  replication_error);
   } catch (const Error&) {
     // Not committed anywhere: no node wrote the metadata. Free the step's copies.
     if (leader()) {
@@ -469,6 +533,7 @@ void MemoryTier::Close() {
     pending = std::current_exception();
   }
   if (saver_) saver_->Close();
+  replication_comm_.reset();
   pool_->Clear();  // every rank's mappings, so that freed files' pages go
   std::string error;
   if (options_.free_on_close && leader()) {

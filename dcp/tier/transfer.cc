@@ -307,9 +307,10 @@ std::vector<std::string> SwapHeaders(Communicator& comm, const std::vector<Trans
 void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
                                const std::vector<Transfer>& outgoing, std::string_view what,
                                std::vector<std::string>* received, const Pairs* pairs,
-                               BusyScope* commit) {
-  FileTransfer transfer(*pool_, stats_, StepDirectory(step), root_ + "/" + kRecycleDir,
-                        options_.transfer_chunk_bytes);
+                               BusyScope* commit, TierStats* stats,
+                               const std::string& carried_error) {
+  FileTransfer transfer(*pool_, stats ? *stats : stats_, StepDirectory(step),
+                        root_ + "/" + kRecycleDir, options_.transfer_chunk_bytes);
   std::vector<std::string> headers(comm.size());
   const uint64_t my_rounds = transfer.OpenOutgoing(outgoing, headers);
   transfer.OpenIncoming(SwapHeaders(comm, outgoing, std::move(headers), what, pairs));
@@ -317,7 +318,7 @@ void MemoryTier::TransferFiles(Communicator& comm, int64_t step,
   transfer.MoveRounds(comm, rounds, what);
   transfer.CloseReceived(received);
   transfer.CloseAll();
-  std::string error = transfer.error();
+  std::string error = carried_error.empty() ? transfer.error() : carried_error;
   if (commit) {
     commit->Enter();
     if (error.empty()) error = PreemptionVeto("the save of step " + std::to_string(step));

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU machine (Ubuntu 24.04, GCC 13, CMake 4, pip's torch 2.x with CUDA),
 # in one pass: build what they need, run the gpu/nccl tests, the LibTorch 2.x adapter tests, a
-# 3-rank torchdcp:// save read back by torch 2.x's own DCP loader, dcp-gpu-bench and the training
-# demo's stop/resume check.
+# 3-rank torchdcp:// save read back by torch 2.x's own DCP loader, dcp-gpu-bench, the memory
+# tier's bench with CUDA tensors and the training demo's stop/resume check.
 #   tests/gpu/gpu_machine_check.sh DEBS_DIR LOG_DIR [BENCH_MIB]
 # DEBS_DIR holds Debian 12 .debs of what such a machine lacks (docs/GPU.md lists them); each is
 # unpacked into a private prefix only when the machine has no such library. Every step runs even
@@ -55,7 +55,7 @@ build=/tmp/dcp-gpu-build
 step build cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DDCP_WERROR=OFF -DDCP_BUILD_EXAMPLES=OFF
 step build ninja -C "$build" -k 0 dcp-cli dcp-gpu-bench dcp_gpu_tests dcp_nccl_tests dcp_mpi_tests \
-  dcp_torch_tests dcp-train
+  dcp_torch_tests dcp-train dcp-tier-bench
 echo "warnings in dcp's code under $(gcc --version | head -1):"
 grep -E "^$root/.*warning:" "$logs/build.log" | sort -u | head -40
 echo "($(grep -cE "^$root/.*warning:" "$logs/build.log") warning lines)"
@@ -68,6 +68,10 @@ step torch2_load timeout 180 python3 "$root/tests/gpu/torch2_load_check.py" --dc
   --extra dist4_dtensor=/tmp/dcp-mpi-torchdcp
 step gpu_tests bash -c "cd $build && ctest --output-on-failure --timeout 150 -R '^gpu$'"
 step gpu_bench timeout 200 "$build/tools/dcp-gpu-bench" --size-mib "$bench_mib" --repeats 3
+# The memory tier with CUDA tensors (4 ranks on device 0, as 2 nodes): its save against a copy
+# from the device + an exchange, overlapped and not, and its restores into CUDA tensors.
+step tier_bench_cuda timeout 240 mpirun -np 4 "$build/tools/dcp-tier-bench" --cuda --mib 512 \
+  --ranks-per-node 2 --repeats 3 --disk /tmp/dcp-tier-bench --no-preempt
 step torch_adapter bash -c "cd $build && ctest --output-on-failure --timeout 120 -R '^torch_adapter$'"
 step train_resume bash -c "cd $build && ctest --output-on-failure --timeout 240 -R '^train_resume$'"
 step nccl_tests bash -c "cd $build && ctest --output-on-failure --timeout 120 -R '^nccl_np'"

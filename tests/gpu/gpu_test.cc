@@ -1,13 +1,15 @@
 // The device paths of proto/device/device.h on a real CUDA device: copies with any strides, save
-// and load of CUDA tensors (whole, resharded, through the pinned pipeline), async snapshots, and
-// that dcp leaves the caller's current device alone.
+// and load of CUDA tensors (whole, resharded, through the pinned pipeline), async snapshots,
+// the memory tier with CUDA tensors, and that dcp leaves the caller's current device alone.
 #include <cuda_runtime_api.h>
 
 #include <catch2/catch.hpp>
+#include <filesystem>
 
 #include "dcp/proto/device/device.h"
 #include "support/fake_device.h"
 #include "support/test_support.h"
+#include "support/tier_device_case.h"
 
 using namespace dcp;
 using namespace dcp::testing;
@@ -139,4 +141,12 @@ TEST_CASE("gpu: host memory tagged as device memory is refused by name, not copi
   into.Set("layer.lying", lying);
   CHECK_THAT(MessageOf<CollectiveError>([&] { Load(into, "mem://gpu-lying-ok", comm); }),
              Contains("not device memory"));
+}
+
+TEST_CASE(
+    "gpu: the memory tier saves CUDA tensors in the foreground and the background and restores "
+    "them bit-exact after a node's loss and at another world size",
+    "[gpu][memory-tier]") {
+  TempDir root("gpu-tier");
+  CheckTierWithDeviceTensors(Cuda(), root.path());
 }

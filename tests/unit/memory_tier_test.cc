@@ -27,7 +27,9 @@
 #include "dcp/storage/format/dcp_layout.h"
 #include "dcp/storage/registry.h"
 #include "dcp/storage/store.h"
+#include "support/fake_device.h"
 #include "support/test_support.h"
+#include "support/tier_device_case.h"
 
 using namespace dcp;
 using namespace dcp::testing;
@@ -1808,4 +1810,200 @@ TEST_CASE(
       compressed.Close();
     }));
   }
+}
+
+namespace {
+
+// A rank's state of `tensors` tensors of `rows` x 1024 floats (4 KiB a row), from `step`.
+StateDict ManyTensors(int rank, int tensors, int64_t rows, int64_t step) {
+  StateDict sd;
+  for (int t = 0; t < tensors; ++t) {
+    sd.Set("r" + std::to_string(rank) + "/t" + std::to_string(t),
+           RandomTensor(DType::kFloat32, {rows, 1024}, 100 * step + 10 * rank + t));
+  }
+  return sd;
+}
+
+// Forwards to a communicator (borrowed or owned). Its duplicates are forwarders too, owning
+// the inner one's duplicate; on rank `fail_rank` the `fail_at`-th bulk exchange of a duplicate
+// poisons it and throws (-1: never).
+class ForwardingCommunicator : public Communicator {
+ public:
+  ForwardingCommunicator(Communicator& inner, int fail_rank, int fail_at, bool duplicate = false)
+      : inner_(inner), fail_rank_(fail_rank), fail_at_(fail_at), duplicate_(duplicate) {
+    set_timeout(std::chrono::seconds(5));
+  }
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::vector<std::string> Gather(std::string m, int root, std::string_view what) override {
+    return inner_.Gather(std::move(m), root, what);
+  }
+  std::string Scatter(std::vector<std::string> m, int root, std::string_view what) override {
+    return inner_.Scatter(std::move(m), root, what);
+  }
+  std::string Broadcast(std::string m, int root, std::string_view what) override {
+    return inner_.Broadcast(std::move(m), root, what);
+  }
+  std::vector<std::string> AllGather(std::string m, std::string_view what) override {
+    return inner_.AllGather(std::move(m), what);
+  }
+  void Barrier(std::string_view what) override { inner_.Barrier(what); }
+  std::vector<std::string> AllToAll(std::vector<std::string> m, std::string_view what) override {
+    return inner_.AllToAll(std::move(m), what);
+  }
+  void ExchangeBytes(const std::vector<BulkSend>& sends, const std::vector<BulkReceive>& receives,
+                     std::string_view what) override {
+    if (duplicate_ && rank() == fail_rank_ && ++exchanges_ == fail_at_) {
+      Poison("injected: the replication's transport broke");
+      inner_.Poison("injected: the replication's transport broke");
+      throw IoError("injected: the replication's transport broke on rank " + std::to_string(rank()),
+                    /*retryable=*/false);
+    }
+    inner_.ExchangeBytes(sends, receives, what);
+  }
+  std::unique_ptr<Communicator> Duplicate() override {
+    auto copy = inner_.Duplicate();
+    copy->set_timeout(std::chrono::seconds(5));
+    auto out = std::make_unique<ForwardingCommunicator>(*copy, fail_rank_, fail_at_, true);
+    out->owned_ = std::move(copy);
+    return out;
+  }
+
+ private:
+  Communicator& inner_;
+  std::unique_ptr<Communicator> owned_;
+  const int fail_rank_, fail_at_;
+  const bool duplicate_;
+  int exchanges_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE(
+    "memory tier: a save sends each data file to the partners while writing the next and the "
+    "replicas restore bit-exact",
+    "[memory-tier][option:MemoryTierOptions::overlap_files]") {
+  TempDir root("tier");
+  auto options = Options(root, 2);
+  options.transfer_chunk_bytes = 1 << 20;
+  constexpr int kTensors = 8;
+  constexpr int64_t kRowsEach = 256;  // 1 MiB a tensor
+  std::vector<uint64_t> while_writing(kWorld, 0), sent(kWorld, 0), written(kWorld, 0);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    // A round waits for every rank's next file: on a loaded machine one save may end before a
+    // round starts, so a few saves are made.
+    for (int64_t s = 1; s <= 4; ++s) {
+      StateDict sd = ManyTensors(rank, kTensors, kRowsEach, s);
+      tier.Save(s, sd);
+      while_writing[rank] += tier.last_stats().bytes_sent_while_writing;
+      sent[rank] = tier.last_stats().bytes_sent;
+      written[rank] = tier.last_stats().bytes_written;
+    }
+    comm.Barrier("saved");
+    if (rank == 0) fs::remove_all(NodeDir(root, 1));  // node 1 lost: its files come back
+    comm.Barrier("lost");
+    StateDict back = ManyTensors(rank, kTensors, kRowsEach, 0);
+    Expect(tier.Restore(back) == 4, "step 4 restored");
+    StateDict want = ManyTensors(rank, kTensors, kRowsEach, 4);
+    for (int t = 0; t < kTensors; ++t) {
+      const std::string name = "r" + std::to_string(rank) + "/t" + std::to_string(t);
+      Expect(SameElements(std::get<TensorView>(*want.Find(name)),
+                          std::get<TensorView>(*back.Find(name))),
+             name + " is bit-exact");
+    }
+  }));
+  uint64_t overlapped = 0;
+  for (int r = 0; r < kWorld; ++r) {
+    INFO("rank " << r);
+    CHECK(sent[r] == written[r]);  // one replica of every file, sent once
+    overlapped += while_writing[r];
+  }
+  CHECK(overlapped > 0);
+  // Each rank's data went as overlap_files files, on both nodes.
+  size_t data_files = 0;
+  for (const auto& f : FilesIn(NodeDir(root, 0) + "/step-0000000004")) {
+    data_files += IsDataObjectName(f) ? 1 : 0;
+  }
+  CHECK(data_files == kWorld * 4);
+  CHECK(FilesIn(NodeDir(root, 0) + "/step-0000000004") ==
+        FilesIn(NodeDir(root, 1) + "/step-0000000004"));
+}
+
+TEST_CASE("memory tier: with overlap_files 0 the replicas are sent after the write",
+          "[memory-tier][option:MemoryTierOptions::overlap_files]") {
+  TempDir root("tier");
+  auto options = Options(root, 2);
+  options.overlap_files = 0;
+  std::vector<TierStats> stats(kWorld);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    MemoryTier tier(comm, options);
+    StateDict sd = ManyTensors(rank, 8, 64, 1);
+    tier.Save(1, sd);
+    stats[rank] = tier.last_stats();
+  }));
+  size_t data_files = 0;
+  for (const auto& f : FilesIn(NodeDir(root, 0) + "/step-0000000001")) {
+    data_files += IsDataObjectName(f) ? 1 : 0;
+  }
+  CHECK(data_files == kWorld);  // files_per_rank's one file per rank
+  for (int r = 0; r < kWorld; ++r) {
+    INFO("rank " << r);
+    CHECK(stats[r].bytes_sent_while_writing == 0);
+    CHECK(stats[r].bytes_sent == stats[r].bytes_written);
+  }
+}
+
+TEST_CASE(
+    "memory tier: a replication that fails while the save writes fails the save on every rank "
+    "and the next save replicates after its write",
+    "[memory-tier][option:MemoryTierOptions::overlap_files]") {
+  TempDir root("tier");
+  auto options = Options(root, 2);
+  std::vector<std::string> errors(kWorld);
+  std::vector<TierStats> stats(kWorld);
+  RequireNoErrors(RunRanks(kWorld, [&](int rank, Communicator& comm) {
+    ForwardingCommunicator failing(comm, /*fail_rank=*/1, /*fail_at=*/2);
+    MemoryTier tier(failing, options);
+    StateDict one = ManyTensors(rank, 8, 64, 1);
+    try {
+      tier.Save(1, one);
+    } catch (const CollectiveError& e) {
+      errors[rank] = e.what();
+    }
+    StateDict two = ManyTensors(rank, 8, 64, 2);
+    tier.Save(2, two);
+    stats[rank] = tier.last_stats();
+    Expect(tier.CompleteSteps() == std::vector<int64_t>{2}, "only step 2 is in the tier");
+    StateDict back = ManyTensors(rank, 8, 64, 0);
+    Expect(tier.Restore(back) == 2, "step 2 restores");
+    StateDict want = ManyTensors(rank, 8, 64, 2);
+    for (int t = 0; t < 8; ++t) {
+      const std::string name = "r" + std::to_string(rank) + "/t" + std::to_string(t);
+      Expect(SameElements(std::get<TensorView>(*want.Find(name)),
+                          std::get<TensorView>(*back.Find(name))),
+             name + " is bit-exact");
+    }
+  }));
+  for (int r = 0; r < kWorld; ++r) {
+    INFO("rank " << r << ": " << errors[r]);
+    CHECK_THAT(errors[r], Contains("tier/replicate") && Contains("rank 1"));
+    CHECK(stats[r].bytes_sent_while_writing == 0);
+    CHECK(stats[r].bytes_sent == stats[r].bytes_written);
+  }
+  // Step 1 was committed nowhere; its directories are gone.
+  CHECK(!fs::exists(NodeDir(root, 0) + "/step-0000000001"));
+  CHECK(!fs::exists(NodeDir(root, 1) + "/step-0000000001"));
+}
+
+TEST_CASE(
+    "memory tier: device tensors are saved in the foreground and the background and restored "
+    "bit-exact after a node's loss and at another world size",
+    "[memory-tier][device]") {
+  ScopedFakeDevice device;
+  TempDir root("tier");
+  CheckTierWithDeviceTensors(device.get(), root.path());
+  // The tier's files came from the device and went back into it.
+  CHECK(device->d2h_bytes_ >= 2 * 64 * (1 << 16) * 4);
+  CHECK(device->h2d_bytes_ >= 2 * 64 * (1 << 16) * 4);
 }
