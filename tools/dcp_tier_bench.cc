@@ -242,6 +242,7 @@ int main(int argc, char** argv) {
     to.free_on_close = true;
     to.overlap_files = overlap_files;
     std::unique_ptr<MemoryTier> tier, serial;
+    SaveOptions serial_options;
     try {
       tier = std::make_unique<MemoryTier>(
           comm, to, no_async ? nullptr : std::make_unique<MpiCommunicator>(MPI_COMM_WORLD));
@@ -251,6 +252,10 @@ int main(int argc, char** argv) {
         after.overlap_files = 0;
         serial = std::make_unique<MemoryTier>(comm, after);
       }
+      // The same files as the overlapped save writes (one writer, overlap_files files): the two
+      // differ only in when the replicas go.
+      serial_options.storage.files_per_rank = overlap_files;
+      serial_options.storage.memory_budget_bytes = kWriterStagingBytes;
     } catch (const std::exception& e) {
       if (rank == 0) std::fprintf(stderr, "dcp-tier-bench: %s\n", e.what());
       return 2;
@@ -281,7 +286,7 @@ int main(int argc, char** argv) {
     int64_t serial_step = 0;
     for (int warmup = 0; warmup < 2; ++warmup) {
       tier->Save(++step, state.sd);
-      if (serial) serial->Save(++serial_step, state.sd);
+      if (serial) serial->Save(++serial_step, state.sd, serial_options);
     }
     for (int rep = -1; rep < repeats; ++rep) {
       // memcpy into warm buffers.
@@ -302,7 +307,7 @@ int main(int argc, char** argv) {
         if (!serial) return;
         MPI_Barrier(MPI_COMM_WORLD);
         const auto start = Clock::now();
-        serial->Save(++serial_step, state.sd);
+        serial->Save(++serial_step, state.sd, serial_options);
         serial_s = MaxOverRanks(Since(start));
       };
       if (rep % 2 != 0) save_serially();
