@@ -692,10 +692,16 @@ TEST_CASE("memory tier: freed steps' files are written over by the next steps, t
   CHECK(!FilesIn(NodeDir(root, 0) + "/recycle").empty());
 }
 
-// Forwards to `inner`, counting the AllToAlls the memory tier asks for.
-class CountingCommunicator : public Communicator {
+// Forwards to a communicator (borrowed or owned). Its duplicates are forwarders too, owning
+// the inner one's duplicate; on rank `fail_rank` the `fail_at`-th bulk exchange of a duplicate
+// poisons it and throws (-1: never).
+class ForwardingCommunicator : public Communicator {
  public:
-  explicit CountingCommunicator(Communicator& inner) : inner_(inner) {}
+  explicit ForwardingCommunicator(Communicator& inner, int fail_rank = -1, int fail_at = -1,
+                                  bool duplicate = false)
+      : inner_(inner), fail_rank_(fail_rank), fail_at_(fail_at), duplicate_(duplicate) {
+    set_timeout(std::chrono::seconds(5));
+  }
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   std::vector<std::string> Gather(std::string m, int root, std::string_view what) override {
@@ -712,17 +718,43 @@ class CountingCommunicator : public Communicator {
   }
   void Barrier(std::string_view what) override { inner_.Barrier(what); }
   std::vector<std::string> AllToAll(std::vector<std::string> m, std::string_view what) override {
-    if (what.substr(0, 5) == "tier/") ++tier_all_to_alls;
     return inner_.AllToAll(std::move(m), what);
   }
   void ExchangeBytes(const std::vector<BulkSend>& sends, const std::vector<BulkReceive>& receives,
                      std::string_view what) override {
+    if (duplicate_ && rank() == fail_rank_ && ++exchanges_ == fail_at_) {
+      Poison("injected: the replication's transport broke");
+      inner_.Poison("injected: the replication's transport broke");
+      throw IoError("injected: the replication's transport broke on rank " + std::to_string(rank()),
+                    /*retryable=*/false);
+    }
     inner_.ExchangeBytes(sends, receives, what);
   }
-  int tier_all_to_alls = 0;
+  std::unique_ptr<Communicator> Duplicate() override {
+    auto copy = inner_.Duplicate();
+    copy->set_timeout(std::chrono::seconds(5));
+    auto out = std::make_unique<ForwardingCommunicator>(*copy, fail_rank_, fail_at_, true);
+    out->owned_ = std::move(copy);
+    return out;
+  }
 
  private:
   Communicator& inner_;
+  std::unique_ptr<Communicator> owned_;
+  const int fail_rank_, fail_at_;
+  const bool duplicate_;
+  int exchanges_ = 0;
+};
+
+// Counts the AllToAlls the memory tier asks for.
+class CountingCommunicator : public ForwardingCommunicator {
+ public:
+  explicit CountingCommunicator(Communicator& inner) : ForwardingCommunicator(inner) {}
+  std::vector<std::string> AllToAll(std::vector<std::string> m, std::string_view what) override {
+    if (what.substr(0, 5) == "tier/") ++tier_all_to_alls;
+    return ForwardingCommunicator::AllToAll(std::move(m), what);
+  }
+  int tier_all_to_alls = 0;
 };
 
 TEST_CASE(
@@ -1823,59 +1855,6 @@ StateDict ManyTensors(int rank, int tensors, int64_t rows, int64_t step) {
   }
   return sd;
 }
-
-// Forwards to a communicator (borrowed or owned). Its duplicates are forwarders too, owning
-// the inner one's duplicate; on rank `fail_rank` the `fail_at`-th bulk exchange of a duplicate
-// poisons it and throws (-1: never).
-class ForwardingCommunicator : public Communicator {
- public:
-  ForwardingCommunicator(Communicator& inner, int fail_rank, int fail_at, bool duplicate = false)
-      : inner_(inner), fail_rank_(fail_rank), fail_at_(fail_at), duplicate_(duplicate) {
-    set_timeout(std::chrono::seconds(5));
-  }
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  std::vector<std::string> Gather(std::string m, int root, std::string_view what) override {
-    return inner_.Gather(std::move(m), root, what);
-  }
-  std::string Scatter(std::vector<std::string> m, int root, std::string_view what) override {
-    return inner_.Scatter(std::move(m), root, what);
-  }
-  std::string Broadcast(std::string m, int root, std::string_view what) override {
-    return inner_.Broadcast(std::move(m), root, what);
-  }
-  std::vector<std::string> AllGather(std::string m, std::string_view what) override {
-    return inner_.AllGather(std::move(m), what);
-  }
-  void Barrier(std::string_view what) override { inner_.Barrier(what); }
-  std::vector<std::string> AllToAll(std::vector<std::string> m, std::string_view what) override {
-    return inner_.AllToAll(std::move(m), what);
-  }
-  void ExchangeBytes(const std::vector<BulkSend>& sends, const std::vector<BulkReceive>& receives,
-                     std::string_view what) override {
-    if (duplicate_ && rank() == fail_rank_ && ++exchanges_ == fail_at_) {
-      Poison("injected: the replication's transport broke");
-      inner_.Poison("injected: the replication's transport broke");
-      throw IoError("injected: the replication's transport broke on rank " + std::to_string(rank()),
-                    /*retryable=*/false);
-    }
-    inner_.ExchangeBytes(sends, receives, what);
-  }
-  std::unique_ptr<Communicator> Duplicate() override {
-    auto copy = inner_.Duplicate();
-    copy->set_timeout(std::chrono::seconds(5));
-    auto out = std::make_unique<ForwardingCommunicator>(*copy, fail_rank_, fail_at_, true);
-    out->owned_ = std::move(copy);
-    return out;
-  }
-
- private:
-  Communicator& inner_;
-  std::unique_ptr<Communicator> owned_;
-  const int fail_rank_, fail_at_;
-  const bool duplicate_;
-  int exchanges_ = 0;
-};
 
 }  // namespace
 
